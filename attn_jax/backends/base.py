@@ -1,0 +1,227 @@
+"""The backend interface: AttentionBackend, AttentionImpl, AttentionMetadataBuilder.
+
+Mirrors vLLM's ``AttentionBackend`` / ``AttentionImpl`` / ``AttentionMetadataBuilder``.
+A backend declares what it supports as class attributes; ``validate_configuration``
+turns them into a list of human-readable reasons it cannot serve a request (empty when
+it can), which the selector shows to the user.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+import numpy as np
+
+from attn_jax.types import (
+    ACTIVATION_DTYPES,
+    CACHE_DTYPES,
+    AttentionType,
+    cache_storage_dtype,
+    validate_cache_dtype,
+)
+
+if TYPE_CHECKING:
+    from attn_jax.metadata import CommonAttentionMetadata
+    from attn_jax.platforms import Platform
+
+M = TypeVar("M")
+
+
+class AttentionBackend(abc.ABC):
+    """Abstract attention backend: a bundle of impl, metadata and builder classes."""
+
+    accept_output_buffer: ClassVar[bool] = False
+    supports_quant_query_input: ClassVar[bool] = False
+
+    supported_dtypes: ClassVar[tuple[np.dtype, ...]] = ACTIVATION_DTYPES
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = CACHE_DTYPES
+    supports_sink: ClassVar[bool] = False
+    supports_mla: ClassVar[bool] = False
+    supports_sparse: ClassVar[bool] = False
+    supported_attn_types: ClassVar[tuple[AttentionType, ...]] = tuple(AttentionType)
+
+    @staticmethod
+    @abc.abstractmethod
+    def get_name() -> str:
+        """The backend's registry name, e.g. "XLA"."""
+
+    @staticmethod
+    @abc.abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]: ...
+
+    @staticmethod
+    @abc.abstractmethod
+    def get_metadata_cls() -> type: ...
+
+    @staticmethod
+    @abc.abstractmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]: ...
+
+    @staticmethod
+    @abc.abstractmethod
+    def get_kv_cache_shape(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        cache_dtype_str: str = "auto",
+    ) -> tuple[int, ...]:
+        """Logical shape of one layer's KV cache."""
+
+    @staticmethod
+    def get_kv_cache_stride_order() -> tuple[int, ...]:
+        """Permutation from the logical cache shape to the stored one (identity here)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def get_required_kv_cache_layout() -> str | None:
+        """ "NHD" or "HND" if the backend needs that layout, None if it takes either."""
+        return None
+
+    @classmethod
+    def full_cls_name(cls) -> tuple[str, str]:
+        return (cls.__module__, cls.__qualname__)
+
+    @classmethod
+    def make_metadata(cls, *args, **kwargs):
+        return cls.get_metadata_cls()(*args, **kwargs)
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> tuple[int, ...] | None:
+        """Head sizes the backend supports; None means any positive size."""
+        return None
+
+    @classmethod
+    def get_supported_block_sizes(cls) -> tuple[int, ...] | None:
+        """Block (page) sizes the backend supports; None means any positive size."""
+        return None
+
+    @classmethod
+    def unavailable_reason(cls, platform: Platform) -> str | None:
+        """Why the backend cannot run on ``platform`` at all, or None if it can."""
+        return None
+
+    @classmethod
+    def validate_configuration(
+        cls,
+        head_size: int,
+        dtype,
+        kv_cache_dtype: str,
+        block_size: int,
+        use_mla: bool = False,
+        has_sink: bool = False,
+        use_sparse: bool = False,
+        attn_type: str = AttentionType.DECODER,
+        platform: Platform | None = None,
+    ) -> list[str]:
+        """Every reason this backend cannot serve the configuration; [] if it can."""
+        reasons: list[str] = []
+        if platform is not None and (why := cls.unavailable_reason(platform)) is not None:
+            reasons.append(why)
+        head_sizes = cls.get_supported_head_sizes()
+        if head_sizes is not None and head_size not in head_sizes:
+            reasons.append(f"head_size={head_size} is not supported; supported: {list(head_sizes)}")
+        block_sizes = cls.get_supported_block_sizes()
+        if block_sizes is not None and block_size not in block_sizes:
+            reasons.append(f"block_size={block_size} is not supported; supported: {list(block_sizes)}")
+        if np.dtype(dtype) not in cls.supported_dtypes:
+            valid = [str(d) for d in cls.supported_dtypes]
+            reasons.append(f"dtype={np.dtype(dtype)} is not supported; supported: {valid}")
+        if kv_cache_dtype not in cls.supported_kv_cache_dtypes:
+            reasons.append(
+                f"kv_cache_dtype={kv_cache_dtype!r} is not supported; "
+                f"supported: {list(cls.supported_kv_cache_dtypes)}"
+            )
+        if use_mla and not cls.supports_mla:
+            reasons.append("MLA is not supported")
+        if has_sink and not cls.supports_sink:
+            reasons.append("attention sinks are not supported")
+        if use_sparse and not cls.supports_sparse:
+            reasons.append("sparse attention is not supported")
+        if attn_type not in cls.supported_attn_types:
+            valid = [t.value for t in cls.supported_attn_types]
+            reasons.append(f"attn_type={str(attn_type)!r} is not supported; supported: {valid}")
+        return reasons
+
+    @classmethod
+    def kv_cache_dtype_for(cls, cache_dtype_str: str, model_dtype) -> np.dtype:
+        """The dtype of the array ``init``-ed for this backend's cache."""
+        return cache_storage_dtype(validate_cache_dtype(cache_dtype_str), model_dtype)
+
+
+class AttentionImpl(abc.ABC, Generic[M]):
+    """Per-layer attention computation; holds the layer's static hyperparameters."""
+
+    @abc.abstractmethod
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: Any = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: Any = None,
+    ) -> None: ...
+
+    @abc.abstractmethod
+    def forward(self, query, key, value, kv_cache, attn_metadata: M, k_scale=None, v_scale=None):
+        """Writes new k/v into the cache and attends. Returns (output, kv_cache).
+
+        query f[T, Hq, D]; key, value f[T, Hkv, D] (None for KV-sharing layers);
+        output has query's dtype and shape.
+        """
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """What a metadata builder needs to know about the layers it serves."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: Any
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+
+
+class AttentionMetadataBuilder(abc.ABC, Generic[M]):
+    """Turns the per-batch ``CommonAttentionMetadata`` into a backend's metadata."""
+
+    def __init__(self, kv_cache_spec: AttentionSpec) -> None:
+        self.kv_cache_spec = kv_cache_spec
+
+    @abc.abstractmethod
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> M:
+        """Central method that builds attention metadata for one batch."""
+
+    def build_for_jit(self, common_attn_metadata: CommonAttentionMetadata) -> M:
+        """Metadata with static shapes for tracing a jitted step (vLLM's CUDA-graph capture)."""
+        return self.build(common_prefix_len=0, common_attn_metadata=common_attn_metadata)
+
+    def use_cascade_attention(
+        self,
+        common_prefix_len: int,
+        query_lens: np.ndarray,
+        num_query_heads: int,
+        num_kv_heads: int,
+        use_alibi: bool,
+        use_sliding_window: bool,
+        num_sms: int,
+    ) -> bool:
+        return False
+
+    def reorder_batch(self, input_batch, scheduler_output) -> bool:
+        """Reorders the batch if the backend wants to; returns whether it did."""
+        return False

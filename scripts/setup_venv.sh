@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Creates (or reuses) .venv with a Python >= 3.12 and installs attn-stack into it
+# with the pinned versions in requirements/constraints.txt.
+#   scripts/setup_venv.sh          runtime dependencies only
+#   scripts/setup_venv.sh test     plus the test dependencies (torch included)
+# A stamp file records what was installed, so a second run installs nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extra="${1:-}"
+venv=".venv"
+if [ ! -x "$venv/bin/python" ]; then
+  py=$(scripts/find_python.sh)
+  echo "attn-stack: creating $venv with $py" >&2
+  "$py" -m venv "$venv"
+fi
+spec="."
+[ -n "$extra" ] && spec=".[$extra]"
+stamp="$venv/.installed-${extra:-base}"
+want=$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "attn-stack: installing $spec into $venv (pinned by requirements/constraints.txt)" >&2
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >&2
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+    -c requirements/constraints.txt -e "$spec" >&2
+  echo "$want" > "$stamp"
+fi
