@@ -1,0 +1,182 @@
+"""The XLA backend: the pure-jnp reference op; every feature, every platform."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_jax.backends.base import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
+from attn_jax.metadata import CommonAttentionMetadata, make_local_attention_virtual_batches
+from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
+from attn_jax.ops.ragged_paged_attention.validate import is_concrete
+from attn_jax.types import AttentionType, validate_cache_dtype
+
+Array = Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class XLAAttentionMetadata:
+    """What the XLA impl needs for one batch; every field is a pytree leaf.
+
+    For chunked local attention, query_start_loc / seq_lens / block_tables describe the
+    virtual batches (one per request and attention chunk) while slot_mapping stays the
+    real one, since writes go to the real cache slots.
+    """
+
+    query_start_loc: Array  # i32[R + 1]
+    seq_lens: Array  # i32[R]
+    block_tables: Array  # i32[R, pages_per_req]
+    slot_mapping: Array  # i32[T]
+
+
+class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
+    """Builds ``XLAAttentionMetadata``; traceable unless the layer uses chunked attention.
+
+    Chunked local attention splits requests into virtual batches on the host (NumPy), so
+    its ``build`` needs concrete metadata and runs before ``jit``. The number of virtual
+    batches is padded to the static bound ``2 * num_reqs + num_tokens // chunk`` so a
+    jitted step sees one shape per bucket.
+    """
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        md = common_attn_metadata
+        chunk = self.kv_cache_spec.attention_chunk_size
+        if chunk is None:
+            return XLAAttentionMetadata(
+                query_start_loc=md.query_start_loc,
+                seq_lens=md.seq_lens,
+                block_tables=md.block_table_tensor,
+                slot_mapping=md.slot_mapping,
+            )
+        return self._build_local(md, chunk)
+
+    def _build_local(self, md: CommonAttentionMetadata, chunk: int) -> XLAAttentionMetadata:
+        host = (md.query_start_loc_cpu, md.seq_lens_cpu, md.block_table_tensor)
+        if not is_concrete(*host):
+            raise ValueError(
+                f"attention_chunk_size={chunk}: chunked local attention builds virtual batches "
+                "on the host; call the backend's builder outside jax.jit and pass the "
+                "resulting XLAAttentionMetadata into the jitted step"
+            )
+        block_size = self.kv_cache_spec.block_size
+        seqlens_q, cu_seqlens_q, seqlens_k, table = make_local_attention_virtual_batches(
+            chunk, np.asarray(md.query_start_loc_cpu), np.asarray(md.seq_lens_cpu),
+            np.asarray(md.block_table_tensor), block_size,
+        )  # fmt: skip
+        num_reqs, num_tokens = len(md.seq_lens_cpu), md.num_tokens
+        padded = 2 * num_reqs + num_tokens // chunk
+        num_virtual = len(seqlens_q)
+        if num_virtual > padded:  # cannot happen for valid metadata; guards the bound above
+            raise ValueError(f"{num_virtual=} virtual batches exceed the static bound {padded}")
+        pad = padded - num_virtual
+        cu = np.concatenate([cu_seqlens_q, np.full(pad, cu_seqlens_q[-1], np.int32)])
+        lens_k = np.concatenate([seqlens_k, np.zeros(pad, np.int32)]).astype(np.int32)
+        table = np.concatenate([np.asarray(table), np.zeros((pad, table.shape[1]), np.int32)])
+        return XLAAttentionMetadata(
+            query_start_loc=jnp.asarray(cu, jnp.int32),
+            seq_lens=jnp.asarray(lens_k),
+            block_tables=jnp.asarray(table, jnp.int32),
+            slot_mapping=md.slot_mapping,
+        )
+
+
+class XLAAttentionImpl(AttentionImpl[XLAAttentionMetadata]):
+    """Calls the reference ``ragged_paged_attention`` with the layer's hyperparameters."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes=None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks=None,
+    ) -> None:
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.alibi_slopes = _per_head("alibi_slopes", alibi_slopes, num_heads)
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = validate_cache_dtype(kv_cache_dtype)
+        self.logits_soft_cap = logits_soft_cap
+        self.attn_type = AttentionType.parse(attn_type)
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sinks = _per_head("sinks", sinks, num_heads)
+
+    def forward(self, query, key, value, kv_cache, attn_metadata, k_scale=None, v_scale=None):
+        if self.kv_sharing_target_layer_name is not None:
+            key = value = None  # the target layer has written this cache already
+        md = attn_metadata
+        return ragged_paged_attention(
+            query, key, value, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables,
+            md.slot_mapping, sm_scale=self.scale, causal=self.attn_type.is_causal,
+            sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
+            alibi_slopes=self.alibi_slopes, sinks=self.sinks, k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+
+
+def _per_head(name: str, values, num_heads: int):
+    """f32[num_heads] from a per-head sequence or array; None stays None."""
+    if values is None:
+        return None
+    arr = jnp.asarray(values, jnp.float32)
+    if arr.shape != (num_heads,):
+        raise ValueError(f"{name} has shape {tuple(arr.shape)}; expected one value per query head: ({num_heads},)")
+    return arr
+
+
+class XLAAttentionBackend(AttentionBackend):
+    """Pure jnp ragged paged attention; every feature, every platform; not the fastest."""
+
+    supports_sink = True
+
+    @staticmethod
+    def get_name() -> str:
+        return "XLA"
+
+    @staticmethod
+    def get_impl_cls() -> type[XLAAttentionImpl]:
+        return XLAAttentionImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[XLAAttentionMetadata]:
+        return XLAAttentionMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[XLAMetadataBuilder]:
+        return XLAMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        for name, value in (
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_size", head_size),
+        ):
+            if not (isinstance(value, (int, np.integer)) and value > 0):
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        validate_cache_dtype(cache_dtype_str)
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order() -> tuple[int, ...]:
+        return (0, 1, 2, 3, 4)
+
+    @staticmethod
+    def get_required_kv_cache_layout() -> str | None:
+        return "NHD"

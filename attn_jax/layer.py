@@ -1,0 +1,225 @@
+"""The Attention layer for JAX models: vLLM's constructor, a functional call.
+
+The layer holds static hyperparameters only. The KV cache and the batch metadata are
+passed in and the updated cache is returned, so a model step can be jitted with the
+cache donated::
+
+    layer = Attention(num_heads=8, head_size=64, scale=64**-0.5, num_kv_heads=2)
+    kv_cache = layer.init_kv_cache(num_blocks=128)
+    step = jax.jit(layer.__call__, donate_argnums=3)
+    out, kv_cache = step(q, k, v, kv_cache, common_attn_metadata)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_jax.backends.base import AttentionBackend, AttentionSpec
+from attn_jax.kv_cache import allocate_kv_cache, calc_kv_scales
+from attn_jax.metadata import CommonAttentionMetadata
+from attn_jax.ops.ragged_paged_attention.validate import is_concrete
+from attn_jax.selector import get_attn_backend
+from attn_jax.types import AttentionType, is_quantized_kv_cache, validate_cache_dtype
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Model-wide cache settings (the subset of vLLM's CacheConfig attention reads)."""
+
+    block_size: int = 16
+    cache_dtype: str = "auto"
+    sliding_window: int | None = None
+    calculate_kv_scales: bool = False
+
+
+class Attention:
+    """Attention layer: writes new k/v to the paged cache and attends (MHA/GQA/MQA).
+
+    Arguments follow vLLM's ``Attention``; ``dtype`` is the activation dtype used for
+    backend selection (default: JAX's default float). The backend is chosen by
+    ``get_attn_backend`` unless ``attn_backend`` is given.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes=None,
+        cache_config: CacheConfig | None = None,
+        logits_soft_cap: float | None = None,
+        per_layer_sliding_window: int | None = None,
+        use_mla: bool = False,
+        use_sparse: bool = False,
+        prefix: str = "",
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        attn_backend: type[AttentionBackend] | None = None,
+        *,
+        block_size: int = 16,
+        kv_cache_dtype: str = "auto",
+        sinks=None,
+        dtype=None,
+        attention_chunk_size: int | None = None,
+    ) -> None:
+        if use_mla:
+            raise NotImplementedError("use_mla=True: no attn-stack backend implements MLA yet")
+        if use_sparse:
+            raise NotImplementedError("use_sparse=True: no attn-stack backend implements sparse attention yet")
+        for name, value in (("num_heads", num_heads), ("head_size", head_size)):
+            if not (isinstance(value, int) and value > 0):
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if not (isinstance(num_kv_heads, int) and num_kv_heads > 0) or num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads!r}")
+        if kv_sharing_target_layer_name is not None and kv_sharing_target_layer_name == prefix:
+            raise ValueError(f"kv_sharing_target_layer_name={prefix!r} names this layer itself")
+
+        calculate_kv_scales = False
+        sliding_window = None
+        if cache_config is not None:
+            block_size = cache_config.block_size
+            kv_cache_dtype = cache_config.cache_dtype
+            sliding_window = cache_config.sliding_window
+            calculate_kv_scales = cache_config.calculate_kv_scales
+        if per_layer_sliding_window is not None:
+            sliding_window = per_layer_sliding_window
+        validate_cache_dtype(kv_cache_dtype)
+        if attention_chunk_size is not None and (attention_chunk_size <= 0 or attention_chunk_size % block_size):
+            raise ValueError(
+                f"attention_chunk_size={attention_chunk_size} must be a positive multiple of block_size={block_size}"
+            )
+
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = float(scale)
+        self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype
+        self.sliding_window = sliding_window
+        self.attention_chunk_size = attention_chunk_size
+        self.calculate_kv_scales = calculate_kv_scales
+        self.layer_name = prefix
+        self.attn_type = AttentionType.parse(attn_type)
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.use_mla = use_mla
+        self.use_sparse = use_sparse
+        self.has_sink = sinks is not None
+        self.has_alibi = alibi_slopes is not None
+        self.logits_soft_cap = logits_soft_cap
+        self.dtype = np.dtype(jnp.zeros(()).dtype if dtype is None else dtype)
+        # vLLM's defaults: 1.0, overwritten by calc_kv_scales or a checkpoint's scales.
+        self.k_scale = jnp.float32(1.0)
+        self.v_scale = jnp.float32(1.0)
+
+        if attn_backend is None:
+            attn_backend = get_attn_backend(
+                head_size, self.dtype, kv_cache_dtype, block_size, use_mla=use_mla,
+                has_sink=self.has_sink, use_sparse=use_sparse, attn_type=self.attn_type,
+            )  # fmt: skip
+        else:
+            reasons = attn_backend.validate_configuration(
+                head_size, self.dtype, kv_cache_dtype, block_size, use_mla=use_mla,
+                has_sink=self.has_sink, use_sparse=use_sparse, attn_type=self.attn_type,
+            )  # fmt: skip
+            if reasons:
+                raise ValueError(f"attn_backend={attn_backend.get_name()} cannot serve this layer: " + "; ".join(reasons))
+        self.attn_backend = attn_backend
+        self.impl = attn_backend.get_impl_cls()(
+            num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+            kv_cache_dtype, logits_soft_cap, self.attn_type, kv_sharing_target_layer_name,
+            sinks=sinks,
+        )  # fmt: skip
+        self.kv_cache_spec = AttentionSpec(
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            dtype=self.dtype,
+            sliding_window=sliding_window,
+            attention_chunk_size=attention_chunk_size,
+        )
+        self.metadata_builder = attn_backend.get_builder_cls()(self.kv_cache_spec)
+
+    def init_kv_cache(self, num_blocks: int, fill: float = 0.0) -> jax.Array:
+        """A zero-filled cache of the backend's shape and dtype for ``num_blocks`` pages."""
+        return allocate_kv_cache(
+            self.attn_backend, num_blocks, self.block_size, self.num_kv_heads, self.head_size,
+            self.kv_cache_dtype, self.dtype, fill=fill,
+        )  # fmt: skip
+
+    def calc_kv_scales(self, query, key, value) -> None:
+        """Sets k/v scales from the abs max of concrete inputs (once, like vLLM)."""
+        _, self.k_scale, self.v_scale = calc_kv_scales(query, key, value)
+        self.calculate_kv_scales = False
+
+    def __call__(self, query, key, value, kv_cache, attn_metadata):
+        """query [T, Hq*D] or [T, Hq, D]; key, value [T, Hkv*D] or [T, Hkv, D] (None when
+        sharing another layer's KV); kv_cache of the backend's shape; attn_metadata a
+        ``CommonAttentionMetadata`` or the backend's own metadata.
+
+        Returns (output [T, Hq*D] in query's dtype, updated kv_cache).
+        """
+        if self.calculate_kv_scales and is_quantized_kv_cache(self.kv_cache_dtype):
+            if not is_concrete(query, key, value):
+                raise ValueError(
+                    "calculate_kv_scales=True: the scales come from the first batch's values; "
+                    "call layer.calc_kv_scales(query, key, value) once outside jax.jit"
+                )
+            self.calc_kv_scales(query, key, value)
+        num_tokens = query.shape[0]
+        q = self._heads("query", query, self.num_heads)
+        k = None if key is None else self._heads("key", key, self.num_kv_heads)
+        v = None if value is None else self._heads("value", value, self.num_kv_heads)
+        if isinstance(attn_metadata, CommonAttentionMetadata):
+            attn_metadata = self.metadata_builder.build(0, attn_metadata)
+        out, kv_cache = self.impl.forward(
+            q, k, v, kv_cache, attn_metadata, k_scale=self.k_scale, v_scale=self.v_scale
+        )
+        return out.reshape(num_tokens, self.num_heads * self.head_size), kv_cache
+
+    def _heads(self, name: str, x, num_heads: int):
+        """[T, H*D] or [T, H, D] -> [T, H, D], with an error naming the expected shapes."""
+        if x.ndim == 3 and x.shape[1:] == (num_heads, self.head_size):
+            return x
+        if x.ndim == 2 and x.shape[1] == num_heads * self.head_size:
+            return x.reshape(x.shape[0], num_heads, self.head_size)
+        raise ValueError(
+            f"{name}.shape={tuple(x.shape)} must be [T, {num_heads * self.head_size}] or "
+            f"[T, {num_heads}, {self.head_size}] (num_heads={num_heads}, head_size={self.head_size})"
+        )
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return self.attn_backend
+
+    def __repr__(self) -> str:
+        fields = [
+            f"prefix={self.layer_name!r}",
+            f"num_heads={self.num_heads}",
+            f"num_kv_heads={self.num_kv_heads}",
+            f"head_size={self.head_size}",
+            f"scale={self.scale:.6g}",
+            f"attn_type={self.attn_type.value!r}",
+            f"backend={self.attn_backend.get_name()}",
+            f"kv_cache_dtype={self.kv_cache_dtype!r}",
+            f"block_size={self.block_size}",
+        ]
+        optional = {
+            "sliding_window": self.sliding_window,
+            "logits_soft_cap": self.logits_soft_cap,
+            "attention_chunk_size": self.attention_chunk_size,
+            "kv_sharing_target_layer_name": self.kv_sharing_target_layer_name,
+        }
+        fields += [f"{k}={v!r}" for k, v in optional.items() if v is not None]
+        if self.has_alibi:
+            fields.append("alibi=True")
+        if self.has_sink:
+            fields.append("sinks=True")
+        return f"Attention({', '.join(fields)})"

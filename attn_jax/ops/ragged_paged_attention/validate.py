@@ -1,0 +1,149 @@
+"""Input checks for ragged paged attention, shared by the reference and the kernels.
+
+``static_validate_inputs`` looks only at shapes, dtypes and static options, so it runs
+at trace time. ``dynamic_validate_inputs`` looks at concrete index values (lengths,
+block ids, slot ids); callers run it only when the arrays are concrete (not inside
+``jit``), see ``is_concrete``.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from attn_jax.types import ACTIVATION_DTYPES
+
+_KV_CACHE_DTYPES = (*ACTIVATION_DTYPES, np.dtype("float8_e4m3fn"), np.dtype("float8_e5m2"))
+_INDEX_DTYPES = (np.dtype(np.int32),)
+
+
+def is_concrete(*arrays) -> bool:
+    """True when no argument is a tracer, i.e. its values can be inspected on the host."""
+    return not any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+def _check_dtype(name: str, x, allowed: tuple[np.dtype, ...]) -> None:
+    if np.dtype(x.dtype) not in allowed:
+        valid = ", ".join(str(d) for d in allowed)
+        raise TypeError(f"{name}.dtype={np.dtype(x.dtype)} is not supported. Valid dtypes are: {valid}")
+
+
+def _check_shape(name: str, x, expected: tuple[int, ...], meaning: str) -> None:
+    if tuple(x.shape) != expected:
+        raise ValueError(f"{name}.shape={tuple(x.shape)} must be {expected} ({meaning})")
+
+
+def static_validate_inputs(
+    q,
+    k,
+    v,
+    kv_cache,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    slot_mapping,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    alibi_slopes=None,
+    sinks=None,
+) -> None:
+    """Checks shapes, dtypes and options; raises ValueError / TypeError naming the bad value."""
+    if q.ndim != 3:
+        raise ValueError(f"q.shape={tuple(q.shape)} must be [num_tokens, num_q_heads, head_size]")
+    num_tokens, num_q_heads, head_size = q.shape
+    _check_dtype("q", q, ACTIVATION_DTYPES)
+    if kv_cache.ndim != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"kv_cache.shape={tuple(kv_cache.shape)} must be "
+            "[2, num_blocks, block_size, num_kv_heads, head_size] (k at [0], v at [1])"
+        )
+    _check_dtype("kv_cache", kv_cache, _KV_CACHE_DTYPES)
+    _, _, _, num_kv_heads, cache_head_size = kv_cache.shape
+    if cache_head_size != head_size:
+        raise ValueError(f"kv_cache head_size={cache_head_size} must equal q head_size={head_size}")
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_q_heads=} must be divisible by {num_kv_heads=}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must both be arrays or both be None (None: write nothing)")
+    if k is not None:
+        for name, x in (("k", k), ("v", v)):
+            _check_shape(name, x, (num_tokens, num_kv_heads, head_size), "[num_tokens, num_kv_heads, head_size]")
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name}.dtype={np.dtype(x.dtype)} must equal q.dtype={np.dtype(q.dtype)}")
+    if query_start_loc.ndim != 1 or query_start_loc.shape[0] < 2:
+        raise ValueError(f"query_start_loc.shape={tuple(query_start_loc.shape)} must be [num_reqs + 1] with num_reqs >= 1")
+    num_reqs = query_start_loc.shape[0] - 1
+    _check_shape("seq_lens", seq_lens, (num_reqs,), f"[num_reqs] with num_reqs={num_reqs} from query_start_loc")
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_reqs:
+        raise ValueError(f"block_tables.shape={tuple(block_tables.shape)} must be [num_reqs={num_reqs}, pages_per_req]")
+    _check_shape("slot_mapping", slot_mapping, (num_tokens,), f"[num_tokens] with num_tokens={num_tokens} from q")
+    for name, x in (
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+        ("block_tables", block_tables),
+        ("slot_mapping", slot_mapping),
+    ):
+        _check_dtype(name, x, _INDEX_DTYPES)
+    if not sm_scale > 0:
+        raise ValueError(f"sm_scale={sm_scale!r} must be > 0")
+    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window > 0):
+        raise ValueError(f"sliding_window={sliding_window!r} must be None or a positive int")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap={logits_soft_cap!r} must be None or > 0")
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if x is not None:
+            _check_shape(name, x, (num_q_heads,), f"one value per query head, num_q_heads={num_q_heads}")
+
+
+def dynamic_validate_inputs(
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    slot_mapping,
+    *,
+    num_blocks: int,
+    block_size: int,
+    causal: bool = True,
+) -> None:
+    """Checks concrete index values; raises ValueError naming the first bad entry.
+
+    Only the block-table entries a request uses (ceil(seq_len / block_size)) are checked.
+    """
+    qsl = np.asarray(query_start_loc)
+    lens = np.asarray(seq_lens)
+    table = np.asarray(block_tables)
+    slots = np.asarray(slot_mapping)
+    if qsl[0] != 0:
+        raise ValueError(f"query_start_loc[0]={qsl[0]} must be 0")
+    query_lens = np.diff(qsl)
+    if (bad := np.flatnonzero(query_lens < 0)).size:
+        i = bad[0]
+        raise ValueError(
+            f"query_start_loc must be non-decreasing; query_start_loc[{i}]={qsl[i]} > query_start_loc[{i + 1}]={qsl[i + 1]}"
+        )
+    if qsl[-1] > slots.shape[0]:
+        raise ValueError(f"query_start_loc[-1]={qsl[-1]} exceeds num_tokens={slots.shape[0]}")
+    if (bad := np.flatnonzero(lens < 0)).size:
+        raise ValueError(f"seq_lens[{bad[0]}]={lens[bad[0]]} must be >= 0")
+    if causal and (bad := np.flatnonzero(lens < query_lens)).size:
+        i = bad[0]
+        raise ValueError(
+            f"seq_lens[{i}]={lens[i]} < query_len={query_lens[i]}: a request's context includes its new tokens"
+        )
+    pages_needed = -(-lens // block_size)
+    if (bad := np.flatnonzero(pages_needed > table.shape[1])).size:
+        i = bad[0]
+        raise ValueError(
+            f"seq_lens[{i}]={lens[i]} needs {pages_needed[i]} pages of block_size={block_size}, "
+            f"but block_tables has only {table.shape[1]} columns"
+        )
+    used = np.arange(table.shape[1])[None, :] < pages_needed[:, None]
+    if (bad := np.argwhere(used & ((table < 0) | (table >= num_blocks)))).size:
+        r, c = bad[0]
+        raise ValueError(f"block_tables[{r}, {c}]={table[r, c]} is outside the cache's blocks [0, {num_blocks})")
+    num_slots = num_blocks * block_size
+    if (bad := np.flatnonzero((slots < -1) | (slots >= num_slots))).size:
+        i = bad[0]
+        raise ValueError(f"slot_mapping[{i}]={slots[i]} is outside [0, {num_slots}) and not -1 (padding)")

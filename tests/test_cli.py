@@ -1,0 +1,80 @@
+"""The attn-stack command line."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from attn_jax.cli import build_parser, main
+from attn_jax.platforms import current_platform
+from attn_jax.selector import ENV_VAR
+
+
+def test_info_default_request(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    p = current_platform()
+    assert f"jax {jax.__version__}, jaxlib " in out
+    assert f"platform: {p.kind}, device kind {p.device_kind!r}, {p.num_devices} device(s)" in out
+    assert "head_size=128, dtype=bfloat16, kv_cache_dtype='auto', block_size=16" in out
+    assert "attn_type='decoder'" in out
+    for name in ("XLA", "PALLAS_TPU", "PALLAS_GPU"):
+        assert name in out
+    assert "Pallas TPU kernel is not implemented yet" in out
+
+
+def test_info_cpu_chooses_xla(capsys):
+    if current_platform().kind != "cpu":
+        pytest.skip("the default choice is checked on CPU")
+    main(["info"])
+    assert "chosen:     XLA (attn_jax.backends.xla.XLAAttentionBackend)" in capsys.readouterr().out
+
+
+def test_info_other_request(capsys):
+    argv = ["info", "--head-size", "64", "--dtype", "float16", "--kv-cache-dtype", "fp8_e5m2",
+            "--block-size", "32", "--attn-type", "encoder_only", "--has-sink"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "head_size=64, dtype=float16, kv_cache_dtype='fp8_e5m2', block_size=32" in out
+    assert "has_sink=True" in out and "attn_type='encoder_only'" in out
+    assert "attention sinks are not supported" in out
+
+
+def test_info_selection_error_is_one_line_and_exit_2(capsys, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "NOPE")
+    assert main(["info"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("attn-stack info: error: ATTN_STACK_BACKEND='NOPE' is not an attention backend.")
+    assert "Valid options are: XLA, PALLAS_TPU, PALLAS_GPU, CUSTOM" in err
+
+
+def test_info_bad_head_size_exit_2(capsys):
+    assert main(["info", "--head-size", "0"]) == 2
+    assert capsys.readouterr().err == "attn-stack info: error: head_size=0 must be a positive integer\n"
+
+
+def test_info_nothing_usable_prints_report_and_exits_2(capsys, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "PALLAS_TPU")
+    assert main(["info"]) == 2
+    captured = capsys.readouterr()
+    assert "chosen:     none" in captured.out
+    assert captured.err == "attn-stack info: error: no attention backend can serve this configuration (reasons above)\n"
+
+
+def test_bad_choice_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["info", "--kv-cache-dtype", "fp4"])
+    assert e.value.code == 2
+    assert "invalid choice: 'fp4'" in capsys.readouterr().err
+
+
+def test_a_subcommand_is_required(capsys):
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+def test_parser_lists_info():
+    assert "info" in build_parser().format_help()
