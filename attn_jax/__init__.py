@@ -1,0 +1,73 @@
+"""attn-stack for JAX: ragged paged attention behind a vLLM-style backend interface.
+
+The public names of the contract in DESIGN.md; everything else is internal.
+"""
+
+from attn_jax.backends.base import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, AttentionSpec
+from attn_jax.kv_cache import allocate_kv_cache, calc_kv_scales, write_to_kv_cache
+from attn_jax.layer import Attention, CacheConfig
+from attn_jax.metadata import (
+    CommonAttentionMetadata,
+    MetadataBuckets,
+    PerLayerParameters,
+    build_common_attn_metadata,
+    get_kv_cache_layout,
+    get_per_layer_parameters,
+    infer_global_hyperparameters,
+    make_local_attention_virtual_batches,
+    reorder_batch_to_split_decodes_and_prefills,
+    set_kv_cache_layout,
+    split_decodes_and_prefills,
+    validate_common_metadata,
+)
+from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
+from attn_jax.platforms import Platform, current_platform
+from attn_jax.registry import AttentionBackendEnum, MambaAttentionBackendEnum, register_backend
+from attn_jax.selector import (
+    SelectionReport,
+    explain_attn_backend_selection,
+    get_attn_backend,
+    get_global_forced_attn_backend,
+    global_force_attn_backend,
+    global_force_attn_backend_context_manager,
+)
+from attn_jax.types import AttentionType, CacheDType, KVCacheLayout
+
+__all__ = [
+    "Attention",
+    "AttentionBackend",
+    "AttentionBackendEnum",
+    "AttentionImpl",
+    "AttentionMetadataBuilder",
+    "AttentionSpec",
+    "AttentionType",
+    "CacheConfig",
+    "CacheDType",
+    "CommonAttentionMetadata",
+    "KVCacheLayout",
+    "MambaAttentionBackendEnum",
+    "MetadataBuckets",
+    "PerLayerParameters",
+    "Platform",
+    "SelectionReport",
+    "allocate_kv_cache",
+    "build_common_attn_metadata",
+    "calc_kv_scales",
+    "current_platform",
+    "explain_attn_backend_selection",
+    "get_attn_backend",
+    "get_global_forced_attn_backend",
+    "get_kv_cache_layout",
+    "get_per_layer_parameters",
+    "global_force_attn_backend",
+    "global_force_attn_backend_context_manager",
+    "infer_global_hyperparameters",
+    "make_local_attention_virtual_batches",
+    "ragged_paged_attention",
+    "register_backend",
+    "reorder_batch_to_split_decodes_and_prefills",
+    "set_kv_cache_layout",
+    "split_decodes_and_prefills",
+    "validate_common_metadata",
+    "write_to_kv_cache",
+]

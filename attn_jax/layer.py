@@ -23,6 +23,7 @@ from attn_jax.backends.base import AttentionBackend, AttentionSpec
 from attn_jax.kv_cache import allocate_kv_cache, calc_kv_scales
 from attn_jax.metadata import CommonAttentionMetadata
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
+from attn_jax.platforms import current_platform
 from attn_jax.selector import get_attn_backend
 from attn_jax.types import AttentionType, is_quantized_kv_cache, validate_cache_dtype
 
@@ -129,6 +130,7 @@ class Attention:
             reasons = attn_backend.validate_configuration(
                 head_size, self.dtype, kv_cache_dtype, block_size, use_mla=use_mla,
                 has_sink=self.has_sink, use_sparse=use_sparse, attn_type=self.attn_type,
+                platform=current_platform(),
             )  # fmt: skip
             if reasons:
                 raise ValueError(f"attn_backend={attn_backend.get_name()} cannot serve this layer: " + "; ".join(reasons))

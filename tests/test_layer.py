@@ -1,0 +1,252 @@
+"""The JAX Attention layer: construction, selection, errors, jit with a donated cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn_jax.backends.pallas_tpu import PallasTPUAttentionBackend
+from attn_jax.backends.xla import XLAAttentionBackend
+from attn_jax.layer import Attention, CacheConfig
+from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
+from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 32
+BUCKETS = MetadataBuckets(token_buckets=(8, 16, 32), request_buckets=(2, 4), blocks_per_request_buckets=(4, 8))
+
+
+def make_layer(**kwargs) -> Attention:
+    args = dict(num_heads=NUM_HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE**-0.5, num_kv_heads=NUM_KV_HEADS)
+    args.update(kwargs)
+    args.setdefault("block_size", BLOCK_SIZE)
+    args.setdefault("dtype", jnp.float32)
+    return Attention(**args)
+
+
+def make_batch(rng, query_lens, seq_lens, buckets=BUCKETS):
+    """Metadata with each request's pages drawn at random, plus q/k/v for its tokens."""
+    query_lens = np.asarray(query_lens, np.int32)
+    seq_lens = np.asarray(seq_lens, np.int32)
+    pages = -(-seq_lens // BLOCK_SIZE)
+    perm = rng.permutation(NUM_BLOCKS)
+    table = np.zeros((len(seq_lens), max(int(pages.max()), 1)), np.int32)
+    start = 0
+    for r, n in enumerate(pages):
+        table[r, :n] = perm[start : start + n]
+        start += n
+    md = build_common_attn_metadata(query_lens, seq_lens, table, BLOCK_SIZE, buckets=buckets)
+    t = md.num_tokens
+    q = jnp.asarray(rng.normal(size=(t, NUM_HEADS * HEAD_SIZE)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(t, NUM_KV_HEADS * HEAD_SIZE)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(t, NUM_KV_HEADS * HEAD_SIZE)), jnp.float32)
+    return md, q, k, v
+
+
+def run_reference(layer, q, k, v, kv_cache, md, **options):
+    t = q.shape[0]
+    out, cache = ragged_paged_attention(
+        q.reshape(t, NUM_HEADS, HEAD_SIZE), k.reshape(t, NUM_KV_HEADS, HEAD_SIZE),
+        v.reshape(t, NUM_KV_HEADS, HEAD_SIZE), kv_cache, md.query_start_loc, md.seq_lens,
+        md.block_table_tensor, md.slot_mapping, sm_scale=layer.scale, **options,
+    )  # fmt: skip
+    return out.reshape(t, -1), cache
+
+
+def test_selects_xla_on_cpu_and_allocates_its_cache():
+    layer = make_layer(prefix="model.layers.0.attn")
+    assert layer.attn_backend is XLAAttentionBackend
+    cache = layer.init_kv_cache(NUM_BLOCKS)
+    assert cache.shape == (2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    assert cache.dtype == jnp.float32
+    text = repr(layer)
+    for part in ("prefix='model.layers.0.attn'", "num_heads=4", "num_kv_heads=2", "head_size=8", "backend=XLA"):
+        assert part in text
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "expected"),
+    [("auto", jnp.bfloat16), ("float32", jnp.float32), ("fp8", jnp.float8_e4m3fn), ("fp8_e5m2", jnp.float8_e5m2)],
+)
+def test_cache_config_sets_cache_dtype_and_block_size(cache_dtype, expected):
+    layer = make_layer(cache_config=CacheConfig(block_size=8, cache_dtype=cache_dtype), dtype=jnp.bfloat16)
+    cache = layer.init_kv_cache(3)
+    assert cache.shape == (2, 3, 8, NUM_KV_HEADS, HEAD_SIZE)
+    assert cache.dtype == expected
+
+
+def test_per_layer_sliding_window_wins_over_cache_config():
+    layer = make_layer(cache_config=CacheConfig(block_size=BLOCK_SIZE, sliding_window=64), per_layer_sliding_window=8)
+    assert layer.sliding_window == 8
+    assert "sliding_window=8" in repr(layer)
+
+
+def test_layer_matches_the_op_on_flat_and_head_shaped_inputs():
+    rng = np.random.default_rng(0)
+    layer = make_layer(logits_soft_cap=5.0, per_layer_sliding_window=6)
+    md, q, k, v = make_batch(rng, [1, 5, 3], [9, 5, 12])
+    cache = layer.init_kv_cache(NUM_BLOCKS, fill=np.nan)
+    expected, expected_cache = run_reference(layer, q, k, v, cache, md, logits_soft_cap=5.0, sliding_window=6)
+    out, new_cache = layer(q, k, v, cache, md)
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(new_cache, expected_cache)
+    t = q.shape[0]
+    out3, _ = layer(q.reshape(t, NUM_HEADS, HEAD_SIZE), k.reshape(t, NUM_KV_HEADS, HEAD_SIZE),
+                    v.reshape(t, NUM_KV_HEADS, HEAD_SIZE), cache, md)  # fmt: skip
+    np.testing.assert_array_equal(out3, expected)
+
+
+def test_kv_sharing_layer_reads_but_never_writes():
+    rng = np.random.default_rng(1)
+    owner = make_layer(prefix="layers.0")
+    sharer = make_layer(prefix="layers.1", kv_sharing_target_layer_name="layers.0")
+    md, q, k, v = make_batch(rng, [2, 1], [2, 7])
+    cache = jnp.asarray(rng.normal(size=owner.init_kv_cache(NUM_BLOCKS).shape), jnp.float32)
+    _, cache = owner(q, k, v, cache, md)
+    out, after = sharer(q, k * 100, v * 100, cache, md)
+    np.testing.assert_array_equal(after, cache)
+    expected, _ = owner(q, k, v, cache, md)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+
+
+def test_jit_donates_the_cache_and_compiles_once_per_bucket():
+    rng = np.random.default_rng(2)
+    layer = make_layer()
+    traces = []
+
+    def step(q, k, v, kv_cache, md):
+        traces.append(q.shape)
+        return layer(q, k, v, kv_cache, md)
+
+    jitted = jax.jit(step, donate_argnums=3)
+    cache = layer.init_kv_cache(NUM_BLOCKS)
+    md, q, k, v = make_batch(rng, [1, 4, 2], [6, 4, 10])
+    old = cache
+    out, cache = jitted(q, k, v, cache, md)
+    assert old.is_deleted()
+    md2, q2, k2, v2 = make_batch(rng, [3, 2, 1], [3, 12, 9])  # new values, same buckets
+    _, cache = jitted(q2, k2, v2, cache, md2)
+    assert len(traces) == 1 and jitted._cache_size() == 1
+    hlo = jitted.lower(q, k, v, cache, md).compile().as_text()
+    assert "input_output_alias" in hlo  # the cache's buffer is reused: updated in place
+    md3, q3, k3, v3 = make_batch(rng, [9, 1, 1], [9, 2, 3])  # more tokens: the next bucket
+    jitted(q3, k3, v3, layer.init_kv_cache(NUM_BLOCKS), md3)
+    assert jitted._cache_size() == 2
+
+
+def test_padding_to_a_bucket_never_changes_real_rows():
+    rng = np.random.default_rng(3)
+    layer = make_layer(per_layer_sliding_window=5)
+    query_lens, seq_lens = [1, 6, 2], [13, 6, 4]
+    tight = MetadataBuckets(token_buckets=(9,), request_buckets=(3,), blocks_per_request_buckets=(4,))
+    md_tight, q, k, v = make_batch(rng, query_lens, seq_lens, buckets=tight)
+    md_wide = build_common_attn_metadata(
+        np.asarray(query_lens, np.int32), np.asarray(seq_lens, np.int32),
+        np.asarray(md_tight.block_table_tensor), BLOCK_SIZE,
+        buckets=MetadataBuckets(token_buckets=(32,), request_buckets=(8,), blocks_per_request_buckets=(8,)),
+    )  # fmt: skip
+    pad = md_wide.num_tokens - 9
+
+    def padded(x, fill):
+        return jnp.concatenate([x, jnp.full((pad, x.shape[1]), fill, x.dtype)])
+
+    cache = layer.init_kv_cache(NUM_BLOCKS, fill=np.nan)
+    out_tight, cache_tight = layer(q, k, v, cache, md_tight)
+    out_a, cache_a = layer(padded(q, 1e4), padded(k, 1e4), padded(v, 1e4), cache, md_wide)
+    out_b, cache_b = layer(padded(q, -3.0), padded(k, 7.0), padded(v, 0.5), cache, md_wide)
+    # Same bucket, different padding: real rows and the cache are bit-for-bit the same.
+    np.testing.assert_array_equal(out_a[:9], out_b[:9])
+    np.testing.assert_array_equal(cache_a, cache_b)
+    assert np.isfinite(out_a).all() and np.isfinite(out_b).all()
+    # Another bucket: the same values up to float32 summation order.
+    np.testing.assert_allclose(out_a[:9], out_tight, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(cache_a, cache_tight)
+
+
+def test_chunked_local_attention_sees_only_its_chunk():
+    rng = np.random.default_rng(4)
+    chunk = 2 * BLOCK_SIZE
+    layer = make_layer(attention_chunk_size=chunk)
+    query_lens, seq_lens = [4, 10, 5], [6, 17, 9]
+    md, q, k, v = make_batch(rng, query_lens, seq_lens)
+    cache = layer.init_kv_cache(NUM_BLOCKS, fill=np.nan)
+    out, new_cache = layer(q, k, v, cache, md)
+    # Each token of the full-attention result restricted to its chunk: run the op once
+    # per token with the window that starts at its chunk's first position.
+    full = make_layer()
+    _, expected_cache = full(q, k, v, cache, md)
+    np.testing.assert_array_equal(new_cache, expected_cache)
+    qsl = md.query_start_loc_cpu
+    for r, (ql, sl) in enumerate(zip(query_lens, seq_lens)):
+        for i in range(ql):
+            p = sl - ql + i
+            window = p - (p // chunk) * chunk + 1
+            row = qsl[r] + i
+            expected, _ = run_reference(full, q, k, v, new_cache, md, sliding_window=window)
+            np.testing.assert_allclose(out[row], expected[row], rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_local_attention_needs_host_built_metadata_under_jit():
+    rng = np.random.default_rng(5)
+    layer = make_layer(attention_chunk_size=2 * BLOCK_SIZE)
+    md, q, k, v = make_batch(rng, [1, 2], [5, 2])
+    cache = layer.init_kv_cache(NUM_BLOCKS)
+    with pytest.raises(ValueError, match="attention_chunk_size=8.*outside jax.jit"):
+        jax.jit(layer.__call__)(q, k, v, cache, md)
+    local_md = layer.metadata_builder.build(0, md)
+    out, _ = jax.jit(layer.__call__)(q, k, v, cache, local_md)
+    np.testing.assert_allclose(out, layer(q, k, v, cache, md)[0], rtol=1e-6)
+
+
+def test_encoder_only_attends_both_ways():
+    rng = np.random.default_rng(6)
+    layer = make_layer(attn_type="encoder_only")
+    md, q, k, v = make_batch(rng, [3, 2], [3, 2])
+    cache = layer.init_kv_cache(NUM_BLOCKS, fill=np.nan)
+    out, _ = layer(q, k, v, cache, md)
+    expected, _ = run_reference(layer, q, k, v, cache, md, causal=False)
+    np.testing.assert_array_equal(out, expected)
+    causal, _ = make_layer()(q, k, v, cache, md)
+    assert not np.allclose(out[:3], causal[:3])
+
+
+def test_calculate_kv_scales_sets_scales_from_the_first_batch():
+    rng = np.random.default_rng(7)
+    layer = make_layer(cache_config=CacheConfig(block_size=BLOCK_SIZE, cache_dtype="fp8", calculate_kv_scales=True))
+    md, q, k, v = make_batch(rng, [2, 1], [2, 3])
+    cache = layer.init_kv_cache(NUM_BLOCKS)
+    with pytest.raises(ValueError, match="calc_kv_scales"):
+        jax.jit(layer.__call__)(q, k, v, cache, md)
+    layer(q, k, v, cache, md)
+    assert float(layer.k_scale) == pytest.approx(float(jnp.abs(k).max()) / 200.0)
+    assert float(layer.v_scale) == pytest.approx(float(jnp.abs(v).max()) / 100.0)
+    assert not layer.calculate_kv_scales
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        (dict(num_kv_heads=3), ValueError, r"num_heads=4 must be divisible by num_kv_heads=3"),
+        (dict(use_mla=True), NotImplementedError, r"use_mla=True"),
+        (dict(use_sparse=True), NotImplementedError, r"use_sparse=True"),
+        (dict(kv_cache_dtype="int8"), ValueError, r"'int8'.*auto, bfloat16"),
+        (dict(attn_type="cross"), ValueError, r"'cross'.*'decoder'"),
+        (dict(attention_chunk_size=6), ValueError, r"attention_chunk_size=6.*block_size=4"),
+        (dict(head_size=0), ValueError, r"head_size=0"),
+        (dict(prefix="a", kv_sharing_target_layer_name="a"), ValueError, r"'a' names this layer"),
+        (dict(attn_backend=PallasTPUAttentionBackend), ValueError, r"PALLAS_TPU cannot serve.*not implemented"),
+        (dict(alibi_slopes=[1.0, 2.0]), ValueError, r"alibi_slopes.*\(4,\)"),
+    ],
+)
+def test_constructor_errors_name_the_value(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        make_layer(**kwargs)
+
+
+def test_call_rejects_misshaped_query():
+    rng = np.random.default_rng(8)
+    layer = make_layer()
+    md, q, k, v = make_batch(rng, [1], [1])
+    with pytest.raises(ValueError, match=r"query.shape=\(8, 31\) must be \[T, 32\] or \[T, 4, 8\]"):
+        layer(q[:, :31], k, v, layer.init_kv_cache(NUM_BLOCKS), md)
