@@ -52,6 +52,18 @@ class NotABackend:
     pass
 
 
+class SizedBackend(XLAAttentionBackend):
+    """XLA restricted to the head and block sizes a typical kernel supports."""
+
+    @classmethod
+    def get_supported_head_sizes(cls):
+        return (64, 128)
+
+    @classmethod
+    def get_supported_block_sizes(cls):
+        return (16, 32)
+
+
 def select(**kw):
     kw.setdefault("platform", CPU)
     return get_attn_backend(128, jnp.bfloat16, **kw)
@@ -212,6 +224,17 @@ def test_forced_custom_that_is_not_a_backend():
     global_force_attn_backend(ABE.CUSTOM)
     with pytest.raises(ValueError, match=rf"{__name__}.NotABackend is not an AttentionBackend subclass"):
         select()
+
+
+def test_forced_backend_rejects_unsupported_head_and_block_sizes():
+    register_backend(ABE.CUSTOM, class_path=f"{__name__}.SizedBackend")
+    global_force_attn_backend(ABE.CUSTOM)
+    assert select(block_size=32) is SizedBackend
+    with pytest.raises(ValueError) as err:
+        get_attn_backend(80, jnp.bfloat16, block_size=8, platform=CPU)
+    msg = str(err.value)
+    assert "head_size=80 is not supported; supported: [64, 128]" in msg
+    assert "block_size=8 is not supported; supported: [16, 32]" in msg
 
 
 # --- argument validation ----------------------------------------------------------------
