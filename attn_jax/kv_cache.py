@@ -23,9 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "CACHE_STORAGE_DTYPES",
     "DEFAULT_K_RANGE",
     "DEFAULT_Q_RANGE",
     "DEFAULT_V_RANGE",
+    "FP8_DTYPES",
     "MIN_SCALE",
     "allocate_kv_cache",
     "calc_kv_scales",
@@ -116,8 +118,10 @@ def quantize_to_cache(x: jax.Array, cache_dtype, scale=None) -> jax.Array:
 
     fp8 cache dtypes: ``x / scale`` computed in float32, clipped to the dtype's finite
     range (an overflow saturates, never becomes NaN or inf; a NaN input stays NaN), then
-    cast; ``scale`` is a scalar (None = 1.0). Other cache dtypes: a plain cast, and
-    ``scale`` is ignored, as vLLM ignores k_scale/v_scale for unquantised caches.
+    cast; ``scale`` is a scalar (None = 1.0). XLA divides by a scalar as a multiply by
+    its reciprocal, so a quotient on an exact fp8 rounding tie may round either way (one
+    fp8 ulp). Other cache dtypes: a plain cast, and ``scale`` is ignored, as vLLM
+    ignores k_scale/v_scale for unquantised caches.
     """
     cache_dtype = np.dtype(cache_dtype)
     if not is_fp8_dtype(cache_dtype):
@@ -195,6 +199,7 @@ def write_to_kv_cache(
     _check_write_inputs(kv_cache, key, value, slot_mapping)
     _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
     num_slots = num_blocks * block_size
+    k_scale, v_scale = _scalar_scale("k_scale", k_scale), _scalar_scale("v_scale", v_scale)
     k_new = quantize_to_cache(key, kv_cache.dtype, k_scale)  # [T, Hkv, D], cache dtype
     v_new = quantize_to_cache(value, kv_cache.dtype, v_scale)
     # Negative slots become num_slots, out of range, and mode="drop" skips them.

@@ -21,9 +21,7 @@ from attn_jax.kv_cache import (
     quantize_to_cache,
     write_to_kv_cache,
 )
-
-FP8 = {"fp8": ml_dtypes.float8_e4m3fn, "fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}
-
+from tests.oracle import assert_cache_entries_equal, cache_contents
 
 def _cache(num_blocks=4, block_size=2, num_kv_heads=2, head_size=8, cache_dtype_str="auto", dtype=jnp.float32):
     return allocate_kv_cache(
@@ -96,11 +94,11 @@ def test_quantize_saturates_instead_of_overflowing(fp8):
 def test_quantize_divides_by_scale_and_matches_ml_dtypes(cache_dtype_str):
     x = np.random.default_rng(0).standard_normal(64).astype(np.float32)
     scale = 0.02
-    fp8 = FP8[cache_dtype_str]
-    q = quantize_to_cache(jnp.asarray(x), jnp.dtype(fp8), jnp.float32(scale))
+    fp8 = {"fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}[cache_dtype_str]
+    q = quantize_to_cache(jnp.asarray(x), fp8, jnp.float32(scale))
     assert q.dtype == jnp.dtype(fp8)
-    expected = (x / np.float32(scale)).astype(fp8)
-    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), expected.view(np.uint8))
+    expected = cache_contents(x, cache_dtype_str, scale)
+    assert_cache_entries_equal(np.asarray(q, np.float64), expected, cache_dtype_str)
 
 
 def test_quantize_default_scale_is_one_and_nan_stays_nan():
@@ -135,8 +133,11 @@ def test_quantize_round_trip_error_is_half_an_fp8_ulp(fp8, rel):
 
 
 def test_scale_must_have_one_element():
-    with pytest.raises(ValueError, match=r"scale must be a scalar or have one element, got shape \(2,\)"):
+    with pytest.raises(ValueError, match=r"^scale must be a scalar or have one element, got shape \(2,\)"):
         quantize_to_cache(jnp.ones(3), jnp.float8_e4m3fn, jnp.ones(2))
+    cache, key = _cache(cache_dtype_str="fp8"), np.ones((1, 2, 8), np.float32)
+    with pytest.raises(ValueError, match=r"^v_scale must be a scalar or have one element, got shape \(1, 2\)"):
+        write_to_kv_cache(cache, key, key, np.array([0], np.int32), 1.0, np.ones((1, 2)))
 
 
 # --- write_to_kv_cache ---------------------------------------------------------------------
@@ -176,17 +177,19 @@ def test_write_jit_with_donated_cache():
     np.testing.assert_array_equal(np.asarray(new), expected)
 
 
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("cache_dtype_str", ["fp8", "fp8_e5m2"])
-def test_write_quantizes_for_fp8_caches(cache_dtype_str):
+def test_write_quantizes_for_fp8_caches(cache_dtype_str, use_jit):
     rng = np.random.default_rng(3)
     cache = _cache(cache_dtype_str=cache_dtype_str)
     key, value = _kv(rng, 2)
     k_scale, v_scale = 0.01, 0.02
-    new = write_to_kv_cache(cache, key, value, jnp.array([3, 4], jnp.int32), jnp.float32(k_scale), v_scale)
-    fp8 = FP8[cache_dtype_str]
-    flat = np.asarray(new).reshape(2, 8, 2, 8)
-    np.testing.assert_array_equal(flat[0, 3:5].view(np.uint8), (key / np.float32(k_scale)).astype(fp8).view(np.uint8))
-    np.testing.assert_array_equal(flat[1, 3:5].view(np.uint8), (value / np.float32(v_scale)).astype(fp8).view(np.uint8))
+    write = jax.jit(write_to_kv_cache) if use_jit else write_to_kv_cache
+    new = write(cache, key, value, jnp.array([3, 4], jnp.int32), jnp.float32(k_scale), jnp.float32(v_scale))
+    flat = np.asarray(new, np.float64).reshape(2, 8, 2, 8)
+    assert_cache_entries_equal(flat[0, 3:5], cache_contents(key, cache_dtype_str, k_scale), cache_dtype_str)
+    assert_cache_entries_equal(flat[1, 3:5], cache_contents(value, cache_dtype_str, v_scale), cache_dtype_str)
+    assert np.isnan(flat[:, [0, 1, 2, 5, 6, 7]]).all()
 
 
 def test_write_fp8_default_scales_are_one():

@@ -21,10 +21,11 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from attn_jax.backends.xla import XLAAttentionBackend
-from attn_jax.kv_cache import allocate_kv_cache, calc_kv_scales, write_to_kv_cache
+from attn_jax.kv_cache import DEFAULT_K_RANGE, DEFAULT_V_RANGE, MIN_SCALE, is_fp8_dtype
 from attn_jax.types import is_quantized_kv_cache, validate_activation_dtype
 
 __all__ = ["WORKLOADS", "RaggedBatch", "WorkloadSpec", "make_ragged_batch"]
@@ -96,6 +97,20 @@ def _check_lengths(name: str, values: Sequence[int]) -> np.ndarray:
     return np.asarray(lengths, dtype=np.int32).reshape(len(lengths))
 
 
+def _default_scale(seqs: Sequence[np.ndarray], x_range: float) -> float:
+    """``calc_kv_scales``'s rule in NumPy: max |x| / x_range, at least MIN_SCALE."""
+    amax = max(float(np.abs(x.astype(np.float32)).max(initial=0.0)) for x in seqs)
+    return max(amax / x_range, MIN_SCALE)
+
+
+def _to_cache(x: np.ndarray, cache_dtype: np.dtype, scale: float | None) -> np.ndarray:
+    """``quantize_to_cache`` in NumPy: x / scale clipped and cast for fp8, else a cast."""
+    if not is_fp8_dtype(cache_dtype):
+        return x.astype(cache_dtype)
+    limit = float(ml_dtypes.finfo(cache_dtype).max)
+    return np.clip(x.astype(np.float32) / np.float32(scale), -limit, limit).astype(cache_dtype)
+
+
 def make_ragged_batch(
     seed_or_rng: int | np.random.Generator,
     query_lens: Sequence[int],
@@ -118,15 +133,18 @@ def make_ragged_batch(
     ``query_lens[r]`` new ones (``seq_len = context + query``).
 
     q, k and v are standard normal in ``dtype`` (float32, bfloat16 or float16). The
-    context keys and values are written into a fresh NaN-filled cache
-    (``cache_dtype_str``, vLLM's names) at pages chosen at random (``shuffle_blocks``)
-    or in order; the new tokens' keys and values are the op's k/v inputs, with their
-    slots in ``slot_mapping``. Every request gets ``ceil(seq_len / block_size)`` pages;
-    ``extra_blocks`` more pages stay unused (NaN). ``num_tokens`` (default: the real
-    tokens) pads the token axis with rows of large finite random values and slot -1.
+    context keys and values are written (with NumPy, not the op's write path) into a
+    fresh NaN-filled cache (``cache_dtype_str``, vLLM's names) at pages chosen at random
+    (``shuffle_blocks``) or in order; the new tokens' keys and values are the op's k/v
+    inputs, with their slots in ``slot_mapping``. Every request gets
+    ``ceil(seq_len / block_size)`` distinct pages, unused block-table entries hold
+    random valid page ids, and ``extra_blocks`` more pages stay unused (NaN).
+    ``num_tokens`` (default: the real tokens) pads the token axis with rows of large
+    finite random values (standard deviation ``PADDING_SCALE``) and slot -1.
     ``num_padding_requests`` empty requests (query 0, seq_len 0) go at the end.
-    fp8 caches use ``k_scale`` / ``v_scale``, by default vLLM's ``calc_kv_scales`` on
-    the batch's real keys and values; other caches take no scales.
+    fp8 caches use ``k_scale`` / ``v_scale``, by default vLLM's ``calc_kv_scales`` rule
+    (max |x| / 200 for keys, / 100 for values) on all of the batch's keys and values;
+    other caches take no scales.
     """
     rng = np.random.default_rng(seed_or_rng)
     dtype = validate_activation_dtype(dtype)
@@ -187,8 +205,8 @@ def make_ragged_batch(
         return np.concatenate([*real_rows, garbage])
 
     q = padded([normal(num_actual, num_q_heads, head_size)], num_q_heads)
-    k = padded([ks[c:] for ks, c in zip(k_seqs, context_lens)], num_kv_heads)
-    v = padded([vs[c:] for vs, c in zip(v_seqs, context_lens)], num_kv_heads)
+    k = padded([ks[c:] for ks, c in zip(k_seqs, context_lens, strict=True)], num_kv_heads)
+    v = padded([vs[c:] for vs, c in zip(v_seqs, context_lens, strict=True)], num_kv_heads)
     slot_mapping = np.concatenate(
         [*(slot(r, np.arange(context_lens[r], seq_lens[r])) for r in range(num_reqs)),
          np.full(num_pad_rows, -1)]
@@ -196,26 +214,24 @@ def make_ragged_batch(
     query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
 
     if quantized:
-        _, auto_k, auto_v = calc_kv_scales(q[:num_actual], np.concatenate(k_seqs), np.concatenate(v_seqs))
-        k_scale = float(auto_k) if k_scale is None else float(k_scale)
-        v_scale = float(auto_v) if v_scale is None else float(v_scale)
+        k_scale = _default_scale(k_seqs, DEFAULT_K_RANGE) if k_scale is None else float(k_scale)
+        v_scale = _default_scale(v_seqs, DEFAULT_V_RANGE) if v_scale is None else float(v_scale)
 
-    kv_cache = allocate_kv_cache(
-        XLAAttentionBackend, num_blocks, block_size, num_kv_heads, head_size,
-        cache_dtype_str, model_dtype=dtype, fill=jnp.nan,
-    )  # fmt: skip
-    ctx_k = np.concatenate([ks[:c] for ks, c in zip(k_seqs, context_lens)])
-    ctx_v = np.concatenate([vs[:c] for vs, c in zip(v_seqs, context_lens)])
-    ctx_slots = np.concatenate(
-        [slot(r, np.arange(context_lens[r])) for r in range(num_reqs)]
-    ).astype(np.int32)
-    kv_cache = write_to_kv_cache(kv_cache, ctx_k, ctx_v, ctx_slots, k_scale=k_scale, v_scale=v_scale)
+    # The cache is built in NumPy, independently of the op's own write path.
+    shape = XLAAttentionBackend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str)
+    cache_dtype = XLAAttentionBackend.kv_cache_dtype_for(cache_dtype_str, dtype)
+    kv_cache = np.full(shape, np.nan, dtype=cache_dtype)  # [2, P, S, Hkv, D]
+    flat = kv_cache.reshape(2, num_blocks * block_size, num_kv_heads, head_size)  # a view
+    for r in range(num_reqs):
+        ctx = slot(r, np.arange(context_lens[r]))
+        flat[0, ctx] = _to_cache(k_seqs[r][: context_lens[r]], cache_dtype, k_scale)
+        flat[1, ctx] = _to_cache(v_seqs[r][: context_lens[r]], cache_dtype, v_scale)
 
     return RaggedBatch(
         q=jnp.asarray(q),
         k=jnp.asarray(k),
         v=jnp.asarray(v),
-        kv_cache=kv_cache,
+        kv_cache=jnp.asarray(kv_cache),
         query_start_loc=jnp.asarray(query_start_loc),
         seq_lens=jnp.asarray(seq_lens),
         block_tables=jnp.asarray(block_tables),
