@@ -77,8 +77,13 @@ def attention_oracle(
     logits_soft_cap: float | None = None,
     alibi_slopes: np.ndarray | None = None,  # f[Hq]
     sinks: np.ndarray | None = None,  # f[Hq]
+    attention_chunk_size: int | None = None,
 ) -> np.ndarray:
-    """f64[sum(query_lens), Hq, D]: attention of every real query row, in float64."""
+    """f64[sum(query_lens), Hq, D]: attention of every real query row, in float64.
+
+    With ``attention_chunk_size`` c (chunked local attention), the token at position p
+    sees only positions of its own chunk, j >= (p // c) * c.
+    """
     q = np.asarray(q, dtype=np.float64)
     num_q_heads, head_size = q.shape[1:]
     slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, np.float64)
@@ -99,6 +104,8 @@ def attention_oracle(
                     if causal and j > p:
                         continue
                     if sliding_window is not None and j <= p - sliding_window:
+                        continue
+                    if attention_chunk_size is not None and j < p // attention_chunk_size * attention_chunk_size:
                         continue
                     s = sm_scale * float(q[row, h] @ keys[j, kv_h])
                     if logits_soft_cap is not None:

@@ -10,8 +10,10 @@ import pytest
 from attn_jax.backends.pallas_tpu import PallasTPUAttentionBackend
 from attn_jax.backends.xla import XLAAttentionBackend
 from attn_jax.layer import Attention, CacheConfig
-from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
+from attn_jax.metadata import CommonAttentionMetadata, MetadataBuckets, build_common_attn_metadata
 from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
+from attn_jax.ops.ragged_paged_attention.workloads import make_ragged_batch
+from tests.oracle import attention_oracle
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 32
 BUCKETS = MetadataBuckets(token_buckets=(8, 16, 32), request_buckets=(2, 4), blocks_per_request_buckets=(4, 8))
@@ -164,27 +166,36 @@ def test_padding_to_a_bucket_never_changes_real_rows():
     np.testing.assert_array_equal(cache_a, cache_tight)
 
 
-def test_chunked_local_attention_sees_only_its_chunk():
-    rng = np.random.default_rng(4)
-    chunk = 2 * BLOCK_SIZE
-    layer = make_layer(attention_chunk_size=chunk)
-    query_lens, seq_lens = [4, 10, 5], [6, 17, 9]
-    md, q, k, v = make_batch(rng, query_lens, seq_lens)
-    cache = layer.init_kv_cache(NUM_BLOCKS, fill=np.nan)
-    out, new_cache = layer(q, k, v, cache, md)
-    # Each token of the full-attention result restricted to its chunk: run the op once
-    # per token with the window that starts at its chunk's first position.
-    full = make_layer()
-    _, expected_cache = full(q, k, v, cache, md)
-    np.testing.assert_array_equal(new_cache, expected_cache)
-    qsl = md.query_start_loc_cpu
-    for r, (ql, sl) in enumerate(zip(query_lens, seq_lens)):
-        for i in range(ql):
-            p = sl - ql + i
-            window = p - (p // chunk) * chunk + 1
-            row = qsl[r] + i
-            expected, _ = run_reference(full, q, k, v, new_cache, md, sliding_window=window)
-            np.testing.assert_allclose(out[row], expected[row], rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize(
+    ("query_lens", "context_lens", "chunk", "window"),
+    [
+        ([4, 10, 5], [2, 7, 4], 4, None),  # vLLM's worked example, with block_size 2
+        ([1, 7, 3, 0], [9, 0, 13, 5], 4, None),  # decode, prefill, chunked prefill, empty
+        ([6, 1], [5, 11], 8, 3),  # a window inside the chunk
+    ],
+)
+def test_chunked_local_attention_matches_the_oracle(query_lens, context_lens, chunk, window):
+    batch = make_ragged_batch(
+        0, query_lens, context_lens, num_q_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
+        head_size=HEAD_SIZE, block_size=2, num_tokens=sum(query_lens) + 3, num_padding_requests=1,
+    )  # fmt: skip
+    qsl, seq_lens = np.asarray(batch.query_start_loc), np.asarray(batch.seq_lens)
+    md = CommonAttentionMetadata(
+        query_start_loc=batch.query_start_loc, query_start_loc_cpu=qsl,
+        seq_lens=batch.seq_lens, seq_lens_cpu=seq_lens,
+        num_computed_tokens_cpu=seq_lens - np.diff(qsl), num_reqs=len(seq_lens),
+        num_actual_tokens=int(qsl[-1]), max_query_len=int(np.diff(qsl).max()),
+        block_table_tensor=batch.block_tables, slot_mapping=batch.slot_mapping,
+    )  # fmt: skip
+    layer = make_layer(block_size=2, attention_chunk_size=chunk, per_layer_sliding_window=window)
+    out, _ = layer(batch.q, batch.k, batch.v, batch.kv_cache, md)
+    expected = attention_oracle(
+        batch.q, batch.k_seqs, batch.v_seqs, batch.query_lens, sm_scale=layer.scale,
+        sliding_window=window, attention_chunk_size=chunk,
+    )  # fmt: skip
+    real = batch.num_actual_tokens
+    np.testing.assert_allclose(out[:real].reshape(expected.shape), expected, rtol=1e-5, atol=1e-5)
+    assert np.isfinite(out).all()
 
 
 def test_chunked_local_attention_needs_host_built_metadata_under_jit():
