@@ -156,7 +156,7 @@ def reorder_batch_to_split_decodes_and_prefills(
 # --------------------------------------------------------------------------------------
 
 
-def _check_query_start_loc(qsl: np.ndarray, name: str = "query_start_loc") -> None:
+def check_query_start_loc(qsl: np.ndarray, name: str = "query_start_loc") -> None:
     """Raises ValueError unless ``qsl`` is 1-D, starts at 0 and is non-decreasing."""
     if qsl.ndim != 1 or qsl.shape[0] < 1:
         raise ValueError(
@@ -177,7 +177,7 @@ def _first_bad(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def _check_seq_lens_cover_queries(seq_lens: np.ndarray, query_lens: np.ndarray, name: str) -> None:
+def check_seq_lens_cover_queries(seq_lens: np.ndarray, query_lens: np.ndarray, name: str) -> None:
     """Raises ValueError naming the first request whose seq_len < query_len."""
     short = seq_lens < query_lens
     if short.any():
@@ -188,7 +188,7 @@ def _check_seq_lens_cover_queries(seq_lens: np.ndarray, query_lens: np.ndarray, 
         )
 
 
-def _check_pages_fit(seq_lens: np.ndarray, block_size: int, width: int, name: str) -> int:
+def check_pages_fit(seq_lens: np.ndarray, block_size: int, width: int, name: str) -> int:
     """Returns the most pages any request uses; ValueError if that exceeds ``width``."""
     max_pages = -(-int(seq_lens.max()) // block_size) if seq_lens.size else 0
     if max_pages > width:
@@ -198,6 +198,28 @@ def _check_pages_fit(seq_lens: np.ndarray, block_size: int, width: int, name: st
             f"{-(-int(seq_lens[r]) // block_size)} (seq_len {int(seq_lens[r])}, {block_size=})"
         )
     return max_pages
+
+
+def check_block_ids(
+    block_table: np.ndarray, seq_lens: np.ndarray, block_size: int, num_blocks: int, name: str
+) -> None:
+    """Raises ValueError naming the first block id a request uses that is outside
+    [0, num_blocks); entries past a request's ceil(seq_len / block_size) may hold anything."""
+    used = np.arange(block_table.shape[1]) < -(-seq_lens // block_size)[:, None]
+    bad = used & ((block_table < 0) | (block_table >= num_blocks))
+    if np.any(bad):
+        r, j = (int(x[0]) for x in np.nonzero(bad))
+        raise ValueError(f"{name}[{r}, {j}]={int(block_table[r, j])} is outside [0, {num_blocks=})")
+
+
+def check_slot_ids(slot_mapping: np.ndarray, num_slots: int, name: str = "slot_mapping") -> None:
+    """Raises ValueError naming the first slot outside [-1, num_slots) (-1 = padding)."""
+    bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
+    if np.any(bad):
+        i = _first_bad(bad)
+        raise ValueError(
+            f"{name}[{i}]={int(slot_mapping[i])} is outside [-1, num_blocks * block_size={num_slots})"
+        )
 
 
 def make_local_attention_virtual_batches(
@@ -243,7 +265,7 @@ def make_local_attention_virtual_batches(
     if attn_chunk_size % block_size:
         raise ValueError(f"{attn_chunk_size=} must be a multiple of {block_size=}")
     qsl = np.asarray(query_start_loc_np)
-    _check_query_start_loc(qsl, "query_start_loc_np")
+    check_query_start_loc(qsl, "query_start_loc_np")
     seq_lens = np.asarray(seq_lens_np, dtype=np.int32)  # i32[R]
     q_lens = np.diff(qsl).astype(np.int32)  # i32[R]
     num_reqs = q_lens.shape[0]
@@ -255,13 +277,13 @@ def make_local_attention_virtual_batches(
         raise ValueError(
             f"block_table has shape {tuple(block_table.shape)}; expected ({num_reqs}, pages)"
         )
-    _check_seq_lens_cover_queries(seq_lens, q_lens, "seq_lens_np")
+    check_seq_lens_cover_queries(seq_lens, q_lens, "seq_lens_np")
     width = block_table.shape[1]
     if width == 0 and num_reqs:
         raise ValueError(
             f"block_table has shape {tuple(block_table.shape)}; it needs >= 1 page column"
         )
-    _check_pages_fit(seq_lens, block_size, width, "block_table")
+    check_pages_fit(seq_lens, block_size, width, "block_table")
 
     context = seq_lens - q_lens  # i32[R]: position of each request's first new token
     has_q = q_lens > 0
@@ -436,7 +458,7 @@ def validate_common_metadata(
         )
     if slot_mapping.ndim != 1:
         raise ValueError(f"slot_mapping has shape {slot_mapping.shape}; expected (num_tokens,)")
-    _check_query_start_loc(qsl, "query_start_loc_cpu")
+    check_query_start_loc(qsl, "query_start_loc_cpu")
     for name, dev, host in (
         ("query_start_loc", md.query_start_loc, qsl),
         ("seq_lens", md.seq_lens, seq_lens),
@@ -470,7 +492,7 @@ def validate_common_metadata(
         r = _first_bad(seq_lens < 0)
         raise ValueError(f"seq_lens_cpu[{r}]={int(seq_lens[r])} must be >= 0")
     if causal:
-        _check_seq_lens_cover_queries(seq_lens, query_lens, "seq_lens_cpu")
+        check_seq_lens_cover_queries(seq_lens, query_lens, "seq_lens_cpu")
         expected = seq_lens - query_lens
         if np.any(computed != expected):
             r = _first_bad(computed != expected)
@@ -493,25 +515,11 @@ def validate_common_metadata(
     if block_size <= 0:
         raise ValueError(f"{block_size=} must be positive")
     width = block_table.shape[1]
-    _check_pages_fit(seq_lens, block_size, width, "block_table_tensor")
-    pages_used = -(-seq_lens // block_size)  # [num_reqs]
+    check_pages_fit(seq_lens, block_size, width, "block_table_tensor")
     if num_blocks is None:
         return
-    used = np.arange(width) < pages_used[:, None]
-    bad = used & ((block_table < 0) | (block_table >= num_blocks))
-    if np.any(bad):
-        r, j = (int(x[0]) for x in np.nonzero(bad))
-        raise ValueError(
-            f"block_table_tensor[{r}, {j}]={int(block_table[r, j])} is outside [0, {num_blocks=})"
-        )
-    num_slots = num_blocks * block_size
-    real = slot_mapping[: md.num_actual_tokens]
-    bad_slots = (real < -1) | (real >= num_slots)
-    if np.any(bad_slots):
-        i = _first_bad(bad_slots)
-        raise ValueError(
-            f"slot_mapping[{i}]={int(real[i])} is outside [-1, num_blocks * block_size={num_slots})"
-        )
+    check_block_ids(block_table, seq_lens, block_size, num_blocks, "block_table_tensor")
+    check_slot_ids(slot_mapping[: md.num_actual_tokens], num_blocks * block_size)
 
 
 # --------------------------------------------------------------------------------------
@@ -616,8 +624,8 @@ def build_common_attn_metadata(
     if num_reqs and q.min() < 0:
         r = _first_bad(q < 0)
         raise ValueError(f"query_lens[{r}]={int(q[r])} must be >= 0")
-    _check_seq_lens_cover_queries(s, q, "seq_lens")
-    max_pages = _check_pages_fit(s, block_size, bt.shape[1], "block_table")
+    check_seq_lens_cover_queries(s, q, "seq_lens")
+    max_pages = check_pages_fit(s, block_size, bt.shape[1], "block_table")
     r_pad = MetadataBuckets.fit(buckets.request_buckets, num_reqs, "num_reqs")
     p_pad = MetadataBuckets.fit(buckets.blocks_per_request_buckets, max_pages, "blocks per request")
 

@@ -11,6 +11,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from attn_jax.metadata import (
+    check_block_ids,
+    check_pages_fit,
+    check_query_start_loc,
+    check_seq_lens_cover_queries,
+    check_slot_ids,
+)
 from attn_jax.types import ACTIVATION_DTYPES
 
 _KV_CACHE_DTYPES = (*ACTIVATION_DTYPES, np.dtype("float8_e4m3fn"), np.dtype("float8_e5m2"))
@@ -109,41 +116,20 @@ def dynamic_validate_inputs(
 ) -> None:
     """Checks concrete index values; raises ValueError naming the first bad entry.
 
-    Only the block-table entries a request uses (ceil(seq_len / block_size)) are checked.
+    The checks are the metadata's own (``attn_jax.metadata.check_*``). Only the
+    block-table entries a request uses (ceil(seq_len / block_size)) are checked.
     """
     qsl = np.asarray(query_start_loc)
     lens = np.asarray(seq_lens)
     table = np.asarray(block_tables)
     slots = np.asarray(slot_mapping)
-    if qsl[0] != 0:
-        raise ValueError(f"query_start_loc[0]={qsl[0]} must be 0")
-    query_lens = np.diff(qsl)
-    if (bad := np.flatnonzero(query_lens < 0)).size:
-        i = bad[0]
-        raise ValueError(
-            f"query_start_loc must be non-decreasing; query_start_loc[{i}]={qsl[i]} > query_start_loc[{i + 1}]={qsl[i + 1]}"
-        )
+    check_query_start_loc(qsl, "query_start_loc")
     if qsl[-1] > slots.shape[0]:
         raise ValueError(f"query_start_loc[-1]={qsl[-1]} exceeds num_tokens={slots.shape[0]}")
     if (bad := np.flatnonzero(lens < 0)).size:
         raise ValueError(f"seq_lens[{bad[0]}]={lens[bad[0]]} must be >= 0")
-    if causal and (bad := np.flatnonzero(lens < query_lens)).size:
-        i = bad[0]
-        raise ValueError(
-            f"seq_lens[{i}]={lens[i]} < query_len={query_lens[i]}: a request's context includes its new tokens"
-        )
-    pages_needed = -(-lens // block_size)
-    if (bad := np.flatnonzero(pages_needed > table.shape[1])).size:
-        i = bad[0]
-        raise ValueError(
-            f"seq_lens[{i}]={lens[i]} needs {pages_needed[i]} pages of block_size={block_size}, "
-            f"but block_tables has only {table.shape[1]} columns"
-        )
-    used = np.arange(table.shape[1])[None, :] < pages_needed[:, None]
-    if (bad := np.argwhere(used & ((table < 0) | (table >= num_blocks)))).size:
-        r, c = bad[0]
-        raise ValueError(f"block_tables[{r}, {c}]={table[r, c]} is outside the cache's blocks [0, {num_blocks})")
-    num_slots = num_blocks * block_size
-    if (bad := np.flatnonzero((slots < -1) | (slots >= num_slots))).size:
-        i = bad[0]
-        raise ValueError(f"slot_mapping[{i}]={slots[i]} is outside [0, {num_slots}) and not -1 (padding)")
+    if causal:
+        check_seq_lens_cover_queries(lens, np.diff(qsl), "seq_lens")
+    check_pages_fit(lens, block_size, table.shape[1], "block_tables")
+    check_block_ids(table, lens, block_size, num_blocks, "block_tables")
+    check_slot_ids(slots, num_blocks * block_size)
