@@ -133,7 +133,8 @@ class Attention:
                 platform=current_platform(),
             )  # fmt: skip
             if reasons:
-                raise ValueError(f"attn_backend={attn_backend.get_name()} cannot serve this layer: " + "; ".join(reasons))
+                name = attn_backend.get_name()
+                raise ValueError(f"attn_backend={name} cannot serve this layer: " + "; ".join(reasons))
         self.attn_backend = attn_backend
         self.impl = attn_backend.get_impl_cls()(
             num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,

@@ -23,6 +23,7 @@ from attn_jax.kv_cache import (
 )
 from tests.oracle import assert_cache_entries_equal, cache_contents
 
+
 def _cache(num_blocks=4, block_size=2, num_kv_heads=2, head_size=8, cache_dtype_str="auto", dtype=jnp.float32):
     return allocate_kv_cache(
         XLAAttentionBackend, num_blocks, block_size, num_kv_heads, head_size,

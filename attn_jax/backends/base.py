@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -25,9 +25,6 @@ from attn_jax.types import (
 if TYPE_CHECKING:
     from attn_jax.metadata import CommonAttentionMetadata
     from attn_jax.platforms import Platform
-
-M = TypeVar("M")
-
 
 class AttentionBackend(abc.ABC):
     """Abstract attention backend: a bundle of impl, metadata and builder classes."""
@@ -151,7 +148,7 @@ class AttentionBackend(abc.ABC):
         return cache_storage_dtype(validate_cache_dtype(cache_dtype_str), model_dtype)
 
 
-class AttentionImpl(abc.ABC, Generic[M]):
+class AttentionImpl[M](abc.ABC):
     """Per-layer attention computation; holds the layer's static hyperparameters."""
 
     @abc.abstractmethod
@@ -191,7 +188,7 @@ class AttentionSpec:
     attention_chunk_size: int | None = None
 
 
-class AttentionMetadataBuilder(abc.ABC, Generic[M]):
+class AttentionMetadataBuilder[M](abc.ABC):
     """Turns the per-batch ``CommonAttentionMetadata`` into a backend's metadata."""
 
     def __init__(self, kv_cache_spec: AttentionSpec) -> None:

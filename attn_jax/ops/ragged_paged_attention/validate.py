@@ -80,7 +80,9 @@ def static_validate_inputs(
             if x.dtype != q.dtype:
                 raise TypeError(f"{name}.dtype={np.dtype(x.dtype)} must equal q.dtype={np.dtype(q.dtype)}")
     if query_start_loc.ndim != 1 or query_start_loc.shape[0] < 2:
-        raise ValueError(f"query_start_loc.shape={tuple(query_start_loc.shape)} must be [num_reqs + 1] with num_reqs >= 1")
+        raise ValueError(
+            f"query_start_loc.shape={tuple(query_start_loc.shape)} must be [num_reqs + 1] with num_reqs >= 1"
+        )
     num_reqs = query_start_loc.shape[0] - 1
     _check_shape("seq_lens", seq_lens, (num_reqs,), f"[num_reqs] with num_reqs={num_reqs} from query_start_loc")
     if block_tables.ndim != 2 or block_tables.shape[0] != num_reqs:

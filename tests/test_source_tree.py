@@ -1,0 +1,26 @@
+"""Rules of the house that hold for the source tree as a whole."""
+
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+OPS = ROOT / "attn_jax" / "ops"
+ENV_ACCESS = re.compile(r"\bos\.environ\b|\bgetenv\b|^\s*import os\b|^\s*from os import", re.M)
+
+
+@pytest.mark.parametrize("path", sorted(OPS.rglob("*.py")), ids=lambda p: str(p.relative_to(OPS)))
+def test_kernels_are_pure(path):
+    """Nothing under ops/ reads environment variables (DESIGN.md, rules of the house)."""
+    assert not ENV_ACCESS.search(path.read_text()), f"{path.relative_to(ROOT)} reads the environment"
+
+
+def test_ruff_is_clean():
+    ruff = shutil.which("ruff", path=str(pathlib.Path(sys.executable).parent)) or shutil.which("ruff")
+    assert ruff, "ruff is a test dependency: install attn-stack[test]"
+    result = subprocess.run([ruff, "check", "--output-format", "concise", str(ROOT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
