@@ -168,8 +168,18 @@ class Attention:
         sharing another layer's KV); kv_cache of the backend's shape; attn_metadata a
         ``CommonAttentionMetadata`` or the backend's own metadata.
 
+        Cross-attention (``attn_type="encoder_decoder"``) takes key = value = None: the
+        encoder's keys and values have their own token count, so the caller writes them
+        once with ``write_to_kv_cache(kv_cache, enc_k, enc_v, encoder_slot_mapping)`` and
+        ``seq_lens`` holds each request's encoder length.
+
         Returns (output [T, Hq*D] in query's dtype, updated kv_cache).
         """
+        if self.attn_type is AttentionType.ENCODER_DECODER and key is not None:
+            raise ValueError(
+                "attn_type='encoder_decoder' takes key=None and value=None: write the encoder's "
+                "keys and values into the cache with write_to_kv_cache(..., encoder_slot_mapping) first"
+            )
         if self.calculate_kv_scales and is_quantized_kv_cache(self.kv_cache_dtype):
             if not is_concrete(query, key, value):
                 raise ValueError(

@@ -222,6 +222,30 @@ def test_encoder_only_attends_both_ways():
     assert not np.allclose(out[:3], causal[:3])
 
 
+def test_cross_attention_reads_encoder_kv_written_by_the_caller():
+    # Two decoder requests (3 and 1 query tokens) over encoder outputs of 5 and 2 tokens.
+    batch = make_ragged_batch(
+        0, [3, 1], [5, 2], num_q_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, block_size=2
+    )  # context = the encoder tokens, already in the cache
+    enc_lens = np.array([5, 2], np.int32)
+    qsl = np.asarray(batch.query_start_loc)
+    md = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=enc_lens, seq_lens_cpu=enc_lens,
+        num_computed_tokens_cpu=enc_lens, num_reqs=2, num_actual_tokens=4, max_query_len=3,
+        block_table_tensor=batch.block_tables, slot_mapping=np.full(4, -1, np.int32),
+    )  # fmt: skip
+    layer = make_layer(attn_type="encoder_decoder", block_size=2)
+    out, cache = layer(batch.q, None, None, batch.kv_cache, md)
+    np.testing.assert_array_equal(np.isnan(cache), np.isnan(batch.kv_cache))
+    encoder_k = [ks[:n] for ks, n in zip(batch.k_seqs, enc_lens, strict=True)]
+    encoder_v = [vs[:n] for vs, n in zip(batch.v_seqs, enc_lens, strict=True)]
+    # Non-causal: each decoder token sees its request's whole encoder output.
+    expected = attention_oracle(batch.q, encoder_k, encoder_v, [3, 1], sm_scale=layer.scale, causal=False)
+    np.testing.assert_allclose(out.reshape(expected.shape), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="encoder_decoder' takes key=None"):
+        layer(batch.q, batch.k, batch.v, batch.kv_cache, md)
+
+
 def test_calculate_kv_scales_sets_scales_from_the_first_batch():
     rng = np.random.default_rng(7)
     layer = make_layer(cache_config=CacheConfig(block_size=BLOCK_SIZE, cache_dtype="fp8", calculate_kv_scales=True))
