@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_jax.types import validate_positive_int
+
 __all__ = [
     "CACHE_STORAGE_DTYPES",
     "DEFAULT_K_RANGE",
@@ -68,12 +70,6 @@ def is_fp8_dtype(dtype) -> bool:
     return np.dtype(dtype) in FP8_DTYPES
 
 
-def _check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
 def allocate_kv_cache(
     backend_cls,
     num_blocks: int,
@@ -92,10 +88,10 @@ def allocate_kv_cache(
     "fp8_e4m3", float8_e5m2 for "fp8_e5m2"). Tests pass ``fill=jnp.nan`` so that a read of
     an unused slot shows in the output.
     """
-    num_blocks = _check_positive_int("num_blocks", num_blocks)
-    block_size = _check_positive_int("block_size", block_size)
-    num_kv_heads = _check_positive_int("num_kv_heads", num_kv_heads)
-    head_size = _check_positive_int("head_size", head_size)
+    num_blocks = validate_positive_int("num_blocks", num_blocks)
+    block_size = validate_positive_int("block_size", block_size)
+    num_kv_heads = validate_positive_int("num_kv_heads", num_kv_heads)
+    head_size = validate_positive_int("head_size", head_size)
     shape = backend_cls.get_kv_cache_shape(
         num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str
     )

@@ -25,7 +25,7 @@ from attn_jax.metadata import CommonAttentionMetadata
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
 from attn_jax.platforms import current_platform
 from attn_jax.selector import get_attn_backend
-from attn_jax.types import AttentionType, is_quantized_kv_cache, validate_cache_dtype
+from attn_jax.types import AttentionType, is_quantized_kv_cache, validate_cache_dtype, validate_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +75,8 @@ class Attention:
             raise NotImplementedError("use_mla=True: no attn-stack backend implements MLA yet")
         if use_sparse:
             raise NotImplementedError("use_sparse=True: no attn-stack backend implements sparse attention yet")
-        for name, value in (("num_heads", num_heads), ("head_size", head_size)):
-            if not (isinstance(value, int) and value > 0):
-                raise ValueError(f"{name}={value!r} must be a positive int")
+        validate_positive_int("num_heads", num_heads)
+        validate_positive_int("head_size", head_size)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if not (isinstance(num_kv_heads, int) and num_kv_heads > 0) or num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads!r}")

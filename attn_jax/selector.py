@@ -22,7 +22,7 @@ import numpy as np
 from attn_jax.backends.base import AttentionBackend
 from attn_jax.platforms import Platform, current_platform
 from attn_jax.registry import AttentionBackendEnum, overrides_snapshot
-from attn_jax.types import AttentionType, validate_activation_dtype, validate_cache_dtype
+from attn_jax.types import AttentionType, validate_activation_dtype, validate_cache_dtype, validate_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -189,20 +189,14 @@ class SelectionReport:
     __str__ = format
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-    return int(value)
-
-
 def _make_request(
     head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse, attn_type
 ) -> SelectionRequest:
     return SelectionRequest(
-        head_size=_positive_int("head_size", head_size),
+        head_size=validate_positive_int("head_size", head_size),
         dtype=validate_activation_dtype(dtype),
         kv_cache_dtype=validate_cache_dtype(kv_cache_dtype),
-        block_size=_positive_int("block_size", block_size),
+        block_size=validate_positive_int("block_size", block_size),
         use_mla=bool(use_mla),
         has_sink=bool(has_sink),
         use_sparse=bool(use_sparse),

@@ -63,6 +63,13 @@ ACTIVATION_DTYPES: tuple[np.dtype, ...] = tuple(
 )
 
 
+def validate_positive_int(name: str, value) -> int:
+    """Returns ``int(value)`` if it is a positive integer (bool excluded), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+    return int(value)
+
+
 def validate_cache_dtype(kv_cache_dtype: str) -> str:
     """Returns ``kv_cache_dtype`` if it is one of CACHE_DTYPES, else raises ValueError."""
     if kv_cache_dtype not in CACHE_DTYPES:

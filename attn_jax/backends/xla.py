@@ -13,7 +13,7 @@ from attn_jax.backends.base import AttentionBackend, AttentionImpl, AttentionMet
 from attn_jax.metadata import CommonAttentionMetadata, make_local_attention_virtual_batches
 from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
-from attn_jax.types import AttentionType, validate_cache_dtype
+from attn_jax.types import AttentionType, validate_cache_dtype, validate_positive_int
 
 Array = Any
 
@@ -168,8 +168,7 @@ class XLAAttentionBackend(AttentionBackend):
             ("num_kv_heads", num_kv_heads),
             ("head_size", head_size),
         ):
-            if not (isinstance(value, (int, np.integer)) and value > 0):
-                raise ValueError(f"{name}={value!r} must be a positive int")
+            validate_positive_int(name, value)
         validate_cache_dtype(cache_dtype_str)
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from attn_jax.kv_cache import CACHE_STORAGE_DTYPES
 from attn_jax.metadata import (
     check_block_ids,
     check_pages_fit,
@@ -20,7 +21,6 @@ from attn_jax.metadata import (
 )
 from attn_jax.types import ACTIVATION_DTYPES
 
-_KV_CACHE_DTYPES = (*ACTIVATION_DTYPES, np.dtype("float8_e4m3fn"), np.dtype("float8_e5m2"))
 _INDEX_DTYPES = (np.dtype(np.int32),)
 
 
@@ -66,7 +66,7 @@ def static_validate_inputs(
             f"kv_cache.shape={tuple(kv_cache.shape)} must be "
             "[2, num_blocks, block_size, num_kv_heads, head_size] (k at [0], v at [1])"
         )
-    _check_dtype("kv_cache", kv_cache, _KV_CACHE_DTYPES)
+    _check_dtype("kv_cache", kv_cache, CACHE_STORAGE_DTYPES)
     _, _, _, num_kv_heads, cache_head_size = kv_cache.shape
     if cache_head_size != head_size:
         raise ValueError(f"kv_cache head_size={cache_head_size} must equal q head_size={head_size}")
