@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import operator
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -20,7 +19,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from attn_jax.types import KVCacheLayout, validate_kv_cache_layout
+from attn_jax.types import KVCacheLayout, validate_kv_cache_layout, validate_positive_int
 
 Array = Any  # jax.Array or np.ndarray
 
@@ -258,10 +257,8 @@ def make_local_attention_virtual_batches(
     give seqlens_q_local [2, 2, 1, 4, 4, 1, 4, 1], seqlens_k_local
     [4, 2, 4, 4, 4, 1, 4, 1], and virtual keys starting at [0, 4, 4, 8, 12, 16, 4, 8].
     """
-    if attn_chunk_size <= 0:
-        raise ValueError(f"{attn_chunk_size=} must be positive")
-    if block_size <= 0:
-        raise ValueError(f"{block_size=} must be positive")
+    validate_positive_int("attn_chunk_size", attn_chunk_size)
+    validate_positive_int("block_size", block_size)
     if attn_chunk_size % block_size:
         raise ValueError(f"{attn_chunk_size=} must be a multiple of {block_size=}")
     qsl = np.asarray(query_start_loc_np)
@@ -512,8 +509,7 @@ def validate_common_metadata(
         raise ValueError(f"{num_blocks=} needs block_size to check block and slot ids")
     if block_size is None:
         return
-    if block_size <= 0:
-        raise ValueError(f"{block_size=} must be positive")
+    validate_positive_int("block_size", block_size)
     width = block_table.shape[1]
     check_pages_fit(seq_lens, block_size, width, "block_table_tensor")
     if num_blocks is None:
@@ -618,9 +614,7 @@ def build_common_attn_metadata(
             f"query_lens {q.shape}, seq_lens {s.shape} and block_table {bt.shape} must "
             "agree on the number of requests"
         )
-    block_size = operator.index(block_size)
-    if block_size <= 0:
-        raise ValueError(f"{block_size=} must be positive")
+    block_size = validate_positive_int("block_size", block_size)
     if num_reqs and q.min() < 0:
         r = _first_bad(q < 0)
         raise ValueError(f"query_lens[{r}]={int(q[r])} must be >= 0")

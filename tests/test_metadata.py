@@ -139,8 +139,8 @@ def test_local_attention_properties(batch):
             {"attn_chunk_size": 6, "block_size": 4},
             "attn_chunk_size=6 must be a multiple of block_size=4",
         ),
-        ({"attn_chunk_size": 0}, "attn_chunk_size=0 must be positive"),
-        ({"block_size": 0}, "block_size=0 must be positive"),
+        ({"attn_chunk_size": 0}, "attn_chunk_size=0 must be a positive integer"),
+        ({"block_size": 0}, "block_size=0 must be a positive integer"),
         ({"query_start_loc_np": np.array([1, 2, 3])}, r"query_start_loc_np\[0\]=1 must be 0"),
         (
             {"query_start_loc_np": np.array([0, 3, 2])},
@@ -521,7 +521,7 @@ def _build(**overrides):
             {"seq_lens": np.array([2, 9])},
             r"block_table has 2 pages per request; request 1 needs 3 \(seq_len 9, block_size=4\)",
         ),
-        ({"block_size": 0}, "block_size=0 must be positive"),
+        ({"block_size": 0}, "block_size=0 must be a positive integer"),
         (
             {"query_lens": np.array([2, 1, 1])},
             r"query_lens \(3,\), seq_lens \(2,\) and block_table \(2, 2\) must agree",
@@ -700,7 +700,7 @@ def _set(a, index, value):
             r"slot_mapping\[6\]=0 must be -1: rows past num_actual_tokens=4",
         ),
         (lambda m: m, {"num_blocks": 6}, "num_blocks=6 needs block_size"),
-        (lambda m: m, {"block_size": 0}, "block_size=0 must be positive"),
+        (lambda m: m, {"block_size": 0}, "block_size=0 must be a positive integer"),
         (
             lambda m: m,
             {"block_size": 2},
