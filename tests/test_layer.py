@@ -12,7 +12,7 @@ from attn_jax.backends.xla import XLAAttentionBackend
 from attn_jax.layer import Attention, CacheConfig
 from attn_jax.metadata import CommonAttentionMetadata, MetadataBuckets, build_common_attn_metadata
 from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
-from attn_jax.ops.ragged_paged_attention.workloads import make_ragged_batch
+from attn_jax.testing.workloads import make_ragged_batch
 from tests.oracle import attention_oracle
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 8, 4, 32

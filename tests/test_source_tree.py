@@ -24,3 +24,13 @@ def test_ruff_is_clean():
     assert ruff, "ruff is a test dependency: install attn-stack[test]"
     result = subprocess.run([ruff, "check", "--output-format", "concise", str(ROOT)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+UPWARD_IMPORT = re.compile(r"^\s*(from|import)\s+attn_jax\.(backends|selector|layer|registry|testing|serving|models|cli)\b", re.M)
+
+
+@pytest.mark.parametrize("path", sorted(OPS.rglob("*.py")), ids=lambda p: str(p.relative_to(OPS)))
+def test_ops_do_not_import_upward(path):
+    """ops/ sits below backends, selection, layers and test helpers: no arrow points up."""
+    match = UPWARD_IMPORT.search(path.read_text())
+    assert match is None, f"{path.relative_to(ROOT)} imports {match.group(0).strip()!r}"

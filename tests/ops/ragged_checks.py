@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
-from attn_jax.ops.ragged_paged_attention.workloads import RaggedBatch
+from attn_jax.testing.workloads import RaggedBatch
 from tests.oracle import assert_cache_entries_equal, attention_oracle, cache_contents
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
-from attn_jax.ops.ragged_paged_attention.workloads import make_ragged_batch
+from attn_jax.testing.workloads import make_ragged_batch
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])

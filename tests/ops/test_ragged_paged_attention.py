@@ -18,7 +18,7 @@ import pytest
 
 from attn_jax.kv_cache import write_to_kv_cache
 from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
-from attn_jax.ops.ragged_paged_attention.workloads import make_ragged_batch
+from attn_jax.testing.workloads import make_ragged_batch
 from tests.ops.ragged_checks import check, check_output, make_options, run_op
 
 JIT = pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attn_jax.ops.ragged_paged_attention.workloads import make_ragged_batch
+from attn_jax.testing.workloads import make_ragged_batch
 from tests.ops.ragged_checks import check, make_options
 
 

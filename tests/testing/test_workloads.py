@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax.ops.ragged_paged_attention.workloads import WORKLOADS, make_ragged_batch
+from attn_jax.testing.workloads import WORKLOADS, make_ragged_batch
 
 
 @pytest.mark.parametrize("shuffle_blocks", [True, False])

@@ -1,0 +1,1 @@
+"""Workload and random-batch builders shared by tests, benchmarks and notebooks."""
