@@ -1,0 +1,120 @@
+"""Per-tile math shared by the Pallas kernels: masks, score transforms, online softmax.
+
+Every function here is a pure function of jnp values (no refs, no Pallas primitives), so
+the same code lowers through Triton (``kernel_gpu.py``), Mosaic TPU (``kernel_tpu.py``)
+and runs eagerly in unit tests. A kernel tile is ``rows`` query rows (query tokens times
+the query heads of one KV head, packed) against ``cols`` cached key positions.
+
+The online softmax keeps, per row, the running maximum ``m``, the running denominator
+``l`` and the unnormalised accumulator ``acc``::
+
+    state = init_softmax_state(rows, head_size, sinks=sinks_per_row)
+    for each KV tile:
+        s = transform_scores(dot(q, k.T), q_pos, kv_pos, sm_scale=..., soft_cap=..., alibi=...)
+        state = online_softmax_update(state, s, visible_mask(...), v)
+    out = finalize_softmax_state(state)
+
+A sink (one raw logit per query head) enters as the initial state ``m = sink, l = 1``:
+it joins the denominator and contributes nothing to the numerator, exactly as
+``p_j = exp(s_j) / (sum_i exp(s_i) + exp(sink))``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+"""Finite stand-in for -inf: the running max starts here, so exp(m_old - m_new) never sees inf - inf."""
+
+
+def dequantize(x, scale, dtype=jnp.float32):
+    """Cache tile to compute dtype: ``x * scale`` for fp8 caches (scale a scalar), a cast otherwise."""
+    x = x.astype(dtype)
+    if scale is None:
+        return x
+    return x * jnp.asarray(scale, jnp.float32).astype(dtype)
+
+
+def visible_mask(q_pos, kv_pos, kv_len, *, causal: bool, sliding_window: int | None):
+    """bool[rows, cols]: which cached positions each query row may attend to.
+
+    q_pos i32[rows, 1]: absolute position of each query row in its request; a negative
+    position marks a padding row, which sees nothing. kv_pos i32[1, cols]: cached
+    positions; kv_len: the request's context length (scalar or i32[rows, 1]). Positions
+    ``j >= kv_len`` are never visible, so whatever unused slots hold cannot reach an output.
+    """
+    visible = (kv_pos < kv_len) & (q_pos >= 0)
+    if causal:
+        visible = visible & (kv_pos <= q_pos)
+    if sliding_window is not None:
+        visible = visible & (kv_pos > q_pos - sliding_window)
+    return visible
+
+
+def transform_scores(s, q_pos, kv_pos, *, sm_scale: float, soft_cap: float | None, alibi_slopes=None):
+    """f32[rows, cols] raw ``q.k`` to logits: scale, soft cap ``c*tanh(s/c)``, ALiBi ``slope*(j-p)``.
+
+    alibi_slopes: f32[rows, 1] (the slope of each row's query head) or None.
+    """
+    s = s * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    if alibi_slopes is not None:
+        s = s + alibi_slopes * (kv_pos - q_pos).astype(jnp.float32)
+    return s
+
+
+def init_softmax_state(rows: int, head_size: int, sinks=None):
+    """(m f32[rows], l f32[rows], acc f32[rows, head_size]) before any key; sinks f32[rows] or None."""
+    acc = jnp.zeros((rows, head_size), jnp.float32)
+    if sinks is None:
+        return jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32), acc
+    return sinks.astype(jnp.float32), jnp.ones((rows,), jnp.float32), acc
+
+
+def softmax_tile_update(m, l, s, visible):
+    """One tile's softmax bookkeeping: returns (m_new f32[rows], l_new, alpha f32[rows], p f32[rows, cols]).
+
+    ``alpha`` rescales the old accumulator and ``p`` are the tile's unnormalised weights
+    (exactly 0 where not visible, whatever ``s`` holds there, NaN included).
+    """
+    s = jnp.where(visible, s, MASK_VALUE)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+    l_new = alpha * l + jnp.sum(p, axis=1)
+    return m_new, l_new, alpha, p
+
+
+def online_softmax_update(state, s, visible, v, *, precision=None):
+    """Folds one KV tile into the running state.
+
+    state: (m, l, acc) as from ``init_softmax_state``; s f32[rows, cols] logits;
+    visible bool[rows, cols]; v [cols, head_size] in the matmul dtype (rows of v that are
+    not visible to any row must be finite: mask or zero them when loading).
+    """
+    m, l, acc = state
+    m_new, l_new, alpha, p = softmax_tile_update(m, l, s, visible)
+    pv = jax.lax.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+    return m_new, l_new, acc * alpha[:, None] + pv
+
+
+def finalize_softmax_state(state):
+    """f32[rows, head_size] ``acc / l``; rows that saw no key (l == 0) give 0."""
+    _, l, acc = state
+    safe = jnp.where(l > 0, l, 1.0)
+    return jnp.where((l > 0)[:, None], acc / safe[:, None], 0.0)
+
+
+def merge_softmax_states(m, l, acc):
+    """Combines split-KV partial states along axis 0 (flash-decoding's reduce).
+
+    m, l f32[splits, ...]; acc f32[splits, ..., head_size]. Returns the merged
+    (m, l, acc) with the split axis removed; splits that saw nothing carry
+    ``m = MASK_VALUE, l = 0`` and drop out. A sink must be folded into exactly one split.
+    """
+    m_all = jnp.max(m, axis=0)
+    weight = jnp.exp(m - m_all[None])
+    return m_all, jnp.sum(weight * l, axis=0), jnp.sum(weight[..., None] * acc, axis=0)
