@@ -6,7 +6,7 @@ and runs eagerly in unit tests. A kernel tile is ``rows`` query rows (query toke
 the query heads of one KV head, packed) against ``cols`` cached key positions.
 
 The online softmax keeps, per row, the running maximum ``m``, the running denominator
-``l`` and the unnormalised accumulator ``acc``::
+``denom`` and the unnormalised accumulator ``acc``::
 
     state = init_softmax_state(rows, head_size, sinks=sinks_per_row)
     for each KV tile:
@@ -14,7 +14,7 @@ The online softmax keeps, per row, the running maximum ``m``, the running denomi
         state = online_softmax_update(state, s, visible_mask(...), v)
     out = finalize_softmax_state(state)
 
-A sink (one raw logit per query head) enters as the initial state ``m = sink, l = 1``:
+A sink (one raw logit per query head) enters as the initial state ``m = sink, denom = 1``:
 it joins the denominator and contributes nothing to the numerator, exactly as
 ``p_j = exp(s_j) / (sum_i exp(s_i) + exp(sink))``.
 """
@@ -67,15 +67,15 @@ def transform_scores(s, q_pos, kv_pos, *, sm_scale: float, soft_cap: float | Non
 
 
 def init_softmax_state(rows: int, head_size: int, sinks=None):
-    """(m f32[rows], l f32[rows], acc f32[rows, head_size]) before any key; sinks f32[rows] or None."""
+    """(m f32[rows], denom f32[rows], acc f32[rows, head_size]) before any key; sinks f32[rows] or None."""
     acc = jnp.zeros((rows, head_size), jnp.float32)
     if sinks is None:
         return jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32), acc
     return sinks.astype(jnp.float32), jnp.ones((rows,), jnp.float32), acc
 
 
-def softmax_tile_update(m, l, s, visible):
-    """One tile's softmax bookkeeping: returns (m_new f32[rows], l_new, alpha f32[rows], p f32[rows, cols]).
+def softmax_tile_update(m, denom, s, visible):
+    """One tile's softmax bookkeeping: returns (m_new f32[rows], denom_new, alpha f32[rows], p f32[rows, cols]).
 
     ``alpha`` rescales the old accumulator and ``p`` are the tile's unnormalised weights
     (exactly 0 where not visible, whatever ``s`` holds there, NaN included).
@@ -84,37 +84,37 @@ def softmax_tile_update(m, l, s, visible):
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp(m - m_new)
     p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
-    l_new = alpha * l + jnp.sum(p, axis=1)
-    return m_new, l_new, alpha, p
+    denom_new = alpha * denom + jnp.sum(p, axis=1)
+    return m_new, denom_new, alpha, p
 
 
 def online_softmax_update(state, s, visible, v, *, precision=None):
     """Folds one KV tile into the running state.
 
-    state: (m, l, acc) as from ``init_softmax_state``; s f32[rows, cols] logits;
+    state: (m, denom, acc) as from ``init_softmax_state``; s f32[rows, cols] logits;
     visible bool[rows, cols]; v [cols, head_size] in the matmul dtype (rows of v that are
     not visible to any row must be finite: mask or zero them when loading).
     """
-    m, l, acc = state
-    m_new, l_new, alpha, p = softmax_tile_update(m, l, s, visible)
+    m, denom, acc = state
+    m_new, denom_new, alpha, p = softmax_tile_update(m, denom, s, visible)
     pv = jax.lax.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
-    return m_new, l_new, acc * alpha[:, None] + pv
+    return m_new, denom_new, acc * alpha[:, None] + pv
 
 
 def finalize_softmax_state(state):
-    """f32[rows, head_size] ``acc / l``; rows that saw no key (l == 0) give 0."""
-    _, l, acc = state
-    safe = jnp.where(l > 0, l, 1.0)
-    return jnp.where((l > 0)[:, None], acc / safe[:, None], 0.0)
+    """f32[rows, head_size] ``acc / denom``; rows that saw no key (denom == 0) give 0."""
+    _, denom, acc = state
+    safe = jnp.where(denom > 0, denom, 1.0)
+    return jnp.where((denom > 0)[:, None], acc / safe[:, None], 0.0)
 
 
-def merge_softmax_states(m, l, acc):
+def merge_softmax_states(m, denom, acc):
     """Combines split-KV partial states along axis 0 (flash-decoding's reduce).
 
-    m, l f32[splits, ...]; acc f32[splits, ..., head_size]. Returns the merged
-    (m, l, acc) with the split axis removed; splits that saw nothing carry
-    ``m = MASK_VALUE, l = 0`` and drop out. A sink must be folded into exactly one split.
+    m, denom f32[splits, ...]; acc f32[splits, ..., head_size]. Returns the merged
+    (m, denom, acc) with the split axis removed; splits that saw nothing carry
+    ``m = MASK_VALUE, denom = 0`` and drop out. A sink must be folded into exactly one split.
     """
     m_all = jnp.max(m, axis=0)
     weight = jnp.exp(m - m_all[None])
-    return m_all, jnp.sum(weight * l, axis=0), jnp.sum(weight[..., None] * acc, axis=0)
+    return m_all, jnp.sum(weight * denom, axis=0), jnp.sum(weight[..., None] * acc, axis=0)

@@ -1,0 +1,147 @@
+"""Block sizes for the kernels: a heuristic default, overridden by tuned tables (data).
+
+Tuned tables are JSON files under ``tuned/``, one per device kind, written by tuning
+scripts under ``benchmarks/``. Each holds ``device_kind`` (as ``jax.Device.device_kind``
+reports it), ``source`` (how the numbers were obtained) and ``entries``: a list of
+objects whose ``match`` keys select a configuration and whose other keys are the block
+sizes. A miss falls back to the heuristic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+from typing import Any
+
+TUNED_DIR = pathlib.Path(__file__).parent / "tuned"
+
+GPU_MATCH_KEYS = ("mode", "head_size", "group", "page_size")
+"""What a GPU table entry matches on; ``mode`` is "decode" (every request one token) or "mixed"."""
+
+H100_NUM_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuBlockSizes:
+    """Static tiling of one launch.
+
+    block_q: query tokens per q-block; ``block_q * next_pow2(G)`` rows, at least 16.
+    pages_per_tile: pages per K/V tile (tile = pages_per_tile * page_size keys, >= 16).
+    num_kv_splits: flash-decoding splits of each q-block's KV range (1 = one pass).
+    num_warps, num_stages: Triton's warps per program and software-pipelining depth.
+    """
+
+    block_q: int
+    pages_per_tile: int
+    num_kv_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def check_block_sizes(bs: GpuBlockSizes, *, group: int, page_size: int) -> None:
+    """Raises ValueError naming the field when ``bs`` cannot tile this configuration."""
+    rows, tile = bs.block_q * next_pow2(group), bs.pages_per_tile * page_size
+    for name in ("block_q", "pages_per_tile", "num_kv_splits", "num_warps", "num_stages"):
+        value = getattr(bs, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"block sizes: {name}={value!r} must be a positive int")
+    for name in ("block_q", "pages_per_tile", "num_warps"):
+        value = getattr(bs, name)
+        if value & (value - 1):
+            raise ValueError(f"block sizes: {name}={value} must be a power of two")
+    if rows < 16:
+        raise ValueError(
+            f"block sizes: block_q={bs.block_q} gives {rows} rows for a head group of {group} "
+            "(padded to a power of two); the GPU kernel needs at least 16"
+        )
+    if tile < 16:
+        raise ValueError(
+            f"block sizes: pages_per_tile={bs.pages_per_tile} x page_size={page_size} = {tile} keys "
+            "per tile; the GPU kernel needs at least 16"
+        )
+
+
+@functools.cache
+def load_tuned_table(name: str) -> dict[str, Any]:
+    """The parsed ``tuned/<name>.json``; FileNotFoundError lists the tables there are."""
+    path = TUNED_DIR / f"{name}.json"
+    if not path.exists():
+        have = sorted(p.stem for p in TUNED_DIR.glob("*.json"))
+        raise FileNotFoundError(f"no tuned table {name!r} in {TUNED_DIR}; tables: {have}")
+    table = json.loads(path.read_text())
+    for key in ("device_kind", "source", "entries"):
+        if key not in table:
+            raise ValueError(f"tuned table {path.name} lacks {key!r}")
+    return table
+
+
+def tuned_tables(prefix: str) -> list[str]:
+    """Names of the tables whose file name starts with ``prefix`` (e.g. "gpu_")."""
+    return sorted(p.stem for p in TUNED_DIR.glob(f"{prefix}*.json"))
+
+
+def gpu_table_for(device_kind: str | None) -> dict[str, Any] | None:
+    """The GPU table whose ``device_kind`` equals ``device_kind``, or None."""
+    if device_kind is None:
+        return None
+    for name in tuned_tables("gpu_"):
+        table = load_tuned_table(name)
+        if table["device_kind"] == device_kind:
+            return table
+    return None
+
+
+def gpu_entry_block_sizes(entry: dict[str, Any]) -> GpuBlockSizes:
+    """The block sizes of one table entry (its ``match`` keys removed)."""
+    fields = {k: v for k, v in entry.items() if k not in GPU_MATCH_KEYS}
+    try:
+        return GpuBlockSizes(**fields)
+    except TypeError as e:
+        raise ValueError(f"tuned entry {entry} has unknown keys: {e}") from None
+
+
+def gpu_block_sizes(
+    *,
+    num_reqs: int,
+    pages_per_req: int,
+    page_size: int,
+    head_size: int,
+    num_kv_heads: int,
+    group: int,
+    decode_only: bool,
+    device_kind: str | None = None,
+    num_sms: int = H100_NUM_SMS,
+) -> GpuBlockSizes:
+    """Block sizes for one bucket of the GPU kernel: the tuned entry, else the heuristic.
+
+    The heuristic packs 16 rows per q-block for decode (one token times the head group,
+    padded to a power of two) and 64 for mixed batches, with tiles of 64 keys. A decode
+    bucket whose ``num_reqs * num_kv_heads`` programs would not fill ``2 * num_sms`` splits
+    the KV range (flash-decoding) as long as each split keeps at least 4 tiles. A tuned
+    entry may set any field, ``num_kv_splits`` included.
+    """
+    mode = "decode" if decode_only else "mixed"
+    fields: dict[str, int] = {
+        "block_q": max((16 if decode_only else 64) // next_pow2(group), 1),
+        "pages_per_tile": max(64 // page_size, 1),
+        "num_warps": 4,
+        "num_stages": 2,
+    }
+    table = gpu_table_for(device_kind)
+    for entry in (table or {}).get("entries", []):
+        if tuple(entry.get(k) for k in GPU_MATCH_KEYS) == (mode, head_size, group, page_size):
+            fields.update({k: v for k, v in entry.items() if k not in GPU_MATCH_KEYS})
+            break
+    if "num_kv_splits" not in fields:
+        max_tiles = -(-pages_per_req * page_size // (fields["pages_per_tile"] * page_size))
+        programs = num_reqs * num_kv_heads
+        fields["num_kv_splits"] = max(1, min((2 * num_sms) // programs, max_tiles // 4)) if decode_only else 1
+    bs = GpuBlockSizes(**fields)
+    check_block_sizes(bs, group=group, page_size=page_size)
+    return bs

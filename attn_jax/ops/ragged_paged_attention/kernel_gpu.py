@@ -1,0 +1,320 @@
+"""Ragged paged attention as one Pallas kernel on GPU (Triton lowering).
+
+One launch serves a mixed prefill + decode batch. The query tokens of each request are
+cut into q-blocks of ``block_q`` tokens; a program handles one q-block for one KV head
+(``grid = (num_q_blocks, Hkv, num_kv_splits)``), with the ``block_q`` tokens times the
+``G = Hq // Hkv`` query heads of that KV head packed as the rows of the matmul
+(``rows = block_q * next_pow2(G)``). So a K/V page is read once per q-block, not once
+per query token, and once for the whole head group. Which request a q-block belongs to
+is a host-computed schedule (``gpu_schedule``): the kernel never searches.
+
+K/V tiles are ``pages_per_tile`` pages gathered through the block table. The cache keeps
+the XLA backend's NHD layout ``[2, P, S, Hkv, D]``: one token's head row is D contiguous
+elements, so a tile load reads whole rows and every byte it fetches is used.
+
+With ``num_kv_splits > 1`` (flash-decoding, for few long sequences) each program covers
+a slice of the KV tiles and writes its partial softmax state; ``merge_softmax_states``
+(common.py) combines them. The per-tile math is common.py's, shared with the TPU kernel.
+
+New keys and values are written before the kernel by ``write_to_kv_cache``, a scatter
+that XLA performs in place when the cache is donated (measured cheaper than a fused
+write for these shapes: see BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from attn_jax.kv_cache import write_to_kv_cache
+from attn_jax.ops.ragged_paged_attention import common
+from attn_jax.ops.ragged_paged_attention.config import (
+    GpuBlockSizes,
+    check_block_sizes,
+    gpu_block_sizes,
+    next_pow2,
+)
+from attn_jax.ops.ragged_paged_attention.validate import (
+    dynamic_validate_inputs,
+    is_concrete,
+    static_validate_inputs,
+)
+
+SUPPORTED_HEAD_SIZES = (32, 64, 128, 256)
+"""Triton tiles are powers of two and dots need every dimension >= 16."""
+
+_SCHEDULE_FIELDS = ("req", "tok_start", "tok_end", "pos_start", "kv_len")
+
+
+def max_num_q_blocks(num_tokens: int, num_reqs: int, block_q: int) -> int:
+    """Static bound on q-blocks: every request and the padding rows may start a partial block."""
+    return -(-num_tokens // block_q) + num_reqs + 1
+
+
+def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp=jnp):
+    """i32[5, NB]: per q-block (request, first token, end token, first position, kv length).
+
+    Runs on the host with ``xp=numpy`` (the metadata builder) or traced with ``xp=jax.numpy``
+    (when the caller passes no schedule). Padding token rows (from ``query_start_loc[-1]``
+    to ``num_tokens``) get blocks of a pseudo-request with no keys, so the kernel writes
+    zeros there; blocks past the last one are empty (no rows, no keys).
+    """
+    num_reqs = seq_lens.shape[0]
+    nb = max_num_q_blocks(num_tokens, num_reqs, block_q)
+    qsl = xp.concatenate([query_start_loc.astype(np.int32), xp.full((1,), num_tokens, np.int32)])
+    qlens = qsl[1:] - qsl[:-1]  # i32[R + 1]: the last entry is the padding rows
+    nblk = (qlens + block_q - 1) // block_q
+    cum = xp.cumsum(nblk)
+    b = xp.arange(nb, dtype=np.int32)
+    req = xp.searchsorted(cum, b, side="right").astype(np.int32)  # == R + 1: unused block
+    used = req <= num_reqs
+    req = xp.minimum(req, num_reqs)
+    first = (cum[req] - nblk[req]).astype(np.int32)
+    tok_start = qsl[req] + (b - first) * block_q
+    tok_end = xp.minimum(tok_start + block_q, qsl[req + 1])
+    is_real = req < num_reqs
+    kv_len = xp.where(is_real, seq_lens[xp.minimum(req, num_reqs - 1)], 0)
+    pos_start = kv_len - qlens[req] + (tok_start - qsl[req])
+    zero = xp.zeros_like(b)
+    rows = (
+        xp.where(used, xp.minimum(req, num_reqs - 1), zero),
+        xp.where(used, tok_start, zero),
+        xp.where(used, tok_end, zero),
+        xp.where(used & is_real, pos_start, zero),
+        xp.where(used, kv_len, zero),
+    )
+    return xp.stack(rows).astype(np.int32)
+
+
+def _kernel(
+    sched_ref, block_tables_ref, q_ref, kv_ref, scales_ref, *rest,
+    sm_scale, causal, sliding_window, soft_cap, has_alibi, has_sinks,
+    group, block_q, group_pad, pages_per_tile, num_kv_splits, spare_row,
+):  # fmt: skip
+    """One (q-block, kv head, kv split). rest: [alibi_ref], [sinks_ref], out refs."""
+    rest = list(rest)
+    alibi_ref = rest.pop(0) if has_alibi else None
+    sinks_ref = rest.pop(0) if has_sinks else None
+    b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_tokens, num_q_heads, head_size = q_ref.shape
+    _, _, page_size, _, _ = kv_ref.shape
+    pages_per_req = block_tables_ref.shape[1]
+    rows, tile = block_q * group_pad, pages_per_tile * page_size
+
+    req, tok_start, tok_end = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b]
+    pos_start, kv_len = sched_ref[3, b], sched_ref[4, b]
+
+    r = jnp.arange(rows, dtype=jnp.int32)
+    tok = tok_start + r // group_pad  # i32[rows]
+    g = r % group_pad
+    row_valid = (tok < tok_end) & (g < group)
+    tok_c = jnp.minimum(tok, num_tokens - 1)
+    head = jnp.minimum(kv_head * group + g, num_q_heads - 1)
+    # Every index is an array (no ':'), which both the Triton lowering and the interpreter take.
+    d = jnp.arange(head_size, dtype=jnp.int32)[None, :]
+    q = plgpu.load(q_ref.at[tok_c[:, None], head[:, None], d], mask=row_valid[:, None], other=0.0)  # [rows, D]
+    q_pos = jnp.where(row_valid, pos_start + (tok - tok_start), -1)[:, None]  # i32[rows, 1]
+
+    # KV range of this q-block: [lo, hi) positions, then this split's share of its tiles.
+    last_pos = pos_start + (tok_end - tok_start) - 1
+    hi = jnp.minimum(kv_len, last_pos + 1) if causal else kv_len
+    lo = jnp.maximum(pos_start - sliding_window + 1, 0) if sliding_window is not None else 0
+    hi = jnp.where(tok_end > tok_start, hi, 0)
+    t_lo, t_hi = lo // tile, (hi + tile - 1) // tile
+    per_split = (jnp.maximum(t_hi - t_lo, 0) + num_kv_splits - 1) // num_kv_splits
+    s_lo = t_lo + split * per_split
+    s_hi = jnp.minimum(s_lo + per_split, t_hi)
+
+    k_scale, v_scale = scales_ref[0], scales_ref[1]
+    slopes = None
+    if has_alibi:
+        slopes = plgpu.load(alibi_ref.at[head], mask=row_valid, other=0.0)[:, None]
+    sinks = None
+    if has_sinks:
+        sinks = plgpu.load(sinks_ref.at[head], mask=row_valid, other=common.MASK_VALUE)
+        sinks = jnp.where(split == 0, sinks, common.MASK_VALUE)  # the sink joins one split only
+    state = common.init_softmax_state(rows, head_size, sinks=sinks)
+    if has_sinks:  # splits other than 0 start empty: denom = 0
+        state = (state[0], jnp.where(split == 0, state[1], 0.0), state[2])
+
+    def body(t, state):
+        j = t * tile + jnp.arange(tile, dtype=jnp.int32)  # i32[tile] cached positions
+        in_range = j < hi
+        page = plgpu.load(block_tables_ref.at[req, jnp.minimum(j // page_size, pages_per_req - 1)])
+        offset = j % page_size
+        page, offset = page[:, None], offset[:, None]
+        k = plgpu.load(kv_ref.at[0, page, offset, kv_head, d], mask=in_range[:, None], other=0.0)
+        v = plgpu.load(kv_ref.at[1, page, offset, kv_head, d], mask=in_range[:, None], other=0.0)
+        k = common.dequantize(k, None, q.dtype)  # fp8 scales fold into sm_scale and the output
+        v = common.dequantize(v, None, q.dtype)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # f32[rows, tile]
+        s = common.transform_scores(
+            s, q_pos, j[None, :], sm_scale=sm_scale * k_scale, soft_cap=soft_cap, alibi_slopes=slopes
+        )
+        visible = common.visible_mask(q_pos, j[None, :], hi, causal=causal, sliding_window=sliding_window)
+        return common.online_softmax_update(state, s, visible, v)
+
+    state = jax.lax.fori_loop(s_lo, s_hi, body, state)
+    # The interpreter turns a masked store into a scatter of (kept or old) values, so
+    # masked-off rows must not alias real ones: there they go to a spare token row.
+    tok_s = jnp.where(row_valid, tok_c, num_tokens) if spare_row else tok_c
+    head_s = jnp.where(row_valid, head, 0) if spare_row else head
+    m, denom, acc = state
+    if num_kv_splits == 1:
+        out_ref = rest[0]
+        out = common.finalize_softmax_state(state) * v_scale
+        plgpu.store(out_ref.at[tok_s[:, None], head_s[:, None], d], out.astype(out_ref.dtype), mask=row_valid[:, None])
+    else:
+        acc_ref, m_ref, denom_ref = rest
+        plgpu.store(acc_ref.at[split, tok_s[:, None], head_s[:, None], d], acc * v_scale, mask=row_valid[:, None])
+        plgpu.store(m_ref.at[split, tok_s, head_s], m, mask=row_valid)
+        plgpu.store(denom_ref.at[split, tok_s, head_s], denom, mask=row_valid)
+
+
+def ragged_paged_attention(
+    q,  # f[T, Hq, D]
+    k,  # f[T, Hkv, D] | None: new keys, written at slot_mapping; None = no write
+    v,  # f[T, Hkv, D] | None
+    kv_cache,  # [2, P, S, Hkv, D]: k at [0], v at [1] (NHD pages, the XLA backend's layout)
+    query_start_loc,  # i32[R + 1]
+    seq_lens,  # i32[R]
+    block_tables,  # i32[R, pages_per_req]
+    slot_mapping,  # i32[T]; -1 = padding, skipped
+    *,
+    sm_scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    alibi_slopes=None,  # f32[Hq] | None
+    sinks=None,  # f32[Hq] | None
+    k_scale=None,  # f32[] | None: fp8 caches store k / k_scale
+    v_scale=None,  # f32[] | None
+    interpret: bool | None = None,
+    block_sizes: GpuBlockSizes | None = None,
+    schedule=None,  # i32[5, NB] from gpu_schedule (the builder's); derived here when None
+):
+    """The reference op's contract (``reference.ragged_paged_attention``) as a Pallas GPU kernel.
+
+    Returns (out f[T, Hq, D] in q's dtype, kv_cache). ``interpret=None`` runs compiled on a
+    GPU and in the Pallas interpreter elsewhere. ``block_sizes`` defaults to
+    ``config.gpu_block_sizes`` for the shapes; ``schedule`` must have been built with
+    the same ``block_q``.
+
+    Example::
+
+        out, kv_cache = ragged_paged_attention(
+            q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
+            sm_scale=head_size**-0.5)
+    """
+    static_validate_inputs(
+        q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
+        sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        alibi_slopes=alibi_slopes, sinks=sinks,
+    )  # fmt: skip
+    num_tokens, num_q_heads, head_size = q.shape
+    _, num_blocks, page_size, num_kv_heads, _ = kv_cache.shape
+    num_reqs, pages_per_req = block_tables.shape
+    check_gpu_shapes(head_size=head_size, page_size=page_size)
+    if is_concrete(query_start_loc, seq_lens, block_tables, slot_mapping):
+        dynamic_validate_inputs(
+            query_start_loc, seq_lens, block_tables, slot_mapping,
+            num_blocks=num_blocks, block_size=page_size, causal=causal,
+        )  # fmt: skip
+    group = num_q_heads // num_kv_heads
+    if block_sizes is None:
+        block_sizes = gpu_block_sizes(
+            num_reqs=num_reqs, pages_per_req=pages_per_req, page_size=page_size, head_size=head_size,
+            num_kv_heads=num_kv_heads, group=group, decode_only=num_tokens <= num_reqs,
+        )  # fmt: skip
+    check_block_sizes(block_sizes, group=group, page_size=page_size)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+
+    if k is not None:
+        kv_cache = write_to_kv_cache(kv_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    if schedule is None:
+        schedule = gpu_schedule(
+            jnp.asarray(query_start_loc), jnp.asarray(seq_lens), num_tokens=num_tokens, block_q=block_sizes.block_q
+        )
+    expected = (len(_SCHEDULE_FIELDS), max_num_q_blocks(num_tokens, num_reqs, block_sizes.block_q))
+    if tuple(schedule.shape) != expected:
+        raise ValueError(
+            f"schedule.shape={tuple(schedule.shape)} must be {expected} (gpu_schedule with "
+            f"block_q={block_sizes.block_q}, num_tokens={num_tokens}, num_reqs={num_reqs})"
+        )
+    out = _attend(
+        q, kv_cache, jnp.asarray(schedule, jnp.int32), jnp.asarray(block_tables),
+        alibi_slopes, sinks, k_scale, v_scale,
+        sm_scale=float(sm_scale), causal=causal, sliding_window=sliding_window,
+        soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret,
+    )  # fmt: skip
+    return out, kv_cache
+
+
+def check_gpu_shapes(*, head_size: int, page_size: int) -> None:
+    """Raises ValueError when the GPU kernel cannot tile these shapes."""
+    if head_size not in SUPPORTED_HEAD_SIZES:
+        raise ValueError(
+            f"{head_size=} is not supported by the Pallas GPU kernel; supported: {list(SUPPORTED_HEAD_SIZES)}"
+        )
+    if page_size < 1 or page_size & (page_size - 1):
+        raise ValueError(f"{page_size=} must be a power of two for the Pallas GPU kernel")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "causal", "sliding_window", "soft_cap", "block_sizes", "interpret"),
+)
+def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v_scale, *,
+            sm_scale, causal, sliding_window, soft_cap, block_sizes, interpret):  # fmt: skip
+    num_tokens, num_q_heads, head_size = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    group = num_q_heads // num_kv_heads
+    splits = block_sizes.num_kv_splits
+    scales = jnp.stack([
+        jnp.float32(1.0) if k_scale is None else jnp.asarray(k_scale, jnp.float32).reshape(()),
+        jnp.float32(1.0) if v_scale is None else jnp.asarray(v_scale, jnp.float32).reshape(()),
+    ])  # fmt: skip
+    inputs = [schedule, block_tables, q, kv_cache, scales]
+    if alibi_slopes is not None:
+        inputs.append(jnp.asarray(alibi_slopes, jnp.float32))
+    if sinks is not None:
+        inputs.append(jnp.asarray(sinks, jnp.float32))
+    out_tokens = num_tokens + 1 if interpret else num_tokens  # the interpreter's spare row
+    if splits == 1:
+        out_shape = jax.ShapeDtypeStruct((out_tokens, num_q_heads, head_size), q.dtype)
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((splits, out_tokens, num_q_heads, head_size), jnp.float32),
+            jax.ShapeDtypeStruct((splits, out_tokens, num_q_heads), jnp.float32),
+            jax.ShapeDtypeStruct((splits, out_tokens, num_q_heads), jnp.float32),
+        )
+    kernel = functools.partial(
+        _kernel, sm_scale=sm_scale, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap,
+        has_alibi=alibi_slopes is not None, has_sinks=sinks is not None, group=group,
+        block_q=block_sizes.block_q, group_pad=next_pow2(group),
+        pages_per_tile=block_sizes.pages_per_tile, num_kv_splits=splits, spare_row=interpret,
+    )  # fmt: skip
+    result = pl.pallas_call(
+        kernel,
+        grid=(schedule.shape[1], num_kv_heads, splits),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu",
+        cost_estimate=None,
+    )(*inputs)
+    if splits == 1:
+        return result[:num_tokens]
+    acc, m, denom = (x[:, :num_tokens] for x in result)
+    merged = common.merge_softmax_states(m, denom, acc)
+    return (
+        common.finalize_softmax_state((merged[0].reshape(-1), merged[1].reshape(-1), merged[2].reshape(-1, head_size)))
+        .reshape(q.shape)
+        .astype(q.dtype)
+    )
