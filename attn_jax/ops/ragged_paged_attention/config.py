@@ -12,8 +12,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import pathlib
 from typing import Any
+
+import numpy as np
 
 TUNED_DIR = pathlib.Path(__file__).parent / "tuned"
 
@@ -144,4 +147,120 @@ def gpu_block_sizes(
         fields["num_kv_splits"] = max(1, min((2 * num_sms) // programs, max_tiles // 4)) if decode_only else 1
     bs = GpuBlockSizes(**fields)
     check_block_sizes(bs, group=group, page_size=page_size)
+    return bs
+
+
+# --------------------------------------------------------------------------------------
+# TPU (kernel_tpu.py)
+# --------------------------------------------------------------------------------------
+
+TPU_MATCH_KEYS = ("q_dtype", "kv_dtype", "group", "head_size", "page_size", "max_num_tokens", "max_model_len")
+"""What a TPU table entry matches on; the two lengths are rounded up to powers of two first."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuBlockSizes:
+    """Static tiling of one TPU launch.
+
+    q_tokens_per_block: query tokens per q-block; ``q_tokens_per_block * G`` matmul rows,
+    a multiple of the sublane tile (8 rows for float32 queries, 16 for bf16 / f16).
+    kv_pages_per_block: pages per KV block (one DMA each per KV head block, double-buffered).
+    kv_heads_per_block: KV heads per program; divides the (per-shard) number of KV heads.
+    """
+
+    q_tokens_per_block: int
+    kv_pages_per_block: int
+    kv_heads_per_block: int = 1
+
+
+def _sublane_rows(q_dtype) -> int:
+    return 8 if np.dtype(q_dtype).itemsize == 4 else 16
+
+
+def check_tpu_block_sizes(
+    bs: TpuBlockSizes, *, group: int, num_kv_heads: int, pages_per_req: int | None = None, q_dtype=np.float32
+) -> None:
+    """Raises ValueError naming the field when ``bs`` cannot tile this configuration."""
+    for name in ("q_tokens_per_block", "kv_pages_per_block", "kv_heads_per_block"):
+        value = getattr(bs, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"TPU block sizes: {name}={value!r} must be a positive int")
+    tile = _sublane_rows(q_dtype)
+    rows = bs.q_tokens_per_block * group
+    if rows % tile:
+        raise ValueError(
+            f"TPU block sizes: q_tokens_per_block={bs.q_tokens_per_block} x group={group} = {rows} rows "
+            f"must be a multiple of {tile} (the sublane tile of {np.dtype(q_dtype)} queries)"
+        )
+    if num_kv_heads % bs.kv_heads_per_block:
+        raise ValueError(
+            f"TPU block sizes: kv_heads_per_block={bs.kv_heads_per_block} must divide num_kv_heads={num_kv_heads}"
+        )
+    if pages_per_req is not None and bs.kv_pages_per_block > max(pages_per_req, 1):
+        raise ValueError(
+            f"TPU block sizes: kv_pages_per_block={bs.kv_pages_per_block} exceeds the bucket's "
+            f"pages_per_req={pages_per_req}"
+        )
+
+
+def tpu_table_for(device_kind: str | None) -> dict[str, Any] | None:
+    """The TPU table whose ``device_kind`` equals ``device_kind``, or None."""
+    if device_kind is None:
+        return None
+    for name in tuned_tables("tpu_"):
+        table = load_tuned_table(name)
+        if table["device_kind"] == device_kind:
+            return table
+    return None
+
+
+def tpu_entry_block_sizes(entry: dict[str, Any]) -> TpuBlockSizes:
+    """The block sizes of one TPU table entry (its ``match`` keys removed)."""
+    fields = {k: v for k, v in entry.items() if k not in TPU_MATCH_KEYS}
+    try:
+        return TpuBlockSizes(**fields)
+    except TypeError as e:
+        raise ValueError(f"tuned entry {entry} has unknown keys: {e}") from None
+
+
+def tpu_block_sizes(
+    *,
+    q_dtype,
+    kv_dtype,
+    group: int,
+    head_size: int,
+    page_size: int,
+    num_kv_heads: int,
+    num_tokens: int,
+    pages_per_req: int,
+    decode_only: bool = False,
+    device_kind: str | None = None,
+) -> TpuBlockSizes:
+    """Block sizes for one bucket of the TPU kernel: the tuned entry, else the heuristic.
+
+    The heuristic takes the fewest query tokens whose ``tokens * G`` rows fill the sublane
+    tile for decode-only buckets (each decode is its own request, so more tokens per block
+    only add masked rows) and 32 tokens otherwise, KV blocks of about 512 keys, one KV head
+    per program. Every value is clamped to the bucket (tokens, pages per request).
+    """
+    tile = _sublane_rows(q_dtype)
+    min_tokens = tile // math.gcd(tile, group)
+    bq = min_tokens if decode_only else max(min_tokens, 32 // min_tokens * min_tokens)
+    ppb = max(512 // page_size, 1)
+    table = tpu_table_for(device_kind)
+    key = (
+        np.dtype(q_dtype).name, np.dtype(kv_dtype).name, group, head_size, page_size,
+        next_pow2(num_tokens), next_pow2(page_size * pages_per_req),
+    )  # fmt: skip
+    for entry in (table or {}).get("entries", []):
+        if tuple(entry.get(k) for k in TPU_MATCH_KEYS) == key:
+            tuned = tpu_entry_block_sizes(entry)
+            ppb = tuned.kv_pages_per_block
+            if not decode_only:
+                bq = tuned.q_tokens_per_block
+            break
+    bq = min(bq, -(-num_tokens // min_tokens) * min_tokens)  # no block larger than the bucket needs
+    bq = -(-bq // min_tokens) * min_tokens
+    bs = TpuBlockSizes(q_tokens_per_block=bq, kv_pages_per_block=min(ppb, max(pages_per_req, 1)))
+    check_tpu_block_sizes(bs, group=group, num_kv_heads=num_kv_heads, pages_per_req=pages_per_req, q_dtype=q_dtype)
     return bs
