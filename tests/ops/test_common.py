@@ -23,12 +23,13 @@ def _softmax_with_sink(s: np.ndarray, visible: np.ndarray, sinks: np.ndarray | N
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("window", [None, 3])
 def test_visible_mask_matches_definition(causal, window):
-    q_pos = np.array([[0], [4], [7], [9], [-1]], np.int32)  # -1: a padding row
+    q_pos = np.array([[0], [4], [7], [9], [-2], [3]], np.int32)  # -2: more queries than keys
+    row_valid = np.array([[True]] * 5 + [[False]])  # the last row is padding
     kv_pos = np.arange(12, dtype=np.int32)[None, :]
-    got = np.asarray(common.visible_mask(q_pos, kv_pos, 8, causal=causal, sliding_window=window))
+    got = np.asarray(common.visible_mask(q_pos, kv_pos, 8, causal=causal, sliding_window=window, row_valid=row_valid))
     for r, p in enumerate(q_pos[:, 0]):
         for j in range(12):
-            want = p >= 0 and j < 8 and (not causal or j <= p) and (window is None or j > p - window)
+            want = row_valid[r, 0] and j < 8 and (not causal or j <= p) and (window is None or j > p - window)
             assert got[r, j] == want, (p, j)
 
 
@@ -58,7 +59,9 @@ def test_online_softmax_over_tiles_equals_one_softmax(with_sinks):
 
     state = common.init_softmax_state(rows, d, sinks=sinks)
     for t in range(0, cols, tile):
-        state = common.online_softmax_update(state, s_nan[:, t : t + tile], visible[:, t : t + tile], v_nan[t : t + tile])
+        state = common.online_softmax_update(
+            state, s_nan[:, t : t + tile], visible[:, t : t + tile], v_nan[t : t + tile]
+        )
     got = np.asarray(common.finalize_softmax_state(state))
     want = _softmax_with_sink(s.astype(np.float64), visible, sinks) @ v.astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -75,8 +78,8 @@ def test_merge_softmax_states_equals_unsplit():
     for lo in (0, 16):
         st = common.init_softmax_state(rows, d)
         parts.append(common.online_softmax_update(st, s[:, lo : lo + 16], visible[:, lo : lo + 16], v[lo : lo + 16]))
-    m, l, acc = (np.stack([np.asarray(p[i]) for p in parts]) for i in range(3))
-    merged = common.finalize_softmax_state(common.merge_softmax_states(m, l, acc))
+    m, denom, acc = (np.stack([np.asarray(p[i]) for p in parts]) for i in range(3))
+    merged = common.finalize_softmax_state(common.merge_softmax_states(m, denom, acc))
     want = _softmax_with_sink(s.astype(np.float64), visible, None) @ v
     np.testing.assert_allclose(np.asarray(merged), want, rtol=1e-5, atol=1e-6)
 

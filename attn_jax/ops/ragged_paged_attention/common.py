@@ -37,15 +37,18 @@ def dequantize(x, scale, dtype=jnp.float32):
     return x * jnp.asarray(scale, jnp.float32).astype(dtype)
 
 
-def visible_mask(q_pos, kv_pos, kv_len, *, causal: bool, sliding_window: int | None):
+def visible_mask(q_pos, kv_pos, kv_len, *, causal: bool, sliding_window: int | None, row_valid=None):
     """bool[rows, cols]: which cached positions each query row may attend to.
 
-    q_pos i32[rows, 1]: absolute position of each query row in its request; a negative
-    position marks a padding row, which sees nothing. kv_pos i32[1, cols]: cached
-    positions; kv_len: the request's context length (scalar or i32[rows, 1]). Positions
+    q_pos i32[rows, 1]: absolute position of each query row in its request (negative is
+    legal for cross-attention with more queries than keys); kv_pos i32[1, cols]: cached
+    positions; kv_len: the request's context length (scalar or i32[rows, 1]); row_valid
+    bool[rows, 1] or None: False marks padding rows, which see nothing. Positions
     ``j >= kv_len`` are never visible, so whatever unused slots hold cannot reach an output.
     """
-    visible = (kv_pos < kv_len) & (q_pos >= 0)
+    visible = kv_pos < kv_len
+    if row_valid is not None:
+        visible = visible & row_valid
     if causal:
         visible = visible & (kv_pos <= q_pos)
     if sliding_window is not None:

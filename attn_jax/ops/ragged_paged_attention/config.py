@@ -21,7 +21,10 @@ import numpy as np
 TUNED_DIR = pathlib.Path(__file__).parent / "tuned"
 
 GPU_MATCH_KEYS = ("mode", "head_size", "group", "page_size")
-"""What a GPU table entry matches on; ``mode`` is "decode" (every request one token) or "mixed"."""
+"""What a GPU table entry matches on; ``mode`` is one of ``GPU_MODES``."""
+
+GPU_MODES = ("decode", "prefill", "mixed")
+"""decode: every request has at most one new token; prefill: none has exactly one; mixed: both."""
 
 H100_NUM_SMS = 132
 
@@ -101,12 +104,14 @@ def gpu_table_for(device_kind: str | None) -> dict[str, Any] | None:
 
 
 def gpu_entry_block_sizes(entry: dict[str, Any]) -> GpuBlockSizes:
-    """The block sizes of one table entry (its ``match`` keys removed)."""
-    fields = {k: v for k, v in entry.items() if k not in GPU_MATCH_KEYS}
-    try:
-        return GpuBlockSizes(**fields)
-    except TypeError as e:
-        raise ValueError(f"tuned entry {entry} has unknown keys: {e}") from None
+    """The block sizes of one table entry (its match keys and ``note`` aside); ValueError names bad keys."""
+    known = {f.name for f in dataclasses.fields(GpuBlockSizes)}
+    unknown = set(entry) - known - set(GPU_MATCH_KEYS) - {"note"}
+    if unknown:
+        raise ValueError(f"tuned entry {entry} has unknown keys {sorted(unknown)}; valid: {sorted(known)}")
+    if entry.get("mode") not in GPU_MODES:
+        raise ValueError(f"tuned entry mode={entry.get('mode')!r} is not one of {list(GPU_MODES)}")
+    return GpuBlockSizes(**{k: v for k, v in entry.items() if k in known})
 
 
 def gpu_block_sizes(
@@ -117,7 +122,7 @@ def gpu_block_sizes(
     head_size: int,
     num_kv_heads: int,
     group: int,
-    decode_only: bool,
+    mode: str,
     device_kind: str | None = None,
     num_sms: int = H100_NUM_SMS,
 ) -> GpuBlockSizes:
@@ -129,7 +134,9 @@ def gpu_block_sizes(
     the KV range (flash-decoding) as long as each split keeps at least 4 tiles. A tuned
     entry may set any field, ``num_kv_splits`` included.
     """
-    mode = "decode" if decode_only else "mixed"
+    if mode not in GPU_MODES:
+        raise ValueError(f"mode={mode!r} is not one of {list(GPU_MODES)}")
+    decode_only = mode == "decode"
     fields: dict[str, int] = {
         "block_q": max((16 if decode_only else 64) // next_pow2(group), 1),
         "pages_per_tile": max(64 // page_size, 1),
@@ -139,7 +146,8 @@ def gpu_block_sizes(
     table = gpu_table_for(device_kind)
     for entry in (table or {}).get("entries", []):
         if tuple(entry.get(k) for k in GPU_MATCH_KEYS) == (mode, head_size, group, page_size):
-            fields.update({k: v for k, v in entry.items() if k not in GPU_MATCH_KEYS})
+            gpu_entry_block_sizes(entry)  # validates the entry
+            fields.update({k: v for k, v in entry.items() if k not in GPU_MATCH_KEYS and k != "note"})
             break
     if "num_kv_splits" not in fields:
         max_tiles = -(-pages_per_req * page_size // (fields["pages_per_tile"] * page_size))
@@ -154,7 +162,7 @@ def gpu_block_sizes(
 # TPU (kernel_tpu.py)
 # --------------------------------------------------------------------------------------
 
-TPU_MATCH_KEYS = ("q_dtype", "kv_dtype", "group", "head_size", "page_size", "max_num_tokens", "max_model_len")
+TPU_MATCH_KEYS = ("q_dtype", "kv_dtype", "head_size", "page_size", "max_num_tokens", "max_model_len")
 """What a TPU table entry matches on; the two lengths are rounded up to powers of two first."""
 
 
@@ -249,15 +257,15 @@ def tpu_block_sizes(
     ppb = max(512 // page_size, 1)
     table = tpu_table_for(device_kind)
     key = (
-        np.dtype(q_dtype).name, np.dtype(kv_dtype).name, group, head_size, page_size,
+        np.dtype(q_dtype).name, np.dtype(kv_dtype).name, head_size, page_size,
         next_pow2(num_tokens), next_pow2(page_size * pages_per_req),
     )  # fmt: skip
     for entry in (table or {}).get("entries", []):
         if tuple(entry.get(k) for k in TPU_MATCH_KEYS) == key:
             tuned = tpu_entry_block_sizes(entry)
             ppb = tuned.kv_pages_per_block
-            if not decode_only:
-                bq = tuned.q_tokens_per_block
+            if not decode_only:  # a tuned count that does not tile this group rounds up
+                bq = -(-tuned.q_tokens_per_block // min_tokens) * min_tokens
             break
     bq = min(bq, -(-num_tokens // min_tokens) * min_tokens)  # no block larger than the bucket needs
     bq = -(-bq // min_tokens) * min_tokens

@@ -118,7 +118,7 @@ def _kernel(
     # Every index is an array (no ':'), which both the Triton lowering and the interpreter take.
     d = jnp.arange(head_size, dtype=jnp.int32)[None, :]
     q = plgpu.load(q_ref.at[tok_c[:, None], head[:, None], d], mask=row_valid[:, None], other=0.0)  # [rows, D]
-    q_pos = jnp.where(row_valid, pos_start + (tok - tok_start), -1)[:, None]  # i32[rows, 1]
+    q_pos = (pos_start + (tok - tok_start))[:, None]  # i32[rows, 1]
 
     # KV range of this q-block: [lo, hi) positions, then this split's share of its tiles.
     last_pos = pos_start + (tok_end - tok_start) - 1
@@ -156,7 +156,9 @@ def _kernel(
         s = common.transform_scores(
             s, q_pos, j[None, :], sm_scale=sm_scale * k_scale, soft_cap=soft_cap, alibi_slopes=slopes
         )
-        visible = common.visible_mask(q_pos, j[None, :], hi, causal=causal, sliding_window=sliding_window)
+        visible = common.visible_mask(
+            q_pos, j[None, :], hi, causal=causal, sliding_window=sliding_window, row_valid=row_valid[:, None]
+        )
         return common.online_softmax_update(state, s, visible, v)
 
     state = jax.lax.fori_loop(s_lo, s_hi, body, state)
@@ -229,7 +231,8 @@ def ragged_paged_attention(
     if block_sizes is None:
         block_sizes = gpu_block_sizes(
             num_reqs=num_reqs, pages_per_req=pages_per_req, page_size=page_size, head_size=head_size,
-            num_kv_heads=num_kv_heads, group=group, decode_only=num_tokens <= num_reqs,
+            num_kv_heads=num_kv_heads, group=group,
+            mode="decode" if num_tokens <= num_reqs else "mixed",
         )  # fmt: skip
     check_block_sizes(block_sizes, group=group, page_size=page_size)
     if interpret is None:
@@ -237,6 +240,8 @@ def ragged_paged_attention(
 
     if k is not None:
         kv_cache = write_to_kv_cache(kv_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    if num_tokens == 0:  # nothing to attend; a zero-sized grid would not lower
+        return jnp.zeros_like(q), kv_cache
     if schedule is None:
         schedule = gpu_schedule(
             jnp.asarray(query_start_loc), jnp.asarray(seq_lens), num_tokens=num_tokens, block_q=block_sizes.block_q
