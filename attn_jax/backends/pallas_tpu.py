@@ -1,15 +1,244 @@
-"""The Pallas TPU backend (Mosaic TPU kernel): registered, not implemented yet."""
+"""The Pallas TPU backend: ragged paged attention as one Mosaic TPU kernel (kernel_tpu.py).
+
+The default on TPU platforms. Forced where no TPU exists (``global_force_attn_backend``
+or ``ATTN_STACK_BACKEND=PALLAS_TPU``), it runs the same kernel in the TPU interpreter
+(``pltpu.InterpretParams()``): correct and slow, with a logged warning.
+
+Its KV cache is the kernel's layout ``[num_blocks, Hkv, block_size, 2 * D]`` (K and V
+interleaved on the last axis; see ``kernel_tpu``). ``write_to_kv_cache`` writes it (the
+cross-attention path), ``to_reference_layout`` views it as the reference's
+``[2, P, S, Hkv, D]`` for tests and notebooks.
+"""
 
 from __future__ import annotations
 
-from attn_jax.backends.planned import PlannedBackend
+import dataclasses
+import logging
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_jax.backends.base import AttentionBackend, AttentionImpl
+from attn_jax.backends.xla import XLAMetadataBuilder, _per_head
+from attn_jax.ops.ragged_paged_attention import kernel_tpu
+from attn_jax.ops.ragged_paged_attention.config import TpuBlockSizes, tpu_block_sizes
+from attn_jax.ops.ragged_paged_attention.validate import is_concrete
+from attn_jax.platforms import Platform, current_platform
+from attn_jax.types import AttentionType, is_quantized_kv_cache, validate_cache_dtype, validate_positive_int
+
+logger = logging.getLogger(__name__)
+
+Array = Any
+
+to_reference_layout = kernel_tpu.to_reference_layout
+from_reference_layout = kernel_tpu.from_reference_layout
 
 
-class PallasTPUAttentionBackend(PlannedBackend):
-    """Ragged paged attention as a Pallas kernel on Mosaic TPU; unavailable until it lands."""
+def write_to_kv_cache(kv_cache, key, value, slot_mapping, k_scale=None, v_scale=None):
+    """``kv_cache.write_to_kv_cache`` for the PALLAS_TPU layout ``[P, Hkv, S, 2D]``."""
+    return kernel_tpu.write_to_tpu_kv_cache(kv_cache, key, value, slot_mapping, k_scale, v_scale)
 
-    not_implemented = "the Pallas TPU kernel is not implemented yet; XLA serves every platform until it lands"
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class PallasTPUAttentionMetadata:
+    """What the TPU kernel needs for one batch: the index arrays, the q-block schedule
+    (``kernel_tpu.tpu_schedule``, computed on the host when the metadata is concrete) and
+    the bucket's block sizes (static: part of the jit key)."""
+
+    query_start_loc: Array  # i32[R + 1]
+    seq_lens: Array  # i32[R]
+    block_tables: Array  # i32[R, pages_per_req]
+    slot_mapping: Array  # i32[T]
+    schedule: Array  # i32[2 * ceil(T / q_tokens_per_block)]
+    block_sizes: TpuBlockSizes = dataclasses.field(metadata=dict(static=True))
+
+
+class PallasTPUMetadataBuilder(XLAMetadataBuilder):
+    """Builds ``PallasTPUAttentionMetadata``: the XLA builder's arrays (virtual batches for
+    chunked local attention included) plus block sizes and the schedule.
+
+    The spec does not carry the query head count, so block sizes are chosen for a head
+    group of 1: ``q_tokens_per_block`` a multiple of the sublane tile, which tiles every
+    group. With concrete (NumPy) metadata everything is computed on the host, the SMEM budget of
+    the bucket is checked (ValueError naming the limit), and a decode-only bucket gets
+    decode block sizes. Traced metadata (``build`` inside ``jit``) derives the schedule
+    with jnp; block sizes then depend on the shapes only.
+    """
+
+    def __init__(self, kv_cache_spec, device_kind: str | None = None) -> None:
+        super().__init__(kv_cache_spec)
+        if device_kind is None:
+            platform = current_platform()
+            device_kind = platform.device_kind if platform.kind == "tpu" else None
+        self.device_kind = device_kind
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        spec = self.kv_cache_spec
+        num_tokens = base.slot_mapping.shape[0]
+        num_reqs, pages_per_req = base.block_tables.shape
+        concrete = is_concrete(base.query_start_loc, base.seq_lens, base.block_tables, base.slot_mapping)
+        qsl = np.asarray(base.query_start_loc) if concrete else base.query_start_loc
+        decode_only = bool(concrete and np.all(np.diff(qsl) <= 1))
+        dtype = np.dtype(spec.dtype)
+        bs = tpu_block_sizes(
+            q_dtype=dtype, kv_dtype=dtype, group=1, head_size=spec.head_size, page_size=spec.block_size,
+            num_kv_heads=spec.num_kv_heads, num_tokens=num_tokens, pages_per_req=pages_per_req,
+            decode_only=decode_only, device_kind=self.device_kind,
+        )  # fmt: skip
+        bq = bs.q_tokens_per_block
+        padded = -(-num_tokens // bq) * bq
+        kernel_tpu.check_smem_capacity(
+            num_reqs=num_reqs, pages_per_req=pages_per_req, num_tokens=padded, q_tokens_per_block=bq
+        )
+        if concrete:
+            schedule = kernel_tpu.tpu_schedule(qsl.astype(np.int32), padded, bq, xp=np)
+        else:
+            schedule = kernel_tpu.tpu_schedule(jnp.asarray(qsl, jnp.int32), padded, bq)
+        return PallasTPUAttentionMetadata(
+            query_start_loc=base.query_start_loc, seq_lens=base.seq_lens, block_tables=base.block_tables,
+            slot_mapping=base.slot_mapping, schedule=schedule, block_sizes=bs,
+        )  # fmt: skip
+
+
+class PallasTPUAttentionImpl(AttentionImpl[PallasTPUAttentionMetadata]):
+    """Calls ``kernel_tpu.ragged_paged_attention`` with the layer's hyperparameters.
+
+    ``interpret`` None: compiled on a TPU platform, the TPU interpreter elsewhere (with a
+    logged warning, once per impl).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes=None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks=None,
+        *,
+        interpret: bool | None = None,
+    ) -> None:
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}")
+        kernel_tpu.check_tpu_shapes(head_size=head_size)
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.alibi_slopes = _per_head("alibi_slopes", alibi_slopes, num_heads)
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = validate_cache_dtype(kv_cache_dtype)
+        self.logits_soft_cap = logits_soft_cap
+        self.attn_type = AttentionType.parse(attn_type)
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sinks = _per_head("sinks", sinks, num_heads)
+        if interpret is None:
+            platform = current_platform()
+            interpret = platform.kind != "tpu"
+            if interpret:
+                logger.warning(
+                    "PALLAS_TPU runs in the TPU interpreter on platform %s (no TPU): correct but slow",
+                    platform,
+                )
+        self.interpret = interpret
+
+    def forward(self, query, key, value, kv_cache, attn_metadata, k_scale=None, v_scale=None):
+        if self.kv_sharing_target_layer_name is not None:
+            key = value = None  # the target layer has written this cache already
+        md = attn_metadata
+        if not isinstance(md, PallasTPUAttentionMetadata):
+            raise TypeError(
+                f"attn_metadata is {type(md).__name__}; PALLAS_TPU needs PallasTPUAttentionMetadata "
+                "from PallasTPUMetadataBuilder.build (the Attention layer builds it from CommonAttentionMetadata)"
+            )
+        return kernel_tpu.ragged_paged_attention(
+            query, key, value, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.slot_mapping,
+            sm_scale=self.scale, causal=self.attn_type.is_causal, sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap, alibi_slopes=self.alibi_slopes, sinks=self.sinks,
+            k_scale=k_scale, v_scale=v_scale, interpret=self.interpret, block_sizes=md.block_sizes,
+            schedule=md.schedule,
+        )  # fmt: skip
+
+
+class PallasTPUAttentionBackend(AttentionBackend):
+    """Ragged paged attention as one Pallas kernel on Mosaic TPU; every feature of the op."""
+
+    supports_sink = True
+    supported_dtypes: ClassVar[tuple[np.dtype, ...]] = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
+    supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = (
+        "auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2",
+    )  # fmt: skip
 
     @staticmethod
     def get_name() -> str:
         return "PALLAS_TPU"
+
+    @staticmethod
+    def get_impl_cls() -> type[PallasTPUAttentionImpl]:
+        return PallasTPUAttentionImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[PallasTPUAttentionMetadata]:
+        return PallasTPUAttentionMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[PallasTPUMetadataBuilder]:
+        return PallasTPUMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> tuple[int, ...]:
+        return kernel_tpu.SUPPORTED_HEAD_SIZES
+
+    @classmethod
+    def get_supported_block_sizes(cls) -> tuple[int, ...]:
+        return kernel_tpu.SUPPORTED_PAGE_SIZES
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        """``(num_blocks, num_kv_heads, block_size, 2 * head_size)``: K then V on the last axis.
+
+        The reference layout ``(2, num_blocks, block_size, num_kv_heads, head_size)``
+        permuted by ``(1, 3, 2, 0, 4)`` with the last two axes merged.
+        """
+        for name, value in (
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("num_kv_heads", num_kv_heads),
+            ("head_size", head_size),
+        ):
+            validate_positive_int(name, value)
+        validate_cache_dtype(cache_dtype_str)
+        return kernel_tpu.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order() -> tuple[int, ...]:
+        return (0, 1, 2, 3)
+
+    @staticmethod
+    def get_required_kv_cache_layout() -> str | None:
+        return "HND"
+
+    @classmethod
+    def validate_configuration(
+        cls, head_size, dtype, kv_cache_dtype, block_size, use_mla=False, has_sink=False, use_sparse=False,
+        attn_type=AttentionType.DECODER, platform: Platform | None = None,
+    ) -> list[str]:  # fmt: skip
+        reasons = super().validate_configuration(
+            head_size, dtype, kv_cache_dtype, block_size, use_mla=use_mla, has_sink=has_sink,
+            use_sparse=use_sparse, attn_type=attn_type, platform=platform,
+        )  # fmt: skip
+        if is_quantized_kv_cache(kv_cache_dtype) and block_size < kernel_tpu.FP8_MIN_PAGE_SIZE:
+            reasons.append(
+                f"kv_cache_dtype={kv_cache_dtype!r} with block_size={block_size}: fp8 pages need "
+                f"block_size >= {kernel_tpu.FP8_MIN_PAGE_SIZE} (fp8 packs {kernel_tpu.FP8_MIN_PAGE_SIZE} "
+                "rows per sublane tile)"
+            )
+        return reasons

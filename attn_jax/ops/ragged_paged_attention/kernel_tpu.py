@@ -61,6 +61,9 @@ SUPPORTED_HEAD_SIZES = (64, 128, 256)
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128, 256)
 """Multiples of the packed sublane tile (16 rows for bf16) up to 256 slots per page."""
 
+FP8_MIN_PAGE_SIZE = 32
+"""fp8 pages: a (32, 128) sublane tile of 8-bit values per page and head."""
+
 SMEM_CAPACITY_BYTES = 1024 * 1024
 """SMEM per TensorCore on v5e, v6e and v7x (jax._src.tpu_info)."""
 
@@ -135,12 +138,23 @@ def check_tpu_cache_layout(kv_cache, *, num_kv_heads: int | None, head_size: int
         raise TypeError(f"kv_cache.dtype={np.dtype(kv_cache.dtype)} is not a cache dtype. Valid dtypes are: {valid}")
 
 
-def check_tpu_shapes(*, head_size: int, page_size: int) -> None:
-    """ValueError naming the value when the kernel cannot tile this head or page size."""
-    if head_size not in SUPPORTED_HEAD_SIZES:
-        raise ValueError(f"head_size={head_size} is not supported by the TPU kernel; supported: {list(SUPPORTED_HEAD_SIZES)}")
-    if page_size not in SUPPORTED_PAGE_SIZES:
-        raise ValueError(f"page_size={page_size} is not supported by the TPU kernel; supported: {list(SUPPORTED_PAGE_SIZES)}")
+def check_tpu_shapes(*, head_size: int | None = None, page_size: int | None = None, kv_dtype=None) -> None:
+    """ValueError naming the value when the kernel cannot tile this head size, page size
+    or (cache dtype, page size) combination; None skips a check."""
+    if head_size is not None and head_size not in SUPPORTED_HEAD_SIZES:
+        raise ValueError(
+            f"head_size={head_size} is not supported by the TPU kernel; supported: {list(SUPPORTED_HEAD_SIZES)}"
+        )
+    if page_size is not None and page_size not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(
+            f"page_size={page_size} is not supported by the TPU kernel; supported: {list(SUPPORTED_PAGE_SIZES)}"
+        )
+    fp8 = kv_dtype is not None and np.dtype(kv_dtype).itemsize == 1
+    if fp8 and page_size is not None and page_size < FP8_MIN_PAGE_SIZE:
+        raise ValueError(
+            f"page_size={page_size} with an fp8 cache ({np.dtype(kv_dtype)}) is not supported by the TPU kernel: "
+            f"fp8 packs {FP8_MIN_PAGE_SIZE} rows per sublane tile, so pages need >= {FP8_MIN_PAGE_SIZE} slots"
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -223,7 +237,11 @@ class _Static:
 
 
 def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: _Static):
-    """One (head block, q-block). refs: q, [alibi], [sinks], [scales], [kv_new], kv_in, out, kv_out, scratch."""
+    """One (head block, q-block). refs: q, [alibi], [sinks], [scales], [kv_new], kv_in, out, kv_out, scratch.
+
+    Integer division is ``lax.div`` / ``lax.rem`` on non-negative values (``//`` lowers
+    through ``sign``, which Mosaic lowers per TPU generation).
+    """
     refs = list(refs)
     q_ref = refs.pop(0)
     alibi_ref = refs.pop(0) if st.has_alibi else None
@@ -246,7 +264,7 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
 
         def write_copy(t):
             slot = slots_ref[t]
-            page, offset = slot // page_size, slot % page_size
+            page, offset = jax.lax.div(slot, page_size), jax.lax.rem(slot, page_size)
             return pltpu.make_async_copy(
                 kv_new_ref.at[t, pl.ds(h0, hb)], kv_ref.at[page, pl.ds(h0, hb), offset], write_sem.at[0]
             )
@@ -272,7 +290,7 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
     tok_lo = qb * bq
     r_first, r_end = sched_ref[qb], sched_ref[num_q_blocks + qb]
     row = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-    tok = tok_lo + row // st.group  # i32[rows, 1]
+    tok = tok_lo + jax.lax.div(row, st.group)  # i32[rows, 1]
 
     def request(r):
         """(q_start, q_end, kv_len, first KV block, end KV block) of request r (clamped to a real one)."""
@@ -283,14 +301,14 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
         first_pos = kv_len - q_len + (lo_tok - q_start)
         kv_hi = jnp.minimum(kv_len, kv_len - q_len + (hi_tok - q_start)) if st.causal else kv_len
         kv_lo = jnp.maximum(first_pos - st.sliding_window + 1, 0) if st.sliding_window is not None else 0
-        blk_lo = kv_lo // bkv
-        blk_hi = jnp.maximum((kv_hi + bkv - 1) // bkv, blk_lo + 1)  # at least one block: a uniform loop
+        blk_lo = jax.lax.div(kv_lo, bkv)
+        blk_hi = jnp.maximum(jax.lax.div(kv_hi + bkv - 1, bkv), blk_lo + 1)  # at least one block: a uniform loop
         return q_start, q_end, kv_len, blk_lo, blk_hi
 
     def page_copies(r, blk, slot):
         """The DMAs of KV block ``blk`` of request r into buffer ``slot``, with their predicates."""
         r = jnp.minimum(r, st.num_reqs - 1)
-        num_used = (seq_lens_ref[r] + page_size - 1) // page_size
+        num_used = jax.lax.div(seq_lens_ref[r] + page_size - 1, page_size)
         copies = []
         for j in range(ppb):
             idx = blk * ppb + j
@@ -342,7 +360,9 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
                 q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
             )  # f32[rows, bkv]
             slopes = alibi_ref[i] if st.has_alibi else None  # f32[rows, 1]
-            s = common.transform_scores(s, q_pos, kv_pos, sm_scale=st.sm_scale, soft_cap=st.soft_cap, alibi_slopes=slopes)
+            s = common.transform_scores(
+                s, q_pos, kv_pos, sm_scale=st.sm_scale, soft_cap=st.soft_cap, alibi_slopes=slopes
+            )
             new_states.append(common.online_softmax_update(states[i], s, visible, v, precision=precision))
         return tuple(new_states)
 
@@ -431,7 +451,7 @@ def ragged_paged_attention(
                      sm_scale, sliding_window, logits_soft_cap, alibi_slopes, sinks)  # fmt: skip
     check_tpu_cache_layout(kv_cache, num_kv_heads=num_kv_heads, head_size=head_size)
     num_blocks, _, page_size, _ = kv_cache.shape
-    check_tpu_shapes(head_size=head_size, page_size=page_size)
+    check_tpu_shapes(head_size=head_size, page_size=page_size, kv_dtype=kv_cache.dtype)
     num_reqs, pages_per_req = block_tables.shape
     if is_concrete(query_start_loc, seq_lens, block_tables, slot_mapping):
         dynamic_validate_inputs(
