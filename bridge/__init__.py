@@ -1,1 +1,12 @@
-"""attn-stack's bridge package: filled by the PyTorch bridge issue; nothing here yet."""
+"""attn-stack's bridge between PyTorch and JAX.
+
+``bridge.dlpack``: ``to_jax`` / ``to_torch``, zero-copy tensor exchange with explicit
+errors. ``bridge.xla``: PyTorch on TPU through torchax. Importing this package first sets
+JAX's GPU memory policy (``bridge._jax_memory``) so JAX does not preallocate the GPU that
+PyTorch shares.
+"""
+
+from bridge._jax_memory import configure_jax_memory
+
+JAX_MEMORY_POLICY = configure_jax_memory()
+"""What ``configure_jax_memory`` did at import: "set", "user" or "too-late"."""

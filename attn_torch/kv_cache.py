@@ -1,0 +1,61 @@
+"""The paged KV cache as a torch tensor: allocation and in-place, slot-mapped writes.
+
+JAX cannot write into memory it does not own (a DLPack view of a torch tensor donated to
+a jitted call is silently copied, jax 0.11.2), so ``attn_torch`` writes the new keys and
+values with torch, in place, and lets the backend read the cache through a zero-copy
+view. Per layer and step the bytes written are the new k/v, nothing else.
+
+The cache layout is the XLA and Pallas GPU backends' NHD ``[2, P, S, Hkv, D]``: keys at
+index 0, values at 1, slot ``s`` = page ``s // S``, offset ``s % S``. fp8 caches store
+``k / k_scale`` clipped to the fp8 range, like ``attn_jax.kv_cache.quantize_to_cache``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bridge.dlpack import BridgeError
+
+__all__ = ["NHD_LAYOUT", "TORCH_CACHE_DTYPES", "quantize_to_cache", "write_to_kv_cache"]
+
+NHD_LAYOUT = "[2, num_blocks, block_size, num_kv_heads, head_size]"
+
+TORCH_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+"""Every dtype a torch KV cache may hold."""
+
+
+def quantize_to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x`` as the cache stores it: fp8 = (x / scale) in float32, clipped, cast; else a cast."""
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        limit = torch.finfo(cache_dtype).max
+        return (x.float() / scale).clamp_(-limit, limit).to(cache_dtype)
+    return x.to(cache_dtype)
+
+
+def write_to_kv_cache(
+    kv_cache: torch.Tensor,  # [2, P, S, Hkv, D]
+    key: torch.Tensor,  # f[T, Hkv, D]
+    value: torch.Tensor,  # f[T, Hkv, D]
+    slots: torch.Tensor,  # i64[n]: flat slots, all >= 0
+    rows: torch.Tensor | None = None,  # i64[n]: which rows of key/value; None = rows 0..n-1
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Writes ``key[rows]``/``value[rows]`` at ``slots`` of ``kv_cache``, in place.
+
+    Moves ``2 * n * Hkv * D`` cache-dtype elements (plus a gather of the rows when
+    ``rows`` is given, and a quantised copy for fp8). Padding rows (slot -1) are left out
+    of ``slots``/``rows`` by the caller (``ForwardContext.prepare``).
+    """
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise BridgeError(f"kv_cache.shape={tuple(kv_cache.shape)} must be {NHD_LAYOUT}")
+    if not kv_cache.is_contiguous():
+        raise BridgeError(f"kv_cache with strides={kv_cache.stride()} must be contiguous ({NHD_LAYOUT})")
+    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_size)  # a view: writes land in the cache
+    n = slots.shape[0]
+    if n == 0:
+        return
+    for index, x, scale in ((0, key, k_scale), (1, value, v_scale)):
+        new = x[:n] if rows is None else x.index_select(0, rows)
+        flat[index].index_copy_(0, slots, quantize_to_cache(new, kv_cache.dtype, scale))
