@@ -270,7 +270,7 @@ def test_calculate_kv_scales_sets_scales_from_the_first_batch():
         (dict(attention_chunk_size=6), ValueError, r"attention_chunk_size=6.*block_size=4"),
         (dict(head_size=0), ValueError, r"head_size=0"),
         (dict(prefix="a", kv_sharing_target_layer_name="a"), ValueError, r"'a' names this layer"),
-        (dict(attn_backend=PallasTPUAttentionBackend), ValueError, r"PALLAS_TPU cannot serve.*not implemented"),
+        (dict(attn_backend=PallasTPUAttentionBackend), ValueError, r"PALLAS_TPU cannot serve.*head_size=8 is not"),
         (dict(alibi_slopes=[1.0, 2.0]), ValueError, r"alibi_slopes.*\(4,\)"),
     ],
 )

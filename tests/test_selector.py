@@ -28,7 +28,6 @@ ABE = AttentionBackendEnum
 CPU = Platform("cpu", "cpu", 1)
 TPU = Platform("tpu", "TPU v5 lite", 4)
 GPU = Platform("gpu", "NVIDIA H100 80GB HBM3", 8)
-TPU_TODO = "the Pallas TPU kernel is not implemented yet; XLA serves every platform until it lands"
 GPU_TODO = "the Pallas GPU kernel is not implemented yet; XLA serves every platform until it lands"
 
 
@@ -83,27 +82,40 @@ def test_cpu_selects_xla():
 
 
 @pytest.mark.parametrize(
-    ("platform", "priority"), [(CPU, ("XLA",)), (TPU, ("PALLAS_TPU", "XLA")), (GPU, ("PALLAS_GPU", "XLA"))]
+    ("platform", "priority", "chosen"),
+    [(CPU, ("XLA",), ABE.XLA), (TPU, ("PALLAS_TPU", "XLA"), ABE.PALLAS_TPU), (GPU, ("PALLAS_GPU", "XLA"), ABE.XLA)],
 )
-def test_priority_list_per_platform(platform, priority):
+def test_priority_list_per_platform(platform, priority, chosen):
     report = explain(platform=platform)
     assert tuple(b.name for b in report.priority) == priority
     assert report.how == "priority"
-    assert report.chosen is ABE.XLA
-    assert select(platform=platform) is XLAAttentionBackend
+    assert report.chosen is chosen
+    assert select(platform=platform) is chosen.get_class()
 
 
-def test_tpu_rows_explain_why_pallas_lost():
+def test_tpu_selects_pallas_tpu():
     report = explain(platform=TPU)
-    assert report.row(ABE.PALLAS_TPU).reasons == [TPU_TODO]
+    assert report.chosen is ABE.PALLAS_TPU
+    assert report.row(ABE.PALLAS_TPU).reasons == []
     assert report.row(ABE.PALLAS_GPU).reasons == ["not in the priority list for platform tpu", GPU_TODO]
     assert report.row(ABE.XLA).reasons == []
+    assert select(platform=TPU) is PallasTPUAttentionBackend
+    assert get_kv_cache_layout() == "HND"  # the TPU cache keeps heads before slots
+
+
+def test_tpu_falls_back_to_xla_with_pallas_tpus_reasons():
+    report = explain(platform=TPU, kv_cache_dtype="float16")
+    assert report.chosen is ABE.XLA
+    assert report.row(ABE.PALLAS_TPU).reasons == [
+        "kv_cache_dtype='float16' is not supported; supported: "
+        "['auto', 'bfloat16', 'float32', 'fp8', 'fp8_e4m3', 'fp8_e5m2']"
+    ]
 
 
 def test_gpu_rows_explain_why_pallas_lost():
     report = explain(platform=GPU)
     assert report.row(ABE.PALLAS_GPU).reasons == [GPU_TODO]
-    assert report.row(ABE.PALLAS_TPU).reasons == ["not in the priority list for platform gpu", TPU_TODO]
+    assert report.row(ABE.PALLAS_TPU).reasons == ["not in the priority list for platform gpu"]
 
 
 @pytest.mark.parametrize(
@@ -121,7 +133,7 @@ def test_no_usable_backend_shows_each_backends_reasons():
     assert msg.startswith("No attention backend can serve head_size=128, dtype=bfloat16")
     assert "use_mla=True" in msg
     assert "on platform tpu (TPU v5 lite) x 4 (priority list: PALLAS_TPU, XLA)" in msg
-    assert f"PALLAS_TPU: {TPU_TODO}; MLA is not supported." in msg
+    assert "PALLAS_TPU: MLA is not supported." in msg
     assert "XLA: MLA is not supported." in msg
     assert "PALLAS_GPU: not in the priority list for platform tpu" in msg
     assert "\n" not in msg
@@ -149,12 +161,12 @@ def test_force_rejects_non_members():
 def test_forced_pallas_tpu_that_cannot_serve_lists_every_reason():
     global_force_attn_backend(ABE.PALLAS_TPU)
     with pytest.raises(ValueError) as e:
-        select(has_sink=True)
+        select(use_mla=True, kv_cache_dtype="fp8", block_size=16)
     msg = str(e.value)
     assert msg.startswith("Forced attention backend PALLAS_TPU cannot serve head_size=128")
-    assert f"{TPU_TODO}; attention sinks are not supported." in msg
+    assert "MLA is not supported; kv_cache_dtype='fp8' with block_size=16: fp8 pages need block_size >= 32" in msg
     assert "not in the priority list" not in msg  # forcing bypasses the priority list
-    assert msg.endswith("Usable backends here: XLA.")
+    assert msg.endswith("Usable backends here: none.")  # MLA: XLA cannot serve it either
 
 
 def test_forced_backend_beats_env(monkeypatch):
@@ -280,8 +292,9 @@ def test_attn_type_and_dtype_spellings_share_the_cache():
 def test_cache_follows_force():
     assert select() is XLAAttentionBackend
     global_force_attn_backend(ABE.PALLAS_TPU)
+    assert select() is PallasTPUAttentionBackend  # forced on a CPU: the TPU interpreter
     with pytest.raises(ValueError, match="Forced attention backend PALLAS_TPU"):
-        select()
+        select(use_mla=True)
     global_force_attn_backend(None)
     assert select() is XLAAttentionBackend
 
@@ -313,8 +326,9 @@ def test_cache_follows_env(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "CUSTOM")
     assert select() is MLABackend
     monkeypatch.setenv(ENV_VAR, "PALLAS_TPU")
+    assert select() is PallasTPUAttentionBackend
     with pytest.raises(ValueError, match="PALLAS_TPU"):
-        select()
+        select(use_mla=True)
     monkeypatch.delenv(ENV_VAR)
     assert select() is XLAAttentionBackend
 
@@ -344,7 +358,7 @@ def test_report_has_a_row_for_every_backend():
     tpu = report.row(ABE.PALLAS_TPU)
     assert tpu.class_path == "attn_jax.backends.pallas_tpu.PallasTPUAttentionBackend"
     assert not tpu.usable
-    assert tpu.reasons == ["not in the priority list for platform cpu", TPU_TODO]
+    assert tpu.reasons == ["not in the priority list for platform cpu"]
     with pytest.raises(KeyError):
         report.row(ABE.CUSTOM)
 
@@ -375,7 +389,7 @@ def test_report_fields_and_format():
     assert "decided by: platform priority list for cpu" in text
     assert "chosen:     XLA (attn_jax.backends.xla.XLAAttentionBackend)" in text
     assert "* XLA" in text
-    assert f"- {TPU_TODO}" in text
+    assert "- not in the priority list for platform cpu" in text
     assert "- attention sinks are not supported" in text
 
 
@@ -412,7 +426,7 @@ def test_layout_is_set_again_on_a_cache_hit():
 # --- the Pallas backends, until their kernels land ------------------------------------------
 
 
-@pytest.mark.parametrize("cls", [PallasTPUAttentionBackend, PallasGPUAttentionBackend])
+@pytest.mark.parametrize("cls", [PallasGPUAttentionBackend])
 def test_pallas_backends_are_stubs(cls):
     assert cls.get_kv_cache_shape(7, 16, 8, 128) == XLAAttentionBackend.get_kv_cache_shape(7, 16, 8, 128)
     assert cls.get_kv_cache_stride_order() == XLAAttentionBackend.get_kv_cache_stride_order()
