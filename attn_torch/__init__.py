@@ -11,6 +11,7 @@ PyTorch. Public names: ``Attention``, ``bind_kv_cache``, ``set_forward_context``
 
 # isort: off
 import bridge  # noqa: F401  (first: sets JAX's GPU memory policy before JAX initialises)
+
 # isort: on
 from attn_jax.layer import CacheConfig
 from attn_jax.metadata import CommonAttentionMetadata, build_common_attn_metadata

@@ -29,7 +29,13 @@ import torch
 from attn_jax.metadata import CommonAttentionMetadata
 from bridge.dlpack import BridgeError, jax_device_for, to_jax_int32
 
-__all__ = ["ForwardContext", "PreparedMetadata", "get_forward_context", "is_forward_context_available", "set_forward_context"]
+__all__ = [
+    "ForwardContext",
+    "PreparedMetadata",
+    "get_forward_context",
+    "is_forward_context_available",
+    "set_forward_context",
+]
 
 _DEVICE_FIELDS = ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping")
 _HOST_FIELDS = ("query_start_loc_cpu", "seq_lens_cpu", "num_computed_tokens_cpu")
@@ -61,8 +67,7 @@ class ForwardContext:
         if isinstance(md, Mapping):
             if layer_name not in md:
                 raise ValueError(
-                    f"The forward context's attn_metadata has no entry for layer {layer_name!r}; "
-                    f"it has: {sorted(md)}"
+                    f"The forward context's attn_metadata has no entry for layer {layer_name!r}; it has: {sorted(md)}"
                 )
             md = md[layer_name]
         if not isinstance(md, CommonAttentionMetadata):

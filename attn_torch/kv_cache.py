@@ -56,6 +56,10 @@ def write_to_kv_cache(
     n = slots.shape[0]
     if n == 0:
         return
+    fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     for index, x, scale in ((0, key, k_scale), (1, value, v_scale)):
-        new = x[:n] if rows is None else x.index_select(0, rows)
-        flat[index].index_copy_(0, slots, quantize_to_cache(new, kv_cache.dtype, scale))
+        new = quantize_to_cache(x[:n] if rows is None else x.index_select(0, rows), kv_cache.dtype, scale)
+        if fp8:  # index_copy_ has no fp8 kernels (torch 2.11): copy the same bytes as uint8
+            flat[index].view(torch.uint8).index_copy_(0, slots, new.view(torch.uint8))
+        else:
+            flat[index].index_copy_(0, slots, new)

@@ -113,7 +113,9 @@ class Attention(nn.Module):
         self.dtype = dtype
         self.calculate_kv_scales = j.calculate_kv_scales
         self._k_scale_float = self._v_scale_float = 1.0
-        shape = self.attn_backend.get_kv_cache_shape(1, self.block_size, self.num_kv_heads, self.head_size, self.kv_cache_dtype)
+        shape = self.attn_backend.get_kv_cache_shape(
+            1, self.block_size, self.num_kv_heads, self.head_size, self.kv_cache_dtype
+        )
         if tuple(shape) != (2, 1, self.block_size, self.num_kv_heads, self.head_size):
             raise NotImplementedError(
                 f"attn_torch writes new k/v with torch into the NHD layout {NHD_LAYOUT}, but backend "
@@ -147,7 +149,9 @@ class Attention(nn.Module):
     def check_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """ValueError unless ``kv_cache`` has this layer's cache shape (any page count) and dtype."""
         if not isinstance(kv_cache, torch.Tensor):
-            raise TypeError(f"kv_cache for layer {self.layer_name!r} must be a torch.Tensor, got {type(kv_cache).__name__}")
+            raise TypeError(
+                f"kv_cache for layer {self.layer_name!r} must be a torch.Tensor, got {type(kv_cache).__name__}"
+            )
         expected = (2, self.block_size, self.num_kv_heads, self.head_size)
         if kv_cache.dim() != 5 or (kv_cache.shape[0], *kv_cache.shape[2:]) != expected:
             raise ValueError(
@@ -175,6 +179,11 @@ class Attention(nn.Module):
         query's dtype. Metadata comes from ``set_forward_context``; the cache is
         ``self.kv_cache[virtual_engine]``, updated in place.
         """
+        for name, x in (("key", key), ("value", value)):
+            if x is not None and x.device != query.device:  # before dispatch: a meta input would pick the fake
+                raise BridgeError(
+                    f"{name} is on {x.device} but query is on {query.device}; q, k, v must share a device"
+                )
         num_tokens = query.shape[0]
         q = self._heads("query", query, self.num_heads)
         k = None if key is None else self._heads("key", key, self.num_kv_heads)

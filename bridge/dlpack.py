@@ -243,7 +243,9 @@ def to_torch(array: jax.Array, *, name: str = "array") -> torch.Tensor:
         raise BridgeError(f"{name} is sharded over {len(devices)} devices; the bridge crosses one device at a time")
     dtype = _TORCH_DTYPE_OF.get(np.dtype(array.dtype))
     if dtype is None:
-        raise BridgeError(f"{name} has dtype={array.dtype}, which the bridge does not support. Supported: {_supported_names()}")
+        raise BridgeError(
+            f"{name} has dtype={array.dtype}, which the bridge does not support. Supported: {_supported_names()}"
+        )
     (device,) = devices
     torch_device = torch_device_for(device)
     stream = torch.cuda.current_stream(torch_device).cuda_stream if torch_device.type == "cuda" else None
