@@ -444,12 +444,10 @@ def ragged_paged_attention(
             sm_scale=head_size**-0.5)
     """
     num_tokens, num_q_heads, head_size = q.shape
-    if kv_cache.ndim != 4:
-        check_tpu_cache_layout(kv_cache, num_kv_heads=None, head_size=head_size)  # raises, naming the layout
+    check_tpu_cache_layout(kv_cache, num_kv_heads=None, head_size=head_size)
     num_kv_heads = kv_cache.shape[1]
     _validate_static(q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
                      sm_scale, sliding_window, logits_soft_cap, alibi_slopes, sinks)  # fmt: skip
-    check_tpu_cache_layout(kv_cache, num_kv_heads=num_kv_heads, head_size=head_size)
     num_blocks, _, page_size, _ = kv_cache.shape
     check_tpu_shapes(head_size=head_size, page_size=page_size, kv_dtype=kv_cache.dtype)
     num_reqs, pages_per_req = block_tables.shape
