@@ -235,7 +235,8 @@ def peer_paged_fn(b: DeviceBatch):
     k_pages = jnp.transpose(b.kv_cache[0], (2, 0, 1, 3))  # [Hkv, P, S, D]
     v_pages = jnp.transpose(b.kv_cache[1], (2, 0, 1, 3))
     lengths = b.seq_lens
-    tables = b.block_tables
+    width = b.block_tables.shape[1]
+    tables = jnp.pad(b.block_tables, ((0, 0), (0, -width % 256)))  # its splits x pages per block must divide
     pages_per_seq = tables.shape[1]
     best = None
     for ppcb, splits in ((8, 1), (8, 4), (16, 8), (8, 16), (16, 16)):
@@ -305,12 +306,13 @@ def tuned_match(b: DeviceBatch) -> dict:
 def tune_candidates(b: DeviceBatch) -> list[GpuBlockSizes]:
     s = b.spec
     group = s.num_q_heads // s.num_kv_heads
-    decode = bool((b.query_lens == 1).all())
-    rows_opts = (16, 32) if decode else (32, 64, 128)
-    tile_opts = (32, 64, 128, 256) if decode else (32, 64, 128)
-    split_opts = (1, 2, 4, 8, 16) if decode else (1,)
+    decode = batch_mode(b.query_lens) == "decode"
+    rows_opts = (16,) if decode else (64, 128)
+    tile_opts = (64, 128, 256) if decode else (32, 64, 128)
+    h = default_block_sizes(b).num_kv_splits
+    split_opts = sorted({max(h // 2, 1), h, 2 * h}) if decode else (1,)
     out = []
-    for rows, tile, warps, stages, splits in itertools.product(rows_opts, tile_opts, (4, 8), (1, 2, 3), split_opts):
+    for rows, tile, warps, stages, splits in itertools.product(rows_opts, tile_opts, (4, 8), (2, 3), split_opts):
         bs = GpuBlockSizes(max(rows // next_pow2(group), 1), max(tile // s.block_size, 1), splits, warps, stages)
         try:
             check_block_sizes(bs, group=group, page_size=s.block_size)

@@ -81,12 +81,16 @@ def softmax_tile_update(m, denom, s, visible):
     """One tile's softmax bookkeeping: returns (m_new f32[rows], denom_new, alpha f32[rows], p f32[rows, cols]).
 
     ``alpha`` rescales the old accumulator and ``p`` are the tile's unnormalised weights
-    (exactly 0 where not visible, whatever ``s`` holds there, NaN included).
+    (exactly 0 where not visible, whatever ``s`` holds there, NaN included). ``visible=None``
+    means every entry is visible (a tile inside every row's range: no mask to apply).
     """
-    s = jnp.where(visible, s, MASK_VALUE)
+    if visible is not None:
+        s = jnp.where(visible, s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     alpha = jnp.exp(m - m_new)
-    p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+    p = jnp.exp(s - m_new[:, None])
+    if visible is not None:
+        p = jnp.where(visible, p, 0.0)
     denom_new = alpha * denom + jnp.sum(p, axis=1)
     return m_new, denom_new, alpha, p
 
@@ -95,7 +99,7 @@ def online_softmax_update(state, s, visible, v, *, precision=None):
     """Folds one KV tile into the running state.
 
     state: (m, denom, acc) as from ``init_softmax_state``; s f32[rows, cols] logits;
-    visible bool[rows, cols]; v [cols, head_size] in the matmul dtype (rows of v that are
+    visible bool[rows, cols] or None (all visible); v [cols, head_size] in the matmul dtype (rows of v that are
     not visible to any row must be finite: mask or zero them when loading).
     """
     m, denom, acc = state

@@ -62,7 +62,8 @@ def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp
     Runs on the host with ``xp=numpy`` (the metadata builder) or traced with ``xp=jax.numpy``
     (when the caller passes no schedule). Padding token rows (from ``query_start_loc[-1]``
     to ``num_tokens``) get blocks of a pseudo-request with no keys, so the kernel writes
-    zeros there; blocks past the last one are empty (no rows, no keys).
+    zeros there; blocks past the last one are empty (no rows, no keys). Blocks are ordered
+    by decreasing KV extent (the grid runs roughly in order: the longest go first).
     """
     num_reqs = seq_lens.shape[0]
     nb = max_num_q_blocks(num_tokens, num_reqs, block_q)
@@ -88,7 +89,10 @@ def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp
         xp.where(used & is_real, pos_start, zero),
         xp.where(used, kv_len, zero),
     )
-    return xp.stack(rows).astype(np.int32)
+    # Heaviest q-blocks (longest KV extent) first, so the long causal tails do not run last.
+    work = rows[3] + (rows[2] - rows[1])
+    order = xp.argsort(-work, stable=True)
+    return xp.stack(rows)[:, order].astype(np.int32)
 
 
 def _kernel(
@@ -142,7 +146,10 @@ def _kernel(
     if has_sinks:  # splits other than 0 start empty: denom = 0
         state = (state[0], jnp.where(split == 0, state[1], 0.0), state[2])
 
-    def body(t, state):
+    # f32 dots must not drop to TF32 (Triton's DEFAULT); 16-bit ones take the native MMA.
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+    def tile_step(t, state, masked: bool):
         j = t * tile + jnp.arange(tile, dtype=jnp.int32)  # i32[tile] cached positions
         in_range = j < hi
         page = plgpu.load(block_tables_ref.at[req, jnp.minimum(j // page_size, pages_per_req - 1)])
@@ -152,16 +159,31 @@ def _kernel(
         v = plgpu.load(kv_ref.at[1, page, offset, kv_head, d], mask=in_range[:, None], other=0.0)
         k = common.dequantize(k, None, q.dtype)  # fp8 scales fold into sm_scale and the output
         v = common.dequantize(v, None, q.dtype)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # f32[rows, tile]
+        dims = (((1,), (1,)), ((), ()))
+        s = jax.lax.dot_general(q, k, dims, precision=precision, preferred_element_type=jnp.float32)  # f32[rows, tile]
         s = common.transform_scores(
             s, q_pos, j[None, :], sm_scale=sm_scale * k_scale, soft_cap=soft_cap, alibi_slopes=slopes
         )
-        visible = common.visible_mask(
-            q_pos, j[None, :], hi, causal=causal, sliding_window=sliding_window, row_valid=row_valid[:, None]
-        )
-        return common.online_softmax_update(state, s, visible, v)
+        visible = None
+        if masked:
+            visible = common.visible_mask(
+                q_pos, j[None, :], hi, causal=causal, sliding_window=sliding_window, row_valid=row_valid[:, None]
+            )
+        return common.online_softmax_update(state, s, visible, v, precision=precision)
 
-    state = jax.lax.fori_loop(s_lo, s_hi, body, state)
+    # Tiles every row sees whole (inside the window, before the diagonal, below kv_len) skip
+    # the mask; the tiles at the window's edge, the diagonal and kv_len apply it. Rows that
+    # are padding see those whole tiles too, harmlessly: their output is never stored.
+    full_hi = jnp.minimum(pos_start + 1, hi) // tile if causal else hi // tile
+    full_lo = t_lo
+    if sliding_window is not None:
+        full_lo = jnp.maximum(t_lo, (last_pos - sliding_window + 1 + tile - 1) // tile)
+    full_lo = jnp.clip(full_lo, s_lo, s_hi)
+    full_hi = jnp.clip(full_hi, full_lo, s_hi)
+    masked_step = functools.partial(tile_step, masked=True)
+    state = jax.lax.fori_loop(s_lo, full_lo, masked_step, state)
+    state = jax.lax.fori_loop(full_lo, full_hi, functools.partial(tile_step, masked=False), state)
+    state = jax.lax.fori_loop(full_hi, s_hi, masked_step, state)
     # The interpreter turns a masked store into a scatter of (kept or old) values, so
     # masked-off rows must not alias real ones: there they go to a spare token row.
     tok_s = jnp.where(row_valid, tok_c, num_tokens) if spare_row else tok_c
