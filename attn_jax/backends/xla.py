@@ -1,4 +1,11 @@
-"""The XLA backend: the pure-jnp reference op; every feature, every platform."""
+"""The XLA backend: pure jnp on every platform, every feature.
+
+Two paths: the reference op (``ops/ragged_paged_attention/reference.py``, the
+specification) and the dense per-request op (``dense.py``: each request's pages gathered
+once, the serving path on the CPU). ``build`` gives metadata for the reference, which
+works on traced metadata; ``build_for_jit`` runs on the host before ``jit`` and adds the
+dense op's static schedule, so the jitted step takes the fast path.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import numpy as np
 
 from attn_jax.backends.base import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
 from attn_jax.metadata import CommonAttentionMetadata, make_local_attention_virtual_batches
+from attn_jax.ops.ragged_paged_attention import dense
 from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
 from attn_jax.types import AttentionType, validate_cache_dtype, validate_positive_int
@@ -32,6 +40,10 @@ class XLAAttentionMetadata:
     seq_lens: Array  # i32[R]
     block_tables: Array  # i32[R, pages_per_req]
     slot_mapping: Array  # i32[T]
+    # The dense path's schedule (``dense.dense_schedule``), set by ``build_for_jit``; with
+    # q_block None the impl runs the reference op.
+    prefill_reqs: Array | None = None  # i32[Rp]: requests with > 1 new token, padded with R
+    q_block: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
@@ -54,6 +66,25 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
                 slot_mapping=md.slot_mapping,
             )
         return self._build_local(md, chunk)
+
+    def build_for_jit(self, common_attn_metadata: CommonAttentionMetadata) -> XLAAttentionMetadata:
+        """Metadata for the dense per-request path, built on the host before ``jit``.
+
+        Adds ``dense.dense_schedule`` (the prefill requests, padded to a power of two, and
+        ``q_block``, a power of two; both static shapes) to ``build``'s fields. Needs
+        concrete (NumPy) metadata, ValueError otherwise. Chunked local attention keeps the
+        reference path (``build``).
+        """
+        md = common_attn_metadata
+        if self.kv_cache_spec.attention_chunk_size is not None:
+            return self.build(0, md)
+        if not is_concrete(md.query_start_loc_cpu):
+            raise ValueError(
+                "build_for_jit computes the dense path's schedule on the host: pass concrete "
+                "(NumPy) CommonAttentionMetadata, outside jax.jit"
+            )
+        prefill_reqs, q_block = dense.dense_schedule(np.asarray(md.query_start_loc_cpu), md.num_reqs)
+        return dataclasses.replace(self.build(0, md), prefill_reqs=prefill_reqs, q_block=q_block)
 
     def _build_local(self, md: CommonAttentionMetadata, chunk: int) -> XLAAttentionMetadata:
         host = (md.query_start_loc_cpu, md.seq_lens_cpu, md.block_table_tensor)
@@ -86,7 +117,9 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
 
 
 class XLAAttentionImpl(AttentionImpl[XLAAttentionMetadata]):
-    """Calls the reference ``ragged_paged_attention`` with the layer's hyperparameters."""
+    """Calls ``ragged_paged_attention`` with the layer's hyperparameters: the dense
+    per-request op when the metadata carries its schedule (``build_for_jit``), else the
+    reference."""
 
     def __init__(
         self,
@@ -121,11 +154,15 @@ class XLAAttentionImpl(AttentionImpl[XLAAttentionMetadata]):
         if self.kv_sharing_target_layer_name is not None:
             key = value = None  # the target layer has written this cache already
         md = attn_metadata
-        return ragged_paged_attention(
+        op, schedule = ragged_paged_attention, {}
+        if md.q_block is not None:
+            op, schedule = dense.ragged_paged_attention, dict(prefill_reqs=md.prefill_reqs, q_block=md.q_block)
+        return op(
             query, key, value, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables,
             md.slot_mapping, sm_scale=self.scale, causal=self.attn_type.is_causal,
             sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
             alibi_slopes=self.alibi_slopes, sinks=self.sinks, k_scale=k_scale, v_scale=v_scale,
+            **schedule,
         )  # fmt: skip
 
 

@@ -1,0 +1,192 @@
+"""Llama-family weights, configuration and tokenizer from a GGUF file.
+
+Weights are read and dequantised (Q4_1, Q8_0, F16, ...) by the ``gguf`` package; the
+tokenizer comes from the same file through transformers' GGUF tokenizer support. Query
+and key projections are un-permuted exactly as transformers does on load (llama.cpp's
+converter interleaves each head's rotary halves), so the model uses Hugging Face's
+rotate-half RoPE and gives the same numbers as ``AutoModelForCausalLM.from_pretrained(
+folder, gguf_file=name)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+from collections.abc import Callable
+
+import numpy as np
+
+from attn_jax.models.llama import LlamaConfig
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+class ModelLoadError(ValueError):
+    """A model file that cannot be used: missing, not GGUF, truncated, or unsupported.
+
+    A user error: the CLI prints its message, without a traceback.
+    """
+
+
+def _reader(path: pathlib.Path):
+    from gguf import GGUFReader
+
+    if not path.exists():
+        raise ModelLoadError(f"model file {str(path)!r} does not exist (expected a .gguf file)")
+    if not path.is_file():
+        raise ModelLoadError(f"model path {str(path)!r} is not a file (expected a .gguf file)")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{str(path)!r} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # the reader raises ValueError/IndexError/... on truncated files
+        raise ModelLoadError(f"{str(path)!r} is a corrupt or truncated GGUF file: {type(e).__name__}: {e}") from e
+
+
+def _field(reader, key: str, default=None, required: bool = True):
+    field = reader.fields.get(key)
+    if field is None:
+        if required and default is None:
+            raise ModelLoadError(f"GGUF metadata key {key!r} is missing")
+        return default
+    return field.contents()
+
+
+def read_config(reader) -> LlamaConfig:
+    """The ``LlamaConfig`` from a GGUF reader's metadata (architecture "llama" only)."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"GGUF architecture {arch!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}"
+        )
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    scaling = _field(reader, f"{arch}.rope.scaling.type", default="none", required=False)
+    factor = _field(reader, f"{arch}.rope.scaling.factor", default=1.0, required=False)
+    if scaling not in ("none", "linear"):
+        raise ModelLoadError(f"rope scaling type {scaling!r} is not supported; supported: ['none', 'linear']")
+    names = {t.name for t in reader.tensors}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id", default=-1, required=False)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _field(reader, f"{arch}.vocab_size", default=len(tokens.data) if tokens else 0, required=False)
+    return LlamaConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", default=num_heads)),
+        head_dim=int(_field(reader, f"{arch}.rope.dimension_count", default=hidden // num_heads)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", default=10000.0)),
+        rope_scaling_factor=float(factor) if scaling == "linear" else 1.0,
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id", default=-1, required=False)),
+        eos_token_ids=(int(eos),) if eos >= 0 else (),
+        name=str(_field(reader, "general.name", default="llama", required=False)),
+    )
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """transformers' ``_reverse_permute_weights``: [out, in] rows back to rotate-half order."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+_LAYER_TENSORS = {
+    "attn_norm": "attn_norm",
+    "wq": "attn_q",
+    "wk": "attn_k",
+    "wv": "attn_v",
+    "wo": "attn_output",
+    "ffn_norm": "ffn_norm",
+    "w_gate": "ffn_gate",
+    "w_up": "ffn_up",
+    "w_down": "ffn_down",
+}
+
+
+def load_gguf(
+    path: str | os.PathLike,
+    dtype=np.float32,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[LlamaConfig, dict]:
+    """Reads and dequantises a Llama GGUF.
+
+    Args:
+      path: the .gguf file.
+      dtype: NumPy dtype of the returned weights (float32 default).
+      progress: called as ``progress(done, total)`` after each tensor.
+
+    Returns ``(config, params)``; params (NumPy, ``dtype``) hold ``embed`` [V, H],
+    ``final_norm`` [H], ``lm_head`` [H, V] (absent when tied) and ``layers``, a list of
+    per-layer dicts: ``attn_norm``/``ffn_norm`` [H], ``wq`` [H, Hq*D], ``wk``/``wv``
+    [H, Hkv*D], ``wo`` [Hq*D, H], ``w_gate``/``w_up`` [H, I], ``w_down`` [I, H] (every
+    matrix as [in, out]). Raises ``ModelLoadError`` for a
+    missing, corrupt or unsupported file.
+    """
+    from gguf import dequantize
+
+    path = pathlib.Path(path)
+    reader = _reader(path)
+    config = read_config(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    total = len(tensors)
+    done = 0
+
+    def get(name: str) -> np.ndarray:
+        nonlocal done
+        t = tensors.get(name)
+        if t is None:
+            raise ModelLoadError(f"{str(path)!r} has no tensor {name!r}; is it a Llama checkpoint?")
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(
+                f"cannot dequantise tensor {name!r} ({t.tensor_type.name}) of {str(path)!r}: {e}"
+            ) from e
+        done += 1
+        if progress is not None:
+            progress(done, total)
+        return w
+
+    params: dict = {"embed": get("token_embd.weight").astype(dtype)}
+    if params["embed"].shape != (config.vocab_size, config.hidden_size):
+        raise ModelLoadError(
+            f"token_embd.weight has shape {params['embed'].shape}; expected "
+            f"({config.vocab_size}, {config.hidden_size}): the file is inconsistent"
+        )
+    layers: list[dict[str, np.ndarray]] = []
+    for i in range(config.num_layers):
+        layer = {}
+        for key, gguf_name in _LAYER_TENSORS.items():
+            w = get(f"blk.{i}.{gguf_name}.weight")
+            if key == "wq":
+                w = _unpermute(w, config.num_heads)
+            elif key == "wk":
+                w = _unpermute(w, config.num_kv_heads)
+            layer[key] = np.ascontiguousarray(w if w.ndim == 1 else w.T, dtype=dtype)  # [out, in] -> [in, out]
+        layers.append(layer)
+    params["layers"] = layers
+    params["final_norm"] = get("output_norm.weight").astype(dtype)
+    if not config.tie_word_embeddings:
+        params["lm_head"] = np.ascontiguousarray(get("output.weight").T).astype(dtype)
+    return config, params
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The GGUF's tokenizer through transformers (``AutoTokenizer(..., gguf_file=...)``)."""
+    from transformers import AutoTokenizer
+
+    path = pathlib.Path(path)
+    _reader(path)  # the same clear errors as for the weights
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise ModelLoadError(f"cannot build a tokenizer from {str(path)!r}: {type(e).__name__}: {e}") from e

@@ -1,0 +1,230 @@
+"""A Llama-family decoder in JAX whose attention runs through ``attn_jax.Attention``.
+
+RMSNorm, RoPE (Hugging Face's rotate-half form, the model's theta, linear scaling), GQA,
+SwiGLU, tied embeddings when the checkpoint ties them. One call, ``LlamaModel.step``,
+runs a packed, mixed prefill + decode batch: every request's new tokens on one token
+axis, their keys and values written into a paged cache per layer, attention by the
+layer's backend. The layers are unrolled over per-layer weights and per-layer caches (a
+list): on the CPU, ``jax.lax.scan`` over stacked weights copies every layer's weights
+out of the stack each step and runs about twice as slow.
+
+Example::
+
+    config, params = load_gguf(gguf_path())
+    model = LlamaModel(config, block_size=16)
+    caches = model.init_kv_caches(num_blocks=256)
+    logits, caches = jax.jit(model.step)(params, caches, token_ids, positions, attn_md, last_rows)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_jax.layer import Attention
+from attn_jax.metadata import CommonAttentionMetadata
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Hyperparameters of a Llama-family decoder (Hugging Face's names where they exist)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling_factor: float = 1.0  # linear scaling: positions are divided by it
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    bos_token_id: int = -1
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+
+
+def init_params(config: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict:
+    """Random weights in ``load_gguf``'s layout (tests and benchmarks of other shapes)."""
+    rng = np.random.default_rng(seed)
+    c = config
+    h, i, layers = c.hidden_size, c.intermediate_size, c.num_layers
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+    def w(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape, dtype=np.float32) * shape[-2] ** -0.5).astype(dtype)
+
+    params = {
+        "embed": w(c.vocab_size, h),
+        "final_norm": (1 + 0.1 * rng.standard_normal(h)).astype(dtype),
+        "layers": [
+            {
+                "attn_norm": (1 + 0.1 * rng.standard_normal(h)).astype(dtype),
+                "ffn_norm": (1 + 0.1 * rng.standard_normal(h)).astype(dtype),
+                "wq": w(h, q),
+                "wk": w(h, kv),
+                "wv": w(h, kv),
+                "wo": w(q, h),
+                "w_gate": w(h, i),
+                "w_up": w(h, i),
+                "w_down": w(i, h),
+            }
+            for _ in range(layers)
+        ],
+    }
+    if not c.tie_word_embeddings:
+        params["lm_head"] = w(h, c.vocab_size)
+    return params
+
+
+def rms_norm(x, weight, eps: float):
+    """Hugging Face's LlamaRMSNorm: ``weight * x / sqrt(mean(x^2) + eps)`` in float32."""
+    x32 = x.astype(jnp.float32)
+    variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    return weight * (x32 * jax.lax.rsqrt(variance + eps)).astype(x.dtype)
+
+
+def rope_cos_sin(positions, head_dim: int, theta: float, scaling_factor: float = 1.0):
+    """cos, sin f32[T, D] for i32[T] positions (Hugging Face's default/linear RoPE)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
+    inv_freq = jnp.asarray(inv_freq / scaling_factor, jnp.float32)  # f32[D/2]
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # f32[T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x, cos, sin):
+    """x f[T, H, D] rotated: ``x * cos + rotate_half(x) * sin``."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
+
+
+class LlamaModel:
+    """The decoder: static structure only; weights, caches and batches are arguments.
+
+    Args:
+      config: the model's hyperparameters.
+      block_size: tokens per KV cache page.
+      kv_cache_dtype: vLLM's cache dtype names ("auto" = the activation dtype).
+      attn_backend: a backend class; None lets the selector choose.
+      dtype: activation dtype (float32 default).
+      num_heads / num_kv_heads / intermediate_size: the local (per-device) sizes when the
+        model runs sharded inside ``shard_map`` (``attn_jax.sharding``); default: config's.
+      model_axis: the mesh axis to ``psum`` partial attention / MLP outputs over, with
+        ``attn_sharded`` / ``mlp_sharded`` saying which are split over it.
+    """
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        block_size: int = 16,
+        kv_cache_dtype: str = "auto",
+        attn_backend=None,
+        dtype=jnp.float32,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        model_axis: str | None = None,
+        attn_sharded: bool = False,
+        mlp_sharded: bool = False,
+    ) -> None:
+        self.config = config
+        self.dtype = np.dtype(dtype)
+        self.block_size = block_size
+        self.model_axis = model_axis
+        self.attn_sharded = attn_sharded
+        self.mlp_sharded = mlp_sharded
+        self.num_heads = num_heads or config.num_heads
+        self.num_kv_heads = num_kv_heads or config.num_kv_heads
+        self.attn = Attention(
+            self.num_heads,
+            config.head_dim,
+            config.head_dim**-0.5,
+            self.num_kv_heads,
+            block_size=block_size,
+            kv_cache_dtype=kv_cache_dtype,
+            attn_backend=attn_backend,
+            dtype=self.dtype,
+            prefix="model.layers.*.self_attn.attn",
+        )
+
+    @property
+    def attn_backend(self):
+        return self.attn.attn_backend
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer's cache shape (the backend's; [2, P, S, Hkv, D] for XLA)."""
+        return self.attn.attn_backend.get_kv_cache_shape(
+            num_blocks, self.block_size, self.num_kv_heads, self.config.head_dim, self.attn.kv_cache_dtype
+        )
+
+    def init_kv_caches(self, num_blocks: int) -> list[jax.Array]:
+        """Zero caches, one per layer (a list of ``num_layers`` arrays)."""
+        return [self.attn.init_kv_cache(num_blocks) for _ in range(self.config.num_layers)]
+
+    def step(self, params, kv_caches, token_ids, positions, attn_metadata, logits_rows):
+        """One forward pass over a packed batch; returns (logits, kv_caches).
+
+        Args:
+          params: ``load_gguf``'s weights (NumPy or jax arrays).
+          kv_caches: list of per-layer caches; donate them under ``jit``.
+          token_ids: i32[T], padding rows anything in range.
+          positions: i32[T], each token's absolute position in its request.
+          attn_metadata: ``CommonAttentionMetadata`` or the backend's metadata
+            (``build_for_jit``) describing the T rows.
+          logits_rows: i32[N], the rows whose next-token logits are wanted (usually each
+            request's last new token).
+
+        Returns logits f32[N, vocab_size] and the updated caches.
+        """
+        c = self.config
+        x = jnp.asarray(params["embed"])[token_ids].astype(self.dtype)  # f[T, H]
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling_factor)
+        num_tokens = token_ids.shape[0]
+        if isinstance(attn_metadata, CommonAttentionMetadata):
+            attn_metadata = self.attn.metadata_builder.build(0, attn_metadata)  # once, not per layer
+
+        def layer(h, w, cache):
+            x = rms_norm(h, w["attn_norm"], c.rms_norm_eps)
+            q = jnp.dot(x, w["wq"], precision=_HIGHEST).reshape(num_tokens, self.num_heads, c.head_dim)
+            k = jnp.dot(x, w["wk"], precision=_HIGHEST).reshape(num_tokens, self.num_kv_heads, c.head_dim)
+            v = jnp.dot(x, w["wv"], precision=_HIGHEST).reshape(num_tokens, self.num_kv_heads, c.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            o, cache = self.attn(q, k, v, cache, attn_metadata)
+            o = jnp.dot(o, w["wo"], precision=_HIGHEST)
+            if self.attn_sharded:
+                o = jax.lax.psum(o, self.model_axis)
+            h = h + o
+            x = rms_norm(h, w["ffn_norm"], c.rms_norm_eps)
+            gate = jnp.dot(x, w["w_gate"], precision=_HIGHEST)
+            up = jnp.dot(x, w["w_up"], precision=_HIGHEST)
+            mlp = jnp.dot(jax.nn.silu(gate) * up, w["w_down"], precision=_HIGHEST)
+            if self.mlp_sharded:
+                mlp = jax.lax.psum(mlp, self.model_axis)
+            return h + mlp, cache
+
+        h, new_caches = x, []
+        for w, cache in zip(params["layers"], kv_caches, strict=True):
+            h, cache = layer(h, w, cache)
+            new_caches.append(cache)
+        h = rms_norm(h[logits_rows], params["final_norm"], c.rms_norm_eps)  # f[N, H]
+        head = params.get("lm_head")
+        if head is None:
+            logits = jnp.dot(h, jnp.asarray(params["embed"]).T, precision=_HIGHEST)
+        else:
+            logits = jnp.dot(h, head, precision=_HIGHEST)
+        return logits.astype(jnp.float32), new_caches

@@ -1,0 +1,213 @@
+"""Continuous batching with chunked prefill under a token budget (vLLM v1's scheme).
+
+Every step the scheduler gives each running request its next tokens (one for a decode,
+a chunk of the prompt for a prefill), oldest first, then admits waiting requests while
+the token budget, the sequence limit and the free pages allow. A request that needs a
+page when none is free preempts the newest running request (its pages are freed and it
+is recomputed later from its prompt and the tokens it has generated), so no request
+ever writes into another's pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from collections import deque
+
+from attn_jax.serving.block_allocator import BlockAllocator
+from attn_jax.types import validate_positive_int
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How a request's tokens are chosen and when it stops.
+
+    temperature 0 is greedy; otherwise logits / temperature, then top-k (0 = off) and
+    top-p (1.0 = off) filtering, then a draw from a key derived from ``seed`` and the
+    token's index, so a seeded request gives the same tokens in any batch. ``seed``
+    None: the engine draws one from its own seed.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        validate_positive_int("max_new_tokens", self.max_new_tokens)
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"temperature={self.temperature!r} must be a number >= 0 (0 = greedy)")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 = off)")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed={self.seed!r} must be an int or None")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation request and its progress."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # the sampling seed (params.seed or drawn by the engine)
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose k/v are in the cache
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" (EOS) | "length" (max_new_tokens)
+    num_preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """Prompt + max_new_tokens: the longest this request can get."""
+        return len(self.prompt_ids) + self.params.max_new_tokens
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    """One step's work: ``num_new[i]`` tokens of ``requests[i]`` from its ``num_computed``."""
+
+    requests: list[Request]
+    num_new: list[int]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+
+class Scheduler:
+    """Chooses each step's requests and token counts; owns the block tables.
+
+    Args:
+      allocator: the pages of the KV cache.
+      block_size: tokens per page.
+      max_num_seqs: most requests in one step.
+      max_num_batched_tokens: the token budget of one step (prefill chunks are cut to it).
+    """
+
+    def __init__(
+        self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.allocator = allocator
+        self.block_size = validate_positive_int("block_size", block_size)
+        self.max_num_seqs = validate_positive_int("max_num_seqs", max_num_seqs)
+        self.max_num_batched_tokens = validate_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._warned_full = False
+
+    def add(self, request: Request) -> None:
+        pages = -(-request.max_tokens // self.block_size)
+        if pages > self.allocator.num_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} needs up to {pages} KV cache pages "
+                f"({len(request.prompt_ids)} prompt + {request.params.max_new_tokens} new tokens, "
+                f"block_size={self.block_size}) but the cache holds {self.allocator.num_blocks}: "
+                "lower max_new_tokens or give the engine more num_blocks"
+            )
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _pages_needed(self, request: Request, num_new: int) -> int:
+        return max(-(-(request.num_computed + num_new) // self.block_size) - len(request.blocks), 0)
+
+    def _preempt(self, request: Request) -> None:
+        self.allocator.free(request.blocks)
+        request.blocks = []
+        request.num_computed = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+        logger.info(
+            "KV cache full: request %r preempted (it will be recomputed; %d pages free)",
+            request.request_id,
+            self.allocator.num_free,
+        )
+
+    def schedule(self) -> ScheduledBatch:
+        """The next step's batch; running requests first (oldest first), then new ones."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[Request] = []
+        num_new: list[int] = []
+        preempted: list[Request] = []
+        for request in list(self.running):
+            if request not in self.running:  # preempted by an older request this step
+                continue
+            n = min(request.num_tokens - request.num_computed, budget)
+            if n <= 0:
+                continue
+            need = self._pages_needed(request, n)
+            while not self.allocator.can_allocate(need):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            request.blocks += self.allocator.allocate(need)
+            scheduled.append(request)
+            num_new.append(n)
+            budget -= n
+            if budget == 0:
+                break
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request in preempted:
+                break  # not in the step that preempted it
+            n = min(request.num_tokens - request.num_computed, budget)
+            need = self._pages_needed(request, n)
+            if not self.allocator.can_allocate(need):
+                if not self._warned_full:
+                    logger.info(
+                        "KV cache full: request %r waits (%d pages needed, %d free)",
+                        request.request_id,
+                        need,
+                        self.allocator.num_free,
+                    )
+                    self._warned_full = True
+                break
+            self.waiting.popleft()
+            request.blocks += self.allocator.allocate(need)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(request)
+            num_new.append(n)
+            budget -= n
+        return ScheduledBatch(scheduled, num_new, preempted)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Marks ``request`` finished and frees its pages."""
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.allocator.free(request.blocks)
+        request.blocks = []
+        self.running.remove(request)
+        self._warned_full = False

@@ -1,0 +1,242 @@
+"""Tensor- and data-parallel serving with ``jax.sharding.Mesh`` and ``shard_map``.
+
+The mesh has two axes: "data" splits requests (each data shard has its own requests,
+its own KV cache pages and block tables) and "model" splits heads: query and KV heads,
+the KV cache's head axis, the attention output projection's rows, and the MLP's
+intermediate dimension (Megatron-style, one ``psum`` after the attention output and
+one after the MLP). A model whose KV heads do not divide over the model axis (SmolLM2
+has 3 KV heads) keeps attention and its cache replicated over that axis, with a logged
+warning, and still splits the MLP. Several hosts: call ``jax.distributed.initialize()``
+first; the mesh then spans every process's devices, with no other distribution layer.
+
+Test on a CPU with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (set before
+jax initialises).
+
+Example::
+
+    mesh = make_mesh(4, num_kv_heads=config.num_kv_heads)       # data=4, model=1 for SmolLM2
+    engine = Engine.from_gguf(mesh=mesh)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from attn_jax.backends.xla import XLAAttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+DATA = "data"
+MODEL = "model"
+
+
+def make_mesh(
+    num_devices: int | None = None,
+    *,
+    model_parallel: int | None = None,
+    num_kv_heads: int | None = None,
+    devices=None,
+) -> Mesh:
+    """A ("data", "model") mesh over the first ``num_devices`` devices.
+
+    Args:
+      num_devices: devices to use (default: all of ``devices``).
+      model_parallel: size of the "model" axis; default ``gcd(num_devices, num_kv_heads)``
+        (KV heads split as far as they divide; the rest of the devices split requests),
+        or 1 without ``num_kv_heads``.
+      num_kv_heads: the model's KV heads, for the default and the warning.
+      devices: default ``jax.devices()``.
+
+    A "model" axis that does not divide ``num_kv_heads`` (or more devices than KV heads)
+    means replicated KV heads: a logged warning. ValueError names a bad count and the
+    number of devices available.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if num_devices is None:
+        num_devices = len(devices)
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"devices={num_devices!r} must be a positive integer (this host has {len(devices)})")
+    if num_devices > len(devices):
+        platform = devices[0].platform if devices else "none"
+        hint = (
+            "; on a CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts"
+            if platform == "cpu"
+            else ""
+        )
+        raise ValueError(
+            f"devices={num_devices} but only {len(devices)} {platform} device(s) are available{hint}"
+        )
+    if model_parallel is None:
+        model_parallel = math.gcd(num_devices, num_kv_heads) if num_kv_heads else 1
+    if isinstance(model_parallel, bool) or not isinstance(model_parallel, int) or model_parallel < 1:
+        raise ValueError(f"model_parallel={model_parallel!r} must be a positive integer")
+    if num_devices % model_parallel:
+        raise ValueError(f"model_parallel={model_parallel} must divide devices={num_devices}")
+    if num_kv_heads is not None and num_kv_heads % num_devices:
+        logger.warning(
+            "num_kv_heads=%d cannot be split over %d devices: KV heads are %s",
+            num_kv_heads,
+            num_devices,
+            "replicated over the 'model' axis"
+            if num_kv_heads % model_parallel
+            else f"split over a 'model' axis of {model_parallel} and requests over a 'data' axis of "
+            f"{num_devices // model_parallel}",
+        )
+    grid = np.asarray(devices[:num_devices], dtype=object).reshape(num_devices // model_parallel, model_parallel)
+    return Mesh(grid, (DATA, MODEL))
+
+
+def local_model_kwargs(config, mesh: Mesh) -> dict:
+    """``LlamaModel`` keywords for one shard of ``mesh``: local head counts and what is
+    split over the "model" axis (attention when the KV heads divide, the MLP when its
+    intermediate size does)."""
+    m = mesh.shape[MODEL]
+    attn = config.num_kv_heads % m == 0
+    if m > 1 and not attn:
+        logger.warning(
+            "num_kv_heads=%d does not divide over the 'model' axis of %d: attention and its KV cache "
+            "are replicated on every model shard",
+            config.num_kv_heads,
+            m,
+        )
+    mlp = config.intermediate_size % m == 0
+    if m > 1 and not mlp:
+        logger.warning("intermediate_size=%d does not divide by %d: the MLP is replicated", config.intermediate_size, m)
+    return dict(
+        num_heads=config.num_heads // m if attn else config.num_heads,
+        num_kv_heads=config.num_kv_heads // m if attn else config.num_kv_heads,
+        model_axis=MODEL,
+        attn_sharded=attn and m > 1,
+        mlp_sharded=mlp and m > 1,
+    )
+
+
+class ShardedStep:
+    """Runs an engine's device step under ``shard_map`` on ``mesh``.
+
+    Batch inputs get a leading "data" axis (one slice per data shard, each with its own
+    requests and block ids into its own slice of the cache's page axis); weights are
+    split over "model" as ``local_model_kwargs`` says.
+    """
+
+    def __init__(self, model, mesh: Mesh) -> None:
+        if tuple(mesh.axis_names) != (DATA, MODEL):
+            raise ValueError(f"mesh axes {mesh.axis_names} must be ({DATA!r}, {MODEL!r}): use make_mesh")
+        self.model = model
+        self.mesh = mesh
+        self.data_size = mesh.shape[DATA]
+        m = mesh.shape[MODEL]
+        expected = local_model_kwargs(model.config, mesh)
+        got = dict(
+            num_heads=model.num_heads,
+            num_kv_heads=model.num_kv_heads,
+            model_axis=model.model_axis,
+            attn_sharded=model.attn_sharded,
+            mlp_sharded=model.mlp_sharded,
+        )
+        if m > 1 and got != expected:
+            raise ValueError(
+                f"the model was built for another mesh: {got}; for this mesh build it with "
+                f"LlamaModel(config, **local_model_kwargs(config, mesh)) = {expected}"
+            )
+        col = P(None, MODEL)
+        row = P(MODEL, None)
+        attn, mlp = model.attn_sharded, model.mlp_sharded
+        self.layer_specs = {
+            "attn_norm": P(),
+            "ffn_norm": P(),
+            "wq": col if attn else P(),
+            "wk": col if attn else P(),
+            "wv": col if attn else P(),
+            "wo": row if attn else P(),
+            "w_gate": col if mlp else P(),
+            "w_up": col if mlp else P(),
+            "w_down": row if mlp else P(),
+        }
+        # Each layer's [2, P, S, Hkv, D]: pages over data, KV heads over model when attention is split.
+        self.cache_spec = P(None, DATA, None, MODEL if attn else None, None)
+
+    def param_specs(self, params) -> dict:
+        specs = {k: P() for k in params if k != "layers"}
+        specs["layers"] = [{k: self.layer_specs[k] for k in layer} for layer in params["layers"]]
+        return specs
+
+    def put_params(self, params):
+        specs = self.param_specs(params)
+        return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(self.mesh, s)), params, specs)
+
+    def init_kv_caches(self, num_blocks_per_shard: int) -> list:
+        """Zero caches, one per layer: ``[2, data * num_blocks_per_shard, S, Hkv, D]``, sharded."""
+        shape = list(self.model.kv_cache_shape(num_blocks_per_shard))
+        shape[1] *= self.data_size
+        if self.model.attn_sharded:
+            shape[3] *= self.mesh.shape[MODEL]
+        dtype = self.model.attn.attn_backend.kv_cache_dtype_for(self.model.attn.kv_cache_dtype, self.model.dtype)
+        sharding = NamedSharding(self.mesh, self.cache_spec)
+        zeros = jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)
+        return [zeros() for _ in range(self.model.config.num_layers)]
+
+    def jit(self, device_step):
+        """``device_step(params, caches, token_ids, positions, md, logits_rows, sampling,
+        *, sample)`` (one shard's arrays) jitted over the mesh, caches donated."""
+        mesh, cache_spec = self.mesh, self.cache_spec
+
+        def body(params, caches, token_ids, positions, md, logits_rows, sampling, *, sample):
+            squeeze = functools.partial(jax.tree.map, lambda x: x[0])
+            tokens, caches = device_step(
+                params, caches, token_ids[0], positions[0], squeeze(md), logits_rows[0], squeeze(sampling),
+                sample=sample,
+            )  # fmt: skip
+            return tokens[None], caches
+
+        def step(params, caches, token_ids, positions, md, logits_rows, sampling, sample):
+            fn = jax.shard_map(
+                functools.partial(body, sample=sample),
+                mesh=mesh,
+                in_specs=(self.param_specs(params), [cache_spec] * len(caches), *[P(DATA)] * 5),
+                out_specs=(P(DATA), [cache_spec] * len(caches)),
+                check_vma=False,
+            )
+            return fn(params, caches, token_ids, positions, md, logits_rows, sampling)
+
+        return jax.jit(step, donate_argnums=1, static_argnames="sample")
+
+    def run(self, jit_step, params, caches, inputs, sample: bool):
+        """Stacks each shard's host inputs on a leading axis and runs ``jit_step``.
+
+        Returns (list of per-shard i32[R] tokens, caches).
+        """
+        mds = [md for _, _, md, _, _ in inputs]
+        if isinstance(mds[0], XLAAttentionMetadata) and mds[0].q_block is not None:
+            mds = _common_dense_schedule(mds)
+        treedefs = {jax.tree.structure(md) for md in mds}
+        if len(treedefs) != 1:
+            raise ValueError(f"data shards built metadata of different structures: {treedefs}")
+        stack = functools.partial(jax.tree.map, lambda *xs: np.stack([np.asarray(x) for x in xs]))
+        token_ids = np.stack([i[0] for i in inputs])
+        positions = np.stack([i[1] for i in inputs])
+        logits_rows = np.stack([i[3] for i in inputs])
+        sampling = stack(*[i[4] for i in inputs])
+        tokens, caches = jit_step(params, caches, token_ids, positions, stack(*mds), logits_rows, sampling, sample)
+        return list(np.asarray(tokens)), caches
+
+
+def _common_dense_schedule(mds: list[XLAAttentionMetadata]) -> list[XLAAttentionMetadata]:
+    """The dense path's schedule padded to one shape for every data shard."""
+    q_block = max(md.q_block for md in mds)
+    width = max(md.prefill_reqs.shape[0] for md in mds)
+    out = []
+    for md in mds:
+        num_reqs = md.seq_lens.shape[0]
+        reqs = np.full(width, num_reqs, np.int32)
+        reqs[: md.prefill_reqs.shape[0]] = md.prefill_reqs
+        out.append(dataclasses.replace(md, prefill_reqs=reqs, q_block=q_block))
+    return out
