@@ -82,12 +82,14 @@ class PallasTPUMetadataBuilder(XLAMetadataBuilder):
         num_reqs, pages_per_req = base.block_tables.shape
         concrete = is_concrete(base.query_start_loc, base.seq_lens, base.block_tables, base.slot_mapping)
         qsl = np.asarray(base.query_start_loc) if concrete else base.query_start_loc
-        decode_only = bool(concrete and np.all(np.diff(qsl) <= 1))
+        query_lens = np.diff(qsl) if concrete else None
+        decode_only = bool(concrete and np.all(query_lens <= 1))
+        max_query_len = int(query_lens.max(initial=0)) if concrete else None
         dtype = np.dtype(spec.dtype)
         bs = tpu_block_sizes(
             q_dtype=dtype, kv_dtype=dtype, group=1, head_size=spec.head_size, page_size=spec.block_size,
             num_kv_heads=spec.num_kv_heads, num_tokens=num_tokens, pages_per_req=pages_per_req,
-            decode_only=decode_only, device_kind=self.device_kind,
+            decode_only=decode_only, max_query_len=max_query_len, device_kind=self.device_kind,
         )  # fmt: skip
         bq = bs.q_tokens_per_block
         padded = -(-num_tokens // bq) * bq

@@ -116,7 +116,7 @@ def test_builder_computes_schedule_and_block_sizes_on_the_host():
     leaves, treedef = jax.tree_util.tree_flatten(built)
     assert len(leaves) == 5  # block sizes are static: part of the jit key, not a leaf
     mixed = builder.build(0, build_common_attn_metadata([1, 40], [30, 40], np.zeros((2, 3), np.int32), 16))
-    assert mixed.block_sizes.q_tokens_per_block == 32
+    assert mixed.block_sizes.q_tokens_per_block == 64  # mixed, no long prefill
 
 
 def test_builder_rejects_buckets_over_smem_capacity():

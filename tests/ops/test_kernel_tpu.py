@@ -400,4 +400,4 @@ def test_tuned_tables_are_distinct_devices_and_used():
     tuned = tpu_block_sizes(**kwargs, device_kind="TPU v6 lite")
     assert tuned.q_tokens_per_block == entry["q_tokens_per_block"]
     assert tuned.kv_pages_per_block == min(entry["kv_pages_per_block"], entry["max_model_len"] // page)
-    assert tpu_block_sizes(**kwargs, device_kind=None).kv_pages_per_block == min(512 // page, kwargs["pages_per_req"])
+    assert tpu_block_sizes(**kwargs, device_kind=None).kv_pages_per_block == min(256 // page, kwargs["pages_per_req"])

@@ -242,19 +242,24 @@ def tpu_block_sizes(
     num_tokens: int,
     pages_per_req: int,
     decode_only: bool = False,
+    max_query_len: int | None = None,
     device_kind: str | None = None,
 ) -> TpuBlockSizes:
     """Block sizes for one bucket of the TPU kernel: the tuned entry, else the heuristic.
 
     The heuristic takes the fewest query tokens whose ``tokens * G`` rows fill the sublane
     tile for decode-only buckets (each decode is its own request, so more tokens per block
-    only add masked rows) and 32 tokens otherwise, KV blocks of about 512 keys, one KV head
-    per program. Every value is clamped to the bucket (tokens, pages per request).
+    only add masked rows), 256 tokens when a request brings 1024 or more new tokens
+    (``max_query_len``, default ``num_tokens``: long prefills re-read less KV) and 64
+    otherwise, KV blocks of 256 keys, one KV head per program; benchmarks/tpu_cost_model.py
+    shows the trade-off on DESIGN.md's workloads. Every value is clamped to the bucket
+    (tokens, pages per request).
     """
     tile = _sublane_rows(q_dtype)
     min_tokens = tile // math.gcd(tile, group)
-    bq = min_tokens if decode_only else max(min_tokens, 32 // min_tokens * min_tokens)
-    ppb = max(512 // page_size, 1)
+    long_prefill = (num_tokens if max_query_len is None else max_query_len) >= 1024
+    bq = min_tokens if decode_only else max(min_tokens, 256 if long_prefill else 64)
+    ppb = max(256 // page_size, 1)
     table = tpu_table_for(device_kind)
     key = (
         np.dtype(q_dtype).name, np.dtype(kv_dtype).name, head_size, page_size,

@@ -611,10 +611,12 @@ def workload_cost(query_lens, context_lens, *, num_q_heads, num_kv_heads, head_s
     """Host model of what the kernel moves and computes for one batch (NumPy, exact lengths).
 
     Returns ``kv_bytes`` (pages DMA'd: per q-block, each request's KV range up to its
-    last visible position, whole pages), ``qo_bytes`` (q in, out back, with the
-    layout transposes), ``write_bytes`` (new k/v rows), ``useful_flops`` (4 * D per
-    visible (q, k) pair per query head, DESIGN.md's floor) and ``mxu_flops`` (what the
-    kernel's matmuls execute: every row of a q-block against every key of each block).
+    last visible position, whole pages), ``qo_bytes`` (q read, out written by the
+    kernel), ``transpose_bytes`` (the wrapper's q and out layout transposes, read and
+    write each), ``write_bytes`` (new k/v rows: read and written), ``useful_flops``
+    (4 * D per visible (q, k) pair per query head, DESIGN.md's floor) and ``mxu_flops``
+    (what the kernel's matmuls execute: every row of a q-block against every key of each
+    KV block it walks).
     """
     query_lens, context_lens = np.asarray(query_lens, np.int64), np.asarray(context_lens, np.int64)
     group = num_q_heads // num_kv_heads
@@ -639,7 +641,8 @@ def workload_cost(query_lens, context_lens, *, num_q_heads, num_kv_heads, head_s
     return {
         "kv_bytes": int(kv_pages * page_size * num_kv_heads * width * kv_itemsize),
         "qo_bytes": int(2 * total * num_q_heads * head_size * q_itemsize),
-        "write_bytes": int(total * num_kv_heads * width * kv_itemsize),
+        "transpose_bytes": int(4 * total * num_q_heads * head_size * q_itemsize),
+        "write_bytes": int(2 * total * num_kv_heads * width * kv_itemsize),
         "useful_flops": int(4 * head_size * num_q_heads * pairs),
         "mxu_flops": int(2 * rows * (dq + dq) * mxu_cols * num_kv_heads),
     }
