@@ -10,6 +10,7 @@ folder, gguf_file=name)``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pathlib
@@ -180,13 +181,49 @@ def load_gguf(
     return config, params
 
 
-def load_tokenizer(path: str | os.PathLike):
-    """The GGUF's tokenizer through transformers (``AutoTokenizer(..., gguf_file=...)``)."""
+CACHE_ENV = "ATTN_STACK_CACHE_DIR"
+
+
+def tokenizer_cache_dir(path: pathlib.Path) -> pathlib.Path:
+    """Where the tokenizer converted from ``path`` is saved: ``$ATTN_STACK_CACHE_DIR`` or
+    ``~/.cache/attn-stack``, then ``tokenizers/<file name>-<size>-<mtime>``."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "attn-stack")
+    stat = path.stat()
+    return pathlib.Path(root) / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer_cached(path: pathlib.Path, cache_dir: pathlib.Path):
+    if (cache_dir / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast  # AutoTokenizer would import torch (seconds)
+
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(str(cache_dir))
+        except Exception as e:  # a damaged cache: rebuild it
+            logger.warning("tokenizer cache %s is unreadable (%s); rebuilding it from the GGUF", cache_dir, e)
     from transformers import AutoTokenizer
 
-    path = pathlib.Path(path)
     _reader(path)  # the same clear errors as for the weights
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:
         raise ModelLoadError(f"cannot build a tokenizer from {str(path)!r}: {type(e).__name__}: {e}") from e
+    try:
+        tokenizer.save_pretrained(str(cache_dir))
+    except OSError as e:
+        logger.warning("cannot cache the tokenizer in %s: %s", cache_dir, e)
+    return tokenizer
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The GGUF's tokenizer, through transformers' GGUF support
+    (``AutoTokenizer.from_pretrained(folder, gguf_file=name)``).
+
+    The conversion takes about 20 s on a small CPU (transformers re-parses the GGUF and
+    imports torch), so the result is saved once under ``tokenizer_cache_dir(path)`` and
+    later loads read that (about a second); within a process it is loaded once.
+    """
+    path = pathlib.Path(path).resolve()
+    if not path.is_file():
+        _reader(path)  # raises the missing-file error
+    return _load_tokenizer_cached(path, tokenizer_cache_dir(path))

@@ -37,16 +37,20 @@ def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def dense_schedule(query_start_loc, num_reqs: int | None = None) -> tuple[np.ndarray, int]:
+def dense_schedule(
+    query_start_loc, num_reqs: int | None = None, q_block: int | None = None
+) -> tuple[np.ndarray, int]:
     """Host-side schedule of the prefill group: ``(prefill_reqs, q_block)``.
 
     Args:
       query_start_loc: i32[R + 1] (NumPy or a concrete array).
       num_reqs: R (default: ``len(query_start_loc) - 1``).
+      q_block: the prefill group's rows per request; default the power of two >= the
+        longest prefill. A fixed value (e.g. the token bucket) means fewer compilations.
 
     Returns ``prefill_reqs`` i32[Rp], the requests with more than one new token padded
-    with R (= none) to a power of two (Rp = 0 when there are none), and ``q_block``, the
-    power of two >= their longest query (0 when there are none).
+    with R (= none) to a power of two (Rp = 0 when there are none), and ``q_block``
+    (0 when there are no prefills). ValueError if a given q_block is too small.
 
     >>> dense_schedule(np.array([0, 1, 6, 7, 10], np.int32))
     (array([1, 3], dtype=int32), 8)
@@ -59,7 +63,12 @@ def dense_schedule(query_start_loc, num_reqs: int | None = None) -> tuple[np.nda
         return np.zeros(0, np.int32), 0
     padded = np.full(_next_pow2(prefills.size), num_reqs, np.int32)
     padded[: prefills.size] = prefills
-    return padded, _next_pow2(int(query_lens[prefills].max()))
+    longest = int(query_lens[prefills].max())
+    if q_block is None:
+        return padded, _next_pow2(longest)
+    if q_block < longest:
+        raise ValueError(f"{q_block=} is less than the longest prefill's query length {longest}")
+    return padded, int(q_block)
 
 
 def ragged_paged_attention(
