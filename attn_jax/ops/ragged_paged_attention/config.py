@@ -173,12 +173,23 @@ class TpuBlockSizes:
     q_tokens_per_block: query tokens per q-block; ``q_tokens_per_block * G`` matmul rows,
     a multiple of the sublane tile (8 rows for float32 queries, 16 for bf16 / f16).
     kv_pages_per_block: pages per KV block (one DMA each per KV head block, double-buffered).
-    kv_heads_per_block: KV heads per program; divides the (per-shard) number of KV heads.
+    kv_heads_per_block: KV heads per program; divides the (per-shard) number of KV heads,
+    and its ``kv_heads_per_block * G`` query heads are a multiple of 8 or all of them (the
+    q block's second-minor dim). None: the fewest that tile (``min_kv_heads_per_block``).
     """
 
     q_tokens_per_block: int
     kv_pages_per_block: int
-    kv_heads_per_block: int = 1
+    kv_heads_per_block: int | None = None
+
+
+def min_kv_heads_per_block(group: int, num_kv_heads: int) -> int:
+    """The fewest KV heads per program whose ``G`` query heads each fill whole 8-row tiles
+    (or all the KV heads, when no divisor does)."""
+    for d in range(1, num_kv_heads + 1):
+        if num_kv_heads % d == 0 and (d * group) % 8 == 0:
+            return d
+    return num_kv_heads
 
 
 def _sublane_rows(q_dtype) -> int:
@@ -191,6 +202,8 @@ def check_tpu_block_sizes(
     """Raises ValueError naming the field when ``bs`` cannot tile this configuration."""
     for name in ("q_tokens_per_block", "kv_pages_per_block", "kv_heads_per_block"):
         value = getattr(bs, name)
+        if value is None and name == "kv_heads_per_block":
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"TPU block sizes: {name}={value!r} must be a positive int")
     tile = _sublane_rows(q_dtype)
@@ -200,9 +213,13 @@ def check_tpu_block_sizes(
             f"TPU block sizes: q_tokens_per_block={bs.q_tokens_per_block} x group={group} = {rows} rows "
             f"must be a multiple of {tile} (the sublane tile of {np.dtype(q_dtype)} queries)"
         )
-    if num_kv_heads % bs.kv_heads_per_block:
+    hb = bs.kv_heads_per_block
+    if hb is not None and num_kv_heads % hb:
+        raise ValueError(f"TPU block sizes: kv_heads_per_block={hb} must divide num_kv_heads={num_kv_heads}")
+    if hb is not None and hb != num_kv_heads and (hb * group) % 8:
         raise ValueError(
-            f"TPU block sizes: kv_heads_per_block={bs.kv_heads_per_block} must divide num_kv_heads={num_kv_heads}"
+            f"TPU block sizes: kv_heads_per_block={hb} x group={group} = {hb * group} query heads per block "
+            f"must be a multiple of 8 or all {num_kv_heads * group} query heads"
         )
     if pages_per_req is not None and bs.kv_pages_per_block > max(pages_per_req, 1):
         raise ValueError(
@@ -274,6 +291,10 @@ def tpu_block_sizes(
             break
     bq = min(bq, -(-num_tokens // min_tokens) * min_tokens)  # no block larger than the bucket needs
     bq = -(-bq // min_tokens) * min_tokens
-    bs = TpuBlockSizes(q_tokens_per_block=bq, kv_pages_per_block=min(ppb, max(pages_per_req, 1)))
+    bs = TpuBlockSizes(
+        q_tokens_per_block=bq,
+        kv_pages_per_block=min(ppb, max(pages_per_req, 1)),
+        kv_heads_per_block=min_kv_heads_per_block(group, num_kv_heads),
+    )
     check_tpu_block_sizes(bs, group=group, num_kv_heads=num_kv_heads, pages_per_req=pages_per_req, q_dtype=q_dtype)
     return bs

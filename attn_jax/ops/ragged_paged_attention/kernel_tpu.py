@@ -48,7 +48,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from attn_jax.kv_cache import CACHE_STORAGE_DTYPES, quantize_to_cache
 from attn_jax.ops.ragged_paged_attention import common
-from attn_jax.ops.ragged_paged_attention.config import TpuBlockSizes, check_tpu_block_sizes, tpu_block_sizes
+from attn_jax.ops.ragged_paged_attention.config import (
+    TpuBlockSizes,
+    check_tpu_block_sizes,
+    min_kv_heads_per_block,
+    tpu_block_sizes,
+)
 from attn_jax.ops.ragged_paged_attention.validate import (
     dynamic_validate_inputs,
     is_concrete,
@@ -355,7 +360,7 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
                 k = jnp.where(kv_valid, common.dequantize(tile[:, :d], k_scale), 0.0)
                 v = jnp.where(kv_valid, common.dequantize(tile[:, d:], v_scale), 0.0)
             k, v = k.astype(mm_dtype), v.astype(mm_dtype)
-            q = q_ref[i]  # [rows, Dq]
+            q = _fold_rows(q_ref[:, i * st.group : (i + 1) * st.group, :])  # [rows, Dq]
             s = jax.lax.dot_general(
                 q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
             )  # f32[rows, bkv]
@@ -394,7 +399,18 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
     _, _, _, states = jax.lax.while_loop(lambda c: c[0] < r_end, body, init)
 
     for i in range(hb):
-        o_ref[i] = common.finalize_softmax_state(states[i]).astype(o_ref.dtype)
+        out = common.finalize_softmax_state(states[i])  # f32[rows, W]
+        o_ref[:, i * st.group : (i + 1) * st.group, :] = out.reshape(bq, st.group, -1).astype(o_ref.dtype)
+
+
+def _fold_rows(q):
+    """[bq, G, Dq] -> [bq * G, Dq] (row t * G + g). A packed dtype folds through float32
+    when G is not a whole number of packed rows (as JAX's TPU ragged attention does)."""
+    bq, group, dq = q.shape
+    packing = 4 // q.dtype.itemsize
+    if group % packing:
+        return q.astype(jnp.float32).reshape(bq * group, dq).astype(q.dtype)
+    return q.reshape(bq * group, dq)
 
 
 # --------------------------------------------------------------------------------------
@@ -462,6 +478,8 @@ def ragged_paged_attention(
             q_dtype=q.dtype, kv_dtype=kv_cache.dtype, group=group, head_size=head_size, page_size=page_size,
             num_kv_heads=num_kv_heads, num_tokens=num_tokens, pages_per_req=pages_per_req, device_kind=device_kind,
         )  # fmt: skip
+    if block_sizes.kv_heads_per_block is None:
+        block_sizes = dataclasses.replace(block_sizes, kv_heads_per_block=min_kv_heads_per_block(group, num_kv_heads))
     check_tpu_block_sizes(
         block_sizes, group=group, num_kv_heads=num_kv_heads, pages_per_req=pages_per_req, q_dtype=q.dtype
     )
@@ -522,19 +540,17 @@ def _call(st: _Static, q, kv_cache, qsl, seq_lens, tables, slots, schedule, alib
     hb, bq, ppb = bs.kv_heads_per_block, bs.q_tokens_per_block, bs.kv_pages_per_block
     padded = st.num_tokens
     rows = bq * group
-    # q [T, Hq, D] -> [Hkv, T * G, Dq]: row t * G + g is token t, query head h * G + g.
-    qh = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
-    qh = qh.reshape(padded, num_kv_heads, group, head_size).transpose(1, 0, 2, 3)
-    qh = qh.reshape(num_kv_heads, padded * group, head_size)
+    # q [T, Hq, D] is read in place: a block is bq tokens x the hb * G query heads of hb KV heads.
+    qp = q if padded == num_tokens else jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0)))
     if st.packed:  # zeros against the value half of each [k, v] row
-        qh = jnp.pad(qh, ((0, 0), (0, 0), (0, width - head_size)))
-    dq = qh.shape[-1]
+        qp = jnp.pad(qp, ((0, 0), (0, 0), (0, width - head_size)))
+    dq = qp.shape[-1]
     out_width = width if st.packed else head_size
 
     grid = (num_kv_heads // hb, padded // bq)
-    blk = lambda h, b, *_: (h, b, 0)  # noqa: E731
-    in_specs = [pl.BlockSpec((hb, rows, dq), blk)]
-    args = [qh]
+    blk = lambda h, b, *_: (b, h, 0)  # noqa: E731
+    in_specs = [pl.BlockSpec((bq, hb * group, dq), blk)]
+    args = [qp]
     if st.has_alibi:  # per row: the slope of its query head, [Hkv, rows, 1]
         per_row = jnp.tile(jnp.asarray(alibi, jnp.float32).reshape(num_kv_heads, 1, group), (1, bq, 1))
         args.append(per_row.reshape(num_kv_heads, rows, 1))
@@ -555,10 +571,10 @@ def _call(st: _Static, q, kv_cache, qsl, seq_lens, tables, slots, schedule, alib
     cache_index = len(prefetch) + len(args) - 1
 
     out_shape = (
-        jax.ShapeDtypeStruct((num_kv_heads, padded * group, out_width), q.dtype),
+        jax.ShapeDtypeStruct((padded, num_q_heads, out_width), q.dtype),
         jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
     )
-    out_specs = (pl.BlockSpec((hb, rows, out_width), blk), pl.BlockSpec(memory_space=pl.ANY))
+    out_specs = (pl.BlockSpec((bq, hb * group, out_width), blk), pl.BlockSpec(memory_space=pl.ANY))
     scratch = [
         pltpu.VMEM((2, hb, ppb, page_size, width), kv_cache.dtype),
         pltpu.SemaphoreType.DMA((2,)),
@@ -585,9 +601,9 @@ def _call(st: _Static, q, kv_cache, qsl, seq_lens, tables, slots, schedule, alib
         name="ragged_paged_attention_tpu",
     )
     out, kv_cache = kernel(*prefetch, *args)
-    out = out[..., out_width - head_size :]  # the value half when packed
-    out = out.reshape(num_kv_heads, padded, group, head_size).transpose(1, 0, 2, 3)
-    return out.reshape(padded, num_q_heads, head_size)[:num_tokens], kv_cache
+    if padded != num_tokens or st.packed:
+        out = out[:num_tokens, :, out_width - head_size :]  # the value half when packed
+    return out, kv_cache
 
 
 def cost_estimate(*, num_tokens, num_q_heads, num_kv_heads, head_size, num_reqs, pages_per_req, page_size,
@@ -612,9 +628,10 @@ def workload_cost(query_lens, context_lens, *, num_q_heads, num_kv_heads, head_s
 
     Returns ``kv_bytes`` (pages DMA'd: per q-block, each request's KV range up to its
     last visible position, whole pages), ``qo_bytes`` (q read, out written by the
-    kernel), ``transpose_bytes`` (the wrapper's q and out layout transposes, read and
-    write each), ``write_bytes`` (new k/v rows: read and written), ``useful_flops``
-    (4 * D per visible (q, k) pair per query head, DESIGN.md's floor) and ``mxu_flops``
+    kernel), ``layout_bytes`` (head size 64 only: the wrapper pads q to 128 lanes and
+    slices the value half of out, a read and a write each), ``write_bytes`` (new k/v
+    rows: read and written), ``useful_flops`` (4 * D per visible (q, k) pair per query
+    head, DESIGN.md's floor) and ``mxu_flops``
     (what the kernel's matmuls execute: every row of a q-block against every key of each
     KV block it walks).
     """
@@ -641,7 +658,7 @@ def workload_cost(query_lens, context_lens, *, num_q_heads, num_kv_heads, head_s
     return {
         "kv_bytes": int(kv_pages * page_size * num_kv_heads * width * kv_itemsize),
         "qo_bytes": int(2 * total * num_q_heads * head_size * q_itemsize),
-        "transpose_bytes": int(4 * total * num_q_heads * head_size * q_itemsize),
+        "layout_bytes": int(6 * total * num_q_heads * head_size * q_itemsize) if head_size % 128 else 0,
         "write_bytes": int(2 * total * num_kv_heads * width * kv_itemsize),
         "useful_flops": int(4 * head_size * num_q_heads * pairs),
         "mxu_flops": int(2 * rows * (dq + dq) * mxu_cols * num_kv_heads),
