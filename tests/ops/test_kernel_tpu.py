@@ -53,7 +53,7 @@ CASES: dict[str, tuple[dict, dict, TpuBlockSizes | None]] = {
     # name: (make_ragged_batch kwargs, op options, block sizes (None: the heuristic))
     "decode_only_g4_h128_p16": (dict(query_lens=[1, 1, 1], context_lens=[37, 9, 0], **_G4, head_size=128,
                                      block_size=16), {}, TpuBlockSizes(2, 2)),
-    "prefill_only_q_len_eq_kv_len_g1_h64_p16": (dict(query_lens=[11, 6], context_lens=[0, 0], num_q_heads=2,
+    "prefill_only_q_len_eq_kv_len_g1_h64_p16": (dict(query_lens=[19, 6], context_lens=[0, 0], num_q_heads=2,
                                                      num_kv_heads=2, head_size=64, block_size=16), {},
                                                 TpuBlockSizes(8, 1)),
     "mixed_padding_g8_h128_p32": (dict(_MIXED, num_q_heads=8, num_kv_heads=1, head_size=128, block_size=32,
@@ -313,6 +313,15 @@ def test_layout_round_trip_and_write_path_match_the_reference():
     written = kernel_tpu.write_to_tpu_kv_cache(tpu, batch.k, batch.v, batch.slot_mapping, **batch.op_kwargs)
     expected = write_to_kv_cache(batch.kv_cache, batch.k, batch.v, batch.slot_mapping, **batch.op_kwargs)
     np.testing.assert_array_equal(f32(kernel_tpu.to_reference_layout(written)), f32(expected))
+
+
+def test_write_plan_copies_whole_pages_once():
+    # Page size 4, 12 pages: a full page (16-19), two single tokens, a full page (32-35) then
+    # one more token, padding, a full page (40-43), a slot past the cache, a lone token.
+    slots = np.array([16, 17, 18, 19, 5, 6, 32, 33, 34, 35, 36, -1, 40, 41, 42, 43, 99, 20], np.int32)
+    expected = [-6, -1, -1, -1, 5, 6, -10, -1, -1, -1, 36, -1, -12, -1, -1, -1, -1, 20]
+    assert kernel_tpu.write_plan(slots, 4, 12, xp=np).tolist() == expected
+    assert np.asarray(jax.jit(kernel_tpu.write_plan, static_argnums=(1, 2))(slots, 4, 12)).tolist() == expected
 
 
 def test_schedule_on_host_and_traced_agree():

@@ -27,8 +27,9 @@ a query zero-padded to 128 lanes (``q . [k, v] = q . k``) and keeps the value ha
 
 New keys and values (quantised for fp8 caches, interleaved into the layout's rows: an
 elementwise op on the new tokens only) are DMA'd into their slots by the kernel itself,
-HBM -> HBM, at the first q-block of each head block, before any KV is read; the cache
-is an aliased output (``input_output_aliases``), updated in place when donated.
+HBM -> HBM, at the first q-block of each head block, before any KV is read: one DMA per
+page that new tokens fill whole (``write_plan``), one per token elsewhere. The cache is
+an aliased output (``input_output_aliases``), updated in place when donated.
 
 The per-tile math (masks, score transforms, online softmax with sinks, fp8 dequant) is
 ``common.py``'s, shared with the GPU kernel.
@@ -184,6 +185,32 @@ def tpu_schedule(query_start_loc, num_tokens: int, q_tokens_per_block: int, xp=j
     return xp.concatenate([first, last]).astype(np.int32)
 
 
+def write_plan(slot_mapping, page_size: int, num_pages: int, xp=jnp):
+    """i32[T]: how the kernel writes each new token, from ``slot_mapping`` (i32[T]).
+
+    ``>= 0``: a single-token copy to that slot; ``-1``: no write (padding, a slot outside
+    the cache, or a token written by a page copy); ``-(page + 2)``: token t starts a run of
+    ``page_size`` tokens with consecutive slots that fill ``page`` exactly, copied as one
+    DMA (prefill chunks write whole pages this way, not token by token).
+    """
+    slots = slot_mapping.astype(np.int32)
+    num_tokens = slots.shape[0]
+    valid = (slots >= 0) & (slots < num_pages * page_size)
+    t = xp.arange(num_tokens, dtype=np.int32)
+    follows = xp.concatenate([xp.zeros((1,), bool), valid[1:] & valid[:-1] & (slots[1:] == slots[:-1] + 1)])
+    breaks = xp.cumsum(~follows).astype(np.int32)  # breaks[t]: runs started up to t
+    end = xp.minimum(t + page_size - 1, num_tokens - 1)
+    full = valid & (slots % page_size == 0) & (t + page_size <= num_tokens) & (breaks[end] == breaks)
+    marks = xp.zeros((num_tokens + page_size,), np.int32)
+    if xp is np:
+        np.add.at(marks, t, full.astype(np.int32))
+        np.add.at(marks, t + page_size, -full.astype(np.int32))
+    else:
+        marks = marks.at[t].add(full.astype(np.int32)).at[t + page_size].add(-full.astype(np.int32))
+    covered = xp.cumsum(marks)[:num_tokens] > 0
+    return xp.where(full, -(slots // page_size) - 2, xp.where(valid & ~covered, slots, -1)).astype(np.int32)
+
+
 def smem_bytes(*arrays_or_sizes) -> int:
     """Estimated SMEM bytes of int32 scalar-prefetch arrays (given as arrays or element counts)."""
     total = 0
@@ -267,25 +294,30 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
     # 1. New keys and values into their slots (all tokens, this head block), before any read.
     if st.has_write:
 
-        def write_copy(t):
-            slot = slots_ref[t]
-            page, offset = jax.lax.div(slot, page_size), jax.lax.rem(slot, page_size)
+        def row_copy(t, plan):  # one token's row: [hb, 2D]
+            page, offset = jax.lax.div(plan, page_size), jax.lax.rem(plan, page_size)
             return pltpu.make_async_copy(
-                kv_new_ref.at[t, pl.ds(h0, hb)], kv_ref.at[page, pl.ds(h0, hb), offset], write_sem.at[0]
+                kv_new_ref.at[pl.ds(h0, hb), t], kv_ref.at[page, pl.ds(h0, hb), offset], write_sem.at[0]
             )
 
-        def in_cache(t):
-            slot = slots_ref[t]
-            return (slot >= 0) & (slot < num_pages * page_size)
+        def page_copy(t, plan):  # a whole page from tokens t .. t + S - 1: [hb, S, 2D]
+            return pltpu.make_async_copy(
+                kv_new_ref.at[pl.ds(h0, hb), pl.ds(t, page_size)], kv_ref.at[-plan - 2, pl.ds(h0, hb)],
+                write_sem.at[0],
+            )
 
         @pl.when(qb == 0)
         def _write():
             def start(t, c):
-                pl.when(in_cache(t))(lambda: write_copy(t).start())
+                plan = slots_ref[t]
+                pl.when(plan >= 0)(lambda: row_copy(t, plan).start())
+                pl.when(plan <= -2)(lambda: page_copy(t, plan).start())
                 return c
 
             def wait(t, c):
-                pl.when(in_cache(t))(lambda: write_copy(t).wait())
+                plan = slots_ref[t]
+                pl.when(plan >= 0)(lambda: row_copy(t, plan).wait())
+                pl.when(plan <= -2)(lambda: page_copy(t, plan).wait())
                 return c
 
             jax.lax.fori_loop(0, st.num_tokens, start, 0)
@@ -495,9 +527,10 @@ def ragged_paged_attention(
         schedule = tpu_schedule(qsl, padded_tokens, bq)
     kv_new = None
     if k is not None:
-        kv_new = new_kv_rows(k, v, kv_cache.dtype, k_scale, v_scale)
-        kv_new = jnp.pad(kv_new, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
+        kv_new = new_kv_rows(k, v, kv_cache.dtype, k_scale, v_scale)  # [T, Hkv, 2D]
+        kv_new = jnp.pad(kv_new, ((0, padded_tokens - num_tokens), (0, 0), (0, 0))).transpose(1, 0, 2)
     slots = jnp.pad(jnp.asarray(slot_mapping, jnp.int32), (0, padded_tokens - num_tokens), constant_values=-1)
+    slots = write_plan(slots, page_size, num_blocks) if k is not None else slots
     scales = None
     if fp8:
         one = jnp.float32(1.0)
