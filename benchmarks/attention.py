@@ -12,7 +12,7 @@ Implementations: PALLAS_GPU (this project's kernel, default or tuned block sizes
 equivalent (when torch with CUDA is there).
 
     python benchmarks/attention.py                       # all workloads, all implementations
-    python benchmarks/attention.py --tune                # + block-size sweep, writes tuned/gpu_*.json
+    python benchmarks/attention.py --tune M1,P1          # + block-size sweeps, writes tuned/gpu_*.json
     python benchmarks/attention.py --workloads D1 --impls pallas_gpu
 
 Writes benchmarks/results/attention_<device>.json (or --out).
@@ -235,6 +235,7 @@ def peer_paged_fn(b: DeviceBatch):
     k_pages = jnp.transpose(b.kv_cache[0], (2, 0, 1, 3))  # [Hkv, P, S, D]
     v_pages = jnp.transpose(b.kv_cache[1], (2, 0, 1, 3))
     lengths = b.seq_lens
+    q = b.q * jnp.asarray(b.spec.head_size**-0.5, b.q.dtype)  # the peer does not scale q
     width = b.block_tables.shape[1]
     tables = jnp.pad(b.block_tables, ((0, 0), (0, -width % 256)))  # its splits x pages per block must divide
     pages_per_seq = tables.shape[1]
@@ -244,14 +245,14 @@ def peer_paged_fn(b: DeviceBatch):
             continue
         fn = jax.jit(functools.partial(pa.paged_attention, pages_per_compute_block=ppcb, k_splits=splits))
         try:
-            t = time_jax(fn, b.q, k_pages, v_pages, tables, lengths, reps=10, inner=3)
+            t = time_jax(fn, q, k_pages, v_pages, tables, lengths, reps=10, inner=3)
         except Exception:  # noqa: BLE001 - a config the peer rejects
             continue
         if best is None or t < best[0]:
             best = (t, fn, {"pages_per_compute_block": ppcb, "k_splits": splits})
     if best is None:
         raise RuntimeError("no paged_attention configuration ran")
-    return best[1], (b.q, k_pages, v_pages, tables, lengths), best[2]
+    return best[1], (q, k_pages, v_pages, tables, lengths), best[2]
 
 
 def torch_sdpa_time(b: DeviceBatch) -> float:
@@ -339,11 +340,27 @@ def tune(b: DeviceBatch, log) -> tuple[GpuBlockSizes, float, list]:
     return GpuBlockSizes(**fields), best["ms"] / 1e3, rows
 
 
+def run_metadata(dev, ceilings: dict) -> dict:
+    """Device, versions and date of this run, with the measured ceilings."""
+    meta = {"device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
+            "jaxlib": jax.__version__, "python": platform.python_version(), **ceilings}  # fmt: skip
+    for module in ("torch", "triton"):
+        try:
+            meta[module] = __import__(module).__version__
+        except ImportError:
+            meta[module] = None
+    return meta
+
+
+def write_results(path: pathlib.Path, meta: dict, results: list) -> None:
+    path.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=float))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="D1,D2,M1,P1")
     p.add_argument("--impls", default="pallas_gpu,xla,peer_paged,cudnn,torch_sdpa")
-    p.add_argument("--tune", action="store_true", help="sweep block sizes and write the tuned table")
+    p.add_argument("--tune", default="", help="workloads whose block sizes to sweep (e.g. M1,P1); writes a table")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     dev = jax.devices()[0]
@@ -351,10 +368,14 @@ def main(argv=None) -> int:
         print(f"this benchmark needs a GPU; jax sees {dev.platform}", file=sys.stderr)
         return 2
     log = functools.partial(print, flush=True)
+    slug = dev.device_kind.lower().replace(" ", "_")
+    out_path = pathlib.Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"attention_{slug}.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     ceilings = measure_ceilings()
     log(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
         f"matmul {ceilings['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")  # fmt: skip
     results, tuned_entries = [], []
+    meta = run_metadata(dev, ceilings)
     impls = args.impls.split(",")
     for name in args.workloads.split(","):
         b = make_device_batch(WORKLOADS[name])
@@ -383,12 +404,13 @@ def main(argv=None) -> int:
                 traceback.print_exc(limit=3)
 
         if "pallas_gpu" in impls:
+
             def ours(b=b, op_args=op_args, ref=ref, record=record):
                 bs = default_block_sizes(b)
                 fn = pallas_gpu_fn(b, bs)
                 extra = {"block_sizes": dataclasses.asdict(bs)}
                 record("pallas_gpu", time_jax(fn, *op_args), rel_l2(fn(*op_args), ref), extra)
-                if args.tune:
+                if args.tune and b.spec.name in args.tune.split(","):
                     best, t, rows = tune(b, log)
                     fn = pallas_gpu_fn(b, best)
                     t = time_jax(fn, *op_args)
@@ -396,48 +418,46 @@ def main(argv=None) -> int:
                     record("pallas_gpu_tuned", t, rel_l2(fn(*op_args), ref), extra)
                     fields = {k: v for k, v in extra["block_sizes"].items() if k != "num_kv_splits"}
                     tuned_entries.append({**tuned_match(b), "note": f"workload {b.spec.name}", **fields})
+
             attempt("pallas_gpu", ours)
         if "xla" in impls:
-            attempt("xla", lambda b=b, op_args=op_args, ref=ref, record=record: record(
-                "xla", time_jax(xla_fn(b), *op_args, reps=5, inner=1), rel_l2(xla_fn(b)(*op_args), ref)))
+            attempt(
+                "xla",
+                lambda b=b, op_args=op_args, ref=ref, record=record: record(
+                    "xla", time_jax(xla_fn(b), *op_args, reps=5, inner=1), rel_l2(xla_fn(b)(*op_args), ref)
+                ),
+            )
         if "peer_paged" in impls and (b.query_lens == 1).all():
+
             def peer(b=b, ref=ref, record=record):
                 fn, pargs, cfg = peer_paged_fn(b)
                 record("jax_pallas_paged_attention", time_jax(fn, *pargs), rel_l2(fn(*pargs), ref), {"config": cfg})
+
             attempt("jax_pallas_paged_attention", peer)
         if "cudnn" in impls:
+
             def cudnn(b=b, record=record):
                 fn = cudnn_fn(b)
                 record("cudnn_dense", time_jax(fn, b.q), float("nan"), {"note": "dense equivalent; error not compared"})
+
             attempt("cudnn_dense", cudnn)
         if "torch_sdpa" in impls:
-            attempt("torch_sdpa_dense", lambda b=b, record=record: record(
-                "torch_sdpa_dense", torch_sdpa_time(b), float("nan"), {"note": "dense equivalent"}))
+            attempt(
+                "torch_sdpa_dense",
+                lambda b=b, record=record: record(
+                    "torch_sdpa_dense", torch_sdpa_time(b), float("nan"), {"note": "dense equivalent"}
+                ),
+            )
         del b, ref, op_args
+        write_results(out_path, meta, results)
 
-    import torch  # versions only
-
-    meta = {
-        "device": dev.device_kind, "date": datetime.date.today().isoformat(), "jax": jax.__version__,
-        "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else jax.__version__,
-        "torch": torch.__version__, "python": platform.python_version(), **ceilings,
-    }  # fmt: skip
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
-    slug = dev.device_kind.lower().replace(" ", "_")
-    out = pathlib.Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"attention_{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=float))
-    log(f"wrote {out}")
+    write_results(out_path, meta, results)
+    log(f"wrote {out_path}")
     if args.tune and tuned_entries:
         table = {"device_kind": dev.device_kind, "source": f"benchmarks/attention.py --tune, {meta['date']}, "
                  f"jax {jax.__version__}, median of a sweep per workload", "match_keys": list(GPU_MATCH_KEYS),
                  "entries": tuned_entries}  # fmt: skip
-        tpath = pathlib.Path(args.out).with_name("gpu_tuned.json") if args.out else TUNED_DIR / f"gpu_{slug}.json"
+        tpath = out_path.with_name(f"gpu_{slug}.json") if args.out else TUNED_DIR / f"gpu_{slug}.json"
         tpath.write_text(json.dumps(table, indent=1))
         log(f"wrote {tpath}")
     return 0
