@@ -31,6 +31,7 @@ from bridge.dlpack import BridgeError, jax_device_for, to_jax_int32
 
 __all__ = [
     "ForwardContext",
+    "use_forward_context",
     "PreparedMetadata",
     "get_forward_context",
     "is_forward_context_available",
@@ -167,6 +168,22 @@ def get_forward_context() -> ForwardContext:
 
 
 @contextlib.contextmanager
+def use_forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
+    """Installs an existing ``ForwardContext`` (and its per-step caches) inside the block.
+
+    For integrations that call the layers one at a time but share one step's prepared
+    metadata between them; ``set_forward_context`` makes a fresh context.
+    """
+    global _forward_context
+    previous = _forward_context
+    _forward_context = context
+    try:
+        yield context
+    finally:
+        _forward_context = previous
+
+
+@contextlib.contextmanager
 def set_forward_context(
     attn_metadata: CommonAttentionMetadata | Mapping[str, CommonAttentionMetadata] | None,
     vllm_config: Any = None,
@@ -179,10 +196,5 @@ def set_forward_context(
     is restored on exit.
     """
     del vllm_config
-    global _forward_context
-    previous = _forward_context
-    _forward_context = ForwardContext(attn_metadata=attn_metadata, virtual_engine=virtual_engine)
-    try:
-        yield _forward_context
-    finally:
-        _forward_context = previous
+    with use_forward_context(ForwardContext(attn_metadata=attn_metadata, virtual_engine=virtual_engine)) as context:
+        yield context

@@ -126,7 +126,10 @@ class Attention(nn.Module):
         ops.register_layer(name, self)
         # Replaced by bind_kv_cache; one entry per virtual engine, as in vLLM.
         self.kv_cache: list[torch.Tensor] = [torch.tensor([])]
-        self._step = jax.jit(self._attend_jax)
+        # "NHD": [2, P, S, Hkv, D], written by the layer. "paired": [P, 2, S, Hkv, D] (each page's K then V,
+        # transformers' paged cache), written by its owner; the step reads it through the same zero-copy view.
+        self.kv_cache_layout = "NHD"
+        self._step = _shared_step(self.attn_backend, self.impl)
 
     # ------------------------------------------------------------------ cache
 
@@ -153,10 +156,13 @@ class Attention(nn.Module):
                 f"kv_cache for layer {self.layer_name!r} must be a torch.Tensor, got {type(kv_cache).__name__}"
             )
         expected = (2, self.block_size, self.num_kv_heads, self.head_size)
-        if kv_cache.dim() != 5 or (kv_cache.shape[0], *kv_cache.shape[2:]) != expected:
+        paired = self.kv_cache_layout == "paired"
+        if kv_cache.dim() != 5 or (kv_cache.shape[int(paired)], *kv_cache.shape[2:]) != expected:
+            layout = "[num_blocks, 2, " if paired else "[2, num_blocks, "
             raise ValueError(
                 f"kv_cache.shape={tuple(kv_cache.shape)} for layer {self.layer_name!r} must be "
-                f"[2, num_blocks, {self.block_size}, {self.num_kv_heads}, {self.head_size}] ({NHD_LAYOUT})"
+                f"{layout}{self.block_size}, {self.num_kv_heads}, {self.head_size}] (kv_cache_layout="
+                f"{self.kv_cache_layout!r})"
             )
         if kv_cache.dtype != self.kv_cache_torch_dtype:
             raise ValueError(
@@ -203,10 +209,6 @@ class Attention(nn.Module):
             f"[T, {num_heads}, {self.head_size}] (num_heads={num_heads}, head_size={self.head_size})"
         )
 
-    def _attend_jax(self, q, kv_cache, backend_metadata, k_scale, v_scale):
-        out, _ = self.impl.forward(q, None, None, kv_cache, backend_metadata, k_scale=k_scale, v_scale=v_scale)
-        return out
-
     def attend(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor:
         """The op's real implementation: query f[T, Hq, D], key/value f[T, Hkv, D] | None -> f[T, Hq, D]."""
         ctx = get_forward_context()
@@ -226,11 +228,16 @@ class Attention(nn.Module):
                 f"query has {query.shape[0]} token rows but the forward context's slot_mapping has "
                 f"{prepared.num_tokens}: pad the activations to the metadata's num_tokens"
             )
-        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+        paired = self.kv_cache_layout == "paired"
+        num_slots = kv_cache.shape[0 if paired else 1] * kv_cache.shape[2]
         if prepared.max_slot >= num_slots:
             raise ValueError(
                 f"slot_mapping holds slot {prepared.max_slot}, outside layer {self.layer_name!r}'s cache of "
                 f"num_blocks * block_size = {num_slots} slots"
+            )
+        if key is not None and paired:
+            raise ValueError(
+                f"layer {self.layer_name!r} reads a 'paired' cache that its owner writes: call it with key=value=None"
             )
         if key is not None and self.kv_sharing_target_layer_name is None:
             if self.calculate_kv_scales and is_quantized_kv_cache(self.kv_cache_dtype):
@@ -241,7 +248,7 @@ class Attention(nn.Module):
             )  # fmt: skip
         out = self._step(
             to_jax(query, name="query"), to_jax(kv_cache, name="kv_cache"), prepared.backend_metadata,
-            self._jax.k_scale, self._jax.v_scale,
+            self._jax.k_scale, self._jax.v_scale, paired=paired,
         )  # fmt: skip
         return to_torch(out, name="attention output")
 
@@ -285,6 +292,38 @@ class Attention(nn.Module):
             f"num_kv_heads={self.num_kv_heads}, scale={self.scale:.6g}, backend={self.attn_backend.get_name()}, "
             f"kv_cache_dtype={self.kv_cache_dtype!r}, block_size={self.block_size}"
         )
+
+
+_STEPS: dict[tuple, object] = {}
+_IMPL_FIELDS = (
+    "num_heads", "head_size", "num_kv_heads", "scale", "sliding_window", "logits_soft_cap", "attn_type",
+    "kv_cache_dtype", "kv_sharing_target_layer_name",
+)  # fmt: skip
+
+
+def _shared_step(backend, impl):
+    """The jitted read-only step ``(q, kv_cache, metadata, k_scale, v_scale, paired) -> out``.
+
+    Layers whose impls have equal hyperparameters (and no per-head alibi slopes or sinks)
+    share one jitted function, so a 30-layer model compiles each batch shape once, not 30
+    times. ``paired=True`` takes a [P, 2, S, Hkv, D] cache and moves the K/V axis inside
+    the jitted function, where XLA fuses it into the backend's page reads (no cache copy).
+    """
+    per_head = any(getattr(impl, name, None) is not None for name in ("alibi_slopes", "sinks"))
+    key = (backend, type(impl), *(getattr(impl, name, None) for name in _IMPL_FIELDS))
+    if not per_head and key in _STEPS:
+        return _STEPS[key]
+
+    def step(q, kv_cache, backend_metadata, k_scale, v_scale, paired=False):
+        if paired:
+            kv_cache = jnp.moveaxis(kv_cache, 1, 0)
+        out, _ = impl.forward(q, None, None, kv_cache, backend_metadata, k_scale=k_scale, v_scale=v_scale)
+        return out
+
+    jitted = jax.jit(step, static_argnames="paired")
+    if not per_head:
+        _STEPS[key] = jitted
+    return jitted
 
 
 def bind_kv_cache(

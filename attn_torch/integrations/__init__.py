@@ -1,0 +1,1 @@
+"""Integrations of attn_torch with other libraries (Hugging Face transformers)."""
