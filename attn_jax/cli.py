@@ -1,5 +1,8 @@
-"""The ``attn-stack`` command line: ``info`` (later ``generate`` and ``bench``).
+"""The ``attn-stack`` command line: ``generate`` and ``info``.
 
+``attn-stack generate`` runs prompts concurrently through the serving engine on the
+embedded SmolLM2-135M-Instruct (or ``--model PATH``, a Llama GGUF) and prints each
+continuation, prefill and decode tokens/s, and the attention backend chosen with why.
 ``attn-stack info`` prints the JAX versions, the platform and why each attention
 backend would or would not serve a request (default: head_size 128, bfloat16).
 """
@@ -7,7 +10,9 @@ backend would or would not serve a request (default: head_size 128, bfloat16).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from collections.abc import Sequence
 
 from attn_jax.types import ACTIVATION_DTYPES, CACHE_DTYPES, AttentionType
@@ -68,6 +73,189 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+)
+"""What ``attn-stack generate`` continues when no ``--prompt`` is given."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _add_generate_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prompt", action="append", default=None, metavar="TEXT",
+        help="a prompt (repeatable); its raw text is continued unless --chat. Default: a few built-in prompts",
+    )  # fmt: skip
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens per prompt (default: 32)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0 = off)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0 = off)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--backend", default=None, help="force an attention backend, e.g. XLA (default: selected)")
+    parser.add_argument(
+        "--devices", type=int, default=1,
+        help="devices to shard over (requests over a data axis, heads over a model axis); default 1",
+    )  # fmt: skip
+    parser.add_argument("--model", default=None, metavar="PATH", help="a Llama GGUF (default: embedded SmolLM2)")
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=8, help="requests per step (default: 8)")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=_positive_int, default=256,
+        help="token budget per step; longer prompts are prefilled in chunks (default: 256)",
+    )  # fmt: skip
+
+
+def _throughput(stats) -> dict:
+    """Prefill and decode tokens/s over the steps that compiled nothing."""
+    warm = [s for s in stats if not s.compiled]
+    prefill = [s for s in warm if s.num_prefill_tokens]
+    decode = [s for s in warm if not s.num_prefill_tokens]
+    prefill_s = sum(s.seconds for s in prefill)
+    decode_s = sum(s.seconds for s in decode)
+    return {
+        "prefill_tokens": sum(s.num_prefill_tokens for s in stats),
+        "prefill_tokens_per_s": sum(s.num_prefill_tokens for s in prefill) / prefill_s if prefill_s else None,
+        "decode_tokens_per_s": sum(s.num_decode_tokens for s in decode) / decode_s if decode_s else None,
+        "generated_tokens": sum(s.num_sampled for s in stats),
+        "steps": len(stats),
+        "compile_steps": sum(s.compiled for s in stats),
+        "compile_seconds": sum(s.seconds for s in stats if s.compiled),
+        "mean_host_ms_per_step": 1e3 * sum(s.host_seconds for s in stats) / len(stats) if stats else None,
+    }
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    """Generates continuations of prompts with the serving engine."""
+    prompts = list(DEFAULT_PROMPTS) if args.prompt is None else args.prompt
+    for i, p in enumerate(prompts):
+        if not p.strip():
+            return _error(args, f"--prompt number {i + 1} is empty: give some text to continue")
+    try:
+        from attn_jax.serving import SamplingParams
+
+        params = [
+            SamplingParams(
+                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed + i,
+            )  # fmt: skip
+            for i in range(len(prompts))
+        ]
+    except ValueError as e:
+        return _error(args, e)
+    if args.devices < 1:
+        return _error(args, f"--devices {args.devices} must be >= 1")
+
+    import contextlib
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from attn_jax.models.gguf_loader import ModelLoadError
+    from attn_jax.registry import AttentionBackendEnum
+    from attn_jax.selector import explain_attn_backend_selection, global_force_attn_backend_context_manager
+    from attn_jax.serving import Engine
+    from attn_jax.sharding import check_num_devices
+
+    try:
+        check_num_devices(args.devices)
+        forced = None if args.backend is None else AttentionBackendEnum[args.backend.upper()]
+    except ValueError as e:
+        return _error(args, e)
+
+    console = Console(stderr=True)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    columns += (TimeElapsedColumn(),)
+    force = global_force_attn_backend_context_manager(forced) if forced is not None else contextlib.nullcontext()
+    with force:
+        try:
+            with Progress(*columns, console=console, transient=True) as progress:
+                tasks: dict[str, int] = {}
+
+                def on_load(stage: str, done: int, total: int) -> None:
+                    label = {"weights": "loading weights", "tokenizer": "loading tokenizer"}[stage]
+                    if stage not in tasks:
+                        tasks[stage] = progress.add_task(label, total=total)
+                    progress.update(tasks[stage], completed=done)
+
+                engine = Engine.from_gguf(
+                    args.model, devices=args.devices if args.devices > 1 else None, progress=on_load,
+                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    seed=args.seed,
+                )  # fmt: skip
+                report = explain_attn_backend_selection(
+                    engine.model.config.head_dim, engine.model.dtype, block_size=engine.block_size
+                )
+                ids = [engine.add_request(p, sp, chat=args.chat) for p, sp in zip(prompts, params, strict=True)]
+                total = len(prompts) * args.max_new_tokens
+                task = progress.add_task(f"generating ({len(prompts)} requests)", total=total)
+                start = time.perf_counter()
+                for event in engine.stream():
+                    progress.advance(task)
+                    if event.finished:  # stopped early: the bar counts its unused tokens as done
+                        left = args.max_new_tokens - len(engine.get_request(event.request_id).output_ids)
+                        progress.advance(task, left)
+                wall = time.perf_counter() - start
+        except (ModelLoadError, ValueError) as e:
+            return _error(args, e)
+
+    completions = [engine.completion(i) for i in ids]
+    stats = _throughput(engine.stats)
+    stats["wall_seconds"] = wall
+    backend = engine.model.attn_backend.get_name()
+    why = report.decided_by
+    if args.json:
+        out = {
+            "model": engine.model.config.name,
+            "backend": backend,
+            "backend_reason": why,
+            "devices": args.devices,
+            "results": [
+                {
+                    "prompt": p, "text": c.text, "token_ids": c.output_ids,
+                    "num_prompt_tokens": len(c.prompt_ids), "finish_reason": c.finish_reason,
+                }  # fmt: skip
+                for p, c in zip(prompts, completions, strict=True)
+            ],
+            "stats": stats,
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"model: {engine.model.config.name} ({engine.model.config.num_layers} layers), devices: {args.devices}")
+    print(f"attention backend: {backend} ({why})")
+    for row in report.rows:
+        if row.name != backend:
+            reason = "; ".join(row.reasons) if row.reasons else "usable, lower priority"
+            print(f"  not {row.name}: {reason}")
+    for p, c in zip(prompts, completions, strict=True):
+        print()
+        print(f"--- {p!r} ({len(c.prompt_ids)} prompt tokens, {len(c.output_ids)} new, {c.finish_reason})")
+        print(p + c.text if not args.chat else c.text)
+    print()
+
+    def rate(x):
+        return "n/a" if x is None else f"{x:.1f} tokens/s"
+
+    print(
+        f"prefill: {rate(stats['prefill_tokens_per_s'])}, decode: {rate(stats['decode_tokens_per_s'])} "
+        f"({stats['generated_tokens']} tokens in {stats['steps']} steps, {wall:.2f} s; "
+        f"{stats['compile_steps']} steps compiled a new shape bucket, {stats['compile_seconds']:.1f} s, "
+        "not counted in tokens/s)"
+    )
+    return 0
+
+
 def _error(args: argparse.Namespace, message: object) -> int:
     """Prints a one-line error to stderr; returns exit code 2."""
     print(f"attn-stack {args.command}: error: {message}", file=sys.stderr)
@@ -78,6 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``attn-stack`` parser; each subcommand sets ``func(args) -> exit code``."""
     parser = argparse.ArgumentParser(prog="attn-stack", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    generate = commands.add_parser(
+        "generate", help="generate text with the serving engine (embedded SmolLM2-135M-Instruct)",
+        description=_cmd_generate.__doc__,
+    )  # fmt: skip
+    _add_generate_args(generate)
+    generate.set_defaults(func=_cmd_generate)
     info = commands.add_parser(
         "info", help="versions, platform and attention backend selection", description=_cmd_info.__doc__
     )

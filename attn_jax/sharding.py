@@ -38,6 +38,23 @@ DATA = "data"
 MODEL = "model"
 
 
+def check_num_devices(num_devices, devices=None) -> int:
+    """``num_devices`` if it is a positive int no larger than the devices available, else
+    ValueError naming both (with the XLA flag that makes CPU devices)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"devices={num_devices!r} must be a positive integer (this host has {len(devices)})")
+    if num_devices > len(devices):
+        platform = devices[0].platform if devices else "none"
+        hint = (
+            "; on a CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts"
+            if platform == "cpu"
+            else ""
+        )
+        raise ValueError(f"devices={num_devices} but only {len(devices)} {platform} device(s) are available{hint}")
+    return num_devices
+
+
 def make_mesh(
     num_devices: int | None = None,
     *,
@@ -60,20 +77,7 @@ def make_mesh(
     number of devices available.
     """
     devices = list(jax.devices() if devices is None else devices)
-    if num_devices is None:
-        num_devices = len(devices)
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-        raise ValueError(f"devices={num_devices!r} must be a positive integer (this host has {len(devices)})")
-    if num_devices > len(devices):
-        platform = devices[0].platform if devices else "none"
-        hint = (
-            "; on a CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts"
-            if platform == "cpu"
-            else ""
-        )
-        raise ValueError(
-            f"devices={num_devices} but only {len(devices)} {platform} device(s) are available{hint}"
-        )
+    num_devices = check_num_devices(len(devices) if num_devices is None else num_devices, devices)
     if model_parallel is None:
         model_parallel = math.gcd(num_devices, num_kv_heads) if num_kv_heads else 1
     if isinstance(model_parallel, bool) or not isinstance(model_parallel, int) or model_parallel < 1:
@@ -81,26 +85,29 @@ def make_mesh(
     if num_devices % model_parallel:
         raise ValueError(f"model_parallel={model_parallel} must divide devices={num_devices}")
     if num_kv_heads is not None and num_kv_heads % num_devices:
+        data = num_devices // model_parallel
+        if num_kv_heads % model_parallel:
+            how = f"replicated over the 'model' axis of {model_parallel}"
+        elif model_parallel == 1:
+            how = "replicated on every device (model axis 1)"
+        else:
+            how = f"split over a 'model' axis of {model_parallel} only"
         logger.warning(
-            "num_kv_heads=%d cannot be split over %d devices: KV heads are %s",
-            num_kv_heads,
-            num_devices,
-            "replicated over the 'model' axis"
-            if num_kv_heads % model_parallel
-            else f"split over a 'model' axis of {model_parallel} and requests over a 'data' axis of "
-            f"{num_devices // model_parallel}",
-        )
+            "num_kv_heads=%d cannot be split over %d devices: KV heads are %s; requests are split over a "
+            "'data' axis of %d",
+            num_kv_heads, num_devices, how, data,
+        )  # fmt: skip
     grid = np.asarray(devices[:num_devices], dtype=object).reshape(num_devices // model_parallel, model_parallel)
     return Mesh(grid, (DATA, MODEL))
 
 
-def local_model_kwargs(config, mesh: Mesh) -> dict:
+def local_model_kwargs(config, mesh: Mesh, warn: bool = True) -> dict:
     """``LlamaModel`` keywords for one shard of ``mesh``: local head counts and what is
     split over the "model" axis (attention when the KV heads divide, the MLP when its
-    intermediate size does)."""
+    intermediate size does); logs a warning for what is replicated unless ``warn`` is False."""
     m = mesh.shape[MODEL]
     attn = config.num_kv_heads % m == 0
-    if m > 1 and not attn:
+    if warn and m > 1 and not attn:
         logger.warning(
             "num_kv_heads=%d does not divide over the 'model' axis of %d: attention and its KV cache "
             "are replicated on every model shard",
@@ -108,7 +115,7 @@ def local_model_kwargs(config, mesh: Mesh) -> dict:
             m,
         )
     mlp = config.intermediate_size % m == 0
-    if m > 1 and not mlp:
+    if warn and m > 1 and not mlp:
         logger.warning("intermediate_size=%d does not divide by %d: the MLP is replicated", config.intermediate_size, m)
     return dict(
         num_heads=config.num_heads // m if attn else config.num_heads,
@@ -134,7 +141,7 @@ class ShardedStep:
         self.mesh = mesh
         self.data_size = mesh.shape[DATA]
         m = mesh.shape[MODEL]
-        expected = local_model_kwargs(model.config, mesh)
+        expected = local_model_kwargs(model.config, mesh, warn=False)
         got = dict(
             num_heads=model.num_heads,
             num_kv_heads=model.num_kv_heads,

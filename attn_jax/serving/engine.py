@@ -34,7 +34,7 @@ from attn_jax.models.llama import LlamaModel
 from attn_jax.serving.block_allocator import BlockAllocator
 from attn_jax.serving.sampling import sample_tokens
 from attn_jax.serving.scheduler import Request, SamplingParams, ScheduledBatch, Scheduler
-from attn_jax.sharding import ShardedStep, local_model_kwargs
+from attn_jax.sharding import ShardedStep, check_num_devices, local_model_kwargs, make_mesh
 from attn_jax.types import validate_positive_int
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class StepStats:
     token_bucket: int
     host_seconds: float  # scheduling + metadata before the device call
     seconds: float  # the whole step, device included
+    compiled: bool  # the step traced and compiled a new bucket
 
 
 def _powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
@@ -98,6 +99,8 @@ class Engine:
       seed: draws the sampling seeds of requests that do not give one.
       mesh: a ``jax.sharding.Mesh`` from ``attn_jax.sharding.make_mesh`` to shard the
         step (requests over "data", heads over "model"); None: one device.
+      buckets: padded sizes of the step's shapes (tokens, requests, pages per request);
+        default: powers of two up to the limits above. Fewer buckets, fewer compilations.
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class Engine:
         max_model_len: int | None = None,
         seed: int = 0,
         mesh=None,
+        buckets: MetadataBuckets | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -129,11 +133,20 @@ class Engine:
         max_pages = -(-self.max_model_len // self.block_size)
         self.num_blocks = max_num_seqs * max_pages if num_blocks is None else num_blocks
         validate_positive_int("num_blocks", self.num_blocks)
-        self.buckets = MetadataBuckets(
-            token_buckets=_powers_of_two_up_to(self.max_num_batched_tokens, start=min(16, max_num_batched_tokens)),
-            request_buckets=_powers_of_two_up_to(self.max_num_seqs),
-            blocks_per_request_buckets=_powers_of_two_up_to(max_pages, start=min(4, max_pages)),
-        )
+        if buckets is None:
+            buckets = MetadataBuckets(
+                token_buckets=_powers_of_two_up_to(self.max_num_batched_tokens, start=min(16, max_num_batched_tokens)),
+                request_buckets=_powers_of_two_up_to(self.max_num_seqs),
+                blocks_per_request_buckets=_powers_of_two_up_to(max_pages, start=min(4, max_pages)),
+            )
+        for name, limit, largest in (
+            ("token_buckets", self.max_num_batched_tokens, buckets.token_buckets[-1]),
+            ("request_buckets", self.max_num_seqs, buckets.request_buckets[-1]),
+            ("blocks_per_request_buckets", max_pages, buckets.blocks_per_request_buckets[-1]),
+        ):
+            if largest < limit:
+                raise ValueError(f"buckets.{name} ends at {largest}, below the engine's limit {limit}")
+        self.buckets = buckets
         self.eos_token_ids = set(config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
@@ -169,15 +182,21 @@ class Engine:
         attn_backend=None,
         block_size: int = 16,
         mesh=None,
+        devices: int | None = None,
         progress: Callable[[str, int, int], None] | None = None,
         **engine_kwargs,
     ) -> Engine:
         """An engine on a Llama GGUF (default: the embedded SmolLM2-135M-Instruct).
 
-        ``progress(stage, done, total)`` is called while the weights load ("weights")
-        and once for the tokenizer ("tokenizer"). Raises ``ModelLoadError`` for a missing
-        or corrupt file.
+        ``devices`` N > 1 builds ``make_mesh(N, num_kv_heads=...)`` (give ``mesh`` or
+        ``devices``, not both). ``progress(stage, done, total)`` is called while the
+        weights load ("weights") and around the tokenizer ("tokenizer"). Raises
+        ``ModelLoadError`` for a missing or corrupt file, ValueError for bad devices.
         """
+        if mesh is not None and devices is not None:
+            raise ValueError("give mesh or devices, not both")
+        if devices is not None:
+            check_num_devices(devices)
         from attn_jax.models.gguf_loader import load_gguf, load_tokenizer
         from attn_jax.models.smollm2 import gguf_path
 
@@ -188,6 +207,8 @@ class Engine:
         tokenizer = load_tokenizer(path)
         if progress is not None:
             progress("tokenizer", 1, 1)
+        if devices is not None and devices > 1:
+            mesh = make_mesh(devices, num_kv_heads=config.num_kv_heads)
         local = {} if mesh is None else local_model_kwargs(config, mesh)
         model = LlamaModel(config, block_size=block_size, attn_backend=attn_backend, **local)
         return cls(model, params, tokenizer, mesh=mesh, **engine_kwargs)
@@ -319,6 +340,7 @@ class Engine:
         page_bucket = fits(self.buckets.blocks_per_request_buckets, pages, "blocks per request")
         inputs = [self._host_inputs(b, token_bucket, req_bucket, page_bucket) for b in batches]
         sample = any(r.params.temperature > 0 for b in batches for r in b.requests)
+        compilations = self.num_compilations
         host_done = time.perf_counter()
         if self._sharded is None:
             token_ids, positions, md, logits_rows, sampling = inputs[0]
@@ -351,6 +373,7 @@ class Engine:
                 token_bucket=token_bucket,
                 host_seconds=host_done - start,
                 seconds=end - start,
+                compiled=self.num_compilations > compilations,
             )
         )
         return events

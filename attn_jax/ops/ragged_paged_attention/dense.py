@@ -191,8 +191,8 @@ def _attend_requests(
     max_kv_len = pages.shape[1] * block_size
 
     req_pages = pages[reqs]  # i32[G, pages_per_req]
-    keys = dequantize_from_cache(kv_cache[0][req_pages], k_scale, jnp.float32)
-    values = dequantize_from_cache(kv_cache[1][req_pages], v_scale, jnp.float32)
+    keys = dequantize_from_cache(kv_cache[0, req_pages], k_scale, jnp.float32)
+    values = dequantize_from_cache(kv_cache[1, req_pages], v_scale, jnp.float32)
     keys = keys.reshape(num_groups, max_kv_len, num_kv_heads, head_size)  # f32[G, L, Hkv, D]
     values = values.reshape(num_groups, max_kv_len, num_kv_heads, head_size)
 
