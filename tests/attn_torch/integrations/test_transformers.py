@@ -1,0 +1,85 @@
+"""SmolLM2-135M-Instruct (the embedded GGUF) through attn-stack: greedy tokens match stock transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from attn_torch.integrations.transformers import (
+    ATTN_IMPLEMENTATION,
+    PAGED_ATTN_IMPLEMENTATION,
+    _left_padding,
+    attn_stack_paged_attention_forward,
+    use_attn_stack,
+)
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def padded_prompts(hf_smollm2):
+    """The prompts as one left-padded batch (input_ids, attention_mask)."""
+    _, tokenizer = hf_smollm2
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    finally:
+        tokenizer.padding_side = side
+    assert (enc["attention_mask"] == 0).any(), "the prompts must need padding"
+    return enc
+
+
+@pytest.fixture(scope="module")
+def stock_tokens(hf_smollm2, padded_prompts):
+    """Stock transformers' greedy continuations (its default attention, one padded batch)."""
+    model, tokenizer = hf_smollm2
+    assert model.config._attn_implementation not in (ATTN_IMPLEMENTATION, PAGED_ATTN_IMPLEMENTATION)
+    out = model.generate(
+        **padded_prompts, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id
+    )
+    return out[:, padded_prompts["input_ids"].shape[1] :].tolist()
+
+
+def test_generate_batch_over_the_paged_cache_matches(hf_smollm2, stock_tokens):
+    model, tokenizer = hf_smollm2
+    original = model.config._attn_implementation
+    config = GenerationConfig(
+        max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=tokenizer.pad_token_id
+    )
+    inputs = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    with use_attn_stack(model, paged=True):
+        assert model.config._attn_implementation == PAGED_ATTN_IMPLEMENTATION
+        results = model.generate_batch(inputs=inputs, generation_config=config)
+    assert model.config._attn_implementation == original
+    ours = [results[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))]
+    assert ours == stock_tokens
+    layers = [m._attn_stack_layers for m in model.modules() if "_attn_stack_layers" in m.__dict__]
+    assert len(layers) == model.config.num_hidden_layers
+    assert all(layer.attn_backend.get_name() == "XLA" for d in layers for layer in d.values())
+
+
+def test_generate_left_padded_batch_matches(hf_smollm2, padded_prompts, stock_tokens):
+    model, tokenizer = hf_smollm2
+    with use_attn_stack(model):
+        assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+        out = model.generate(
+            **padded_prompts, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
+    assert out[:, padded_prompts["input_ids"].shape[1] :].tolist() == stock_tokens
+
+
+def test_right_padding_mask_is_refused():
+    mask = torch.ones(1, 1, 3, 3, dtype=torch.bool).tril()
+    mask[0, 0, :, 2] = False  # the last key is padding: right padding
+    with pytest.raises(ValueError, match=r"attention_mask\[0, 0, \d, \d\]=\w+ is not causal with left padding"):
+        _left_padding(mask, 1, 3, 3)
+
+
+def test_paged_implementation_needs_the_paged_cache():
+    module = torch.nn.Module()
+    q = torch.zeros(1, 2, 4, 16)
+    with pytest.raises(ValueError, match="needs its paged cache; use 'attn_stack'"):
+        attn_stack_paged_attention_forward(module, q, q, q, None)
