@@ -93,6 +93,14 @@ class Attention:
         if per_layer_sliding_window is not None:
             sliding_window = per_layer_sliding_window
         validate_cache_dtype(kv_cache_dtype)
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window <= 0):  # fmt: skip
+            raise ValueError(
+                f"sliding_window={sliding_window!r} must be None (no window) or a positive int: a window of "
+                "0 or less would hide every key"
+            )
+        if not (isinstance(scale, int | float) and scale > 0) or isinstance(scale, bool):
+            raise ValueError(f"scale={scale!r} must be a positive float (the softmax scale, usually head_size**-0.5)")
         if attention_chunk_size is not None and (attention_chunk_size <= 0 or attention_chunk_size % block_size):
             raise ValueError(
                 f"attention_chunk_size={attention_chunk_size} must be a positive multiple of block_size={block_size}"
@@ -147,6 +155,7 @@ class Attention:
             dtype=self.dtype,
             sliding_window=sliding_window,
             attention_chunk_size=attention_chunk_size,
+            num_q_heads=num_heads,
         )
         self.metadata_builder = attn_backend.get_builder_cls()(self.kv_cache_spec)
 
@@ -186,16 +195,40 @@ class Attention:
                     "call layer.calc_kv_scales(query, key, value) once outside jax.jit"
                 )
             self.calc_kv_scales(query, key, value)
+        self._check_kv_cache(kv_cache)
         num_tokens = query.shape[0]
         q = self._heads("query", query, self.num_heads)
         k = None if key is None else self._heads("key", key, self.num_kv_heads)
         v = None if value is None else self._heads("value", value, self.num_kv_heads)
         if isinstance(attn_metadata, CommonAttentionMetadata):
             attn_metadata = self.metadata_builder.build(0, attn_metadata)
-        out, kv_cache = self.impl.forward(
-            q, k, v, kv_cache, attn_metadata, k_scale=self.k_scale, v_scale=self.v_scale
-        )
+        out, kv_cache = self.impl.forward(q, k, v, kv_cache, attn_metadata, k_scale=self.k_scale, v_scale=self.v_scale)
         return out.reshape(num_tokens, self.num_heads * self.head_size), kv_cache
+
+    def _check_kv_cache(self, kv_cache) -> None:
+        """ValueError / TypeError when ``kv_cache`` is not this layer's cache (any page count)."""
+        backend = self.attn_backend
+        want_dtype = backend.kv_cache_dtype_for(self.kv_cache_dtype, self.dtype)
+        if np.dtype(kv_cache.dtype) != want_dtype:
+            raise TypeError(
+                f"kv_cache.dtype={np.dtype(kv_cache.dtype)} but this layer's cache holds {want_dtype} "
+                f"(kv_cache_dtype={self.kv_cache_dtype!r}, dtype={self.dtype}); allocate it with layer.init_kv_cache"
+            )
+        dims = (self.block_size, self.num_kv_heads, self.head_size, self.kv_cache_dtype)
+        one, two = backend.get_kv_cache_shape(1, *dims), backend.get_kv_cache_shape(2, *dims)
+        pages_axis = next(i for i, (a, b) in enumerate(zip(one, two, strict=True)) if a != b)
+        shape = tuple(kv_cache.shape)
+        mismatched = len(shape) != len(one) or any(
+            s != e for i, (s, e) in enumerate(zip(shape, one, strict=True)) if i != pages_axis
+        )
+        if mismatched:
+            expected = list(one)
+            expected[pages_axis] = "num_blocks"
+            raise ValueError(
+                f"kv_cache.shape={shape} does not match this layer's {backend.get_name()} cache "
+                f"{tuple(expected)} (block_size={self.block_size}, num_kv_heads={self.num_kv_heads}, "
+                f"head_size={self.head_size})"
+            )
 
     def _heads(self, name: str, x, num_heads: int):
         """[T, H*D] or [T, H, D] -> [T, H, D], with an error naming the expected shapes."""

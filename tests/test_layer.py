@@ -272,6 +272,11 @@ def test_calculate_kv_scales_sets_scales_from_the_first_batch():
         (dict(prefix="a", kv_sharing_target_layer_name="a"), ValueError, r"'a' names this layer"),
         (dict(attn_backend=PallasTPUAttentionBackend), ValueError, r"PALLAS_TPU cannot serve.*head_size=8 is not"),
         (dict(alibi_slopes=[1.0, 2.0]), ValueError, r"alibi_slopes.*\(4,\)"),
+        (dict(per_layer_sliding_window=0), ValueError, r"sliding_window=0 must be None \(no window\) or a positive"),
+        (dict(per_layer_sliding_window=-3), ValueError, r"sliding_window=-3 must be None"),
+        (dict(cache_config=CacheConfig(4, "auto", 0, False)), ValueError, r"sliding_window=0 must be None"),
+        (dict(scale=0.0), ValueError, r"scale=0.0 must be a positive float"),
+        (dict(scale=-0.1), ValueError, r"scale=-0.1 must be a positive float"),
     ],
 )
 def test_constructor_errors_name_the_value(kwargs, error, pattern):
@@ -285,3 +290,21 @@ def test_call_rejects_misshaped_query():
     md, q, k, v = make_batch(rng, [1], [1])
     with pytest.raises(ValueError, match=r"query.shape=\(8, 31\) must be \[T, 32\] or \[T, 4, 8\]"):
         layer(q[:, :31], k, v, layer.init_kv_cache(NUM_BLOCKS), md)
+
+
+def test_call_rejects_a_cache_of_another_dtype():
+    rng = np.random.default_rng(9)
+    layer = make_layer()  # float32 activations, "auto" cache: float32
+    md, q, k, v = make_batch(rng, [1], [1])
+    cache = layer.init_kv_cache(NUM_BLOCKS).astype(jnp.float16)
+    with pytest.raises(TypeError, match=r"kv_cache.dtype=float16 but this layer's cache holds float32"):
+        layer(q, k, v, cache, md)
+
+
+def test_call_names_a_cache_with_other_kv_heads():
+    rng = np.random.default_rng(10)
+    layer = make_layer()
+    md, q, k, v = make_batch(rng, [1], [1])
+    other = make_layer(num_heads=4, num_kv_heads=1).init_kv_cache(NUM_BLOCKS)
+    with pytest.raises(ValueError, match=r"kv_cache.shape=.* does not match this layer's XLA cache .*num_kv_heads=2"):
+        layer(q, k, v, other, md)

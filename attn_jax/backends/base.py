@@ -186,6 +186,7 @@ class AttentionSpec:
     dtype: Any
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
+    num_q_heads: int | None = None  # lets a builder size q-blocks for the head group; None: unknown
 
 
 class AttentionMetadataBuilder[M](abc.ABC):
