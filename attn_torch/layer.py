@@ -56,9 +56,9 @@ class Attention(nn.Module):
     ``kv_cache_dtype`` (used when ``cache_config`` is None), ``dtype`` (the activation
     dtype for backend selection; default ``torch.get_default_dtype()``, as vLLM) and
     ``attention_chunk_size``. ``prefix`` names the layer for ``bind_kv_cache`` and
-    per-layer metadata; an empty prefix gets a unique generated name. The backend must
-    keep the NHD cache layout ``[2, P, S, Hkv, D]`` (XLA, PALLAS_GPU); others raise
-    NotImplementedError.
+    per-layer metadata; an empty prefix gets a unique generated name. The eager (DLPack)
+    path needs a backend with the NHD cache layout ``[2, P, S, Hkv, D]`` (XLA, PALLAS_GPU);
+    others (PALLAS_TPU) raise NotImplementedError there and run through ``bridge.xla``.
     """
 
     def __init__(
@@ -113,15 +113,7 @@ class Attention(nn.Module):
         self.dtype = dtype
         self.calculate_kv_scales = j.calculate_kv_scales
         self._k_scale_float = self._v_scale_float = 1.0
-        shape = self.attn_backend.get_kv_cache_shape(
-            1, self.block_size, self.num_kv_heads, self.head_size, self.kv_cache_dtype
-        )
-        if tuple(shape) != (2, 1, self.block_size, self.num_kv_heads, self.head_size):
-            raise NotImplementedError(
-                f"attn_torch writes new k/v with torch into the NHD layout {NHD_LAYOUT}, but backend "
-                f"{self.attn_backend.get_name()} keeps its cache as {tuple(shape)} (for 1 block); run a PyTorch "
-                "model on that backend through bridge.xla (torchax) instead"
-            )
+        self._nhd = self.kv_cache_shape(1) == (2, 1, self.block_size, self.num_kv_heads, self.head_size)
         self.layer_name = name
         ops.register_layer(name, self)
         # Replaced by bind_kv_cache; one entry per virtual engine, as in vLLM.
@@ -155,14 +147,16 @@ class Attention(nn.Module):
             raise TypeError(
                 f"kv_cache for layer {self.layer_name!r} must be a torch.Tensor, got {type(kv_cache).__name__}"
             )
-        expected = (2, self.block_size, self.num_kv_heads, self.head_size)
-        paired = self.kv_cache_layout == "paired"
-        if kv_cache.dim() != 5 or (kv_cache.shape[int(paired)], *kv_cache.shape[2:]) != expected:
-            layout = "[num_blocks, 2, " if paired else "[2, num_blocks, "
+        if self.kv_cache_layout == "paired":
+            shape, axis = (1, 2, self.block_size, self.num_kv_heads, self.head_size), 0
+        else:
+            shape = self.kv_cache_shape(1)
+            axis = next(i for i, (a, b) in enumerate(zip(shape, self.kv_cache_shape(2), strict=True)) if a != b)
+        if kv_cache.dim() != len(shape) or any(kv_cache.shape[i] != n for i, n in enumerate(shape) if i != axis):
+            expected = ", ".join("num_blocks" if i == axis else str(n) for i, n in enumerate(shape))
             raise ValueError(
-                f"kv_cache.shape={tuple(kv_cache.shape)} for layer {self.layer_name!r} must be "
-                f"{layout}{self.block_size}, {self.num_kv_heads}, {self.head_size}] (kv_cache_layout="
-                f"{self.kv_cache_layout!r})"
+                f"kv_cache.shape={tuple(kv_cache.shape)} for layer {self.layer_name!r} must be [{expected}] "
+                f"(backend {self.attn_backend.get_name()}, kv_cache_layout={self.kv_cache_layout!r})"
             )
         if kv_cache.dtype != self.kv_cache_torch_dtype:
             raise ValueError(
@@ -221,6 +215,13 @@ class Attention(nn.Module):
                 f"Layer {self.layer_name!r} has no bound KV cache: call attn_torch.bind_kv_cache("
                 f"{{{self.layer_name!r}: layer.init_kv_cache(num_blocks)}}) before the forward pass"
             )
+        paired = self.kv_cache_layout == "paired"
+        if not (self._nhd or paired):
+            raise NotImplementedError(
+                f"attn_torch writes new k/v with torch into the NHD layout {NHD_LAYOUT}, but backend "
+                f"{self.attn_backend.get_name()} keeps its cache as {self.kv_cache_shape(1)} (for 1 block); run a "
+                "PyTorch model on that backend through bridge.xla (torchax) instead"
+            )
         self._check_inputs(query, key, value, kv_cache)
         prepared = ctx.prepare(self.layer_name, self._jax.metadata_builder, kv_cache.device)
         if query.shape[0] != prepared.num_tokens:
@@ -228,7 +229,6 @@ class Attention(nn.Module):
                 f"query has {query.shape[0]} token rows but the forward context's slot_mapping has "
                 f"{prepared.num_tokens}: pad the activations to the metadata's num_tokens"
             )
-        paired = self.kv_cache_layout == "paired"
         num_slots = kv_cache.shape[0 if paired else 1] * kv_cache.shape[2]
         if prepared.max_slot >= num_slots:
             raise ValueError(
