@@ -43,6 +43,7 @@ from attn_jax.ops.ragged_paged_attention.config import (
     TUNED_DIR,
     GpuBlockSizes,
     check_block_sizes,
+    gpu_batch_mode,
     gpu_block_sizes,
     next_pow2,
 )
@@ -166,7 +167,7 @@ def default_block_sizes(b: DeviceBatch) -> GpuBlockSizes:
     return gpu_block_sizes(
         num_reqs=len(b.query_lens), pages_per_req=int(b.block_tables.shape[1]), page_size=s.block_size,
         head_size=s.head_size, num_kv_heads=s.num_kv_heads, group=s.num_q_heads // s.num_kv_heads,
-        mode=batch_mode(b.query_lens), device_kind=jax.devices()[0].device_kind,
+        mode=gpu_batch_mode(b.query_lens), device_kind=jax.devices()[0].device_kind,
     )  # fmt: skip
 
 
@@ -290,24 +291,16 @@ def rel_l2(x, ref) -> float:
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def batch_mode(query_lens: np.ndarray) -> str:
-    """The tuned-table mode of a batch: "decode" (all one token), "prefill" (none) or "mixed"."""
-    real = query_lens[query_lens > 0]
-    if (real == 1).all():
-        return "decode"
-    return "prefill" if (real > 1).all() else "mixed"
-
-
 def tuned_match(b: DeviceBatch) -> dict:
     s = b.spec
-    return {"mode": batch_mode(b.query_lens), "head_size": s.head_size,
+    return {"mode": gpu_batch_mode(b.query_lens), "head_size": s.head_size,
             "group": s.num_q_heads // s.num_kv_heads, "page_size": s.block_size}  # fmt: skip
 
 
 def tune_candidates(b: DeviceBatch) -> list[GpuBlockSizes]:
     s = b.spec
     group = s.num_q_heads // s.num_kv_heads
-    decode = batch_mode(b.query_lens) == "decode"
+    decode = gpu_batch_mode(b.query_lens) == "decode"
     rows_opts = (16,) if decode else (64, 128)
     tile_opts = (64, 128, 256) if decode else (32, 64, 128)
     h = default_block_sizes(b).num_kv_splits

@@ -37,7 +37,7 @@ def test_info_other_request(capsys):
     out = capsys.readouterr().out
     assert "head_size=64, dtype=float16, kv_cache_dtype='fp8_e5m2', block_size=32" in out
     assert "has_sink=True" in out and "attn_type='encoder_only'" in out
-    assert "attention sinks are not supported" in out
+    assert "PALLAS_GPU" in out and "not in the priority list for platform cpu" in out
 
 
 def test_info_selection_error_is_one_line_and_exit_2(capsys, monkeypatch):

@@ -28,7 +28,6 @@ ABE = AttentionBackendEnum
 CPU = Platform("cpu", "cpu", 1)
 TPU = Platform("tpu", "TPU v5 lite", 4)
 GPU = Platform("gpu", "NVIDIA H100 80GB HBM3", 8)
-GPU_TODO = "the Pallas GPU kernel is not implemented yet; XLA serves every platform until it lands"
 
 
 class MLABackend(XLAAttentionBackend):
@@ -63,14 +62,14 @@ class SizedBackend(XLAAttentionBackend):
         return (16, 32)
 
 
-def select(**kw):
+def select(head_size=128, **kw):
     kw.setdefault("platform", CPU)
-    return get_attn_backend(128, jnp.bfloat16, **kw)
+    return get_attn_backend(head_size, jnp.bfloat16, **kw)
 
 
-def explain(**kw):
+def explain(head_size=128, **kw):
     kw.setdefault("platform", CPU)
-    return explain_attn_backend_selection(128, jnp.bfloat16, **kw)
+    return explain_attn_backend_selection(head_size, jnp.bfloat16, **kw)
 
 
 # --- priority lists -------------------------------------------------------------------
@@ -83,7 +82,7 @@ def test_cpu_selects_xla():
 
 @pytest.mark.parametrize(
     ("platform", "priority", "chosen"),
-    [(CPU, ("XLA",), ABE.XLA), (TPU, ("PALLAS_TPU", "XLA"), ABE.PALLAS_TPU), (GPU, ("PALLAS_GPU", "XLA"), ABE.XLA)],
+    [(CPU, ("XLA",), ABE.XLA), (TPU, ("PALLAS_TPU", "XLA"), ABE.PALLAS_TPU), (GPU, ("PALLAS_GPU", "XLA"), ABE.PALLAS_GPU)],
 )
 def test_priority_list_per_platform(platform, priority, chosen):
     report = explain(platform=platform)
@@ -97,7 +96,7 @@ def test_tpu_selects_pallas_tpu():
     report = explain(platform=TPU)
     assert report.chosen is ABE.PALLAS_TPU
     assert report.row(ABE.PALLAS_TPU).reasons == []
-    assert report.row(ABE.PALLAS_GPU).reasons == ["not in the priority list for platform tpu", GPU_TODO]
+    assert report.row(ABE.PALLAS_GPU).reasons == ["not in the priority list for platform tpu"]
     assert report.row(ABE.XLA).reasons == []
     assert select(platform=TPU) is PallasTPUAttentionBackend
     assert get_kv_cache_layout() == "HND"  # the TPU cache keeps heads before slots
@@ -112,14 +111,23 @@ def test_tpu_falls_back_to_xla_with_pallas_tpus_reasons():
     ]
 
 
-def test_gpu_rows_explain_why_pallas_lost():
-    report = explain(platform=GPU)
-    assert report.row(ABE.PALLAS_GPU).reasons == [GPU_TODO]
-    assert report.row(ABE.PALLAS_TPU).reasons == ["not in the priority list for platform gpu"]
+def test_gpu_selects_pallas_gpu():
+    report = explain(platform=GPU, has_sink=True, kv_cache_dtype="fp8_e5m2")
+    assert report.chosen is ABE.PALLAS_GPU
+    assert report.row(ABE.PALLAS_GPU).reasons == []
+    assert report.row(ABE.PALLAS_TPU).reasons[0] == "not in the priority list for platform gpu"
+    assert select(platform=GPU) is PallasGPUAttentionBackend
+
+
+def test_gpu_falls_back_to_xla_with_pallas_gpus_reasons():
+    report = explain(platform=GPU, head_size=96)
+    assert report.chosen is ABE.XLA
+    assert report.row(ABE.PALLAS_GPU).reasons == ["head_size=96 is not supported; supported: [32, 64, 128, 256]"]
+    assert "PALLAS_GPU" in report.format() and "head_size=96 is not supported" in report.format()
 
 
 @pytest.mark.parametrize(
-    ("platform", "expected"), [(TPU, MLABackend), (GPU, XLAAttentionBackend), (CPU, XLAAttentionBackend)]
+    ("platform", "expected"), [(TPU, MLABackend), (GPU, PallasGPUAttentionBackend), (CPU, XLAAttentionBackend)]
 )
 def test_first_usable_backend_in_priority_order_wins(platform, expected):
     register_backend(ABE.PALLAS_TPU, class_path=f"{__name__}.MLABackend")  # usable everywhere
@@ -191,7 +199,7 @@ def test_env_backend_that_cannot_serve_lists_every_reason(monkeypatch):
         select(use_mla=True)
     msg = str(e.value)
     assert msg.startswith("ATTN_STACK_BACKEND='PALLAS_GPU' names attention backend PALLAS_GPU, which cannot serve")
-    assert f"{GPU_TODO}; MLA is not supported." in msg
+    assert "PALLAS_GPU, which cannot serve" in msg and "MLA is not supported." in msg
     assert msg.endswith("Usable backends here: none.")
 
 
@@ -390,12 +398,12 @@ def test_report_fields_and_format():
     assert "chosen:     XLA (attn_jax.backends.xla.XLAAttentionBackend)" in text
     assert "* XLA" in text
     assert "- not in the priority list for platform cpu" in text
-    assert "- attention sinks are not supported" in text
+    assert "- not in the priority list for platform cpu" in text.split("PALLAS_GPU")[1]
 
 
 def test_report_format_when_nothing_is_chosen():
     global_force_attn_backend(ABE.PALLAS_GPU)
-    report = explain()
+    report = explain(head_size=96)
     assert report.how == "forced" and report.chosen is None
     text = report.format()
     assert "decided by: forced: global_force_attn_backend(PALLAS_GPU)" in text
@@ -423,15 +431,13 @@ def test_layout_is_set_again_on_a_cache_hit():
     assert get_kv_cache_layout() == "HND"
 
 
-# --- the Pallas backends, until their kernels land ------------------------------------------
+# --- the Pallas GPU backend ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cls", [PallasGPUAttentionBackend])
-def test_pallas_backends_are_stubs(cls):
+def test_pallas_gpu_shares_the_xla_cache_layout_and_runs_forced_on_cpu():
+    cls = PallasGPUAttentionBackend
     assert cls.get_kv_cache_shape(7, 16, 8, 128) == XLAAttentionBackend.get_kv_cache_shape(7, 16, 8, 128)
     assert cls.get_kv_cache_stride_order() == XLAAttentionBackend.get_kv_cache_stride_order()
-    for getter in (cls.get_impl_cls, cls.get_metadata_cls, cls.get_builder_cls):
-        with pytest.raises(NotImplementedError, match="kernel is not implemented yet"):
-            getter()
-    for platform in (CPU, TPU, GPU):
-        assert "not implemented yet" in cls.unavailable_reason(platform)
+    assert cls.unavailable_reason(CPU) is None  # forced on a CPU it runs in the interpreter
+    global_force_attn_backend(ABE.PALLAS_GPU)
+    assert select(head_size=64) is cls

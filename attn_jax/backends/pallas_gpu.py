@@ -1,15 +1,189 @@
-"""The Pallas GPU backend (Triton lowering): registered, not implemented yet."""
+"""The Pallas GPU backend: ragged paged attention as one Triton-lowered Pallas kernel (kernel_gpu.py).
+
+The default on GPU platforms. Forced where no GPU exists (``global_force_attn_backend``
+or ``ATTN_STACK_BACKEND=PALLAS_GPU``), it runs the same kernel in the Pallas interpreter
+(``interpret=True``): correct and slow, with a logged warning.
+
+Its KV cache is the XLA backend's NHD layout ``[2, num_blocks, block_size, Hkv, D]``, so
+new keys and values go through ``attn_jax.kv_cache.write_to_kv_cache`` (a scatter XLA
+runs in place when the cache is donated) and caches move between XLA and PALLAS_GPU
+unchanged.
+"""
 
 from __future__ import annotations
 
-from attn_jax.backends.planned import PlannedBackend
+import dataclasses
+import logging
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_jax.backends.base import AttentionImpl
+from attn_jax.backends.xla import XLAAttentionBackend, XLAMetadataBuilder, _per_head
+from attn_jax.ops.ragged_paged_attention import kernel_gpu
+from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes, gpu_batch_mode, gpu_block_sizes
+from attn_jax.ops.ragged_paged_attention.validate import is_concrete
+from attn_jax.platforms import Platform, current_platform
+from attn_jax.types import AttentionType, validate_cache_dtype
+
+logger = logging.getLogger(__name__)
+
+Array = Any
 
 
-class PallasGPUAttentionBackend(PlannedBackend):
-    """Ragged paged attention as a Pallas kernel on GPU (Triton lowering); unavailable until it lands."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class PallasGPUAttentionMetadata:
+    """What the GPU kernel needs for one batch: the index arrays, the q-block schedule
+    (``kernel_gpu.gpu_schedule``, on the host when the metadata is concrete) and the
+    bucket's block sizes (static: part of the jit key)."""
 
-    not_implemented = "the Pallas GPU kernel is not implemented yet; XLA serves every platform until it lands"
+    query_start_loc: Array  # i32[R + 1]
+    seq_lens: Array  # i32[R]
+    block_tables: Array  # i32[R, pages_per_req]
+    slot_mapping: Array  # i32[T]
+    schedule: Array  # i32[5, NB]: per q-block request, token range, first position, kv length
+    block_sizes: GpuBlockSizes = dataclasses.field(metadata=dict(static=True))
+
+
+class PallasGPUMetadataBuilder(XLAMetadataBuilder):
+    """Builds ``PallasGPUAttentionMetadata``: the XLA builder's arrays (virtual batches for
+    chunked local attention included) plus block sizes and the schedule.
+
+    With concrete (NumPy) metadata the batch mode (decode / prefill / mixed) and the
+    schedule are computed on the host; traced metadata (``build`` inside ``jit``) derives
+    the schedule with jnp and uses the "mixed" block sizes. Block sizes depend only on the
+    bucket's shapes and the mode, so a bucket compiles at most three times.
+    """
+
+    def __init__(self, kv_cache_spec, device_kind: str | None = None) -> None:
+        super().__init__(kv_cache_spec)
+        if device_kind is None:
+            platform = current_platform()
+            device_kind = platform.device_kind if platform.kind == "gpu" else None
+        self.device_kind = device_kind
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        spec = self.kv_cache_spec
+        num_tokens = base.slot_mapping.shape[0]
+        num_reqs, pages_per_req = base.block_tables.shape
+        concrete = is_concrete(base.query_start_loc, base.seq_lens)
+        mode = gpu_batch_mode(np.diff(np.asarray(base.query_start_loc))) if concrete else "mixed"
+        num_q_heads = spec.num_q_heads or spec.num_kv_heads
+        bs = gpu_block_sizes(
+            num_reqs=num_reqs, pages_per_req=pages_per_req, page_size=spec.block_size, head_size=spec.head_size,
+            num_kv_heads=spec.num_kv_heads, group=num_q_heads // spec.num_kv_heads, mode=mode,
+            device_kind=self.device_kind,
+        )  # fmt: skip
+        xp = np if concrete else jnp
+        schedule = kernel_gpu.gpu_schedule(
+            xp.asarray(base.query_start_loc), xp.asarray(base.seq_lens), num_tokens=num_tokens,
+            block_q=bs.block_q, xp=xp,
+        )  # fmt: skip
+        return PallasGPUAttentionMetadata(
+            query_start_loc=base.query_start_loc, seq_lens=base.seq_lens, block_tables=base.block_tables,
+            slot_mapping=base.slot_mapping, schedule=schedule, block_sizes=bs,
+        )  # fmt: skip
+
+
+class PallasGPUAttentionImpl(AttentionImpl[PallasGPUAttentionMetadata]):
+    """Calls ``kernel_gpu.ragged_paged_attention`` with the layer's hyperparameters.
+
+    ``interpret`` None: compiled on a GPU platform, the Pallas interpreter elsewhere (with
+    a logged warning, once per impl).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes=None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks=None,
+        *,
+        interpret: bool | None = None,
+    ) -> None:
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.alibi_slopes = _per_head("alibi_slopes", alibi_slopes, num_heads)
+        self.sliding_window = sliding_window
+        self.kv_cache_dtype = validate_cache_dtype(kv_cache_dtype)
+        self.logits_soft_cap = logits_soft_cap
+        self.attn_type = AttentionType.parse(attn_type)
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sinks = _per_head("sinks", sinks, num_heads)
+        if interpret is None:
+            platform = current_platform()
+            interpret = platform.kind != "gpu"
+            if interpret:
+                logger.warning(
+                    "PALLAS_GPU runs in the Pallas interpreter on platform %s (no GPU): correct but slow", platform
+                )
+        self.interpret = interpret
+
+    def forward(self, query, key, value, kv_cache, attn_metadata, k_scale=None, v_scale=None):
+        if self.kv_sharing_target_layer_name is not None:
+            key = value = None  # the target layer has written this cache already
+        md = attn_metadata
+        if not isinstance(md, PallasGPUAttentionMetadata):
+            raise TypeError(
+                f"attn_metadata is {type(md).__name__}; PALLAS_GPU needs PallasGPUAttentionMetadata "
+                "from PallasGPUMetadataBuilder.build (the Attention layer builds it from CommonAttentionMetadata)"
+            )
+        return kernel_gpu.ragged_paged_attention(
+            query, key, value, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.slot_mapping,
+            sm_scale=self.scale, causal=self.attn_type.is_causal, sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap, alibi_slopes=self.alibi_slopes, sinks=self.sinks,
+            k_scale=k_scale, v_scale=v_scale, interpret=self.interpret, block_sizes=md.block_sizes,
+            schedule=md.schedule,
+        )  # fmt: skip
+
+
+class PallasGPUAttentionBackend(XLAAttentionBackend):
+    """Ragged paged attention as one Pallas kernel on GPU (Triton lowering); every feature of
+    the op; the XLA backend's cache layout."""
+
+    supports_sink = True
+    supported_dtypes: ClassVar[tuple[np.dtype, ...]] = (
+        np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16),
+    )  # fmt: skip
 
     @staticmethod
     def get_name() -> str:
         return "PALLAS_GPU"
+
+    @staticmethod
+    def get_impl_cls() -> type[PallasGPUAttentionImpl]:
+        return PallasGPUAttentionImpl
+
+    @staticmethod
+    def get_metadata_cls() -> type[PallasGPUAttentionMetadata]:
+        return PallasGPUAttentionMetadata
+
+    @staticmethod
+    def get_builder_cls() -> type[PallasGPUMetadataBuilder]:
+        return PallasGPUMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> tuple[int, ...]:
+        return kernel_gpu.SUPPORTED_HEAD_SIZES
+
+    @classmethod
+    def get_supported_block_sizes(cls) -> tuple[int, ...]:
+        return kernel_gpu.SUPPORTED_PAGE_SIZES
+
+    @classmethod
+    def unavailable_reason(cls, platform: Platform) -> str | None:
+        return None  # runs everywhere: compiled on a GPU, in the interpreter elsewhere (forced only)

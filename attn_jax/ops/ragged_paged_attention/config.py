@@ -29,6 +29,14 @@ GPU_MODES = ("decode", "prefill", "mixed")
 H100_NUM_SMS = 132
 
 
+def gpu_batch_mode(query_lens: np.ndarray) -> str:
+    """The ``GPU_MODES`` entry of a batch from its i32[R] query lengths (empty requests ignored)."""
+    real = query_lens[query_lens > 0]
+    if (real <= 1).all():
+        return "decode"
+    return "prefill" if (real > 1).all() else "mixed"
+
+
 @dataclasses.dataclass(frozen=True)
 class GpuBlockSizes:
     """Static tiling of one launch.

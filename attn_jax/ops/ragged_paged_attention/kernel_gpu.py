@@ -48,6 +48,9 @@ from attn_jax.ops.ragged_paged_attention.validate import (
 SUPPORTED_HEAD_SIZES = (32, 64, 128, 256)
 """Triton tiles are powers of two and dots need every dimension >= 16."""
 
+SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+"""Powers of two: a K/V tile is a power-of-two number of pages of at least 16 keys."""
+
 _SCHEDULE_FIELDS = ("req", "tok_start", "tok_end", "pos_start", "kv_len")
 
 
@@ -289,8 +292,10 @@ def check_gpu_shapes(*, head_size: int, page_size: int) -> None:
         raise ValueError(
             f"{head_size=} is not supported by the Pallas GPU kernel; supported: {list(SUPPORTED_HEAD_SIZES)}"
         )
-    if page_size < 1 or page_size & (page_size - 1):
-        raise ValueError(f"{page_size=} must be a power of two for the Pallas GPU kernel")
+    if page_size not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(
+            f"{page_size=} is not supported by the Pallas GPU kernel; supported: {list(SUPPORTED_PAGE_SIZES)}"
+        )
 
 
 @functools.partial(
