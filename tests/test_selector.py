@@ -82,7 +82,11 @@ def test_cpu_selects_xla():
 
 @pytest.mark.parametrize(
     ("platform", "priority", "chosen"),
-    [(CPU, ("XLA",), ABE.XLA), (TPU, ("PALLAS_TPU", "XLA"), ABE.PALLAS_TPU), (GPU, ("PALLAS_GPU", "XLA"), ABE.PALLAS_GPU)],
+    [
+        (CPU, ("XLA",), ABE.XLA),
+        (TPU, ("PALLAS_TPU", "XLA"), ABE.PALLAS_TPU),
+        (GPU, ("PALLAS_GPU", "XLA"), ABE.PALLAS_GPU),
+    ],
 )
 def test_priority_list_per_platform(platform, priority, chosen):
     report = explain(platform=platform)

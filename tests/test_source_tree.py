@@ -26,7 +26,9 @@ def test_ruff_is_clean():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-UPWARD_IMPORT = re.compile(r"^\s*(from|import)\s+attn_jax\.(backends|selector|layer|registry|testing|serving|models|cli)\b", re.M)
+UPWARD_IMPORT = re.compile(
+    r"^\s*(from|import)\s+attn_jax\.(backends|selector|layer|registry|testing|serving|models|cli)\b", re.M
+)
 
 
 @pytest.mark.parametrize("path", sorted(OPS.rglob("*.py")), ids=lambda p: str(p.relative_to(OPS)))
