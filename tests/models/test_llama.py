@@ -1,0 +1,125 @@
+"""The JAX Llama on the embedded SmolLM2 GGUF: configuration, weights, tokenizer and logits
+against stock transformers on the same file, and clear errors for bad model files."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from attn_jax import build_common_attn_metadata
+from attn_jax.models.gguf_loader import ModelLoadError, _unpermute, load_gguf, load_tokenizer, read_config
+from attn_jax.models.llama import LlamaConfig, LlamaModel
+from attn_jax.models.smollm2 import GGUF_NAME, gguf_path
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    return load_gguf(smollm2_gguf)
+
+
+def test_gguf_path_finds_the_embedded_model(smollm2_gguf):
+    assert smollm2_gguf == gguf_path() and smollm2_gguf.name == GGUF_NAME and smollm2_gguf.is_file()
+
+
+def test_config_matches_transformers(smollm2, hf_smollm2):
+    config, params = smollm2
+    hf = hf_smollm2[0].config
+    assert config.num_layers == hf.num_hidden_layers == 30
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (9, 3, 64) == (
+        hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim,
+    )  # fmt: skip
+    assert config.rope_theta == hf.rope_parameters["rope_theta"] == 100000.0
+    assert config.rms_norm_eps == pytest.approx(hf.rms_norm_eps)
+    assert config.tie_word_embeddings and hf.tie_word_embeddings and "lm_head" not in params
+    assert config.vocab_size == hf.vocab_size and config.eos_token_ids == (2,)
+
+
+def test_weights_equal_transformers_dequantised_weights(smollm2, hf_smollm2):
+    """The same dequantisation and the same q/k un-permutation: bit-identical weights."""
+    _, params = smollm2
+    hf = hf_smollm2[0].model
+    np.testing.assert_array_equal(params["embed"], hf.embed_tokens.weight.detach().numpy())
+    for i in (0, 29):
+        attn, mlp = hf.layers[i].self_attn, hf.layers[i].mlp
+        for name, module in (("wq", attn.q_proj), ("wk", attn.k_proj), ("wo", attn.o_proj), ("w_down", mlp.down_proj)):
+            np.testing.assert_array_equal(params["layers"][i][name], module.weight.detach().numpy().T, err_msg=name)
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    heads, dim = 3, 8
+    w = np.arange(heads * dim * 5, dtype=np.float32).reshape(heads * dim, 5)
+    permuted = w.reshape(heads, 2, dim // 2, 5).swapaxes(1, 2).reshape(w.shape)  # llama.cpp's permute
+    np.testing.assert_array_equal(_unpermute(permuted, heads), w)
+
+
+def test_tokenizer_matches_transformers(smollm2_gguf, hf_smollm2):
+    ours, theirs = load_tokenizer(smollm2_gguf), hf_smollm2[1]
+    for text in ["The capital of France is", "def f(x):\n    return x ** 2  # café ünïcödé 😀"]:
+        assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    chat = [{"role": "user", "content": "Hi there"}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == theirs.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=False
+    )
+
+
+def test_prefill_logits_match_transformers(smollm2, hf_smollm2):
+    config, params = smollm2
+    model_hf, tokenizer = hf_smollm2
+    ids = tokenizer("The capital of France is")["input_ids"]
+    n = len(ids)
+    model = LlamaModel(config, block_size=16)
+    md = build_common_attn_metadata([n], [n], [[0]], block_size=16)
+    tokens = np.zeros(md.num_tokens, np.int32)
+    tokens[:n] = ids
+    positions = np.zeros(md.num_tokens, np.int32)
+    positions[:n] = np.arange(n)
+    fast = model.attn.metadata_builder.build_for_jit(md)
+    step = jax.jit(model.step)
+    logits, _ = step(params, model.init_kv_caches(2), tokens, positions, fast, np.arange(n, dtype=np.int32))
+    with torch.no_grad():
+        want = model_hf(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-3, atol=1e-3)
+    assert (np.asarray(logits).argmax(-1) == want.argmax(-1)).all()
+
+
+def test_model_file_errors(tmp_path, smollm2_gguf):
+    with pytest.raises(ModelLoadError, match=r"model file '.*nope\.gguf' does not exist"):
+        load_gguf(tmp_path / "nope.gguf")
+    with pytest.raises(ModelLoadError, match="is not a file"):
+        load_gguf(tmp_path)
+    text = tmp_path / "notes.gguf"
+    text.write_text("hello, not a model")
+    with pytest.raises(ModelLoadError, match=r"is not a GGUF file: it starts with b'hell', not b'GGUF'"):
+        load_gguf(text)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(smollm2_gguf.read_bytes()[: 1 << 20])
+    with pytest.raises(ModelLoadError, match="is a corrupt or truncated GGUF file"):
+        load_gguf(truncated)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_tokenizer(tmp_path / "nope.gguf")
+
+
+def test_config_checks():
+    sizes = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1)
+    with pytest.raises(ValueError, match="num_heads=9 must be divisible by num_kv_heads=2"):
+        LlamaConfig(**sizes, num_heads=9, num_kv_heads=2, head_dim=4)
+    with pytest.raises(ValueError, match="head_dim=3 must be even"):
+        LlamaConfig(**sizes, num_heads=2, num_kv_heads=2, head_dim=3)
+
+
+def test_read_config_rejects_other_architectures():
+    class Field:
+        def __init__(self, value):
+            self.value = value
+
+        def contents(self):
+            return self.value
+
+    class Reader:
+        fields = {"general.architecture": Field("mamba")}
+        tensors = []
+
+    with pytest.raises(ModelLoadError, match=r"GGUF architecture 'mamba' is not supported; supported: \['llama'\]"):
+        read_config(Reader())

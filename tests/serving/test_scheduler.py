@@ -1,0 +1,150 @@
+"""Block allocator, scheduler (continuous batching, chunked prefill, preemption) and sampling,
+without a model."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn_jax.serving import BlockAllocator, OutOfBlocksError, Request, SamplingParams, Scheduler
+from attn_jax.serving.sampling import sample_tokens
+
+
+def test_allocator_allocates_frees_and_reuses():
+    a = BlockAllocator(4)
+    first = a.allocate(3)
+    assert sorted(first) == [0, 1, 2] and a.num_free == 1
+    a.free([first[1]])
+    assert a.allocate(1) == [first[1]]  # the page freed last is reused first
+    assert a.num_used == 3
+
+
+def test_allocator_out_of_blocks_takes_nothing():
+    a = BlockAllocator(2)
+    a.allocate(1)
+    with pytest.raises(OutOfBlocksError, match="cannot allocate 2 KV cache pages: 1 of 2 are free"):
+        a.allocate(2)
+    assert a.num_free == 1
+
+
+@pytest.mark.parametrize(
+    ("blocks", "match"),
+    [([0], "cannot free page 0: it is free already"), ([7], r"outside \[0, 2\)"), ([1, 1], "same page twice")],
+)
+def test_allocator_bad_free(blocks, match):
+    a = BlockAllocator(2)
+    a.allocate(2 if blocks == [1, 1] else 0)
+    with pytest.raises(ValueError, match=match):
+        a.free(blocks)
+
+
+def test_allocator_bad_counts():
+    with pytest.raises(ValueError, match="num_blocks=0 must be a positive integer"):
+        BlockAllocator(0)
+    with pytest.raises(ValueError, match="n=-1 must be a non-negative int"):
+        BlockAllocator(1).allocate(-1)
+
+
+def _request(rid: str, prompt_len: int, new: int = 4) -> Request:
+    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=new), seed=0)
+
+
+def _run_step(scheduler: Scheduler, batch) -> None:
+    """What the engine does after a step: count the tokens, append one sampled token."""
+    for r, n in zip(batch.requests, batch.num_new, strict=True):
+        r.num_computed += n
+        if r.num_computed == r.num_tokens:
+            r.output_ids.append(7)
+            if len(r.output_ids) == r.params.max_new_tokens:
+                scheduler.finish(r, "length")
+
+
+def test_chunked_prefill_under_token_budget_and_continuous_batching():
+    s = Scheduler(BlockAllocator(32), block_size=4, max_num_seqs=4, max_num_batched_tokens=8)
+    a, b = _request("a", 10), _request("b", 3)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert [r.request_id for r in batch.requests] == ["a"] and batch.num_new == [8]  # a's first chunk
+    _run_step(s, batch)
+    batch = s.schedule()
+    assert [r.request_id for r in batch.requests] == ["a", "b"] and batch.num_new == [2, 3]
+    _run_step(s, batch)
+    c = _request("c", 2)
+    s.add(c)  # arrives while a and b decode
+    batch = s.schedule()
+    assert [r.request_id for r in batch.requests] == ["a", "b", "c"] and batch.num_new == [1, 1, 2]
+    assert len(a.blocks) == 3 and len(b.blocks) == 1  # ceil(11 / 4), ceil(4 / 4)
+    assert len({*a.blocks, *b.blocks, *c.blocks}) == len(a.blocks) + len(b.blocks) + len(c.blocks)
+
+
+def test_max_num_seqs_limits_admission():
+    s = Scheduler(BlockAllocator(32), block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(3):
+        s.add(_request(f"r{i}", 3))
+    batch = s.schedule()
+    assert [r.request_id for r in batch.requests] == ["r0", "r1"] and len(s.waiting) == 1
+
+
+def test_preemption_frees_the_newest_and_recomputes_it():
+    s = Scheduler(BlockAllocator(4), block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = _request("a", 8, new=8), _request("b", 8, new=8)
+    s.add(a)
+    s.add(b)
+    _run_step(s, s.schedule())  # both prefilled: 2 pages each, the cache is full
+    assert s.allocator.num_free == 0
+    batch = s.schedule()  # a's next token needs a third page: b (newest) is preempted
+    assert [r.request_id for r in batch.requests] == ["a"] and batch.preempted == [b]
+    assert b.num_computed == 0 and b.blocks == [] and b.num_preemptions == 1 and s.waiting[0] is b
+    assert len(a.blocks) == 3
+
+
+def test_waiting_when_the_cache_is_full_and_refusal_when_a_request_can_never_fit():
+    s = Scheduler(BlockAllocator(3), block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match=r"needs up to 4 KV cache pages .* but the cache holds 3"):
+        s.add(_request("big", 12, new=4))
+    s.add(_request("a", 8, new=4))
+    s.add(_request("b", 8, new=4))
+    batch = s.schedule()
+    assert [r.request_id for r in batch.requests] == ["a"] and [r.request_id for r in s.waiting] == ["b"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(max_new_tokens=0), "max_new_tokens=0 must be a positive integer"),
+        (dict(temperature=-1.0), "temperature=-1.0 must be a number >= 0"),
+        (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+        (dict(top_k=-2), "top_k=-2 must be an int >= 0"),
+        (dict(seed="x"), "seed='x' must be an int or None"),
+    ],
+)
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def _sample(logits, temperature, top_p=1.0, top_k=0, seed=0, counter=0):
+    n = logits.shape[0]
+    return np.asarray(
+        sample_tokens(
+            jnp.asarray(logits, jnp.float32), jnp.full(n, temperature, jnp.float32), jnp.full(n, top_p, jnp.float32),
+            jnp.full(n, top_k, jnp.int32), jnp.full(n, seed, jnp.uint32), jnp.full(n, counter, jnp.int32),
+        )
+    )  # fmt: skip
+
+
+def test_sampling_greedy_top_k_top_p_and_seeds():
+    logits = np.random.default_rng(0).standard_normal((64, 50)).astype(np.float32)
+    greedy = logits.argmax(-1)
+    assert (_sample(logits, 0.0) == greedy).all()
+    assert (_sample(logits, 1.0, top_k=1) == greedy).all()
+    assert (_sample(logits, 1.0, top_p=1e-6) == greedy).all()
+    top3 = np.argsort(-logits, axis=-1)[:, :3]
+    picked = _sample(logits, 5.0, top_k=3, seed=1)
+    assert all(p in row for p, row in zip(picked, top3, strict=True))
+    again = _sample(logits, 5.0, top_k=3, seed=1)
+    assert (picked == again).all()  # seeded: reproducible
+    assert (_sample(logits, 5.0, seed=1) != _sample(logits, 5.0, seed=2)).any()
+    assert (_sample(logits, 5.0, seed=1, counter=0) != _sample(logits, 5.0, seed=1, counter=1)).any()
