@@ -162,6 +162,35 @@ def pallas_gpu_fn(b: DeviceBatch, block_sizes: GpuBlockSizes | None):
     return run
 
 
+def write_overhead_ms(b: DeviceBatch, reps: int = 30) -> dict[str, float]:
+    """Median ms of the op with and without writing the new k/v (cache donated: in place)."""
+    s = b.spec
+    bs = default_block_sizes(b)
+    k = jax.random.normal(jax.random.key(7), (b.num_tokens, s.num_kv_heads, s.head_size), b.q.dtype)
+    rest = (b.query_start_loc, b.seq_lens, b.block_tables, b.slot_mapping)
+
+    def step(q, k, v, kv_cache, *rest):
+        return kernel_gpu.ragged_paged_attention(
+            q, k, v, kv_cache, *rest, sm_scale=s.head_size**-0.5, interpret=False, block_sizes=bs
+        )
+
+    timings = {}
+    for name, kv in (("attend_only_ms", None), ("write_and_attend_ms", k)):
+        fn = jax.jit(step, donate_argnums=3)
+        cache = jnp.array(b.kv_cache)
+        out, cache = fn(b.q, kv, kv, cache, *rest)
+        times = []
+        for _ in range(reps):
+            jax.block_until_ready(cache)
+            t0 = time.perf_counter()
+            out, cache = fn(b.q, kv, kv, cache, *rest)
+            jax.block_until_ready(out)
+            times.append(time.perf_counter() - t0)
+        timings[name] = statistics.median(times) * 1e3
+        del cache, out
+    return timings
+
+
 def default_block_sizes(b: DeviceBatch) -> GpuBlockSizes:
     s = b.spec
     return gpu_block_sizes(
@@ -413,6 +442,13 @@ def main(argv=None) -> int:
                     tuned_entries.append({**tuned_match(b), "note": f"workload {b.spec.name}", **fields})
 
             attempt("pallas_gpu", ours)
+
+            def write(b=b, name=name):
+                row = {"workload": name, "impl": "pallas_gpu_write_overhead", **write_overhead_ms(b)}
+                results.append(row)
+                log(f"  k/v write (in-place scatter, donated cache): {row}")
+
+            attempt("pallas_gpu_write_overhead", write)
         if "xla" in impls:
             attempt(
                 "xla",

@@ -17,8 +17,9 @@ a slice of the KV tiles and writes its partial softmax state; ``merge_softmax_st
 (common.py) combines them. The per-tile math is common.py's, shared with the TPU kernel.
 
 New keys and values are written before the kernel by ``write_to_kv_cache``, a scatter
-that XLA performs in place when the cache is donated (measured cheaper than a fused
-write for these shapes: see BENCHMARKS.md).
+that XLA performs in place when the cache is donated: it moves only the new tokens' bytes,
+and ``benchmarks/attention.py`` measures what it adds to a step (BENCHMARKS.md). A fused
+write would save that one small launch, at the price of a second code path per layout.
 """
 
 from __future__ import annotations
