@@ -20,13 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax.backends.base import AttentionImpl
-from attn_jax.backends.xla import XLAAttentionBackend, XLAMetadataBuilder, _per_head
+from attn_jax.backends.xla import XLAAttentionBackend, XLAAttentionImpl, XLAMetadataBuilder
 from attn_jax.ops.ragged_paged_attention import kernel_gpu
 from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes, gpu_batch_mode, gpu_block_sizes
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
 from attn_jax.platforms import Platform, current_platform
-from attn_jax.types import AttentionType, validate_cache_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -89,41 +87,16 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         )  # fmt: skip
 
 
-class PallasGPUAttentionImpl(AttentionImpl[PallasGPUAttentionMetadata]):
-    """Calls ``kernel_gpu.ragged_paged_attention`` with the layer's hyperparameters.
+class PallasGPUAttentionImpl(XLAAttentionImpl):
+    """Calls ``kernel_gpu.ragged_paged_attention`` with the layer's hyperparameters (kept
+    as the XLA impl keeps them).
 
     ``interpret`` None: compiled on a GPU platform, the Pallas interpreter elsewhere (with
     a logged warning, once per impl).
     """
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes=None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        sinks=None,
-        *,
-        interpret: bool | None = None,
-    ) -> None:
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}")
-        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
-        self.num_kv_heads = num_kv_heads
-        self.alibi_slopes = _per_head("alibi_slopes", alibi_slopes, num_heads)
-        self.sliding_window = sliding_window
-        self.kv_cache_dtype = validate_cache_dtype(kv_cache_dtype)
-        self.logits_soft_cap = logits_soft_cap
-        self.attn_type = AttentionType.parse(attn_type)
-        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.sinks = _per_head("sinks", sinks, num_heads)
+    def __init__(self, *args, interpret: bool | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         if interpret is None:
             platform = current_platform()
             interpret = platform.kind != "gpu"
