@@ -280,7 +280,7 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
     sinks_ref = refs.pop(0) if st.has_sinks else None
     scales_ref = refs.pop(0) if st.fp8 else None
     kv_new_ref = refs.pop(0) if st.has_write else None
-    _kv_in_ref, o_ref, kv_ref, kv_buf, sems, write_sem = refs  # kv_ref aliases _kv_in_ref
+    _kv_in_ref, o_ref, kv_ref, kv_buf, sems, write_sem, dec_buf, dec_flags = refs  # kv_ref aliases _kv_in_ref
 
     hb, bq, ppb = st.bs.kv_heads_per_block, st.bs.q_tokens_per_block, st.bs.kv_pages_per_block
     h_blk, qb = pl.program_id(0), pl.program_id(1)
@@ -302,7 +302,8 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
 
         def page_copy(t, plan):  # a whole page from tokens t .. t + S - 1: [hb, S, 2D]
             return pltpu.make_async_copy(
-                kv_new_ref.at[pl.ds(h0, hb), pl.ds(t, page_size)], kv_ref.at[-plan - 2, pl.ds(h0, hb)],
+                kv_new_ref.at[pl.ds(h0, hb), pl.ds(t, page_size)],
+                kv_ref.at[-plan - 2, pl.ds(h0, hb)],
                 write_sem.at[0],
             )
 
@@ -352,9 +353,7 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
             live = idx < num_used
             idx = jnp.minimum(idx, st.pages_per_req - 1)
             page = jnp.clip(tables_ref[r * st.pages_per_req + idx], 0, num_pages - 1)
-            copy = pltpu.make_async_copy(
-                kv_ref.at[page, pl.ds(h0, hb)], kv_buf.at[slot, :, j], sems.at[slot]
-            )
+            copy = pltpu.make_async_copy(kv_ref.at[page, pl.ds(h0, hb)], kv_buf.at[slot, :, j], sems.at[slot])
             copies.append((live, copy))
         return copies
 
@@ -371,50 +370,95 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
     precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
     mm_dtype = q_ref.dtype
 
-    def compute(r, blk, slot, states):
+    def kv_tile(slot, i, blk, kv_len):
+        """(k, v) of KV head i of the block in buffer ``slot``: [bkv, Dq], [bkv, W] in the matmul
+        dtype, rows past kv_len zeroed (unused slots may hold NaN)."""
+        kv_valid = (blk * bkv + jax.lax.broadcasted_iota(jnp.int32, (bkv, 1), 0)) < kv_len  # bool[bkv, 1]
+        tile = kv_buf[slot, i].reshape(bkv, width)  # [bkv, 2D], cache dtype (a value reshape)
+        if st.packed:  # D = 64: one 128-lane row holds [k, v]
+            k = v = jnp.where(kv_valid, common.dequantize(tile, k_scale), 0.0)
+            if st.fp8:
+                v = jnp.where(kv_valid, common.dequantize(tile, v_scale), 0.0)
+        else:
+            k = jnp.where(kv_valid, common.dequantize(tile[:, :d], k_scale), 0.0)
+            v = jnp.where(kv_valid, common.dequantize(tile[:, d:], v_scale), 0.0)
+        return k.astype(mm_dtype), v.astype(mm_dtype)
+
+    def update(state, q, k, v, q_pos, kv_pos, visible, slopes):
+        s = jax.lax.dot_general(
+            q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )  # f32[rows, bkv]
+        s = common.transform_scores(s, q_pos, kv_pos, sm_scale=st.sm_scale, soft_cap=st.soft_cap, alibi_slopes=slopes)
+        return common.online_softmax_update(state, s, visible, v, precision=precision)
+
+    def heads(i):
+        return slice(i * st.group, (i + 1) * st.group)
+
+    def full_compute(r, blk, slot, states):
+        """Every row of the q-block against KV block ``blk`` of request r (rows of other requests see nothing)."""
         q_start, q_end, kv_len, _, _ = request(r)
         q_len = q_end - q_start
         in_req = (tok >= q_start) & (tok < q_end)
         q_pos = jnp.where(in_req, kv_len - q_len + (tok - q_start), -1)  # i32[rows, 1]
         kv_pos = blk * bkv + jax.lax.broadcasted_iota(jnp.int32, (1, bkv), 1)  # i32[1, bkv]
-        kv_valid = (blk * bkv + jax.lax.broadcasted_iota(jnp.int32, (bkv, 1), 0)) < kv_len  # bool[bkv, 1]
         visible = common.visible_mask(
             q_pos, kv_pos, kv_len, causal=st.causal, sliding_window=st.sliding_window, row_valid=in_req
         )
         new_states = []
         for i in range(hb):
-            tile = kv_buf[slot, i].reshape(bkv, width)  # [bkv, 2D], cache dtype (a value reshape)
-            if st.packed:  # D = 64: one 128-lane row holds [k, v]
-                k = v = jnp.where(kv_valid, common.dequantize(tile, k_scale), 0.0)
-                if st.fp8:
-                    v = jnp.where(kv_valid, common.dequantize(tile, v_scale), 0.0)
-            else:
-                k = jnp.where(kv_valid, common.dequantize(tile[:, :d], k_scale), 0.0)
-                v = jnp.where(kv_valid, common.dequantize(tile[:, d:], v_scale), 0.0)
-            k, v = k.astype(mm_dtype), v.astype(mm_dtype)
-            q = _fold_rows(q_ref[:, i * st.group : (i + 1) * st.group, :])  # [rows, Dq]
-            s = jax.lax.dot_general(
-                q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-            )  # f32[rows, bkv]
+            k, v = kv_tile(slot, i, blk, kv_len)
+            q = _fold_rows(q_ref[:, heads(i), :])  # [rows, Dq]
             slopes = alibi_ref[i] if st.has_alibi else None  # f32[rows, 1]
-            s = common.transform_scores(
-                s, q_pos, kv_pos, sm_scale=st.sm_scale, soft_cap=st.soft_cap, alibi_slopes=slopes
+            new_states.append(update(states[i], q, k, v, q_pos, kv_pos, visible, slopes))
+        return tuple(new_states)
+
+    def decode_compute(r, blk, slot, states):
+        """A decode (one new token, local index j): only its G rows, with their own state,
+        reset at the request's first block and stored to ``dec_buf[j]`` at its last."""
+        q_start, _, kv_len, blk_lo, blk_hi = request(r)
+        j = q_start - tok_lo
+        q_pos = jnp.full((st.group, 1), kv_len - 1, jnp.int32)
+        kv_pos = blk * bkv + jax.lax.broadcasted_iota(jnp.int32, (1, bkv), 1)
+        visible = common.visible_mask(q_pos, kv_pos, kv_len, causal=st.causal, sliding_window=st.sliding_window)
+        new_states = []
+        for i in range(hb):
+            fresh = common.init_softmax_state(
+                st.group, acc_width, sinks=sinks_ref[i, 0][: st.group] if st.has_sinks else None
             )
-            new_states.append(common.online_softmax_update(states[i], s, visible, v, precision=precision))
+            state = jax.tree.map(lambda a, b: jnp.where(blk == blk_lo, a, b), fresh, states[i])
+            k, v = kv_tile(slot, i, blk, kv_len)
+            q = _fold_rows(q_ref[pl.ds(j, 1), heads(i), :])  # [G, Dq]
+            slopes = alibi_ref[i][: st.group] if st.has_alibi else None
+            new_states.append(update(state, q, k, v, q_pos, kv_pos, visible, slopes))
+
+        @pl.when(blk == blk_hi - 1)
+        def _store():
+            for i in range(hb):
+                out = common.finalize_softmax_state(new_states[i])  # f32[G, W]
+                dec_buf[pl.ds(j, 1), heads(i), :] = out.reshape(1, st.group, acc_width)
+            dec_flags[j] = 1
+
         return tuple(new_states)
 
     acc_width = width if st.packed else d
     states = tuple(
         common.init_softmax_state(rows, acc_width, sinks=sinks_ref[i, 0] if st.has_sinks else None) for i in range(hb)
     )
+    dec_states = tuple(common.init_softmax_state(st.group, acc_width) for _ in range(hb))
+
+    def clear_flag(j, c):
+        dec_flags[j] = 0
+        return c
+
+    jax.lax.fori_loop(0, bq, clear_flag, 0)
 
     @pl.when(r_first < r_end)
     def _prefetch_first():
         start_fetch(r_first, request(r_first)[3], 0)
 
     def body(carry):
-        r, blk, slot, states = carry
-        blk_hi = request(r)[4]
+        r, blk, slot, states, dec_states = carry
+        q_start, q_end, _, _, blk_hi = request(r)
         last_of_req = blk + 1 >= blk_hi
         next_r = jnp.where(last_of_req, r + 1, r)
         next_blk = jnp.where(last_of_req, request(r + 1)[3], blk + 1)
@@ -424,15 +468,28 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
             start_fetch(next_r, next_blk, 1 - slot)
 
         wait_fetch(r, blk, slot)
-        states = compute(r, blk, slot, states)
-        return next_r, next_blk, 1 - slot, states
+        states, dec_states = jax.lax.cond(
+            q_end - q_start == 1,
+            lambda: (states, decode_compute(r, blk, slot, dec_states)),
+            lambda: (full_compute(r, blk, slot, states), dec_states),
+        )
+        return next_r, next_blk, 1 - slot, states, dec_states
 
-    init = (r_first, request(r_first)[3], jnp.int32(0), states)
-    _, _, _, states = jax.lax.while_loop(lambda c: c[0] < r_end, body, init)
+    init = (r_first, request(r_first)[3], jnp.int32(0), states, dec_states)
+    _, _, _, states, _ = jax.lax.while_loop(lambda c: c[0] < r_end, body, init)
 
     for i in range(hb):
         out = common.finalize_softmax_state(states[i])  # f32[rows, W]
-        o_ref[:, i * st.group : (i + 1) * st.group, :] = out.reshape(bq, st.group, -1).astype(o_ref.dtype)
+        o_ref[:, heads(i), :] = out.reshape(bq, st.group, -1).astype(o_ref.dtype)
+
+    def decode_rows(j, c):  # decodes replace their (empty) rows of the full state
+        @pl.when(dec_flags[j] == 1)
+        def _copy():
+            o_ref[pl.ds(j, 1)] = dec_buf[pl.ds(j, 1)].astype(o_ref.dtype)
+
+        return c
+
+    jax.lax.fori_loop(0, bq, decode_rows, 0)
 
 
 def _fold_rows(q):
@@ -612,6 +669,8 @@ def _call(st: _Static, q, kv_cache, qsl, seq_lens, tables, slots, schedule, alib
         pltpu.VMEM((2, hb, ppb, page_size, width), kv_cache.dtype),
         pltpu.SemaphoreType.DMA((2,)),
         pltpu.SemaphoreType.DMA((1,)),
+        pltpu.VMEM((bq, hb * group, out_width), jnp.float32),  # decode results
+        pltpu.SMEM((bq,), jnp.int32),  # which tokens of the q-block are decodes
     ]
     cost = cost_estimate(
         num_tokens=padded, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_size=head_size,
@@ -621,7 +680,10 @@ def _call(st: _Static, q, kv_cache, qsl, seq_lens, tables, slots, schedule, alib
     kernel = pl.pallas_call(
         functools.partial(_kernel, st=st),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs, out_specs=out_specs,
+            num_scalar_prefetch=len(prefetch),
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
             scratch_shapes=scratch,
         ),  # fmt: skip
         out_shape=out_shape,
