@@ -275,15 +275,17 @@ def tpu_block_sizes(
     The heuristic takes the fewest query tokens whose ``tokens * G`` rows fill the sublane
     tile for decode-only buckets (each decode is its own request, so more tokens per block
     only add masked rows), 256 tokens when a request brings 1024 or more new tokens
-    (``max_query_len``, default ``num_tokens``: long prefills re-read less KV) and 64
-    otherwise, KV blocks of 256 keys, one KV head per program; benchmarks/tpu_cost_model.py
+    (``max_query_len``, default ``num_tokens``: long prefills re-read less KV) and 128
+    otherwise (decodes in a mixed q-block run on their own rows, so a large block costs
+    them nothing), KV blocks of 256 keys, the fewest KV heads per program that tile the
+    q block (``min_kv_heads_per_block``); benchmarks/tpu_cost_model.py
     shows the trade-off on DESIGN.md's workloads. Every value is clamped to the bucket
     (tokens, pages per request).
     """
     tile = _sublane_rows(q_dtype)
     min_tokens = tile // math.gcd(tile, group)
     long_prefill = (num_tokens if max_query_len is None else max_query_len) >= 1024
-    bq = min_tokens if decode_only else max(min_tokens, 256 if long_prefill else 64)
+    bq = min_tokens if decode_only else max(min_tokens, 256 if long_prefill else 128)
     ppb = max(256 // page_size, 1)
     table = tpu_table_for(device_kind)
     key = (

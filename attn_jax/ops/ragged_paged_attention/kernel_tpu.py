@@ -727,8 +727,8 @@ def workload_cost(query_lens, context_lens, *, num_q_heads, num_kv_heads, head_s
     slices the value half of out, a read and a write each), ``write_bytes`` (new k/v
     rows: read and written), ``useful_flops`` (4 * D per visible (q, k) pair per query
     head, DESIGN.md's floor) and ``mxu_flops``
-    (what the kernel's matmuls execute: every row of a q-block against every key of each
-    KV block it walks).
+    (what the kernel's matmuls execute: every row of a q-block, or a decode's G rows,
+    against every key of each KV block it walks).
     """
     query_lens, context_lens = np.asarray(query_lens, np.int64), np.asarray(context_lens, np.int64)
     group = num_q_heads // num_kv_heads
@@ -736,7 +736,7 @@ def workload_cost(query_lens, context_lens, *, num_q_heads, num_kv_heads, head_s
     bkv = ppb * page_size
     qsl = np.concatenate([[0], np.cumsum(query_lens)])
     total = int(qsl[-1])
-    kv_pages = mxu_cols = 0
+    kv_pages = mxu_rows_cols = 0
     for b in range(-(-total // bq)):
         lo, hi = b * bq, min((b + 1) * bq, total)
         for r in np.flatnonzero((qsl[1:] > lo) & (qsl[:-1] < hi)):
@@ -745,9 +745,9 @@ def workload_cost(query_lens, context_lens, *, num_q_heads, num_kv_heads, head_s
             end = min(kv_len, context_lens[r] + last_tok) if causal else kv_len
             blocks = -(-end // bkv)
             kv_pages += min(blocks * ppb, -(-kv_len // page_size))
-            mxu_cols += blocks * bkv
+            # A decode runs on its own G rows (padded to 8 sublanes), others on the whole q-block.
+            mxu_rows_cols += (max(group, 8) if query_lens[r] == 1 else bq * group) * blocks * bkv
     pairs = int(sum(q * c + q * (q + 1) // 2 for q, c in zip(query_lens, context_lens, strict=True)))
-    rows = bq * group
     width = 2 * head_size
     dq = width if head_size % 128 else head_size
     return {
@@ -756,7 +756,7 @@ def workload_cost(query_lens, context_lens, *, num_q_heads, num_kv_heads, head_s
         "layout_bytes": int(6 * total * num_q_heads * head_size * q_itemsize) if head_size % 128 else 0,
         "write_bytes": int(2 * total * num_kv_heads * width * kv_itemsize),
         "useful_flops": int(4 * head_size * num_q_heads * pairs),
-        "mxu_flops": int(2 * rows * (dq + dq) * mxu_cols * num_kv_heads),
+        "mxu_flops": int(2 * (dq + dq) * mxu_rows_cols * num_kv_heads),
     }
 
 
