@@ -51,8 +51,8 @@ SMALL = TpuBlockSizes(q_tokens_per_block=4, kv_pages_per_block=1)  # several q-b
 
 CASES: dict[str, tuple[dict, dict, TpuBlockSizes | None]] = {
     # name: (make_ragged_batch kwargs, op options, block sizes (None: the heuristic))
-    "decode_only_g4_h128_p16": (dict(query_lens=[1, 1, 1], context_lens=[37, 9, 0], **_G4, head_size=128,
-                                     block_size=16), {}, TpuBlockSizes(2, 2)),
+    "decode_only_window_g4_h128_p16": (dict(query_lens=[1, 1, 1], context_lens=[37, 9, 0], **_G4, head_size=128,
+                                            block_size=16), dict(sliding_window=5), TpuBlockSizes(2, 2)),
     "prefill_only_q_len_eq_kv_len_g1_h64_p16": (dict(query_lens=[19, 6], context_lens=[0, 0], num_q_heads=2,
                                                      num_kv_heads=2, head_size=64, block_size=16), {},
                                                 TpuBlockSizes(8, 1)),
