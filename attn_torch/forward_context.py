@@ -89,7 +89,8 @@ class ForwardContext:
             rows = np.flatnonzero(host_slots >= 0)
             contiguous = rows.size == 0 or (rows[0] == 0 and rows[-1] == rows.size - 1)
             prepared = PreparedMetadata(
-                backend_metadata=builder.build(0, common),
+                # Built once per step; device_put so host-built fields (a schedule) are not re-sent per layer.
+                backend_metadata=jax.device_put(builder.build(0, common), jax_device_for(device)),
                 write_rows=None if contiguous else torch.from_numpy(rows).to(device),
                 write_slots=torch.from_numpy(host_slots[rows].astype(np.int64)).to(device),
                 num_tokens=int(host_slots.shape[0]),

@@ -121,6 +121,7 @@ class Attention(nn.Module):
         # "NHD": [2, P, S, Hkv, D], written by the layer. "paired": [P, 2, S, Hkv, D] (each page's K then V,
         # transformers' paged cache), written by its owner; the step reads it through the same zero-copy view.
         self.kv_cache_layout = "NHD"
+        self._checked_cache: torch.Tensor | None = None
         self._step = _shared_step(self.attn_backend, self.impl)
 
     # ------------------------------------------------------------------ cache
@@ -270,7 +271,9 @@ class Attention(nn.Module):
                 raise ValueError(f"{name}.dtype={x.dtype} must equal query.dtype={query.dtype}")
         if (key is None) != (value is None):
             raise ValueError("key and value must both be tensors or both be None")
-        self.check_kv_cache(kv_cache)
+        if kv_cache is not self._checked_cache:  # bind_kv_cache checks too; re-checked if kv_cache was reassigned
+            self.check_kv_cache(kv_cache)
+            self._checked_cache = kv_cache
 
     def _calc_kv_scales(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """vLLM's once-only scales: max|k| / 200, max|v| / 100 (at least MIN_SCALE)."""
