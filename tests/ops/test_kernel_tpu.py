@@ -412,3 +412,22 @@ def test_tuned_tables_are_distinct_devices_and_used():
     assert tuned.q_tokens_per_block == entry["q_tokens_per_block"]
     assert tuned.kv_pages_per_block == min(entry["kv_pages_per_block"], entry["max_model_len"] // page)
     assert tpu_block_sizes(**kwargs, device_kind=None).kv_pages_per_block == min(256 // page, kwargs["pages_per_req"])
+
+
+def test_column_softmax_state_matches_row_state():
+    """The TPU kernel keeps m and denom as f32[rows, 1] (common.init_softmax_state(column=True));
+    the functions give the same numbers as with the GPU kernel's f32[rows]."""
+    rng = np.random.default_rng(0)
+    sinks = rng.standard_normal(6).astype(np.float32)
+    v = jnp.asarray(rng.standard_normal((5, 8)), jnp.float32)
+    results = []
+    for column in (False, True):
+        sink = jnp.asarray(sinks[:, None] if column else sinks)
+        state = common.init_softmax_state(6, 8, sinks=sink, column=column)
+        for seed in (1, 2):
+            s = jnp.asarray(np.random.default_rng(seed).standard_normal((6, 5)), jnp.float32)
+            visible = jnp.asarray(np.random.default_rng(seed + 10).random((6, 5)) < 0.7)
+            state = common.online_softmax_update(state, s, visible, v)
+        assert state[0].shape == ((6, 1) if column else (6,))
+        results.append(np.asarray(common.finalize_softmax_state(state)))
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-6, atol=1e-6)  # up to XLA fusion order

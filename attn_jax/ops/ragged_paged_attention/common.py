@@ -69,12 +69,23 @@ def transform_scores(s, q_pos, kv_pos, *, sm_scale: float, soft_cap: float | Non
     return s
 
 
-def init_softmax_state(rows: int, head_size: int, sinks=None):
-    """(m f32[rows], denom f32[rows], acc f32[rows, head_size]) before any key; sinks f32[rows] or None."""
+def init_softmax_state(rows: int, head_size: int, sinks=None, *, column: bool = False):
+    """(m f32[rows], denom f32[rows], acc f32[rows, head_size]) before any key; sinks f32[rows] or None.
+
+    ``column=True`` keeps m and denom as f32[rows, 1] column vectors (sinks f32[rows, 1]):
+    the TPU kernel's choice, since Mosaic lays out 2-D row statistics natively. Every
+    function below accepts either shape and keeps it.
+    """
+    shape = (rows, 1) if column else (rows,)
     acc = jnp.zeros((rows, head_size), jnp.float32)
     if sinks is None:
-        return jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32), acc
-    return sinks.astype(jnp.float32), jnp.ones((rows,), jnp.float32), acc
+        return jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32), acc
+    return sinks.astype(jnp.float32).reshape(shape), jnp.ones(shape, jnp.float32), acc
+
+
+def _col(x):
+    """A per-row statistic as a column f32[rows, 1], whether it is f32[rows] or already one."""
+    return x if x.ndim == 2 else x[:, None]
 
 
 def softmax_tile_update(m, denom, s, visible):
@@ -86,12 +97,13 @@ def softmax_tile_update(m, denom, s, visible):
     """
     if visible is not None:
         s = jnp.where(visible, s, MASK_VALUE)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    keepdims = m.ndim == 2  # column statistics stay columns
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=keepdims))
     alpha = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new[:, None])
+    p = jnp.exp(s - _col(m_new))
     if visible is not None:
         p = jnp.where(visible, p, 0.0)
-    denom_new = alpha * denom + jnp.sum(p, axis=1)
+    denom_new = alpha * denom + jnp.sum(p, axis=1, keepdims=keepdims)
     return m_new, denom_new, alpha, p
 
 
@@ -105,14 +117,15 @@ def online_softmax_update(state, s, visible, v, *, precision=None):
     m, denom, acc = state
     m_new, denom_new, alpha, p = softmax_tile_update(m, denom, s, visible)
     pv = jax.lax.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
-    return m_new, denom_new, acc * alpha[:, None] + pv
+    return m_new, denom_new, acc * _col(alpha) + pv
 
 
 def finalize_softmax_state(state):
     """f32[rows, head_size] ``acc / denom``; rows that saw no key (denom == 0) give 0."""
     _, denom, acc = state
+    denom = _col(denom)
     safe = jnp.where(denom > 0, denom, 1.0)
-    return jnp.where((denom > 0)[:, None], acc / safe[:, None], 0.0)
+    return jnp.where(denom > 0, acc / safe, 0.0)
 
 
 def merge_softmax_states(m, denom, acc):

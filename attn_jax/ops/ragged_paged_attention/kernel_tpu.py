@@ -423,7 +423,7 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
         new_states = []
         for i in range(hb):
             fresh = common.init_softmax_state(
-                st.group, acc_width, sinks=sinks_ref[i, 0][: st.group] if st.has_sinks else None
+                st.group, acc_width, sinks=sinks_ref[i][: st.group] if st.has_sinks else None, column=True
             )
             state = jax.tree.map(lambda a, b: jnp.where(blk == blk_lo, a, b), fresh, states[i])
             k, v = kv_tile(slot, i, blk, kv_len)
@@ -442,9 +442,10 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
 
     acc_width = width if st.packed else d
     states = tuple(
-        common.init_softmax_state(rows, acc_width, sinks=sinks_ref[i, 0] if st.has_sinks else None) for i in range(hb)
+        common.init_softmax_state(rows, acc_width, sinks=sinks_ref[i] if st.has_sinks else None, column=True)
+        for i in range(hb)
     )
-    dec_states = tuple(common.init_softmax_state(st.group, acc_width) for _ in range(hb))
+    dec_states = tuple(common.init_softmax_state(st.group, acc_width, column=True) for _ in range(hb))
 
     def clear_flag(j, c):
         dec_flags[j] = 0
@@ -645,10 +646,10 @@ def _call(st: _Static, q, kv_cache, qsl, seq_lens, tables, slots, schedule, alib
         per_row = jnp.tile(jnp.asarray(alibi, jnp.float32).reshape(num_kv_heads, 1, group), (1, bq, 1))
         args.append(per_row.reshape(num_kv_heads, rows, 1))
         in_specs.append(pl.BlockSpec((hb, rows, 1), lambda h, b, *_: (h, 0, 0)))
-    if st.has_sinks:  # [Hkv, 1, rows]
-        per_row = jnp.tile(jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, 1, group), (1, 1, bq))
-        args.append(per_row)
-        in_specs.append(pl.BlockSpec((hb, 1, rows), lambda h, b, *_: (h, 0, 0)))
+    if st.has_sinks:  # per row: the sink of its query head, [Hkv, rows, 1]
+        per_row = jnp.tile(jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, 1, group), (1, bq, 1))
+        args.append(per_row.reshape(num_kv_heads, rows, 1))
+        in_specs.append(pl.BlockSpec((hb, rows, 1), lambda h, b, *_: (h, 0, 0)))
     if st.fp8:
         args.append(scales)
         in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
