@@ -18,6 +18,10 @@ torchax tensor is re-pointed at the result (its Python object stays the same)::
             out = layer(q, k, v)            # q, k, v: torch tensors on device "jax"
 
 No DLPack crossing happens on this path: the tensors already are JAX arrays.
+
+Importing torchax registers a "jax" device with torch; afterwards ``torch.compile`` in the
+same process fails ("PyTorch is not linked with support for jax devices", torch 2.11 and
+torchax 0.0.13), so keep torchax and torch.compile in separate processes (the tests do).
 """
 
 from __future__ import annotations

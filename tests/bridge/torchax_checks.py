@@ -1,23 +1,27 @@
-"""bridge.xla: attn_torch layers under torchax on the CPU, against the DLPack (eager) path."""
+"""bridge.xla checks, run by tests/bridge/test_xla.py in a subprocess of their own.
+
+Importing torchax registers a "jax" device with torch, after which torch.compile in the
+same process fails ("PyTorch is not linked with support for jax devices"), so these checks
+never share a process with the rest of the suite. ``python -m tests.bridge.torchax_checks``
+runs them all.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+import torchax
 
+import bridge.xla
 from attn_torch import Attention, bind_kv_cache, build_common_attn_metadata, set_forward_context
 
-torchax = pytest.importorskip("torchax", reason="torchax is the xla extra (pip install 'attn-stack[xla]')")
 
-import bridge.xla  # noqa: E402  (after the importorskip)
-
-
-def test_torchax_version_is_the_pinned_one():
+def check_torchax_version_is_the_pinned_one():
     assert torchax.__version__ == bridge.xla.TORCHAX_VERSION
 
 
-def test_layer_under_torchax_matches_the_eager_path_and_updates_the_cache_in_place():
+def check_layer_under_torchax_matches_the_eager_path_and_updates_the_cache_in_place():
     torch.manual_seed(0)
     bt = np.array([[0, 1], [2, 0]])
     steps = [build_common_attn_metadata([1, 3], [6, 3], bt, 4), build_common_attn_metadata([1, 1], [7, 4], bt, 4)]
@@ -51,7 +55,7 @@ def test_layer_under_torchax_matches_the_eager_path_and_updates_the_cache_in_pla
     np.testing.assert_array_equal(final, eager_cache.numpy())
 
 
-def test_torchax_path_needs_a_bound_cache():
+def check_torchax_path_needs_a_bound_cache():
     env = bridge.xla.enable()
     md = build_common_attn_metadata([1], [1], np.array([[0]]), 4)
     with env:
@@ -59,3 +63,10 @@ def test_torchax_path_needs_a_bound_cache():
         x = torch.zeros(16, 32).to("jax")
         with set_forward_context(md), pytest.raises(RuntimeError, match="has no bound KV cache"):
             layer(x, x, x)
+
+
+if __name__ == "__main__":
+    for name, fn in list(globals().items()):
+        if name.startswith("check_"):
+            fn()
+            print(f"ok {name}")
