@@ -3,9 +3,13 @@
 One launch serves a mixed prefill + decode batch. The grid is
 ``(Hkv // kv_heads_per_block, num_q_blocks)``: a program takes ``q_tokens_per_block``
 query tokens of the packed batch (they may belong to several requests) for
-``kv_heads_per_block`` KV heads. The ``G = Hq // Hkv`` query heads of a KV head are
-packed as the rows of the matmul (``rows = q_tokens_per_block * G``, token-major), so one
-KV fetch serves the whole head group.
+``kv_heads_per_block`` KV heads; q and out are read and written in place as
+``[q_tokens_per_block, kv_heads_per_block * G, D]`` blocks of ``[T, Hq, D]``. The
+``G = Hq // Hkv`` query heads of a KV head are packed as the rows of the matmul
+(``rows = q_tokens_per_block * G``, token-major), so one KV fetch serves the whole head
+group. A decode (a request with one new token) runs on its own ``G`` rows with its own
+softmax state, so decodes that share a q-block with a prefill chunk do not pay for the
+block's other rows; the results are merged into the output block at the end.
 
 Batch metadata (query_start_loc, seq_lens, the block table, slot_mapping and the
 schedule: which requests each q-block overlaps) is scalar-prefetched into SMEM
@@ -32,7 +36,9 @@ page that new tokens fill whole (``write_plan``), one per token elsewhere. The c
 an aliased output (``input_output_aliases``), updated in place when donated.
 
 The per-tile math (masks, score transforms, online softmax with sinks, fp8 dequant) is
-``common.py``'s, shared with the GPU kernel.
+``common.py``'s, shared with the GPU kernel; the row statistics are f32[rows, 1] columns.
+Refs are only indexed and sliced, never reshaped or bitcast (``ref.reshape`` and
+``ref.bitcast`` fail in jax 0.11.2's TPU interpreter): tiles are reshaped as values.
 """
 
 from __future__ import annotations
