@@ -125,7 +125,7 @@ def _specs(draw):
     return draw(st.integers(0, 2**16)), batch_kwargs, options, bs
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(spec=_specs())
 def test_random_batches_match_oracle_interpret(spec):
     seed, batch_kwargs, options, bs = spec
