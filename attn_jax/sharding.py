@@ -192,21 +192,20 @@ class ShardedStep:
         return [zeros() for _ in range(self.model.config.num_layers)]
 
     def jit(self, device_step):
-        """``device_step(params, caches, token_ids, positions, md, logits_rows, sampling,
-        *, sample)`` (one shard's arrays) jitted over the mesh, caches donated."""
+        """``device_step(params, caches, token_ids, positions, md, logits_rows, sampling)``
+        (one shard's arrays) jitted over the mesh, caches donated."""
         mesh, cache_spec = self.mesh, self.cache_spec
 
-        def body(params, caches, token_ids, positions, md, logits_rows, sampling, *, sample):
+        def body(params, caches, token_ids, positions, md, logits_rows, sampling):
             squeeze = functools.partial(jax.tree.map, lambda x: x[0])
             tokens, caches = device_step(
-                params, caches, token_ids[0], positions[0], squeeze(md), logits_rows[0], squeeze(sampling),
-                sample=sample,
-            )  # fmt: skip
+                params, caches, token_ids[0], positions[0], squeeze(md), logits_rows[0], squeeze(sampling)
+            )
             return tokens[None], caches
 
-        def step(params, caches, token_ids, positions, md, logits_rows, sampling, sample):
+        def step(params, caches, token_ids, positions, md, logits_rows, sampling):
             fn = jax.shard_map(
-                functools.partial(body, sample=sample),
+                body,
                 mesh=mesh,
                 in_specs=(self.param_specs(params), [cache_spec] * len(caches), *[P(DATA)] * 5),
                 out_specs=(P(DATA), [cache_spec] * len(caches)),
@@ -214,9 +213,9 @@ class ShardedStep:
             )
             return fn(params, caches, token_ids, positions, md, logits_rows, sampling)
 
-        return jax.jit(step, donate_argnums=1, static_argnames="sample")
+        return jax.jit(step, donate_argnums=1)
 
-    def run(self, jit_step, params, caches, inputs, sample: bool):
+    def run(self, jit_step, params, caches, inputs):
         """Stacks each shard's host inputs on a leading axis and runs ``jit_step``.
 
         Returns (list of per-shard i32[R] tokens, caches).
@@ -232,7 +231,7 @@ class ShardedStep:
         positions = np.stack([i[1] for i in inputs])
         logits_rows = np.stack([i[3] for i in inputs])
         sampling = stack(*[i[4] for i in inputs])
-        tokens, caches = jit_step(params, caches, token_ids, positions, stack(*mds), logits_rows, sampling, sample)
+        tokens, caches = jit_step(params, caches, token_ids, positions, stack(*mds), logits_rows, sampling)
         return list(np.asarray(tokens)), caches
 
 

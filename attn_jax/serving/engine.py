@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_jax.backends.xla import XLAAttentionMetadata
 from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
 from attn_jax.models.llama import LlamaModel
 from attn_jax.serving.block_allocator import BlockAllocator
@@ -160,7 +161,7 @@ class Engine:
         if self._sharded is None:
             self.params = jax.device_put(params)
             self.kv_caches = model.init_kv_caches(self.num_blocks)
-            self._jit_step = jax.jit(self._device_step, donate_argnums=1, static_argnames="sample")
+            self._jit_step = jax.jit(self._device_step, donate_argnums=1)
         else:
             self.params = self._sharded.put_params(params)
             self.kv_caches = self._sharded.init_kv_caches(self.num_blocks)
@@ -283,15 +284,19 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
 
-    def _device_step(self, params, kv_caches, token_ids, positions, md, logits_rows, sampling, *, sample: bool):
-        """Traced once per bucket: forward, then sampling. Returns (i32[R] tokens, caches)."""
+    def _device_step(self, params, kv_caches, token_ids, positions, md, logits_rows, sampling):
+        """Traced once per bucket: forward, then sampling. Returns (i32[R] tokens, caches).
+
+        Greedy batches skip the sampling work at run time (``lax.cond``), without a
+        second compilation."""
         self.num_compilations += 1
         logits, kv_caches = self.model.step(params, kv_caches, token_ids, positions, md, logits_rows)
-        if sample:
-            temperature, top_p, top_k, seeds, counters = sampling
-            tokens = sample_tokens(logits, temperature, top_p, top_k, seeds, counters)
-        else:
-            tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        temperature = sampling[0]
+        tokens = jax.lax.cond(
+            jnp.any(temperature > 0),
+            lambda: sample_tokens(logits, *sampling),
+            lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
+        )
         return tokens, kv_caches
 
     def _host_inputs(self, batch: ScheduledBatch, token_bucket: int, req_bucket: int, page_bucket: int):
@@ -306,6 +311,12 @@ class Engine:
         buckets = MetadataBuckets((token_bucket,), (req_bucket,), (page_bucket,))
         md = build_common_attn_metadata(query_lens, seq_lens, block_table, self.block_size, buckets)
         md = self.model.attn.metadata_builder.build_for_jit(md)
+        if isinstance(md, XLAAttentionMetadata) and md.q_block:
+            # One prefill-group shape per bucket (every request slot), not one per power of
+            # two of prefilling requests: fewer compilations for a little padding work.
+            prefill_reqs = np.full(req_bucket, req_bucket, np.int32)
+            prefill_reqs[: md.prefill_reqs.shape[0]] = md.prefill_reqs
+            md = dataclasses.replace(md, prefill_reqs=prefill_reqs)
         token_ids = np.zeros(token_bucket, np.int32)
         positions = np.zeros(token_bucket, np.int32)
         offset = 0
@@ -339,17 +350,16 @@ class Engine:
         pages = max((len(r.blocks) for b in batches for r in b.requests), default=1)
         page_bucket = fits(self.buckets.blocks_per_request_buckets, pages, "blocks per request")
         inputs = [self._host_inputs(b, token_bucket, req_bucket, page_bucket) for b in batches]
-        sample = any(r.params.temperature > 0 for b in batches for r in b.requests)
         compilations = self.num_compilations
         host_done = time.perf_counter()
         if self._sharded is None:
             token_ids, positions, md, logits_rows, sampling = inputs[0]
             tokens, self.kv_caches = self._jit_step(
-                self.params, self.kv_caches, token_ids, positions, md, logits_rows, sampling, sample=sample
+                self.params, self.kv_caches, token_ids, positions, md, logits_rows, sampling
             )
             tokens = [np.asarray(tokens)]
         else:
-            tokens, self.kv_caches = self._sharded.run(self._jit_step, self.params, self.kv_caches, inputs, sample)
+            tokens, self.kv_caches = self._sharded.run(self._jit_step, self.params, self.kv_caches, inputs)
         events = []
         num_prefill = num_decode = num_sampled = 0
         for shard, (batch, shard_tokens) in enumerate(zip(batches, tokens, strict=True)):

@@ -1,0 +1,36 @@
+"""Greedy continuations from stock transformers, the ground truth of the engine tests."""
+
+from __future__ import annotations
+
+import torch
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "Here is a list of the planets of the solar system, in order from the sun: Mercury, Venus, "
+    "Earth, Mars, Jupiter, Saturn, Uranus and Neptune. The largest of them is",
+]
+"""Short prompts and one longer than the tests' 32-token step budget (chunked prefill)."""
+
+LONG_PROMPTS = [
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden press adapted from wine making. Within",
+    "To bake a simple loaf of bread you need flour, water, salt and yeast. First, mix the flour "
+    "and the salt in a large bowl, then dissolve the yeast in warm water and",
+    "Photosynthesis is the process by which green plants, algae and some bacteria turn light "
+    "energy into chemical energy. It takes place mainly in the leaves, inside",
+    "A binary search finds an item in a sorted list by repeatedly halving the part of the list "
+    "that could contain it. Here is an implementation in Python:\\n\\ndef binary_search(items, target):",
+]
+"""Four prompts of 30+ tokens: with 24 new tokens each they need more pages than the tests' cache."""
+
+
+def hf_greedy(model, tokenizer, prompt: str, max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` alone (no padding): up to and
+    including EOS, or exactly ``max_new_tokens`` with ``ignore_eos``."""
+    ids = tokenizer(prompt, return_tensors="pt")
+    eos = dict(eos_token_id=None, pad_token_id=tokenizer.pad_token_id) if ignore_eos else {}
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, **eos)
+    return out[0, ids["input_ids"].shape[1] :].tolist()

@@ -1,0 +1,147 @@
+"""The engine on the embedded SmolLM2 matches stock transformers token for token (greedy):
+all requests at once, requests arriving and finishing at different steps with chunked
+prefill, and under preemption; seeded sampling is reproducible; no compilation after
+warm-up; bad requests get clear errors.
+
+One engine serves the whole module (its step compiles once per bucket): 4 requests per
+step, a 32-token step budget, 128 tokens per request, a 12-page cache of 16-token pages.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from attn_jax.metadata import MetadataBuckets
+from attn_jax.serving import Engine, SamplingParams
+from tests.serving.hf_reference import LONG_PROMPTS, PROMPTS, hf_greedy
+
+NEW_TOKENS = 20  # per short prompt; EOS ignored on both sides so every prompt gets them all
+LONG_NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_gguf):
+    return Engine.from_gguf(
+        smollm2_gguf, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_blocks=12,
+        buckets=MetadataBuckets((32,), (4,), (8,)),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def expected(hf_smollm2):
+    """transformers' greedy tokens, EOS ignored, for every test prompt."""
+    model, tokenizer = hf_smollm2
+    out = {p: hf_greedy(model, tokenizer, p, NEW_TOKENS, ignore_eos=True) for p in PROMPTS}
+    out |= {p: hf_greedy(model, tokenizer, p, LONG_NEW_TOKENS, ignore_eos=True) for p in LONG_PROMPTS}
+    return out
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+def _finished(engine):
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_greedy_batch_matches_transformers(engine, expected):
+    results = engine.generate(PROMPTS, greedy(NEW_TOKENS))
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        assert result.output_ids == expected[prompt], prompt
+        assert len(result.output_ids) == NEW_TOKENS
+    assert any(len(r.prompt_ids) > engine.max_num_batched_tokens for r in results)  # one was chunked
+
+
+def test_mixed_arrivals_and_finishes_match_transformers(engine, expected):
+    """Requests join a running batch and leave it at different steps; a long prompt is
+    prefilled in chunks beside decodes: no request's tokens change."""
+    lengths = {PROMPTS[0]: 12, PROMPTS[1]: 20, PROMPTS[2]: 16, PROMPTS[3]: 18}
+    ids = {engine.add_request(PROMPTS[0], greedy(12)): PROMPTS[0]}
+    for _ in range(3):
+        engine.step()
+    ids[engine.add_request(PROMPTS[3], greedy(18))] = PROMPTS[3]  # chunked prefill
+    ids[engine.add_request(PROMPTS[1], greedy(20))] = PROMPTS[1]
+    mixed = False
+    for _ in range(4):
+        engine.step()
+        mixed |= engine.stats[-1].num_prefill_tokens > 0 and engine.stats[-1].num_decode_tokens > 0
+    ids[engine.add_request(PROMPTS[2], greedy(16))] = PROMPTS[2]
+    _finished(engine)
+    assert mixed, "no step mixed a prefill chunk with decodes"
+    for request_id, prompt in ids.items():
+        out = engine.completion(request_id).output_ids
+        assert out == expected[prompt][: lengths[prompt]], prompt
+
+
+def test_preemption_when_the_cache_runs_out_keeps_every_requests_tokens(engine, expected):
+    results = engine.generate(LONG_PROMPTS, greedy(LONG_NEW_TOKENS))
+    pages = sum(-(-(len(r.prompt_ids) + LONG_NEW_TOKENS) // engine.block_size) for r in results)
+    assert pages > engine.num_blocks  # they cannot all fit at once
+    assert any(engine.get_request(r.request_id).num_preemptions for r in results)
+    for prompt, result in zip(LONG_PROMPTS, results, strict=True):
+        assert result.output_ids == expected[prompt], prompt
+    assert engine.schedulers[0].allocator.num_free == engine.num_blocks  # every page returned
+
+
+def test_no_compilation_after_warm_up(engine, expected):
+    engine.generate(PROMPTS, greedy(NEW_TOKENS))  # the workload of the first test
+    before = engine.num_compilations
+    results = engine.generate(PROMPTS, greedy(NEW_TOKENS))
+    assert engine.num_compilations == before
+    assert results[0].output_ids == expected[PROMPTS[0]]
+
+
+def test_stops_at_eos_where_transformers_stops(engine, hf_smollm2):
+    want = hf_greedy(*hf_smollm2, PROMPTS[3], 8)  # " Earth." then EOS
+    result = engine.generate([PROMPTS[3]], SamplingParams(max_new_tokens=8))[0]
+    assert result.output_ids == want and want[-1] in engine.eos_token_ids and len(want) < 8
+    assert result.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(engine):
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.95, top_k=40, seed=1234)
+    alone = engine.generate([PROMPTS[2]], params)[0].output_ids
+    crowd = engine.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], [SamplingParams(max_new_tokens=5), params, params])
+    assert crowd[1].output_ids == alone
+    other = engine.generate([PROMPTS[2]], SamplingParams(max_new_tokens=12, temperature=0.9, seed=99))[0]
+    assert other.output_ids != alone
+
+
+def test_streamed_text_adds_up_to_the_completion(engine):
+    request_id = engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=8))
+    events = list(engine.stream())
+    assert [e.request_id for e in events] == [request_id] * len(events)
+    assert events[-1].finished and not any(e.finished for e in events[:-1])
+    assert "".join(e.text for e in events) == engine.completion(request_id).text
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "match"),
+    [
+        ("", SamplingParams(), "prompt is empty: give at least one character of text"),
+        ([], SamplingParams(), "prompt is empty: it encodes to no tokens"),
+        ([1, 99999], SamplingParams(), r"prompt token id 99999 is outside the vocabulary \[0, 49152\)"),
+        (
+            "Hello",
+            SamplingParams(max_new_tokens=200),
+            r"prompt of 1 tokens \+ max_new_tokens=200 = 201 exceeds max_model_len=128 "
+            r"\(the model's context length is 8192\)",
+        ),
+    ],
+)
+def test_bad_requests(engine, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(prompt, params)
+    assert not engine.has_unfinished()
+
+
+def test_engine_limits_are_checked(smollm2_gguf, engine):
+    with pytest.raises(ValueError, match="max_model_len=9000 exceeds the model's context length 8192"):
+        Engine(engine.model, engine.params, max_model_len=9000)
+    with pytest.raises(ValueError, match=r"buckets.token_buckets ends at 32, below the engine's limit 64"):
+        Engine(engine.model, engine.params, max_num_batched_tokens=64, buckets=engine.buckets, max_model_len=128)
+    with pytest.raises(ValueError, match="request_id='dup' is already in use"):
+        engine.add_request("Hi", request_id="dup")
+        engine.add_request("Hi", request_id="dup")
+    _finished(engine)

@@ -1,0 +1,89 @@
+"""Runs sharded engines on 8 forced CPU devices and prints their tokens as JSON.
+
+Started by tests/test_sharding.py in a subprocess: ``XLA_FLAGS`` must be set before jax
+initialises, which pytest's worker processes have already done. Argument: a JSON file
+with {"prompts": [...], "new_tokens": n}.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import numpy as np  # noqa: E402
+
+from attn_jax.metadata import MetadataBuckets  # noqa: E402
+from attn_jax.models.llama import LlamaConfig, LlamaModel, init_params  # noqa: E402
+from attn_jax.serving import Engine, SamplingParams  # noqa: E402
+from attn_jax.sharding import local_model_kwargs, make_mesh  # noqa: E402
+
+
+class Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def small_engine(model, params, tokenizer=None, mesh=None) -> Engine:
+    return Engine(
+        model, params, tokenizer, mesh=mesh, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+        num_blocks=16, buckets=MetadataBuckets((32,), (4,), (4,)),
+    )  # fmt: skip
+
+
+def tiny() -> dict:
+    """Heads that divide: attention and its cache split over the model axis."""
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16
+    )
+    params = init_params(config, seed=3)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 40, 9, 17, 3)]
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    out = {"single": [c.output_ids for c in small_engine(LlamaModel(config), params).generate(prompts, sp)]}
+    for data, model_axis in ((1, 4), (2, 2)):
+        mesh = make_mesh(data * model_axis, model_parallel=model_axis, num_kv_heads=config.num_kv_heads)
+        model = LlamaModel(config, **local_model_kwargs(config, mesh))
+        engine = small_engine(model, params, mesh=mesh)
+        out[f"{data}x{model_axis}"] = [c.output_ids for c in engine.generate(prompts, sp)]
+        out[f"{data}x{model_axis}_attn_sharded"] = model.attn_sharded
+    return out
+
+
+def smollm2(prompts: list[str], new_tokens: int) -> dict:
+    """SmolLM2's 3 KV heads: devices 2 (data 2) and 4 (data 2 x model 2, KV heads replicated)."""
+    from attn_jax.models.gguf_loader import load_gguf, load_tokenizer
+    from attn_jax.models.smollm2 import gguf_path
+
+    config, params = load_gguf(gguf_path())
+    tokenizer = load_tokenizer(gguf_path())
+    sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    out = {}
+    for devices, model_axis in ((2, None), (4, 2)):
+        mesh = make_mesh(devices, model_parallel=model_axis, num_kv_heads=config.num_kv_heads)
+        engine = small_engine(LlamaModel(config, **local_model_kwargs(config, mesh)), params, tokenizer, mesh)
+        out[str(devices)] = {
+            "mesh": dict(mesh.shape),
+            "tokens": [c.output_ids for c in engine.generate(prompts, sp)],
+        }
+    return out
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    handler = Collect()
+    logging.getLogger("attn_jax").addHandler(handler)
+    result = {"tiny": tiny(), "smollm2": smollm2(spec["prompts"], spec["new_tokens"])}
+    result["warnings"] = handler.messages
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

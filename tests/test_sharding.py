@@ -1,0 +1,89 @@
+"""Sharded serving: heads over a "model" axis, requests over a "data" axis.
+
+The multi-device runs happen in a subprocess with 8 forced CPU devices
+(tests/sharded_worker.py): a tiny model whose KV heads split, checked against one
+device, and SmolLM2 (3 KV heads: replicated, with a warning) on 2 and 4 devices, checked
+token for token against stock transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from attn_jax.models.llama import LlamaConfig, LlamaModel
+from attn_jax.sharding import check_num_devices, local_model_kwargs, make_mesh
+from tests.serving.hf_reference import PROMPTS, hf_greedy
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    spec = tmp_path_factory.mktemp("sharding") / "spec.json"
+    spec.write_text(json.dumps({"prompts": PROMPTS[:3], "new_tokens": NEW_TOKENS}))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.sharded_worker", str(spec)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def test_tensor_parallel_heads_match_one_device(sharded):
+    tiny = sharded["tiny"]
+    assert tiny["1x4_attn_sharded"] and tiny["2x2_attn_sharded"]
+    assert tiny["1x4"] == tiny["single"]
+    assert tiny["2x2"] == tiny["single"]
+
+
+@pytest.fixture(scope="module")
+def expected(hf_smollm2):
+    return [hf_greedy(*hf_smollm2, prompt, NEW_TOKENS, ignore_eos=True) for prompt in PROMPTS[:3]]
+
+
+@pytest.mark.parametrize("devices", ["2", "4"])
+def test_smollm2_sharded_matches_transformers(sharded, expected, devices):
+    run = sharded["smollm2"][devices]
+    assert run["mesh"] == ({"data": 2, "model": 1} if devices == "2" else {"data": 2, "model": 2})
+    assert run["tokens"] == expected
+
+
+def test_replicated_kv_heads_are_logged(sharded):
+    warnings = "\n".join(sharded["warnings"])
+    assert "num_kv_heads=3 cannot be split over 2 devices" in warnings
+    assert "num_kv_heads=3 does not divide over the 'model' axis of 2: attention and its KV cache are replicated" in (
+        warnings
+    )
+
+
+def test_bad_device_counts():
+    n = len(jax.devices())
+    with pytest.raises(ValueError, match=rf"devices=0 must be a positive integer \(this host has {n}\)"):
+        check_num_devices(0)
+    with pytest.raises(
+        ValueError, match=rf"devices={n + 1} but only {n} cpu device\(s\) are available; on a CPU, set XLA_FLAGS"
+    ):
+        make_mesh(n + 1)
+    with pytest.raises(ValueError, match="model_parallel=2 must divide devices=1"):
+        make_mesh(1, model_parallel=2)
+
+
+def test_local_model_kwargs_on_one_device():
+    config = LlamaConfig(
+        vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=2
+    )
+    mesh = make_mesh(1)
+    assert local_model_kwargs(config, mesh) == dict(
+        num_heads=4, num_kv_heads=2, model_axis="model", attn_sharded=False, mlp_sharded=False
+    )
+    assert LlamaModel(config, **local_model_kwargs(config, mesh)).num_kv_heads == 2
