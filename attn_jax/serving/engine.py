@@ -91,7 +91,7 @@ class Engine:
       tokenizer: a transformers tokenizer for text prompts and streamed text (optional
         when prompts are token ids).
       num_blocks: KV cache pages (per data shard); default: every request of
-        ``max_num_seqs`` at ``max_model_len``.
+        ``max_num_seqs`` at ``max_model_len``, capped at ``kv_cache_bytes``.
       max_num_seqs: most requests per step (per data shard).
       max_num_batched_tokens: the step's token budget; longer prompts are prefilled in
         chunks of at most this many tokens.
@@ -102,6 +102,8 @@ class Engine:
         step (requests over "data", heads over "model"); None: one device.
       buckets: padded sizes of the step's shapes (tokens, requests, pages per request);
         default: powers of two up to the limits above. Fewer buckets, fewer compilations.
+      kv_cache_bytes: the default ``num_blocks``'s memory cap (all layers, per data
+        shard); requests beyond it wait, are preempted, or are refused when alone too big.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class Engine:
         seed: int = 0,
         mesh=None,
         buckets: MetadataBuckets | None = None,
+        kv_cache_bytes: int = 256 << 20,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -132,7 +135,10 @@ class Engine:
                 f"{config.max_position_embeddings}"
             )
         max_pages = -(-self.max_model_len // self.block_size)
-        self.num_blocks = max_num_seqs * max_pages if num_blocks is None else num_blocks
+        if num_blocks is None:
+            page_bytes = int(np.prod(model.kv_cache_shape(1))) * model.dtype.itemsize * config.num_layers
+            num_blocks = max(min(max_num_seqs * max_pages, kv_cache_bytes // page_bytes), 1)
+        self.num_blocks = num_blocks
         validate_positive_int("num_blocks", self.num_blocks)
         if buckets is None:
             buckets = MetadataBuckets(
