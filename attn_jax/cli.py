@@ -155,8 +155,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         ]
     except ValueError as e:
         return _error(args, e)
-    if args.devices < 1:
-        return _error(args, f"--devices {args.devices} must be >= 1")
 
     import contextlib
 
