@@ -32,7 +32,7 @@ import bridge  # noqa: F401  (first: sets JAX's GPU memory policy before JAX ini
 import jax
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
 
 from attn_torch.integrations.transformers import use_attn_stack
 
@@ -84,6 +84,7 @@ def main() -> None:
     tokenizer.padding_side = side
     width = enc["input_ids"].shape[1]
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    cb_config = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=256)  # 16 blocks of 256 tokens
     config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
 
     def generate():
@@ -91,7 +92,7 @@ def main() -> None:
         return out[:, width:].tolist()
 
     def generate_batch():
-        results = model.generate_batch(inputs=ids, generation_config=config)
+        results = model.generate_batch(inputs=ids, generation_config=config, continuous_batching_config=cb_config)
         return [results[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))]
 
     runs = {}

@@ -120,7 +120,7 @@ def _gguf() -> pathlib.Path:
 
 
 def test_cuda_transformers_tokens_match():
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
 
     from attn_torch.integrations.transformers import use_attn_stack
 
@@ -137,5 +137,9 @@ def test_cuda_transformers_tokens_match():
         max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=tokenizer.pad_token_id
     )
     with use_attn_stack(model, paged=True):
-        results = model.generate_batch(inputs=[tokenizer(p)["input_ids"] for p in prompts], generation_config=config)
+        results = model.generate_batch(
+            inputs=[tokenizer(p)["input_ids"] for p in prompts],
+            generation_config=config,
+            continuous_batching_config=ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=256),
+        )
     assert [results[f"req_{i}"].generated_tokens for i in range(len(prompts))] == stock

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GenerationConfig
+from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from attn_torch.integrations.transformers import (
     ATTN_IMPLEMENTATION,
@@ -16,6 +16,8 @@ from attn_torch.integrations.transformers import (
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 NEW_TOKENS = 16
+SMALL_CACHE = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=256)
+"""A 16-block paged cache: the default sizes it from free memory, too much on a shared machine."""
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,7 @@ def test_generate_batch_over_the_paged_cache_matches(hf_smollm2, stock_tokens):
     inputs = [tokenizer(p)["input_ids"] for p in PROMPTS]
     with use_attn_stack(model, paged=True):
         assert model.config._attn_implementation == PAGED_ATTN_IMPLEMENTATION
-        results = model.generate_batch(inputs=inputs, generation_config=config)
+        results = model.generate_batch(inputs=inputs, generation_config=config, continuous_batching_config=SMALL_CACHE)
     assert model.config._attn_implementation == original
     ours = [results[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))]
     assert ours == stock_tokens
