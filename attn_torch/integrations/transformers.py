@@ -42,8 +42,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
+import transformers
 from transformers import AttentionInterface
-from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, sdpa_mask
 
 from attn_jax.metadata import CommonAttentionMetadata, MetadataBuckets
@@ -60,6 +60,12 @@ __all__ = [
     "register",
     "use_attn_stack",
 ]
+
+_ALLOCATOR_ATTRS = (
+    "layer_type", "index", "layer_indices", "tokens_per_page", "pages_per_block", "block_physical_stride",
+    "cache_tensor", "_kv_token_views",
+)  # fmt: skip
+"""What the paged path reads of a transformers 5.23 cache allocator."""
 
 ATTN_IMPLEMENTATION = "attn_stack"
 PAGED_ATTN_IMPLEMENTATION = "attn_stack_flash_varlen"
@@ -310,9 +316,15 @@ def attn_stack_paged_attention_forward(
             "transformers' decode fast path (block_table) is not supported; leave max_blocks_per_request unset"
         )
     layer_idx = module.layer_idx
-    allocator = cache.layer_to_allocator[layer_idx]
-    if not isinstance(allocator, FullAttentionCacheAllocator):
-        raise NotImplementedError(f"layer {layer_idx}: {type(allocator).__name__} groups are not supported yet")
+    allocator = getattr(cache, "layer_to_allocator", {}).get(layer_idx)
+    missing = [a for a in _ALLOCATOR_ATTRS if not hasattr(allocator, a)]
+    if missing:
+        raise NotImplementedError(
+            f"transformers {transformers.__version__}'s paged cache lacks {missing}: {PAGED_ATTN_IMPLEMENTATION!r} "
+            "is written against transformers 5.23's PagedAttentionCache"
+        )
+    if allocator.layer_type != "full_attention":
+        raise NotImplementedError(f"layer {layer_idx}: {allocator.layer_type} groups are not supported yet")
     _, num_q_heads, num_tokens, head_size = query.shape
     num_kv_heads = key.shape[1]
     step = _paged_step(cache, allocator, kwargs, num_tokens, first_layer=layer_idx == allocator.layer_indices[0])
