@@ -18,12 +18,10 @@ LONG_PROMPTS = [
     "combined movable metal type, oil-based ink and a wooden press adapted from wine making. Within",
     "To bake a simple loaf of bread you need flour, water, salt and yeast. First, mix the flour "
     "and the salt in a large bowl, then dissolve the yeast in warm water and",
-    "Photosynthesis is the process by which green plants, algae and some bacteria turn light "
-    "energy into chemical energy. It takes place mainly in the leaves, inside",
     "A binary search finds an item in a sorted list by repeatedly halving the part of the list "
     "that could contain it. Here is an implementation in Python:\\n\\ndef binary_search(items, target):",
 ]
-"""Four prompts of 30+ tokens: with 24 new tokens each they need more pages than the tests' cache."""
+"""Three prompts of 30+ tokens: with 16 new tokens each they need more pages than the tests' cache."""
 
 
 def hf_greedy(model, tokenizer, prompt: str, max_new_tokens: int, ignore_eos: bool = False) -> list[int]:

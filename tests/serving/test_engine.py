@@ -4,7 +4,7 @@ prefill, and under preemption; seeded sampling is reproducible; no compilation a
 warm-up; bad requests get clear errors.
 
 One engine serves the whole module (its step compiles once per bucket): 4 requests per
-step, a 32-token step budget, 128 tokens per request, a 12-page cache of 16-token pages.
+step, a 32-token step budget, 128 tokens per request, a 10-page cache of 16-token pages.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ LONG_NEW_TOKENS = 16
 @pytest.fixture(scope="module")
 def engine(smollm2_gguf):
     return Engine.from_gguf(
-        smollm2_gguf, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_blocks=12,
+        smollm2_gguf, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_blocks=10,
         buckets=MetadataBuckets((32,), (4,), (8,)),
     )  # fmt: skip
 
