@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 import pathlib
 import re
@@ -23,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attn_jax.ops.ragged_paged_attention import common, kernel_tpu
 from attn_jax.ops.ragged_paged_attention.config import TpuBlockSizes, load_tuned_table, tuned_tables
@@ -81,6 +84,38 @@ def test_kernel_matches_oracle_in_tpu_interpreter(name):
     batch_kwargs, options, block_sizes = CASES[name]
     batch = make_ragged_batch(0, **batch_kwargs)
     check(batch, make_options(batch, **options), use_jit=True, op=tpu_op(block_sizes))
+
+
+@st.composite
+def tpu_batches(draw):
+    """(make_ragged_batch kwargs, make_options kwargs, block sizes) for a tiny random TPU batch."""
+    num_reqs = draw(st.integers(1, 4))
+    group = draw(st.sampled_from([1, 2, 4, 8]))
+    num_kv_heads = draw(st.sampled_from([1, 2]))
+    page = draw(st.sampled_from([16, 32]))
+    cache = draw(st.sampled_from(["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"])) if page == 32 else "auto"
+    query_lens = draw(st.lists(st.integers(0, 12), min_size=num_reqs, max_size=num_reqs))
+    batch = dict(
+        query_lens=query_lens, context_lens=draw(st.lists(st.integers(0, 40), min_size=num_reqs, max_size=num_reqs)),
+        num_q_heads=group * num_kv_heads, num_kv_heads=num_kv_heads, head_size=draw(st.sampled_from([64, 128])),
+        block_size=page, cache_dtype_str=cache, num_tokens=max(sum(query_lens) + draw(st.integers(0, 4)), 1),
+        extra_blocks=draw(st.integers(0, 2)), num_padding_requests=draw(st.integers(0, 1)),
+    )  # fmt: skip
+    options = dict(
+        causal=draw(st.booleans()), sliding_window=draw(st.none() | st.integers(1, 30)),
+        logits_soft_cap=draw(st.sampled_from([None, 2.0])), alibi=draw(st.booleans()), sinks=draw(st.booleans()),
+    )  # fmt: skip
+    tokens = 8 // math.gcd(8, group)  # float32 queries: 8-row tiles
+    block_sizes = TpuBlockSizes(tokens * draw(st.integers(1, 3)), 1)
+    return batch, options, block_sizes
+
+
+@settings(max_examples=3, deadline=None)
+@given(spec=tpu_batches(), seed=st.integers(0, 2**16))
+def test_random_batches_match_oracle_in_tpu_interpreter(spec, seed):
+    batch_kwargs, options, block_sizes = spec
+    batch = make_ragged_batch(seed, **batch_kwargs)
+    check(batch, make_options(batch, **options, seed=seed), use_jit=True, op=tpu_op(block_sizes))
 
 
 def test_eager_call_matches_oracle():
