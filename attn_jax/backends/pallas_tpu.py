@@ -62,7 +62,8 @@ class PallasTPUMetadataBuilder(XLAMetadataBuilder):
 
     The spec does not carry the query head count, so block sizes are chosen for a head
     group of 1: ``q_tokens_per_block`` a multiple of the sublane tile, which tiles every
-    group. With concrete (NumPy) metadata everything is computed on the host, the SMEM budget of
+    group, and ``kv_heads_per_block`` left to the kernel (None), which knows the group.
+    With concrete (NumPy) metadata everything is computed on the host, the SMEM budget of
     the bucket is checked (ValueError naming the limit), and a decode-only bucket gets
     decode block sizes. Traced metadata (``build`` inside ``jit``) derives the schedule
     with jnp; block sizes then depend on the shapes only.
@@ -91,6 +92,7 @@ class PallasTPUMetadataBuilder(XLAMetadataBuilder):
             num_kv_heads=spec.num_kv_heads, num_tokens=num_tokens, pages_per_req=pages_per_req,
             decode_only=decode_only, max_query_len=max_query_len, device_kind=self.device_kind,
         )  # fmt: skip
+        bs = dataclasses.replace(bs, kv_heads_per_block=None)  # the kernel picks it for the real head group
         bq = bs.q_tokens_per_block
         padded = -(-num_tokens // bq) * bq
         kernel_tpu.check_smem_capacity(
