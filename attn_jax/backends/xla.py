@@ -71,8 +71,8 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
         """Metadata for the dense per-request path, built on the host before ``jit``.
 
         Adds ``dense.dense_schedule`` (the prefill requests, padded to a power of two, and
-        ``q_block`` = the token bucket; both static shapes, so a step compiles once per
-        bucket and power of two of prefill requests) to ``build``'s fields. Needs
+        ``q_block``, the power of two >= the longest prefill; both static shapes, so a step
+        compiles once per bucket and pair of powers of two) to ``build``'s fields. Needs
         concrete (NumPy) metadata, ValueError otherwise. Chunked local attention keeps the
         reference path (``build``).
         """
@@ -84,9 +84,7 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
                 "build_for_jit computes the dense path's schedule on the host: pass concrete "
                 "(NumPy) CommonAttentionMetadata, outside jax.jit"
             )
-        prefill_reqs, q_block = dense.dense_schedule(
-            np.asarray(md.query_start_loc_cpu), md.num_reqs, q_block=md.num_tokens
-        )
+        prefill_reqs, q_block = dense.dense_schedule(np.asarray(md.query_start_loc_cpu), md.num_reqs)
         return dataclasses.replace(self.build(0, md), prefill_reqs=prefill_reqs, q_block=q_block)
 
     def _build_local(self, md: CommonAttentionMetadata, chunk: int) -> XLAAttentionMetadata:

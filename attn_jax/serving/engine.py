@@ -77,6 +77,11 @@ class StepStats:
     compiled: bool  # the step traced and compiled a new bucket
 
 
+_FIXED_PREFILL_SCORES = 1 << 24
+"""Largest prefill-group score tensor (requests x tokens x keys x query heads, float32)
+for which the engine pads the XLA dense path's prefill group to the full buckets."""
+
+
 def _powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
     out = [b for b in (1 << k for k in range(32)) if start <= b < limit]
     return (*out, limit)
@@ -318,11 +323,14 @@ class Engine:
         md = build_common_attn_metadata(query_lens, seq_lens, block_table, self.block_size, buckets)
         md = self.model.attn.metadata_builder.build_for_jit(md)
         if isinstance(md, XLAAttentionMetadata) and md.q_block:
-            # One prefill-group shape per bucket (every request slot), not one per power of
-            # two of prefilling requests: fewer compilations for a little padding work.
-            prefill_reqs = np.full(req_bucket, req_bucket, np.int32)
-            prefill_reqs[: md.prefill_reqs.shape[0]] = md.prefill_reqs
-            md = dataclasses.replace(md, prefill_reqs=prefill_reqs)
+            scores = req_bucket * token_bucket * page_bucket * self.block_size * self.model.num_heads
+            if scores <= _FIXED_PREFILL_SCORES:
+                # Small enough: one prefill-group shape per bucket (every request slot, the
+                # whole token bucket) instead of one per pair of powers of two: fewer
+                # compilations for some padding work.
+                prefill_reqs = np.full(req_bucket, req_bucket, np.int32)
+                prefill_reqs[: md.prefill_reqs.shape[0]] = md.prefill_reqs
+                md = dataclasses.replace(md, prefill_reqs=prefill_reqs, q_block=token_bucket)
         token_ids = np.zeros(token_bucket, np.int32)
         positions = np.zeros(token_bucket, np.int32)
         offset = 0

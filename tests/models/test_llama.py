@@ -123,3 +123,9 @@ def test_read_config_rejects_other_architectures():
 
     with pytest.raises(ModelLoadError, match=r"GGUF architecture 'mamba' is not supported; supported: \['llama'\]"):
         read_config(Reader())
+
+
+def test_builtin_config_equals_the_ggufs(smollm2):
+    from attn_jax.models.smollm2 import smollm2_135m_config
+
+    assert smollm2_135m_config() == smollm2[0]

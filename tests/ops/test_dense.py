@@ -78,7 +78,7 @@ def test_xla_build_for_jit_takes_the_dense_path_with_the_same_result():
     layer = Attention(num_heads=8, head_size=16, scale=0.25, num_kv_heads=2, block_size=4)
     md = build_common_attn_metadata([1, 5, 0], [11, 5, 0], [[3, 7, 9], [4, 1, 0], [0, 0, 0]], block_size=4)
     fast = layer.metadata_builder.build_for_jit(md)
-    assert fast.q_block == md.num_tokens and fast.prefill_reqs.tolist() == [1]
+    assert fast.q_block == 8 and fast.prefill_reqs.tolist() == [1]
     assert layer.metadata_builder.build(0, md).q_block is None  # build keeps the reference path
     rng = np.random.default_rng(0)
     q = rng.standard_normal((md.num_tokens, 8 * 16), dtype=np.float32)
