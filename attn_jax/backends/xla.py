@@ -74,18 +74,20 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
         ``q_block``, the power of two >= the longest prefill; both static shapes, so a step
         compiles once per bucket and pair of powers of two) to ``build``'s fields. Needs
         concrete (NumPy) metadata, ValueError otherwise. Chunked local attention keeps the
-        reference path (``build``).
+        reference path (``build``); builders that subclass this one and build other
+        metadata (PALLAS_GPU's) return their ``build``.
         """
         md = common_attn_metadata
-        if self.kv_cache_spec.attention_chunk_size is not None:
-            return self.build(0, md)
+        built = self.build(0, md)
+        if self.kv_cache_spec.attention_chunk_size is not None or not isinstance(built, XLAAttentionMetadata):
+            return built  # chunked local attention, or a subclass's builder (e.g. PALLAS_GPU's) with its own metadata
         if not is_concrete(md.query_start_loc_cpu):
             raise ValueError(
                 "build_for_jit computes the dense path's schedule on the host: pass concrete "
                 "(NumPy) CommonAttentionMetadata, outside jax.jit"
             )
         prefill_reqs, q_block = dense.dense_schedule(np.asarray(md.query_start_loc_cpu), md.num_reqs)
-        return dataclasses.replace(self.build(0, md), prefill_reqs=prefill_reqs, q_block=q_block)
+        return dataclasses.replace(built, prefill_reqs=prefill_reqs, q_block=q_block)
 
     def _build_local(self, md: CommonAttentionMetadata, chunk: int) -> XLAAttentionMetadata:
         host = (md.query_start_loc_cpu, md.seq_lens_cpu, md.block_table_tensor)
