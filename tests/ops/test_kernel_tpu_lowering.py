@@ -345,3 +345,20 @@ def test_column_softmax_state_matches_row_state():
         assert state[0].shape == ((6, 1) if column else (6,))
         results.append(np.asarray(common.finalize_softmax_state(state)))
     np.testing.assert_allclose(results[0], results[1], rtol=1e-6, atol=1e-6)  # up to XLA fusion order
+
+
+def test_vmem_limit_is_raised_for_large_blocks_and_refused_past_v7x():
+    shape = dict(group=4, head_size=128, page_size=16, q_itemsize=2, kv_itemsize=2, per_row_inputs=2)
+    assert kernel_tpu.vmem_limit_for(TpuBlockSizes(4, 16, 2), **shape) is None  # decode blocks: the default
+    estimate = kernel_tpu.vmem_bytes_estimate(TpuBlockSizes(256, 16, 2), **shape)  # long-prefill blocks
+    assert estimate > kernel_tpu.VMEM_DEFAULT_SCOPED_BYTES * 3 // 4
+    assert kernel_tpu.vmem_limit_for(TpuBlockSizes(256, 16, 2), **shape) == estimate * 3 // 2
+    with pytest.raises(ValueError, match=f"VMEM_MAX_BYTES={kernel_tpu.VMEM_MAX_BYTES}"):
+        kernel_tpu.vmem_limit_for(TpuBlockSizes(1024, 64, 2), **shape)
+    # The op passes it on: 4096 tokens take 256-token q-blocks; with ALiBi and sinks they need more.
+    args = _zeros(num_tokens=4096, num_reqs=4, pages_per_req=256, page_size=16, head_size=128, num_blocks=1024)
+    step = jax.jit(lambda *a: kernel_tpu.ragged_paged_attention(
+        *a, sm_scale=0.1, interpret=False, sinks=jnp.zeros(8, jnp.float32), alibi_slopes=jnp.ones(8, jnp.float32)))
+    jaxpr = step.trace(*args).jaxpr.pretty_print()
+    raised = kernel_tpu.vmem_limit_for(TpuBlockSizes(256, 16, 2), **shape)
+    assert f"vmem_limit_bytes={raised}" in jaxpr

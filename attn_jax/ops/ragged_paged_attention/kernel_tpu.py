@@ -191,6 +191,43 @@ def tpu_schedule(query_start_loc, num_tokens: int, q_tokens_per_block: int, xp=j
     return xp.concatenate([first, last]).astype(np.int32)
 
 
+VMEM_DEFAULT_SCOPED_BYTES = 16 * 1024 * 1024
+"""Mosaic's default scoped VMEM limit on v5e (the smallest of v5e, v6e and v7x)."""
+
+VMEM_MAX_BYTES = 64 * 1024 * 1024
+"""VMEM per TensorCore on v7x, the smallest of v5e (128 MiB), v6e (128 MiB) and v7x."""
+
+
+def vmem_bytes_estimate(bs: TpuBlockSizes, *, group: int, head_size: int, page_size: int, q_itemsize: int,
+                        kv_itemsize: int, per_row_inputs: int = 0) -> int:  # fmt: skip
+    """Approximate VMEM of one program: double-buffered q and out blocks, the KV buffers, the
+    decode buffer, per-row inputs (ALiBi, sinks: a lane tile each), and per KV head the
+    f32 accumulator, the two row statistics (a lane tile per row) and the score tiles."""
+    hb, bq, ppb = bs.kv_heads_per_block or 1, bs.q_tokens_per_block, bs.kv_pages_per_block
+    rows, width, bkv = bq * group, 2 * head_size, ppb * page_size
+    dq = width if head_size % 128 else head_size
+    blocks = 2 * 2 * bq * hb * group * dq * q_itemsize  # q and out, double-buffered
+    kv = 2 * hb * bkv * width * kv_itemsize
+    decode = bq * hb * group * dq * 4
+    per_row = per_row_inputs * 2 * hb * rows * 128 * 4
+    live = hb * (rows * dq * 4 + 2 * rows * 128 * 4) + 2 * rows * bkv * 4 + 2 * bkv * width * 4
+    return int(blocks + kv + decode + per_row + live)
+
+
+def vmem_limit_for(bs: TpuBlockSizes, **kwargs) -> int | None:
+    """None (Mosaic's default) when ``vmem_bytes_estimate`` fits the default scoped limit,
+    else 1.5x the estimate; ValueError naming ``VMEM_MAX_BYTES`` when even that cannot fit."""
+    need = vmem_bytes_estimate(bs, **kwargs)
+    if need <= VMEM_DEFAULT_SCOPED_BYTES * 3 // 4:
+        return None
+    if need > VMEM_MAX_BYTES * 3 // 4:
+        raise ValueError(
+            f"TPU block sizes {bs} need about {need} bytes of VMEM per program, more than 3/4 of "
+            f"VMEM_MAX_BYTES={VMEM_MAX_BYTES} (v7x): use fewer q_tokens_per_block or kv_pages_per_block"
+        )
+    return min(need * 3 // 2, VMEM_MAX_BYTES)
+
+
 def write_plan(slot_mapping, page_size: int, num_pages: int, xp=jnp):
     """i32[T]: how the kernel writes each new token, from ``slot_mapping`` (i32[T]).
 
@@ -584,6 +621,11 @@ def ragged_paged_attention(
     check_smem_capacity(num_reqs=num_reqs, pages_per_req=pages_per_req, num_tokens=padded_tokens,
                         q_tokens_per_block=bq)  # fmt: skip
     fp8 = bool(np.dtype(kv_cache.dtype) in (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)))
+    if vmem_limit_bytes is None:
+        vmem_limit_bytes = vmem_limit_for(
+            block_sizes, group=group, head_size=head_size, page_size=page_size, q_itemsize=q.dtype.itemsize,
+            kv_itemsize=kv_cache.dtype.itemsize, per_row_inputs=(alibi_slopes is not None) + (sinks is not None),
+        )  # fmt: skip
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     qsl = jnp.asarray(query_start_loc, jnp.int32)
