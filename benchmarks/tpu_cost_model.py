@@ -60,8 +60,10 @@ def main() -> None:
                 useful_flops_us=cost["useful_flops"] / flops * 1e6, mxu_flops_us=cost["mxu_flops"] / flops * 1e6,
             ))  # fmt: skip
     OUT.write_text(json.dumps(rows, indent=1) + "\n")
-    print("| workload | chip | (q tokens, pages) / block | floor GB | kernel GB | useful TFLOP | MXU TFLOP "
-          "| floor us | kernel bytes us | useful FLOPs us | MXU FLOPs us |")
+    print(
+        "| workload | chip | (q tokens, pages) / block | floor GB | kernel GB | useful TFLOP | MXU TFLOP "
+        "| floor us | kernel bytes us | useful FLOPs us | MXU FLOPs us |"
+    )
     print("|" + " --- |" * 11)
     for r in rows:
         print(f"| {r['workload']} | {r['chip']} | {tuple(r['block_sizes'])} | {r['floor_bytes'] / 1e9:.3f} "
