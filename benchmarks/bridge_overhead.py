@@ -180,6 +180,8 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "versions": {"python": sys.version.split()[0], "jax": jax.__version__, "torch": torch.__version__},
         "machine": {"platform": platform.platform(), "nproc": os.cpu_count()},
+        "jax_policies": {"gpu_memory": bridge.JAX_MEMORY_POLICY, "cpu_threads": bridge.JAX_CPU_THREAD_POLICY},
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     print(json.dumps(result, indent=2))
     out = pathlib.Path(__file__).parent / "results" / f"bridge_overhead_{device.type}.json"

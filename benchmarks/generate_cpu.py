@@ -147,7 +147,7 @@ def main() -> None:
 
     info = machine()
     engine = run_engine(prompts, new_tokens)
-    compiles = engine['compilations_after_warmup']
+    compiles = engine["compilations_after_warmup"]
     print(f"engine: {engine['tokens_per_s']:.1f} tokens/s ({compiles} compilations after warm-up)")
     model, tokenizer = load_hf()
     hf = run_hf_generate(model, tokenizer, prompts, new_tokens)

@@ -116,12 +116,20 @@ def main() -> None:
         )
     result = {
         "workload": {
-            "model": config.name, "weights": weights, "dtype": str(args.dtype), "prompt_len": args.prompt_len,
-            "new_tokens": args.new_tokens, "greedy": True, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "model": config.name,
+            "weights": weights,
+            "dtype": str(args.dtype),
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "greedy": True,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
         },  # fmt: skip
         "machine": {
-            "device": device.device_kind, "platform": device.platform, "num_devices": jax.device_count(),
-            "jax": jax.__version__, "python": platform.python_version(),
+            "device": device.device_kind,
+            "platform": device.platform,
+            "num_devices": jax.device_count(),
+            "jax": jax.__version__,
+            "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         },  # fmt: skip
         "runs": runs,

