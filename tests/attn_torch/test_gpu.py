@@ -120,11 +120,11 @@ def _gguf() -> pathlib.Path:
 
 
 def test_cuda_transformers_tokens_match():
+    path = _gguf()  # first: skips, with the reason, where gguf or the model file is missing
     from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
 
     from attn_torch.integrations.transformers import use_attn_stack
 
-    path = _gguf()
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model = model.to("cuda").eval()
