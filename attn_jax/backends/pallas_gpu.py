@@ -69,7 +69,10 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         num_tokens = base.slot_mapping.shape[0]
         num_reqs, pages_per_req = base.block_tables.shape
         concrete = is_concrete(base.query_start_loc, base.seq_lens)
-        mode = gpu_batch_mode(np.diff(np.asarray(base.query_start_loc))) if concrete else "mixed"
+        if concrete:
+            mode = gpu_batch_mode(np.diff(np.asarray(base.query_start_loc)))
+        else:  # traced: only shapes are known; a bucket with no more tokens than requests is decode
+            mode = "decode" if num_tokens <= num_reqs else "mixed"
         num_q_heads = spec.num_q_heads or spec.num_kv_heads
         bs = gpu_block_sizes(
             num_reqs=num_reqs, pages_per_req=pages_per_req, page_size=spec.block_size, head_size=spec.head_size,

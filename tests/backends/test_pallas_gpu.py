@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from attn_jax import Attention, build_common_attn_metadata
+from attn_jax.backends import pallas_gpu
 from attn_jax.backends.base import AttentionSpec
 from attn_jax.backends.pallas_gpu import (
     PallasGPUAttentionBackend,
@@ -69,9 +70,15 @@ def test_builder_plans_on_the_host_per_mode():
     assert md_mixed.block_sizes.block_q * 4 == 64
     traced = jax.jit(lambda md: builder.build(0, md).schedule)(mixed)
     np.testing.assert_array_equal(np.asarray(traced)[:, :3], md_mixed.schedule[:, :3])
+    small = MetadataBuckets(token_buckets=(4,), request_buckets=(4,), blocks_per_request_buckets=(4,))
+    decode_small = build_common_attn_metadata([1, 1, 1], [5, 20, 33], tables, block_size=16, buckets=small)
+    sizes = []
+    jax.jit(lambda md: sizes.append(builder.build(0, md).block_sizes))(decode_small)
+    assert sizes[0].block_q * 4 == 16, "traced, a bucket with T <= R takes decode block sizes"
 
 
-def test_forced_on_cpu_warns_and_interprets(caplog):
+def test_forced_on_cpu_warns_and_interprets(caplog, monkeypatch):
+    monkeypatch.setattr(pallas_gpu, "current_platform", lambda: CPU)
     with caplog.at_level(logging.WARNING, logger="attn_jax.backends.pallas_gpu"):
         impl = PallasGPUAttentionImpl(8, 64, 0.125, 2)
     assert impl.interpret
