@@ -48,7 +48,7 @@ def tiny() -> dict:
     prompts = [rng.integers(0, 256, n).tolist() for n in (5, 40, 9, 17, 3)]
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
     out = {"single": [c.output_ids for c in small_engine(LlamaModel(config), params).generate(prompts, sp)]}
-    for data, model_axis in ((1, 4), (2, 2)):
+    for data, model_axis in ((2, 2),):
         mesh = make_mesh(data * model_axis, model_parallel=model_axis, num_kv_heads=config.num_kv_heads)
         model = LlamaModel(config, **local_model_kwargs(config, mesh))
         engine = small_engine(model, params, mesh=mesh)

@@ -15,7 +15,7 @@ from attn_jax.metadata import MetadataBuckets
 from attn_jax.serving import Engine, SamplingParams
 from tests.serving.hf_reference import LONG_PROMPTS, PROMPTS, hf_greedy
 
-NEW_TOKENS = 20  # per short prompt; EOS ignored on both sides so every prompt gets them all
+NEW_TOKENS = 16  # per short prompt; EOS ignored on both sides so every prompt gets them all
 LONG_NEW_TOKENS = 16
 
 
@@ -56,17 +56,17 @@ def test_greedy_batch_matches_transformers(engine, expected):
 def test_mixed_arrivals_and_finishes_match_transformers(engine, expected):
     """Requests join a running batch and leave it at different steps; a long prompt is
     prefilled in chunks beside decodes: no request's tokens change."""
-    lengths = {PROMPTS[0]: 12, PROMPTS[1]: 20, PROMPTS[2]: 16, PROMPTS[3]: 18}
+    lengths = {PROMPTS[0]: 12, PROMPTS[1]: 16, PROMPTS[2]: 14, PROMPTS[3]: 15}
     ids = {engine.add_request(PROMPTS[0], greedy(12)): PROMPTS[0]}
     for _ in range(3):
         engine.step()
-    ids[engine.add_request(PROMPTS[3], greedy(18))] = PROMPTS[3]  # chunked prefill
-    ids[engine.add_request(PROMPTS[1], greedy(20))] = PROMPTS[1]
+    ids[engine.add_request(PROMPTS[3], greedy(15))] = PROMPTS[3]  # chunked prefill
+    ids[engine.add_request(PROMPTS[1], greedy(16))] = PROMPTS[1]
     mixed = False
     for _ in range(4):
         engine.step()
         mixed |= engine.stats[-1].num_prefill_tokens > 0 and engine.stats[-1].num_decode_tokens > 0
-    ids[engine.add_request(PROMPTS[2], greedy(16))] = PROMPTS[2]
+    ids[engine.add_request(PROMPTS[2], greedy(14))] = PROMPTS[2]
     _finished(engine)
     assert mixed, "no step mixed a prefill chunk with decodes"
     for request_id, prompt in ids.items():
