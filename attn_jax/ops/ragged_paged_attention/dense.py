@@ -37,9 +37,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def dense_schedule(
-    query_start_loc, num_reqs: int | None = None, q_block: int | None = None
-) -> tuple[np.ndarray, int]:
+def dense_schedule(query_start_loc, num_reqs: int | None = None, q_block: int | None = None) -> tuple[np.ndarray, int]:
     """Host-side schedule of the prefill group: ``(prefill_reqs, q_block)``.
 
     Args:
