@@ -19,7 +19,7 @@ import pytest
 
 from attn_jax.models.llama import LlamaConfig, LlamaModel
 from attn_jax.sharding import check_num_devices, local_model_kwargs, make_mesh
-from tests.serving.hf_reference import PROMPTS, hf_greedy
+from tests.serving.hf_reference import PROMPTS, hf_greedy_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NEW_TOKENS = 16
@@ -47,7 +47,7 @@ def test_tensor_parallel_heads_match_one_device(sharded):
 
 @pytest.fixture(scope="module")
 def expected(hf_smollm2):
-    return [hf_greedy(*hf_smollm2, prompt, NEW_TOKENS, ignore_eos=True) for prompt in PROMPTS[:3]]
+    return hf_greedy_batch(*hf_smollm2, PROMPTS[:3], NEW_TOKENS)
 
 
 @pytest.mark.parametrize("devices", ["2", "4"])

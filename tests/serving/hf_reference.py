@@ -32,3 +32,22 @@ def hf_greedy(model, tokenizer, prompt: str, max_new_tokens: int, ignore_eos: bo
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, **eos)
     return out[0, ids["input_ids"].shape[1] :].tolist()
+
+
+def hf_greedy_batch(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuations of ``prompts`` in one left-padded batch, EOS
+    ignored (exactly ``max_new_tokens`` each): one ``generate`` call instead of one per
+    prompt. (Padding does not change the greedy tokens of these prompts: the CPU benchmark
+    and the per-prompt EOS test check the same model unpadded.)"""
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    finally:
+        tokenizer.padding_side = side
+    with torch.no_grad():
+        out = model.generate(
+            **batch, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+            pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+    return out[:, batch["input_ids"].shape[1] :].tolist()

@@ -13,7 +13,7 @@ import pytest
 
 from attn_jax.metadata import MetadataBuckets
 from attn_jax.serving import Engine, SamplingParams
-from tests.serving.hf_reference import LONG_PROMPTS, PROMPTS, hf_greedy
+from tests.serving.hf_reference import LONG_PROMPTS, PROMPTS, hf_greedy, hf_greedy_batch
 
 NEW_TOKENS = 16  # per short prompt; EOS ignored on both sides so every prompt gets them all
 LONG_NEW_TOKENS = 16
@@ -31,9 +31,9 @@ def engine(smollm2_gguf):
 def expected(hf_smollm2):
     """transformers' greedy tokens, EOS ignored, for every test prompt."""
     model, tokenizer = hf_smollm2
-    out = {p: hf_greedy(model, tokenizer, p, NEW_TOKENS, ignore_eos=True) for p in PROMPTS}
-    out |= {p: hf_greedy(model, tokenizer, p, LONG_NEW_TOKENS, ignore_eos=True) for p in LONG_PROMPTS}
-    return out
+    assert NEW_TOKENS == LONG_NEW_TOKENS  # one batched generate call
+    prompts = PROMPTS + LONG_PROMPTS
+    return dict(zip(prompts, hf_greedy_batch(model, tokenizer, prompts, NEW_TOKENS), strict=True))
 
 
 def greedy(n: int) -> SamplingParams:
