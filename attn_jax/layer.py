@@ -166,6 +166,16 @@ class Attention:
             self.kv_cache_dtype, self.dtype, fill=fill,
         )  # fmt: skip
 
+    def write_to_kv_cache(self, kv_cache, key, value, slot_mapping):
+        """Writes key/value [T, Hkv*D] or [T, Hkv, D] at slot_mapping i32[T] into this layer's
+        cache, in its backend's layout and with the layer's k/v scales (cross-attention's
+        encoder keys and values). Returns the cache."""
+        k, v = self._heads("key", key, self.num_kv_heads), self._heads("value", value, self.num_kv_heads)
+        self._check_kv_cache(kv_cache)
+        return self.attn_backend.write_to_kv_cache(
+            kv_cache, k, v, slot_mapping, k_scale=self.k_scale, v_scale=self.v_scale
+        )
+
     def calc_kv_scales(self, query, key, value) -> None:
         """Sets k/v scales from the abs max of concrete inputs (once, like vLLM)."""
         _, self.k_scale, self.v_scale = calc_kv_scales(query, key, value)
@@ -178,7 +188,7 @@ class Attention:
 
         Cross-attention (``attn_type="encoder_decoder"``) takes key = value = None: the
         encoder's keys and values have their own token count, so the caller writes them
-        once with ``write_to_kv_cache(kv_cache, enc_k, enc_v, encoder_slot_mapping)`` and
+        once with ``layer.write_to_kv_cache(kv_cache, enc_k, enc_v, encoder_slot_mapping)`` and
         ``seq_lens`` holds each request's encoder length.
 
         Returns (output [T, Hq*D] in query's dtype, updated kv_cache).
@@ -186,7 +196,7 @@ class Attention:
         if self.attn_type is AttentionType.ENCODER_DECODER and key is not None:
             raise ValueError(
                 "attn_type='encoder_decoder' takes key=None and value=None: write the encoder's "
-                "keys and values into the cache with write_to_kv_cache(..., encoder_slot_mapping) first"
+                "keys and values into the cache with layer.write_to_kv_cache(..., encoder_slot_mapping) first"
             )
         if self.calculate_kv_scales and is_quantized_kv_cache(self.kv_cache_dtype):
             if not is_concrete(query, key, value):

@@ -308,3 +308,19 @@ def test_call_names_a_cache_with_other_kv_heads():
     other = make_layer(num_heads=4, num_kv_heads=1).init_kv_cache(NUM_BLOCKS)
     with pytest.raises(ValueError, match=r"kv_cache.shape=.* does not match this layer's XLA cache .*num_kv_heads=2"):
         layer(q, k, v, other, md)
+
+
+def test_write_to_kv_cache_uses_the_backends_layout():
+    from attn_jax.backends import pallas_tpu
+
+    rng = np.random.default_rng(11)
+    k, v = (jnp.asarray(rng.normal(size=(3, NUM_KV_HEADS * 128)), jnp.float32) for _ in range(2))
+    slots = np.array([5, -1, 17], np.int32)
+    caches = {}
+    for backend in (XLAAttentionBackend, PallasTPUAttentionBackend):
+        layer = make_layer(head_size=128, scale=0.1, block_size=16, attn_backend=backend)
+        caches[backend] = layer.write_to_kv_cache(layer.init_kv_cache(4), k, v, slots)
+    as_reference = pallas_tpu.to_reference_layout(caches[PallasTPUAttentionBackend])
+    np.testing.assert_array_equal(np.asarray(as_reference), np.asarray(caches[XLAAttentionBackend]))
+    flat = np.asarray(caches[XLAAttentionBackend]).reshape(2, -1, NUM_KV_HEADS, 128)
+    np.testing.assert_array_equal(flat[0, 17], np.asarray(k)[2].reshape(NUM_KV_HEADS, 128))

@@ -77,6 +77,14 @@ class AttentionBackend(abc.ABC):
         """ "NHD" or "HND" if the backend needs that layout, None if it takes either."""
         return None
 
+    @staticmethod
+    def write_to_kv_cache(kv_cache, key, value, slot_mapping, k_scale=None, v_scale=None):
+        """Writes key/value f[T, Hkv, D] at flat slots i32[T] (-1: skipped) into this backend's cache
+        layout; returns the cache (in place under jit with the cache donated)."""
+        from attn_jax.kv_cache import write_to_kv_cache
+
+        return write_to_kv_cache(kv_cache, key, value, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
     @classmethod
     def full_cls_name(cls) -> tuple[str, str]:
         return (cls.__module__, cls.__qualname__)

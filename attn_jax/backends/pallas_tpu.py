@@ -181,6 +181,8 @@ class PallasTPUAttentionBackend(AttentionBackend):
         "auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2",
     )  # fmt: skip
 
+    write_to_kv_cache = staticmethod(write_to_kv_cache)  # the module's writer, for [P, Hkv, S, 2D]
+
     @staticmethod
     def get_name() -> str:
         return "PALLAS_TPU"
