@@ -27,9 +27,7 @@ def _add_selection_args(parser: argparse.ArgumentParser) -> None:
         choices=[str(d) for d in ACTIVATION_DTYPES],
         help="activation dtype (default: bfloat16)",
     )
-    parser.add_argument(
-        "--kv-cache-dtype", default="auto", choices=CACHE_DTYPES, help="KV cache dtype (default: auto)"
-    )
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=CACHE_DTYPES, help="KV cache dtype (default: auto)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache page (default: 16)")
     parser.add_argument(
         "--attn-type",
@@ -50,10 +48,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     platform = current_platform()
     print(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}")
-    print(
-        f"platform: {platform.kind}, device kind {platform.device_kind!r}, "
-        f"{platform.num_devices} device(s)"
-    )
+    print(f"platform: {platform.kind}, device kind {platform.device_kind!r}, {platform.num_devices} device(s)")
     print()
     try:
         report = explain_attn_backend_selection(
@@ -148,8 +143,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         params = [
             SamplingParams(
-                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed + i,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                seed=args.seed + i,
             )  # fmt: skip
             for i in range(len(prompts))
         ]
@@ -228,8 +226,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             "devices": args.devices,
             "results": [
                 {
-                    "prompt": p, "text": c.text, "token_ids": c.output_ids,
-                    "num_prompt_tokens": len(c.prompt_ids), "finish_reason": c.finish_reason,
+                    "prompt": p,
+                    "text": c.text,
+                    "token_ids": c.output_ids,
+                    "num_prompt_tokens": len(c.prompt_ids),
+                    "finish_reason": c.finish_reason,
                 }  # fmt: skip
                 for p, c in zip(prompts, completions, strict=True)
             ],

@@ -62,9 +62,7 @@ def read_config(reader) -> LlamaConfig:
     """The ``LlamaConfig`` from a GGUF reader's metadata (architecture "llama" only)."""
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"GGUF architecture {arch!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}"
-        )
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}")
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     scaling = _field(reader, f"{arch}.rope.scaling.type", default="none", required=False)
