@@ -180,7 +180,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "versions": {"python": sys.version.split()[0], "jax": jax.__version__, "torch": torch.__version__},
         "machine": {"platform": platform.platform(), "nproc": os.cpu_count()},
-        "jax_policies": {"gpu_memory": bridge.JAX_MEMORY_POLICY, "cpu_threads": bridge.JAX_CPU_THREAD_POLICY},
+        "jax_gpu_memory_policy": bridge.JAX_MEMORY_POLICY,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     print(json.dumps(result, indent=2))

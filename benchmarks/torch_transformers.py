@@ -128,7 +128,7 @@ def main() -> None:
             "transformers": transformers.__version__,
         },
         "machine": {"platform": platform.platform(), "nproc": os.cpu_count()},
-        "jax_policies": {"gpu_memory": bridge.JAX_MEMORY_POLICY, "cpu_threads": bridge.JAX_CPU_THREAD_POLICY},
+        "jax_gpu_memory_policy": bridge.JAX_MEMORY_POLICY,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
     print(json.dumps(result, indent=2))

@@ -1,5 +1,4 @@
-"""JAX's GPU memory and CPU thread policies, set before JAX initialises, so PyTorch and
-JAX share a machine without starving each other.
+"""JAX's GPU memory policy, set before JAX initialises so PyTorch keeps room on the GPU.
 
 By default JAX preallocates 75 % of every GPU it initialises, which leaves PyTorch, in
 the same process, almost nothing. ``configure_jax_memory`` sets
@@ -50,34 +49,4 @@ def configure_jax_memory() -> str:
         )
         return "too-late"
     os.environ[PREALLOCATE_ENV] = "false"
-    return "set"
-
-
-CPU_THREAD_FLAGS = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
-"""Appended to ``XLA_FLAGS`` by ``configure_jax_cpu_threads``."""
-
-
-def configure_jax_cpu_threads() -> str:
-    """Runs JAX's CPU computations on the calling thread, leaving the cores to torch.
-
-    XLA's CPU client keeps its own thread pool whose workers spin after each computation;
-    in a process where torch computes between JAX calls (a model whose attention runs in
-    JAX) they starve torch's threads. Measured on this project's 2-core machine:
-    SmolLM2 ``generate`` of 4 x 32 tokens through attn_stack took 60 s with XLA's default
-    pool and 8 s with these flags (stock transformers: 5 s). Appends ``CPU_THREAD_FLAGS``
-    to ``XLA_FLAGS`` unless the user's ``XLA_FLAGS`` already mention either setting.
-    Returns "user", "set" or "too-late" like ``configure_jax_memory``. The flags affect
-    only JAX's CPU client, not its GPU or TPU ones.
-    """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_multi_thread_eigen" in flags or "intra_op_parallelism_threads" in flags:
-        return "user"
-    if _jax_backends_initialised():
-        logger.warning(
-            "attn-stack: JAX was initialised before the bridge was imported, so its CPU thread pool keeps "
-            "spinning between calls and may slow torch down; set XLA_FLAGS='%s' before importing JAX",
-            " ".join(CPU_THREAD_FLAGS),
-        )
-        return "too-late"
-    os.environ["XLA_FLAGS"] = " ".join([flags, *CPU_THREAD_FLAGS]).strip()
     return "set"

@@ -166,16 +166,6 @@ def test_jax_memory_policy_is_set_on_import_unless_the_user_chose():
     assert out.split() == ["user", "None"]
 
 
-def test_jax_cpu_thread_policy_is_set_on_import_unless_the_user_chose():
-    code = "import os, bridge; print(bridge.JAX_CPU_THREAD_POLICY, '|', os.environ.get('XLA_FLAGS'))"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split("|")[0].strip() == "set" and "--xla_cpu_multi_thread_eigen=false" in out
-    env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=true"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split("|")[0].strip() == "user" and out.split("|")[1].strip() == "--xla_cpu_multi_thread_eigen=true"
-
-
 def test_jax_memory_policy_too_late_warns():
     code = (
         "import jax; jax.devices()\nimport logging; logging.basicConfig()\n"
