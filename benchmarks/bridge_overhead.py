@@ -69,7 +69,32 @@ def crossing(device: torch.device) -> dict:
 
         return median_us(run, number=2000, repeat=15)
 
-    return {
+    # Where to_jax's time goes: the producer's capsule (torch records the DLPack stream sync
+    # on CUDA) and jaxlib's import, without the bridge's checks.
+    from jax._src.lib import _jax
+    from torch.utils import dlpack as torch_dlpack
+
+    jdev = jax_device_for(device)
+    if device.type == "cuda":
+        stream = jdev.get_stream_for_external_ready_events()
+
+        def capsule():
+            return t.__dlpack__(stream=stream)
+
+        dl_type = 2
+    else:
+        stream, dl_type = None, 1
+
+        def capsule():
+            return torch_dlpack.to_dlpack(t)
+
+    breakdown = {
+        "us_capsule_only": timed(capsule),
+        "us_capsule_and_jaxlib_import": timed(
+            lambda: _jax.dlpack_managed_tensor_to_buffer(capsule(), jdev, stream, False, dl_type)
+        ),
+    }
+    return breakdown | {
         "tensor": "bf16[64, 4096]",
         "us_to_jax": timed(lambda: to_jax(t)),
         "us_to_torch": timed(lambda: to_torch(a)),
