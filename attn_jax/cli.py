@@ -76,6 +76,9 @@ DEFAULT_PROMPTS = (
 )
 """What ``attn-stack generate`` continues when no ``--prompt`` is given."""
 
+MAX_MODEL_LEN = 2048
+"""Prompt + new tokens per request in ``attn-stack generate``."""
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -170,6 +173,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         forced = None if args.backend is None else AttentionBackendEnum[args.backend.upper()]
     except ValueError as e:
         return _error(args, e)
+    if args.max_new_tokens >= MAX_MODEL_LEN:  # before loading anything; the engine checks prompt + new tokens
+        return _error(
+            args, f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt: max_model_len={MAX_MODEL_LEN}"
+        )
 
     console = Console(stderr=True)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
@@ -189,7 +196,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 engine = Engine.from_gguf(
                     args.model, devices=args.devices if args.devices > 1 else None, progress=on_load,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    seed=args.seed,
+                    max_model_len=MAX_MODEL_LEN, seed=args.seed,
                 )  # fmt: skip
                 report = explain_attn_backend_selection(
                     engine.model.config.head_dim, engine.model.dtype, block_size=engine.block_size

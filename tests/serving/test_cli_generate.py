@@ -44,7 +44,7 @@ def test_generate_text(capsys):
         (["--backend", "NOPE"], "Unknown attention backend: 'NOPE'. Valid options are: XLA, PALLAS_TPU"),
         (["--model", "/nonexistent/model.gguf"], "model file '/nonexistent/model.gguf' does not exist"),
         (["--temperature", "-1"], "temperature=-1.0 must be a number >= 0"),
-        (["--max-new-tokens", "5000"], "= 5001 exceeds max_model_len=2048 (the model's context length is 8192)"),
+        (["--max-new-tokens", "5000"], "--max-new-tokens 5000 leaves no room for a prompt: max_model_len=2048"),
     ],
     ids=["empty-prompt", "devices-0", "devices-too-many", "backend", "model-path", "temperature", "too-long"],
 )
