@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax.backends.base import AttentionBackend, AttentionImpl
-from attn_jax.backends.xla import XLAMetadataBuilder, _per_head
+from attn_jax.backends.base import AttentionBackend
+from attn_jax.backends.xla import XLAAttentionImpl, XLAMetadataBuilder
 from attn_jax.ops.ragged_paged_attention import kernel_tpu
 from attn_jax.ops.ragged_paged_attention.config import TpuBlockSizes, tpu_block_sizes
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
@@ -108,42 +108,17 @@ class PallasTPUMetadataBuilder(XLAMetadataBuilder):
         )  # fmt: skip
 
 
-class PallasTPUAttentionImpl(AttentionImpl[PallasTPUAttentionMetadata]):
-    """Calls ``kernel_tpu.ragged_paged_attention`` with the layer's hyperparameters.
+class PallasTPUAttentionImpl(XLAAttentionImpl):
+    """Calls ``kernel_tpu.ragged_paged_attention`` with the layer's hyperparameters (kept
+    as the XLA impl keeps them).
 
     ``interpret`` None: compiled on a TPU platform, the TPU interpreter elsewhere (with a
     logged warning, once per impl).
     """
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int | None = None,
-        alibi_slopes=None,
-        sliding_window: int | None = None,
-        kv_cache_dtype: str = "auto",
-        logits_soft_cap: float | None = None,
-        attn_type: str = AttentionType.DECODER,
-        kv_sharing_target_layer_name: str | None = None,
-        sinks=None,
-        *,
-        interpret: bool | None = None,
-    ) -> None:
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}")
-        kernel_tpu.check_tpu_shapes(head_size=head_size)
-        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
-        self.num_kv_heads = num_kv_heads
-        self.alibi_slopes = _per_head("alibi_slopes", alibi_slopes, num_heads)
-        self.sliding_window = sliding_window
-        self.kv_cache_dtype = validate_cache_dtype(kv_cache_dtype)
-        self.logits_soft_cap = logits_soft_cap
-        self.attn_type = AttentionType.parse(attn_type)
-        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.sinks = _per_head("sinks", sinks, num_heads)
+    def __init__(self, *args, interpret: bool | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        kernel_tpu.check_tpu_shapes(head_size=self.head_size)
         if interpret is None:
             platform = current_platform()
             interpret = platform.kind != "tpu"
