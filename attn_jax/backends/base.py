@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from attn_jax.metadata import CommonAttentionMetadata
     from attn_jax.platforms import Platform
 
+
 class AttentionBackend(abc.ABC):
     """Abstract attention backend: a bundle of impl, metadata and builder classes."""
 
@@ -136,8 +137,7 @@ class AttentionBackend(abc.ABC):
             reasons.append(f"dtype={np.dtype(dtype)} is not supported; supported: {valid}")
         if kv_cache_dtype not in cls.supported_kv_cache_dtypes:
             reasons.append(
-                f"kv_cache_dtype={kv_cache_dtype!r} is not supported; "
-                f"supported: {list(cls.supported_kv_cache_dtypes)}"
+                f"kv_cache_dtype={kv_cache_dtype!r} is not supported; supported: {list(cls.supported_kv_cache_dtypes)}"
             )
         if use_mla and not cls.supports_mla:
             reasons.append("MLA is not supported")

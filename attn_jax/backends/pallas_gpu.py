@@ -13,20 +13,18 @@ unchanged.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax.backends.xla import XLAAttentionBackend, XLAAttentionImpl, XLAMetadataBuilder
+from attn_jax.backends.pallas import PallasKernelImpl
+from attn_jax.backends.xla import XLAAttentionBackend, XLAMetadataBuilder
 from attn_jax.ops.ragged_paged_attention import kernel_gpu
 from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes, gpu_batch_mode, gpu_block_sizes
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
 from attn_jax.platforms import Platform, current_platform
-
-logger = logging.getLogger(__name__)
 
 Array = Any
 
@@ -90,41 +88,15 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         )  # fmt: skip
 
 
-class PallasGPUAttentionImpl(XLAAttentionImpl):
-    """Calls ``kernel_gpu.ragged_paged_attention`` with the layer's hyperparameters (kept
-    as the XLA impl keeps them).
+class PallasGPUAttentionImpl(PallasKernelImpl):
+    """Calls ``kernel_gpu.ragged_paged_attention`` with the layer's hyperparameters; compiled on
+    a GPU platform, the Pallas interpreter elsewhere (with a logged warning)."""
 
-    ``interpret`` None: compiled on a GPU platform, the Pallas interpreter elsewhere (with
-    a logged warning, once per impl).
-    """
-
-    def __init__(self, *args, interpret: bool | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        if interpret is None:
-            platform = current_platform()
-            interpret = platform.kind != "gpu"
-            if interpret:
-                logger.warning(
-                    "PALLAS_GPU runs in the Pallas interpreter on platform %s (no GPU): correct but slow", platform
-                )
-        self.interpret = interpret
-
-    def forward(self, query, key, value, kv_cache, attn_metadata, k_scale=None, v_scale=None):
-        if self.kv_sharing_target_layer_name is not None:
-            key = value = None  # the target layer has written this cache already
-        md = attn_metadata
-        if not isinstance(md, PallasGPUAttentionMetadata):
-            raise TypeError(
-                f"attn_metadata is {type(md).__name__}; PALLAS_GPU needs PallasGPUAttentionMetadata "
-                "from PallasGPUMetadataBuilder.build (the Attention layer builds it from CommonAttentionMetadata)"
-            )
-        return kernel_gpu.ragged_paged_attention(
-            query, key, value, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.slot_mapping,
-            sm_scale=self.scale, causal=self.attn_type.is_causal, sliding_window=self.sliding_window,
-            logits_soft_cap=self.logits_soft_cap, alibi_slopes=self.alibi_slopes, sinks=self.sinks,
-            k_scale=k_scale, v_scale=v_scale, interpret=self.interpret, block_sizes=md.block_sizes,
-            schedule=md.schedule,
-        )  # fmt: skip
+    backend_name = "PALLAS_GPU"
+    platform_kind = "gpu"
+    interpreter = "Pallas interpreter"
+    kernel = kernel_gpu
+    metadata_cls = PallasGPUAttentionMetadata
 
 
 class PallasGPUAttentionBackend(XLAAttentionBackend):

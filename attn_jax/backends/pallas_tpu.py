@@ -13,7 +13,6 @@ cross-attention path), ``to_reference_layout`` views it as the reference's
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, ClassVar
 
 import jax
@@ -21,14 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_jax.backends.base import AttentionBackend
-from attn_jax.backends.xla import XLAAttentionImpl, XLAMetadataBuilder
+from attn_jax.backends.pallas import PallasKernelImpl
+from attn_jax.backends.xla import XLAMetadataBuilder
 from attn_jax.ops.ragged_paged_attention import kernel_tpu
 from attn_jax.ops.ragged_paged_attention.config import TpuBlockSizes, tpu_block_sizes
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
 from attn_jax.platforms import Platform, current_platform
 from attn_jax.types import AttentionType, is_quantized_kv_cache, validate_cache_dtype, validate_positive_int
-
-logger = logging.getLogger(__name__)
 
 Array = Any
 
@@ -108,43 +106,19 @@ class PallasTPUMetadataBuilder(XLAMetadataBuilder):
         )  # fmt: skip
 
 
-class PallasTPUAttentionImpl(XLAAttentionImpl):
-    """Calls ``kernel_tpu.ragged_paged_attention`` with the layer's hyperparameters (kept
-    as the XLA impl keeps them).
+class PallasTPUAttentionImpl(PallasKernelImpl):
+    """Calls ``kernel_tpu.ragged_paged_attention`` with the layer's hyperparameters; compiled on
+    a TPU platform, the TPU interpreter elsewhere (with a logged warning)."""
 
-    ``interpret`` None: compiled on a TPU platform, the TPU interpreter elsewhere (with a
-    logged warning, once per impl).
-    """
+    backend_name = "PALLAS_TPU"
+    platform_kind = "tpu"
+    interpreter = "TPU interpreter"
+    kernel = kernel_tpu
+    metadata_cls = PallasTPUAttentionMetadata
 
     def __init__(self, *args, interpret: bool | None = None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, interpret=interpret, **kwargs)
         kernel_tpu.check_tpu_shapes(head_size=self.head_size)
-        if interpret is None:
-            platform = current_platform()
-            interpret = platform.kind != "tpu"
-            if interpret:
-                logger.warning(
-                    "PALLAS_TPU runs in the TPU interpreter on platform %s (no TPU): correct but slow",
-                    platform,
-                )
-        self.interpret = interpret
-
-    def forward(self, query, key, value, kv_cache, attn_metadata, k_scale=None, v_scale=None):
-        if self.kv_sharing_target_layer_name is not None:
-            key = value = None  # the target layer has written this cache already
-        md = attn_metadata
-        if not isinstance(md, PallasTPUAttentionMetadata):
-            raise TypeError(
-                f"attn_metadata is {type(md).__name__}; PALLAS_TPU needs PallasTPUAttentionMetadata "
-                "from PallasTPUMetadataBuilder.build (the Attention layer builds it from CommonAttentionMetadata)"
-            )
-        return kernel_tpu.ragged_paged_attention(
-            query, key, value, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.slot_mapping,
-            sm_scale=self.scale, causal=self.attn_type.is_causal, sliding_window=self.sliding_window,
-            logits_soft_cap=self.logits_soft_cap, alibi_slopes=self.alibi_slopes, sinks=self.sinks,
-            k_scale=k_scale, v_scale=v_scale, interpret=self.interpret, block_sizes=md.block_sizes,
-            schedule=md.schedule,
-        )  # fmt: skip
 
 
 class PallasTPUAttentionBackend(AttentionBackend):

@@ -79,7 +79,7 @@ def test_builder_plans_on_the_host_per_mode():
 
 def test_forced_on_cpu_warns_and_interprets(caplog, monkeypatch):
     monkeypatch.setattr(pallas_gpu, "current_platform", lambda: CPU)
-    with caplog.at_level(logging.WARNING, logger="attn_jax.backends.pallas_gpu"):
+    with caplog.at_level(logging.WARNING, logger="attn_jax.backends.pallas"):
         impl = PallasGPUAttentionImpl(8, 64, 0.125, 2)
     assert impl.interpret
     assert "PALLAS_GPU runs in the Pallas interpreter" in caplog.text

@@ -90,7 +90,7 @@ def _batch(num_blocks=8):
 
 def test_layer_forced_on_cpu_runs_the_interpreter_and_matches_xla(caplog):
     md, q, k, v, ref_cache = _batch()
-    with caplog.at_level(logging.WARNING, logger="attn_jax.backends.pallas_tpu"):
+    with caplog.at_level(logging.WARNING, logger="attn_jax.backends.pallas"):
         layer = _layer(PallasTPUAttentionBackend, sinks=np.linspace(-1, 1, 8), per_layer_sliding_window=9)
     assert layer.impl.interpret and "runs in the TPU interpreter" in caplog.text
     xla = _layer(XLAAttentionBackend, sinks=np.linspace(-1, 1, 8), per_layer_sliding_window=9)
