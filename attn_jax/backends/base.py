@@ -20,11 +20,24 @@ from attn_jax.types import (
     AttentionType,
     cache_storage_dtype,
     validate_cache_dtype,
+    validate_positive_int,
 )
 
 if TYPE_CHECKING:
     from attn_jax.metadata import CommonAttentionMetadata
     from attn_jax.platforms import Platform
+
+
+def validate_kv_cache_dims(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str) -> None:
+    """ValueError naming the first cache dimension that is not a positive int, or a bad cache dtype."""
+    for name, value in (
+        ("num_blocks", num_blocks),
+        ("block_size", block_size),
+        ("num_kv_heads", num_kv_heads),
+        ("head_size", head_size),
+    ):
+        validate_positive_int(name, value)
+    validate_cache_dtype(cache_dtype_str)
 
 
 class AttentionBackend(abc.ABC):

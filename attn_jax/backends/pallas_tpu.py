@@ -19,14 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax.backends.base import AttentionBackend
+from attn_jax.backends.base import AttentionBackend, validate_kv_cache_dims
 from attn_jax.backends.pallas import PallasKernelImpl
 from attn_jax.backends.xla import XLAMetadataBuilder
 from attn_jax.ops.ragged_paged_attention import kernel_tpu
 from attn_jax.ops.ragged_paged_attention.config import TpuBlockSizes, tpu_block_sizes
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
 from attn_jax.platforms import Platform, current_platform
-from attn_jax.types import AttentionType, is_quantized_kv_cache, validate_cache_dtype, validate_positive_int
+from attn_jax.types import AttentionType, is_quantized_kv_cache
 
 Array = Any
 
@@ -163,14 +163,7 @@ class PallasTPUAttentionBackend(AttentionBackend):
         The reference layout ``(2, num_blocks, block_size, num_kv_heads, head_size)``
         permuted by ``(1, 3, 2, 0, 4)`` with the last two axes merged.
         """
-        for name, value in (
-            ("num_blocks", num_blocks),
-            ("block_size", block_size),
-            ("num_kv_heads", num_kv_heads),
-            ("head_size", head_size),
-        ):
-            validate_positive_int(name, value)
-        validate_cache_dtype(cache_dtype_str)
+        validate_kv_cache_dims(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str)
         return kernel_tpu.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod

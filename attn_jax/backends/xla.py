@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax.backends.base import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
+from attn_jax.backends.base import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, validate_kv_cache_dims
 from attn_jax.metadata import CommonAttentionMetadata, make_local_attention_virtual_batches
 from attn_jax.ops.ragged_paged_attention import dense
 from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
-from attn_jax.types import AttentionType, validate_cache_dtype, validate_positive_int
+from attn_jax.types import AttentionType, validate_cache_dtype
 
 Array = Any
 
@@ -202,14 +202,7 @@ class XLAAttentionBackend(AttentionBackend):
 
     @staticmethod
     def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
-        for name, value in (
-            ("num_blocks", num_blocks),
-            ("block_size", block_size),
-            ("num_kv_heads", num_kv_heads),
-            ("head_size", head_size),
-        ):
-            validate_positive_int(name, value)
-        validate_cache_dtype(cache_dtype_str)
+        validate_kv_cache_dims(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str)
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod

@@ -340,7 +340,6 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-        cost_estimate=None,
     )(*inputs)
     if splits == 1:
         return result[:num_tokens]
