@@ -10,11 +10,13 @@ step reads its batch metadata from ``set_forward_context`` and its KV cache from
     with set_forward_context(common_attn_metadata):
         out = layer(q, k, v)          # q [T, 512], k/v [T, 128] -> out [T, 512]
 
-What happens per call (``attend``, behind ``torch.ops.attn_stack.unified_attention``):
+What happens per call (``attend``: called directly in eager mode, through
+``torch.ops.attn_stack.unified_attention`` under ``torch.compile``):
 the new k/v are written into the torch cache in place (``attn_torch.kv_cache``), then
-query and cache cross to JAX zero-copy (``bridge.dlpack.to_jax``), the backend's jitted
-impl computes the output, and the output crosses back zero-copy (``to_torch``). Bytes
-moved besides attention's own reads: the new k/v and the output.
+the query crosses to JAX zero-copy (``bridge.dlpack.to_jax``; the cache's zero-copy view
+is made once per bound tensor), the backend's jitted impl computes the output, and the
+output crosses back zero-copy (``to_torch``). Bytes moved besides attention's own reads:
+the new k/v and the output.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from bridge.dlpack import SUPPORTED_DTYPES, BridgeError, to_jax, to_torch
 __all__ = ["ACTIVATION_DTYPES", "Attention", "bind_kv_cache"]
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DIRECT_CALL_DEVICES = ("cpu", "cuda")
 _TORCH_OF_NP = {v: k for k, v in SUPPORTED_DTYPES.items()}
 _unnamed = itertools.count()
 
@@ -121,7 +124,8 @@ class Attention(nn.Module):
         # "NHD": [2, P, S, Hkv, D], written by the layer. "paired": [P, 2, S, Hkv, D] (each page's K then V,
         # transformers' paged cache), written by its owner; the step reads it through the same zero-copy view.
         self.kv_cache_layout = "NHD"
-        self._checked_cache: torch.Tensor | None = None
+        # (tensor, data_ptr, JAX view) of the cache last used: one crossing per bound tensor, not per call.
+        self._cache_view: tuple[torch.Tensor, int, jax.Array] | None = None
         self._step = _shared_step(self.attn_backend, self.impl)
 
     # ------------------------------------------------------------------ cache
@@ -189,7 +193,10 @@ class Attention(nn.Module):
         q = self._heads("query", query, self.num_heads)
         k = None if key is None else self._heads("key", key, self.num_kv_heads)
         v = None if value is None else self._heads("value", value, self.num_kv_heads)
-        out = torch.ops.attn_stack.unified_attention(q, k, v, self.layer_name)
+        if query.device.type in _DIRECT_CALL_DEVICES and not torch.compiler.is_compiling():
+            out = self.attend(q, k, v)  # eager: the op's implementation minus the dispatcher (vLLM's direct call)
+        else:  # one opaque node under torch.compile; torchax (bridge.xla) and meta tensors dispatch the op too
+            out = torch.ops.attn_stack.unified_attention(q, k, v, self.layer_name)
         if output_shape is None:
             output_shape = (num_tokens, self.num_heads * self.head_size)
         return out.view(output_shape)
@@ -224,6 +231,7 @@ class Attention(nn.Module):
                 "PyTorch model on that backend through bridge.xla (torchax) instead"
             )
         self._check_inputs(query, key, value, kv_cache)
+        jax_cache = self._jax_cache(kv_cache)
         prepared = ctx.prepare(self.layer_name, self._jax.metadata_builder, kv_cache.device)
         if query.shape[0] != prepared.num_tokens:
             raise ValueError(
@@ -247,8 +255,10 @@ class Attention(nn.Module):
                 kv_cache, key, value, prepared.write_slots, prepared.write_rows,
                 k_scale=self._k_scale_float, v_scale=self._v_scale_float,
             )  # fmt: skip
+        # query crosses after the cache write is queued: on CUDA its crossing makes JAX wait for torch's
+        # stream, which orders the step after the write too, so the cache's view is made only once.
         out = self._step(
-            to_jax(query, name="query"), to_jax(kv_cache, name="kv_cache"), prepared.backend_metadata,
+            to_jax(query, name="query"), jax_cache, prepared.backend_metadata,
             self._jax.k_scale, self._jax.v_scale, paired=paired,
         )  # fmt: skip
         return to_torch(out, name="attention output")
@@ -271,9 +281,22 @@ class Attention(nn.Module):
                 raise ValueError(f"{name}.dtype={x.dtype} must equal query.dtype={query.dtype}")
         if (key is None) != (value is None):
             raise ValueError("key and value must both be tensors or both be None")
-        if kv_cache is not self._checked_cache:  # bind_kv_cache checks too; re-checked if kv_cache was reassigned
+
+    def unbind_kv_cache(self) -> None:
+        """Drops the bound caches (and their JAX view): ``kv_cache`` is empty again."""
+        self.kv_cache = [torch.tensor([])]
+        self._cache_view = None
+
+    def _jax_cache(self, kv_cache: torch.Tensor) -> jax.Array:
+        """The cache's zero-copy JAX view, checked and made once per bound tensor (and again if
+        the tensor is reassigned or its storage moves). Torch writes the cache in place; JAX only
+        reads it through this view, so the view always sees the current contents.
+        """
+        view = self._cache_view
+        if view is None or view[0] is not kv_cache or view[1] != kv_cache.data_ptr():
             self.check_kv_cache(kv_cache)
-            self._checked_cache = kv_cache
+            view = self._cache_view = (kv_cache, kv_cache.data_ptr(), to_jax(kv_cache, name="kv_cache"))
+        return view[2]
 
     def _calc_kv_scales(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """vLLM's once-only scales: max|k| / 200, max|v| / 100 (at least MIN_SCALE)."""
@@ -348,10 +371,12 @@ def bind_kv_cache(
             raise KeyError(f"bind_kv_cache: no attention layer named {name!r}; layers: {sorted(layers)}")
         layers[name].check_kv_cache(cache)
         layers[name].kv_cache = [cache]
+        layers[name]._cache_view = None  # releases the old cache's view (and its storage)
     for name, layer in layers.items():
         target = getattr(layer, "kv_sharing_target_layer_name", None)
         if name not in kv_caches and target is not None and target in kv_caches:
             layer.check_kv_cache(kv_caches[target])
             layer.kv_cache = [kv_caches[target]]
+            layer._cache_view = None
     if runner_kv_caches is not None:
         runner_kv_caches.extend(kv_caches[name] for name in sorted(kv_caches))

@@ -62,44 +62,47 @@ def crossing(device: torch.device) -> dict:
     a = to_jax(t)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def timed(fn):
+    def timed(fn, number: int = 2000) -> float:
+        """Median us per call; the device is synchronised once per repeat, not per call."""
+
         def run():
-            fn()
+            for _ in range(number):
+                fn()
             sync()
 
-        return median_us(run, number=2000, repeat=15)
+        return median_us(run, number=1, repeat=15) / number
 
-    # Where to_jax's time goes: the producer's capsule (torch records the DLPack stream sync
-    # on CUDA) and jaxlib's import, without the bridge's checks.
+    # Where to_jax's time goes, without the bridge's checks: the producer's capsule and
+    # jaxlib's import. On CUDA, torch's own __dlpack__(stream=...) (the route of
+    # jax.dlpack.from_dlpack) against the bridge's: a cached stream wrapper and a reused
+    # event, then torch's legacy capsule, which does no stream sync of its own.
     from jax._src.lib import _jax
     from torch.utils import dlpack as torch_dlpack
 
+    from bridge.dlpack import _jax_stream_after_torch
+
     jdev = jax_device_for(device)
+    breakdown = {"us_legacy_capsule_only": timed(lambda: torch_dlpack.to_dlpack(t))}
     if device.type == "cuda":
         stream = jdev.get_stream_for_external_ready_events()
-
-        def capsule():
-            return t.__dlpack__(stream=stream)
-
-        dl_type = 2
+        breakdown |= {
+            "us_torch_dunder_dlpack_with_stream_sync": timed(lambda: t.__dlpack__(stream=stream)),
+            "us_bridge_stream_sync_only": timed(lambda: _jax_stream_after_torch(device, jdev)),
+            "us_jaxlib_import_of_legacy_capsule": timed(
+                lambda: _jax.dlpack_managed_tensor_to_buffer(torch_dlpack.to_dlpack(t), jdev, stream, False, 2)
+            ),
+        }
     else:
-        stream, dl_type = None, 1
-
-        def capsule():
-            return torch_dlpack.to_dlpack(t)
-
-    breakdown = {
-        "us_capsule_only": timed(capsule),
-        "us_capsule_and_jaxlib_import": timed(
-            lambda: _jax.dlpack_managed_tensor_to_buffer(capsule(), jdev, stream, False, dl_type)
-        ),
-    }
-    return breakdown | {
+        breakdown["us_jaxlib_import_of_legacy_capsule"] = timed(
+            lambda: _jax.dlpack_managed_tensor_to_buffer(torch_dlpack.to_dlpack(t), jdev, None, False, 1)
+        )
+    return {
         "tensor": "bf16[64, 4096]",
         "us_to_jax": timed(lambda: to_jax(t)),
         "us_to_torch": timed(lambda: to_torch(a)),
         "us_jax_dlpack_from_dlpack": timed(lambda: jax.dlpack.from_dlpack(t)),
         "us_torch_from_dlpack": timed(lambda: torch.from_dlpack(a)),
+        "breakdown": breakdown,
         "zero_copy": to_jax(t).unsafe_buffer_pointer() == t.data_ptr()
         and to_torch(a).data_ptr() == a.unsafe_buffer_pointer(),
     }

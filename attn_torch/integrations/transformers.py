@@ -210,7 +210,7 @@ def attn_stack_attention_forward(
         out = layer(packed, None, None)  # [T, Hq * D]
     result = torch.zeros(batch * q_len, num_q_heads, head_size, dtype=query.dtype, device=device)
     result.index_copy_(0, q_rows_t, out[: len(q_rows)].view(-1, num_q_heads, head_size))
-    layer.kv_cache = [torch.tensor([])]
+    layer.unbind_kv_cache()
     return result.view(batch, q_len, num_q_heads, head_size), None
 
 

@@ -15,6 +15,7 @@ import statistics
 import timeit
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -41,6 +42,19 @@ def test_cuda_round_trip_is_zero_copy_and_stream_ordered():
     back = to_torch(b)
     assert back.data_ptr() == b.unsafe_buffer_pointer() and back.device == torch.device("cuda", 0)
     torch.testing.assert_close(back, t * 3)
+
+
+@pytest.mark.parametrize("side_stream", [False, True], ids=["current_stream", "side_stream"])
+def test_cuda_to_jax_waits_for_work_queued_on_torchs_stream(side_stream):
+    """JAX reads the tensor only after torch's queued write, whichever stream is current."""
+    t = torch.zeros(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time before the write
+        t.fill_(1.0)
+        a = to_jax(t)
+    assert float(jnp.sum(a)) == t.numel()
 
 
 def test_cuda_bridge_overhead_is_reported():

@@ -3,6 +3,7 @@ cache contract, and one test per error message."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -135,6 +136,56 @@ def test_step_output_is_the_only_new_buffer():
         stats = compiled.compile().memory_analysis()
     assert stats.output_size_in_bytes == md.num_tokens * 4 * 16 * 4
     assert stats.temp_size_in_bytes < cache.numel() * cache.element_size() // 8
+
+
+ON_CUDA = torch.cuda.is_available() and any(d.platform == "gpu" for d in jax.devices())
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not ON_CUDA, reason="needs an NVIDIA GPU")]),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cache_crosses_once_and_each_step_sees_the_earlier_writes(monkeypatch, device):
+    """Decoding token by token equals one prefill of the same tokens, with one cache crossing.
+
+    The cache's JAX view is made once per bound tensor; torch's in-place writes of later
+    steps must still be visible through it. Rebinding makes a new view.
+    """
+    crossed = []
+
+    def counting_to_jax(tensor, *, name="tensor"):
+        crossed.append(name)
+        return to_jax(tensor, name=name)
+
+    monkeypatch.setattr(attn_torch.layer, "to_jax", counting_to_jax)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, n, generator=gen).to(device) for n in (64, 32, 32))
+    table = np.array([[3, 1]])
+
+    def run(layer, steps):
+        outs = []
+        for start, stop in steps:
+            md = build_common_attn_metadata([stop - start], [stop], table, block_size=4)
+            pad = (0, 0, 0, md.num_tokens - (stop - start))  # activations padded to the metadata's tokens
+            q_, k_, v_ = (torch.nn.functional.pad(x[start:stop], pad) for x in (q, k, v))
+            with torch.no_grad(), set_forward_context(md):
+                outs.append(layer(q_, k_, v_)[: stop - start])
+        return outs
+
+    decoder = Attention(4, 16, 0.25, 2, prefix=_name(), block_size=4)
+    bind_kv_cache({decoder.layer_name: decoder.init_kv_cache(4, device)})
+    decoded = run(decoder, [(0, 2), (2, 3), (3, 4), (4, 5)])
+    assert crossed.count("kv_cache") == 1 and crossed.count("query") == 4
+
+    prefiller = Attention(4, 16, 0.25, 2, prefix=_name(), block_size=4)
+    bind_kv_cache({prefiller.layer_name: prefiller.init_kv_cache(4, device)})
+    (prefilled,) = run(prefiller, [(0, 5)])
+    torch.testing.assert_close(torch.cat(decoded), prefilled, rtol=1e-5, atol=1e-5)
+
+    bind_kv_cache({decoder.layer_name: decoder.init_kv_cache(4, device)})  # a fresh cache: a new view
+    run(decoder, [(0, 1)])
+    assert crossed.count("kv_cache") == 3
 
 
 def test_kv_sharing_layer_reads_its_target_cache():
