@@ -91,6 +91,11 @@ def crossing(device: torch.device) -> dict:
             "us_jaxlib_import_of_legacy_capsule": timed(
                 lambda: _jax.dlpack_managed_tensor_to_buffer(torch_dlpack.to_dlpack(t), jdev, stream, False, 2)
             ),
+            "us_stream_sync_and_jaxlib_import": timed(
+                lambda: _jax.dlpack_managed_tensor_to_buffer(
+                    torch_dlpack.to_dlpack(t), jdev, _jax_stream_after_torch(device, jdev), False, 2
+                )
+            ),
         }
     else:
         breakdown["us_jaxlib_import_of_legacy_capsule"] = timed(

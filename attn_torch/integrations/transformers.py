@@ -18,7 +18,9 @@ Two attention implementations are registered with ``AttentionInterface.register`
   batching in 5.23 accepts only ``"paged|eager"``, ``"sdpa"`` or flash-named
   implementations and gives flash-named ones packed inputs with no mask, which is what a
   ragged op needs; hence the name. Full-attention layers only (no sliding-window groups),
-  and the decode fast path (``block_table`` kwarg) must be off (its default).
+  and the decode fast path (``block_table`` kwarg) must be off (its default). CUDA
+  graphs must be off too (each step runs host code): ``use_attn_stack(model, paged=True)``
+  turns them off for ``generate_batch`` and refuses a config that asks for them.
 
 Both go through ``attn_torch.Attention`` layers (one per decoder layer and path, made on
 first use), so selection, backends and errors are the same as everywhere else. Usage::
@@ -37,13 +39,15 @@ contiguous (``T * Hq * D`` elements).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import functools
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 import transformers
-from transformers import AttentionInterface
+from transformers import AttentionInterface, ContinuousBatchingConfig
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask, sdpa_mask
 
 from attn_jax.metadata import CommonAttentionMetadata, MetadataBuckets
@@ -94,10 +98,37 @@ def use_attn_stack(model, paged: bool = False) -> Iterator[None]:
     config = model.config.get_text_config()
     original = config._attn_implementation
     config._attn_implementation = PAGED_ATTN_IMPLEMENTATION if paged else ATTN_IMPLEMENTATION
+    if paged:  # an instance attribute for the block's duration: generate_batch calls self.init_...
+        model.init_continuous_batching = functools.partial(_init_without_cuda_graphs, model)
     try:
         yield
     finally:
         config._attn_implementation = original
+        if paged:
+            del model.init_continuous_batching
+
+
+def _init_without_cuda_graphs(model, generation_config=None, continuous_batching_config=None, workload_hints=None):
+    """``model.init_continuous_batching`` with CUDA graphs off.
+
+    transformers captures flash-named implementations in CUDA graphs by default, but this
+    one runs host code every step (block tables, JAX dispatch), which a graph cannot
+    replay: with graphs on, the capture fails and ``generate_batch`` returns no tokens.
+    """
+    cb_config = continuous_batching_config
+    if cb_config is None:  # transformers' deprecated route: the config inside the GenerationConfig
+        cb_config = getattr(generation_config or model.generation_config, "continuous_batching_config", None)
+    cb_config = ContinuousBatchingConfig() if cb_config is None else copy.copy(cb_config)
+    if cb_config.use_cuda_graph not in (None, False, (False, False)):
+        raise ValueError(
+            f"continuous_batching_config.use_cuda_graph={cb_config.use_cuda_graph!r}, but "
+            f"{PAGED_ATTN_IMPLEMENTATION!r} runs host code every step and cannot be captured in a CUDA graph: "
+            "leave it None or set it False"
+        )
+    cb_config.use_cuda_graph = False
+    return type(model).init_continuous_batching(
+        model, generation_config=generation_config, continuous_batching_config=cb_config, workload_hints=workload_hints
+    )
 
 
 def _layer_for(module, kind: str, query: torch.Tensor, key: torch.Tensor, scaling: float, block_size: int) -> Attention:
@@ -306,6 +337,12 @@ def attn_stack_paged_attention_forward(
     attends over the cache through a zero-copy [M, 2, S, Hkv, D] view.
     """
     _check_dropout(module, dropout)
+    if query.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{PAGED_ATTN_IMPLEMENTATION!r} runs host code every step and cannot be captured in a CUDA graph: "
+            "call generate_batch inside use_attn_stack(model, paged=True), which turns the graphs off, or pass "
+            "ContinuousBatchingConfig(use_cuda_graph=False)"
+        )
     if cache is None:
         raise ValueError(
             f"{PAGED_ATTN_IMPLEMENTATION!r} serves transformers' continuous batching (generate_batch) and needs its "

@@ -56,6 +56,7 @@ def test_generate_batch_over_the_paged_cache_matches(hf_smollm2, stock_tokens):
         assert model.config._attn_implementation == PAGED_ATTN_IMPLEMENTATION
         results = model.generate_batch(inputs=inputs, generation_config=config, continuous_batching_config=SMALL_CACHE)
     assert model.config._attn_implementation == original
+    assert "init_continuous_batching" not in vars(model), "the block's CUDA-graph guard must be removed on exit"
     ours = [results[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))]
     assert ours == stock_tokens
     layers = [m._attn_stack_layers for m in model.modules() if "_attn_stack_layers" in m.__dict__]
@@ -84,3 +85,14 @@ def test_paged_implementation_needs_the_paged_cache():
     q = torch.zeros(1, 2, 4, 16)
     with pytest.raises(ValueError, match="needs its paged cache; use 'attn_stack'"):
         attn_stack_paged_attention_forward(module, q, q, q, None)
+
+
+def test_paged_block_refuses_cuda_graphs(hf_smollm2):
+    """Host code runs every step: a config asking for CUDA graphs is refused, not silently dropped."""
+    model, _ = hf_smollm2
+    with (
+        use_attn_stack(model, paged=True),
+        pytest.raises(ValueError, match=r"use_cuda_graph=True, but 'attn_stack_flash_varlen' .* leave it None or"),
+    ):
+        model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(use_cuda_graph=True))
+    assert "init_continuous_batching" not in vars(model)
