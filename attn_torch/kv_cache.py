@@ -24,8 +24,9 @@ TORCH_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8
 """Every dtype a torch KV cache may hold."""
 
 
-def quantize_to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """``x`` as the cache stores it: fp8 = (x / scale) in float32, clipped, cast; else a cast."""
+def quantize_to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float | torch.Tensor) -> torch.Tensor:
+    """``x`` as the cache stores it: fp8 = (x / scale) in float32, clipped, cast; else a cast.
+    ``scale`` is a float or a float32 tensor broadcasting against ``x``."""
     if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         limit = torch.finfo(cache_dtype).max
         return (x.float() / scale).clamp_(-limit, limit).to(cache_dtype)
@@ -43,8 +44,9 @@ def write_to_kv_cache(
 ) -> None:
     """Writes ``key[rows]``/``value[rows]`` at ``slots`` of ``kv_cache``, in place.
 
-    Moves ``2 * n * Hkv * D`` cache-dtype elements (plus a gather of the rows when
-    ``rows`` is given, and a quantised copy for fp8). Padding rows (slot -1) are left out
+    Moves ``2 * n * Hkv * D`` cache-dtype elements, staged once as a stacked
+    ``[2, n, Hkv, D]`` copy of the new rows (quantised for fp8) so that one
+    ``index_copy_`` writes keys and values. Padding rows (slot -1) are left out
     of ``slots``/``rows`` by the caller (``ForwardContext.prepare``).
     """
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
@@ -56,10 +58,11 @@ def write_to_kv_cache(
     n = slots.shape[0]
     if n == 0:
         return
-    fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    for index, x, scale in ((0, key, k_scale), (1, value, v_scale)):
-        new = quantize_to_cache(x[:n] if rows is None else x.index_select(0, rows), kv_cache.dtype, scale)
-        if fp8:  # index_copy_ has no fp8 kernels (torch 2.11): copy the same bytes as uint8
-            flat[index].view(torch.uint8).index_copy_(0, slots, new.view(torch.uint8))
-        else:
-            flat[index].index_copy_(0, slots, new)
+    new = torch.stack((key[:n], value[:n]) if rows is None else (key.index_select(0, rows), value.index_select(0, rows)))
+    if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        scale = torch.tensor([k_scale, v_scale], device=new.device).view(2, 1, 1, 1)
+        new = quantize_to_cache(new, kv_cache.dtype, scale)
+        # index_copy_ has no fp8 kernels (torch 2.11): copy the same bytes as uint8
+        flat.view(torch.uint8).index_copy_(1, slots, new.view(torch.uint8))
+    else:
+        flat.index_copy_(1, slots, new if new.dtype == kv_cache.dtype else new.to(kv_cache.dtype))

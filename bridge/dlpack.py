@@ -177,20 +177,33 @@ class _ThreadEvents(threading.local):
 
 
 _EVENTS = _ThreadEvents()
+_TORCH_STREAMS: dict[tuple[int, int], torch.cuda.ExternalStream] = {}
+"""(device index, raw cudaStream_t) -> a torch wrapper of it, made once per stream."""
+
+
+def _torch_current_stream(index: int) -> torch.cuda.Stream:
+    """torch's current stream on GPU ``index``, from its raw handle (0.1 us, against 3.5 us for
+    ``torch.cuda.current_stream``, which builds a new Stream object each call)."""
+    raw = torch._C._cuda_getCurrentRawStream(index)  # what torch.compile's generated code calls
+    stream = _TORCH_STREAMS.get((index, raw))
+    if stream is None:
+        stream = _TORCH_STREAMS[index, raw] = torch.cuda.ExternalStream(raw, device=index)
+    return stream
 
 
 def _jax_stream_after_torch(device: torch.device, jax_device: jax.Device) -> int:
     """Makes JAX's import stream wait for the work queued on torch's current stream; returns it.
 
-    What ``tensor.__dlpack__(stream=...)`` does, minus its per-call stream wrapper and event
-    objects (40 us of a 61-78 us crossing on the H100): JAX records the imported buffer's
+    What ``tensor.__dlpack__(stream=...)`` does, minus its per-call stream wrappers and event
+    object (40 us of a 61-78 us crossing on the H100): JAX records the imported buffer's
     ready event on this stream, so JAX's kernels run after torch's writes to the tensor.
     """
     handle, jax_stream = _jax_import_stream(jax_device)
-    event = _EVENTS.by_device.get(device.index)
+    index = device.index
+    event = _EVENTS.by_device.get(index)
     if event is None:
-        event = _EVENTS.by_device[device.index] = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
+        event = _EVENTS.by_device[index] = torch.cuda.Event()
+    event.record(_torch_current_stream(index))
     jax_stream.wait_event(event)
     return handle
 
@@ -270,7 +283,7 @@ def to_torch(array: jax.Array, *, name: str = "array") -> torch.Tensor:
         )
     (device,) = devices
     torch_device = torch_device_for(device)
-    stream = torch.cuda.current_stream(torch_device).cuda_stream if torch_device.type == "cuda" else None
+    stream = torch._C._cuda_getCurrentRawStream(torch_device.index) if torch_device.type == "cuda" else None
     tensor = torch_dlpack.from_dlpack(_jax.buffer_to_dlpack_managed_tensor(array, stream=stream))
     if tensor.numel() and tensor.data_ptr() != array.unsafe_buffer_pointer():  # pragma: no cover
         raise BridgeError(f"torch copied {name} instead of aliasing it")
