@@ -58,7 +58,8 @@ def write_to_kv_cache(
     n = slots.shape[0]
     if n == 0:
         return
-    new = torch.stack((key[:n], value[:n]) if rows is None else (key.index_select(0, rows), value.index_select(0, rows)))
+    pair = (key[:n], value[:n]) if rows is None else (key.index_select(0, rows), value.index_select(0, rows))
+    new = torch.stack(pair)  # [2, n, Hkv, D]
     if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         scale = torch.tensor([k_scale, v_scale], device=new.device).view(2, 1, 1, 1)
         new = quantize_to_cache(new, kv_cache.dtype, scale)
