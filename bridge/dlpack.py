@@ -25,10 +25,11 @@ JAX's import stream wait for the work queued on torch's current stream (what
 and JAX records the array's ready event on that stream; ``to_torch`` passes torch's
 current stream to JAX (JAX makes it wait until the array is computed).
 
-Cost: about 6 us per ``to_jax`` and 2-3 us per ``to_torch`` on this project's CPU machine
-(``benchmarks/bridge_overhead.py``), against 83-150 us for ``jax.dlpack.from_dlpack``:
-the checks are done once here, and the conversion calls jaxlib's DLPack entry points
-directly (``jax._src.lib._jax``, pinned jax 0.11.2).
+Cost (``benchmarks/bridge_overhead.py``, BENCHMARKS.md): ``to_jax`` 10-15 us and
+``to_torch`` 6 us on this project's CPU machine; 23-33 us and 6-10 us on an H100, where
+jaxlib's import of a CUDA capsule alone is 16-23 us; ``jax.dlpack.from_dlpack`` takes
+76-97 us there and 83-92 us on the CPU. The checks are done once here, and the conversion
+calls jaxlib's DLPack entry points directly (``jax._src.lib._jax``, pinned jax 0.11.2).
 
 Example::
 
