@@ -51,7 +51,8 @@ def test_bad_entries_and_modes_are_named(tmp_path):
 def test_a_tuned_entry_that_does_not_fit_is_named(monkeypatch):
     entry = {"mode": "decode", "head_size": 64, "group": 4, "page_size": 16, "block_q": 1, "pages_per_tile": 1}
     table = {"device_kind": "X", "source": "test", "entries": [entry]}
-    monkeypatch.setattr(config, "gpu_table_for", lambda kind: table if kind == "X" else None)
+    tables = {("gpu_", "X"): table}
+    monkeypatch.setattr(config, "tuned_table_for", lambda prefix, kind: tables.get((prefix, kind)))
     with pytest.raises(ValueError, match=r"block_q=1 gives 4 rows for a head group of 4 .* needs at least 16"):
         config.gpu_block_sizes(num_reqs=1, pages_per_req=4, page_size=16, head_size=64, num_kv_heads=2, group=4,
                                mode="decode", device_kind="X")  # fmt: skip

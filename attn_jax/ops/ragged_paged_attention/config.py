@@ -100,11 +100,11 @@ def tuned_tables(prefix: str) -> list[str]:
     return sorted(p.stem for p in TUNED_DIR.glob(f"{prefix}*.json"))
 
 
-def gpu_table_for(device_kind: str | None) -> dict[str, Any] | None:
-    """The GPU table whose ``device_kind`` equals ``device_kind``, or None."""
+def tuned_table_for(prefix: str, device_kind: str | None) -> dict[str, Any] | None:
+    """The table among ``tuned_tables(prefix)`` whose ``device_kind`` equals ``device_kind``, or None."""
     if device_kind is None:
         return None
-    for name in tuned_tables("gpu_"):
+    for name in tuned_tables(prefix):
         table = load_tuned_table(name)
         if table["device_kind"] == device_kind:
             return table
@@ -151,7 +151,7 @@ def gpu_block_sizes(
         "num_warps": 4,
         "num_stages": 2,
     }
-    table = gpu_table_for(device_kind)
+    table = tuned_table_for("gpu_", device_kind)
     for entry in (table or {}).get("entries", []):
         if tuple(entry.get(k) for k in GPU_MATCH_KEYS) == (mode, head_size, group, page_size):
             gpu_entry_block_sizes(entry)  # validates the entry
@@ -236,17 +236,6 @@ def check_tpu_block_sizes(
         )
 
 
-def tpu_table_for(device_kind: str | None) -> dict[str, Any] | None:
-    """The TPU table whose ``device_kind`` equals ``device_kind``, or None."""
-    if device_kind is None:
-        return None
-    for name in tuned_tables("tpu_"):
-        table = load_tuned_table(name)
-        if table["device_kind"] == device_kind:
-            return table
-    return None
-
-
 def tpu_entry_block_sizes(entry: dict[str, Any]) -> TpuBlockSizes:
     """The block sizes of one TPU table entry (its ``match`` keys removed)."""
     fields = {k: v for k, v in entry.items() if k not in TPU_MATCH_KEYS}
@@ -287,7 +276,7 @@ def tpu_block_sizes(
     long_prefill = (num_tokens if max_query_len is None else max_query_len) >= 1024
     bq = min_tokens if decode_only else max(min_tokens, 256 if long_prefill else 128)
     ppb = max(256 // page_size, 1)
-    table = tpu_table_for(device_kind)
+    table = tuned_table_for("tpu_", device_kind)
     key = (
         np.dtype(q_dtype).name, np.dtype(kv_dtype).name, head_size, page_size,
         next_pow2(num_tokens), next_pow2(page_size * pages_per_req),
