@@ -34,17 +34,23 @@ def hf_greedy(model, tokenizer, prompt: str, max_new_tokens: int, ignore_eos: bo
     return out[0, ids["input_ids"].shape[1] :].tolist()
 
 
+def left_padded(tokenizer, prompts: list[str]):
+    """``prompts`` tokenised as one left-padded batch (input_ids, attention_mask), whatever
+    the tokenizer's own padding side is (it is restored)."""
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        return tokenizer(prompts, return_tensors="pt", padding=True)
+    finally:
+        tokenizer.padding_side = side
+
+
 def hf_greedy_batch(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy continuations of ``prompts`` in one left-padded batch, EOS
     ignored (exactly ``max_new_tokens`` each): one ``generate`` call instead of one per
     prompt. (Padding does not change the greedy tokens of these prompts: the CPU benchmark
     and the per-prompt EOS test check the same model unpadded.)"""
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    finally:
-        tokenizer.padding_side = side
+    batch = left_padded(tokenizer, prompts)
     with torch.no_grad():
         out = model.generate(
             **batch, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,

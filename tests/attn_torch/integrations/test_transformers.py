@@ -13,6 +13,7 @@ from attn_torch.integrations.transformers import (
     attn_stack_paged_attention_forward,
     use_attn_stack,
 )
+from tests.serving.hf_reference import left_padded
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 NEW_TOKENS = 16
@@ -24,12 +25,7 @@ SMALL_CACHE = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=256)
 def padded_prompts(hf_smollm2):
     """The prompts as one left-padded batch (input_ids, attention_mask)."""
     _, tokenizer = hf_smollm2
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    try:
-        enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)
-    finally:
-        tokenizer.padding_side = side
+    enc = left_padded(tokenizer, PROMPTS)
     assert (enc["attention_mask"] == 0).any(), "the prompts must need padding"
     return enc
 
