@@ -21,10 +21,6 @@ Writes benchmarks/results/bridge_overhead_<device>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import pathlib
 import platform
 import statistics
 import sys
@@ -38,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from torch_run_record import run_environment, write_result  # benchmarks/, the script's folder
 
 import attn_jax
 import attn_torch
@@ -210,17 +207,9 @@ def main() -> None:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "crossing": crossing(device),
         "decode_step": decode_step(device),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "versions": {"python": sys.version.split()[0], "jax": jax.__version__, "torch": torch.__version__},
-        "machine": {"platform": platform.platform(), "nproc": os.cpu_count()},
-        "jax_gpu_memory_policy": bridge.JAX_MEMORY_POLICY,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        **run_environment(),
     }
-    print(json.dumps(result, indent=2))
-    out = pathlib.Path(__file__).parent / "results" / f"bridge_overhead_{device.type}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(f"bridge_overhead_{device.type}", result)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,7 @@ Writes benchmarks/results/torch_transformers_<device>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
-import json
-import os
 import pathlib
 import platform
 import sys
@@ -31,9 +28,9 @@ import time
 import bridge  # noqa: F401  (first: sets JAX's GPU memory policy before JAX initialises)
 
 # isort: on
-import jax
 import torch
 import transformers
+from torch_run_record import run_environment, write_result  # benchmarks/, the script's folder
 from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
 
 from attn_torch.integrations.transformers import use_attn_stack
@@ -120,22 +117,9 @@ def main() -> None:
         "attn_stack_generate_batch_matches_transformers_generate_batch": (
             runs["attn_stack_generate_batch_paged"][1] == runs["transformers_generate_batch"][1]
         ),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "versions": {
-            "python": sys.version.split()[0],
-            "jax": jax.__version__,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
-        "machine": {"platform": platform.platform(), "nproc": os.cpu_count()},
-        "jax_gpu_memory_policy": bridge.JAX_MEMORY_POLICY,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        **run_environment(transformers=transformers.__version__),
     }
-    print(json.dumps(result, indent=2))
-    out = pathlib.Path(__file__).parent / "results" / f"torch_transformers_{args.device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result(f"torch_transformers_{args.device}", result)
 
 
 if __name__ == "__main__":
