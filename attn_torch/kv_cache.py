@@ -24,9 +24,8 @@ TORCH_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8
 """Every dtype a torch KV cache may hold."""
 
 
-def quantize_to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float | torch.Tensor) -> torch.Tensor:
-    """``x`` as the cache stores it: fp8 = (x / scale) in float32, clipped, cast; else a cast.
-    ``scale`` is a float or a float32 tensor broadcasting against ``x``."""
+def quantize_to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x`` as the cache stores it: fp8 = (x / scale) in float32, clipped, cast; else a cast."""
     if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         limit = torch.finfo(cache_dtype).max
         return (x.float() / scale).clamp_(-limit, limit).to(cache_dtype)
@@ -59,11 +58,9 @@ def write_to_kv_cache(
     if n == 0:
         return
     pair = (key[:n], value[:n]) if rows is None else (key.index_select(0, rows), value.index_select(0, rows))
-    new = torch.stack(pair)  # [2, n, Hkv, D]
     if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        scale = torch.tensor([k_scale, v_scale], device=new.device).view(2, 1, 1, 1)
-        new = quantize_to_cache(new, kv_cache.dtype, scale)
         # index_copy_ has no fp8 kernels (torch 2.11): copy the same bytes as uint8
-        flat.view(torch.uint8).index_copy_(1, slots, new.view(torch.uint8))
-    else:
-        flat.index_copy_(1, slots, new if new.dtype == kv_cache.dtype else new.to(kv_cache.dtype))
+        k_new, v_new = (quantize_to_cache(x, kv_cache.dtype, s) for x, s in zip(pair, (k_scale, v_scale), strict=True))
+        pair, flat = (k_new.view(torch.uint8), v_new.view(torch.uint8)), flat.view(torch.uint8)
+    new = torch.stack(pair)  # [2, n, Hkv, D]
+    flat.index_copy_(1, slots, new if new.dtype == flat.dtype else new.to(flat.dtype))
