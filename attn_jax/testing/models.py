@@ -1,0 +1,86 @@
+"""Model shapes for serving benchmarks and tests, with random weights made on the device.
+
+Throughput does not depend on the weights' values (every request generates a fixed
+number of tokens, EOS ignored), so benchmarks run real architectures on random weights:
+
+- ``smollm2-135m``: the embedded model's shapes (30 layers, 9 q / 3 KV heads, head 64).
+- ``llama3-8b-8l``: Llama-3-8B's shapes (32 q / 8 KV heads, head 128, hidden 4096,
+  MLP 14336, vocab 128256, untied head) cut to 8 layers.
+
+Example::
+
+    config = MODEL_SHAPES["llama3-8b-8l"]()
+    params = random_params(config, jnp.bfloat16)       # jax arrays, made on the default device
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from attn_jax.models.llama import LlamaConfig
+from attn_jax.models.smollm2 import smollm2_135m_config
+
+
+def llama3_8b_layers(num_layers: int = 8) -> LlamaConfig:
+    """Llama-3-8B's shapes with ``num_layers`` layers (the full model has 32)."""
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=num_layers,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128009),
+        name=f"llama3-8b-{num_layers}l",
+    )
+
+
+MODEL_SHAPES = {
+    "smollm2-135m": smollm2_135m_config,
+    "llama3-8b-8l": llama3_8b_layers,
+}
+
+
+def random_params(config: LlamaConfig, dtype=jnp.bfloat16, seed: int = 0) -> dict:
+    """Random weights in ``load_gguf``'s layout, drawn on the default device (a 2 GB model
+    takes a moment there, minutes in NumPy): normal / sqrt(fan-in), norms near 1."""
+    c = config
+    h, i = c.hidden_size, c.intermediate_size
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {"wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h), "w_gate": (h, i), "w_up": (h, i)}
+    shapes["w_down"] = (i, h)
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def weight(key, shape):
+        return (jax.random.normal(key, shape, jnp.float32) * shape[-2] ** -0.5).astype(dtype)
+
+    def norm(key):
+        return (1 + 0.1 * jax.random.normal(key, (h,), jnp.float32)).astype(dtype)
+
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 4 + c.num_layers * (len(shapes) + 2)))
+    layers = []
+    for _ in range(c.num_layers):
+        layer = {name: weight(next(keys), shape) for name, shape in shapes.items()}
+        layer["attn_norm"], layer["ffn_norm"] = norm(next(keys)), norm(next(keys))
+        layers.append(layer)
+    params = {"embed": weight(next(keys), (c.vocab_size, h)), "final_norm": norm(next(keys)), "layers": layers}
+    if not c.tie_word_embeddings:
+        params["lm_head"] = weight(next(keys), (h, c.vocab_size))
+    return params
+
+
+def weight_bytes(params) -> int:
+    """Bytes a decode step reads from the weights: every matrix once, minus the embedding
+    table (a step gathers only its tokens' rows) unless the head is tied to it."""
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    if "lm_head" in params:
+        total -= params["embed"].size * params["embed"].dtype.itemsize
+    return int(total)

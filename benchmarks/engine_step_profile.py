@@ -1,0 +1,193 @@
+"""Where an engine decode step's time goes: a jax.profiler (CUPTI) trace of steady decode
+steps, summarised per kernel category, with launch gaps, host time and transfers.
+
+Runs the serving engine on random weights of a model shape (``--model``), warms every
+bucket up, then traces ``--steps`` decode steps and reads the trace back with
+``jax.profiler.ProfileData``:
+
+- device: kernel time per category (matmul, attention, kv write, sampling, elementwise,
+  other), the busy time against the span of the device's work (the gaps between kernels
+  are launch overhead or waiting for the host), host-to-device and device-to-host copies;
+- host: ``StepStats`` (scheduling + metadata before the device call, and the whole step).
+
+    python benchmarks/engine_step_profile.py --batch 1 64 --dtype bfloat16
+    python benchmarks/engine_step_profile.py --model llama3-8b-8l --batch 1 --out results/x.json
+
+Writes JSON only with ``--out``; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import pathlib
+import re
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_jax.models.llama import LlamaModel
+from attn_jax.registry import AttentionBackendEnum
+from attn_jax.serving import Engine, SamplingParams
+from attn_jax.testing.models import MODEL_SHAPES, random_params, weight_bytes
+
+# Kernel name -> category, first match wins (XLA fusion names, cuBLAS/cuDNN, Triton).
+CATEGORIES = (
+    ("attention", re.compile(r"ragged|paged|attention|mosaic", re.I)),
+    ("kv write", re.compile(r"scatter|dynamic.update|kv_write", re.I)),
+    ("sampling", re.compile(r"sort|argmax|top_?k|categorical|cub::|radix|threefry|random|gumbel", re.I)),
+    ("matmul", re.compile(r"gemm|matmul|dot|cublas|cutlass|nvjet|xmma|wgmma|sm90", re.I)),
+    ("memcpy", re.compile(r"memcpy|memset", re.I)),
+    ("elementwise", re.compile(r"fusion|loop|reduce|convert|copy|transpose|broadcast|concatenate|slice", re.I)),
+)
+
+
+def category(name: str) -> str:
+    for cat, pattern in CATEGORIES:
+        if pattern.search(name):
+            return cat
+    return "other"
+
+
+def summarise_trace(log_dir: str, num_steps: int) -> dict:
+    """Device-side totals of a jax.profiler trace, per step."""
+    from jax.profiler import ProfileData
+
+    files = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
+    if not files:
+        raise RuntimeError(f"no xplane.pb under {log_dir}")
+    data = ProfileData.from_file(files[0])
+    per_cat = collections.Counter()
+    per_kernel = collections.Counter()
+    count_cat = collections.Counter()
+    starts, ends, memcpy = [], [], collections.Counter()
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for ev in line.events:
+                name = ev.name
+                cat = category(name)
+                per_cat[cat] += ev.duration_ns
+                count_cat[cat] += 1
+                per_kernel[name[:90]] += ev.duration_ns
+                starts.append(ev.start_ns)
+                ends.append(ev.end_ns)
+                if "Memcpy" in name or "memcpy" in name:
+                    memcpy[name[:30]] += 1
+    if not starts:
+        return {"error": "no GPU stream events in the trace (not a GPU run?)"}
+    busy = sum(per_cat.values())
+    span = max(ends) - min(starts)
+    return {
+        "per_step_us": {c: per_cat[c] / 1e3 / num_steps for c in sorted(per_cat)},
+        "kernels_per_step": {c: count_cat[c] / num_steps for c in sorted(count_cat)},
+        "busy_us_per_step": busy / 1e3 / num_steps,
+        "span_us_per_step": span / 1e3 / num_steps,
+        "gap_us_per_step": (span - busy) / 1e3 / num_steps,
+        "memcpy_events_per_step": {k: v / num_steps for k, v in memcpy.items()},
+        "top_kernels_us_per_step": {k: v / 1e3 / num_steps for k, v in per_kernel.most_common(25)},
+    }
+
+
+def _sync(engine) -> None:
+    """Waits for the engine's last dispatched step (engines that run a step ahead)."""
+    if hasattr(engine, "synchronize"):
+        engine.synchronize()
+
+
+def profile_batch(config, params, batch: int, args, backend) -> dict:
+    model = LlamaModel(config, block_size=args.block_size, attn_backend=backend, dtype=args.dtype)
+    engine = Engine(
+        model, params, max_num_seqs=batch, max_num_batched_tokens=max(args.prompt_len * batch, 16),
+        max_model_len=args.prompt_len + args.warmup_steps + args.steps + 8, kv_cache_bytes=args.kv_cache_gib << 30,
+    )  # fmt: skip
+    rng = np.random.default_rng(batch)
+    sp = SamplingParams(max_new_tokens=args.warmup_steps + args.steps + 4, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(rng.integers(3, config.vocab_size, args.prompt_len).tolist(), sp)
+    for _ in range(args.warmup_steps):
+        engine.step()
+    first = len(engine.stats)
+    compiles = engine.num_compilations
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            _sync(engine)
+            wall = time.perf_counter() - t
+        device = summarise_trace(log_dir, args.steps)
+    # Untraced timing of the same number of steps (the profiler adds its own overhead).
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    _sync(engine)
+    untraced = time.perf_counter() - t
+    stats = engine.stats[first:]
+    return {
+        "batch": batch,
+        "backend": model.attn_backend.get_name(),
+        "step_ms_traced": 1e3 * wall / args.steps,
+        "step_ms": 1e3 * untraced / args.steps,
+        "tokens_per_s": batch * args.steps / untraced,
+        "host_ms_median": 1e3 * float(np.median([s.host_seconds for s in stats])),
+        "compilations_while_profiled": engine.num_compilations - compiles,
+        "device": device,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_SHAPES))
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup-steps", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--backend", default=None, help="force a backend (XLA, PALLAS_GPU); default: selected")
+    parser.add_argument("--kv-cache-gib", type=int, default=4)
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="write the JSON here")
+    args = parser.parse_args()
+    args.dtype = jnp.dtype(args.dtype)
+    config = MODEL_SHAPES[args.model]()
+    params = random_params(config, args.dtype)
+    backend = None if args.backend is None else AttentionBackendEnum[args.backend.upper()].get_class()
+    runs = []
+    for batch in args.batch:
+        r = profile_batch(config, params, batch, args, backend)
+        runs.append(r)
+        d = r["device"]
+        print(
+            f"batch {batch} [{r['backend']}]: step {r['step_ms']:.3f} ms ({r['tokens_per_s']:.0f} tok/s), "
+            f"host {r['host_ms_median']:.3f} ms, device busy {d.get('busy_us_per_step', 0):.0f} us, "
+            f"span {d.get('span_us_per_step', 0):.0f} us, gaps {d.get('gap_us_per_step', 0):.0f} us",
+            flush=True,
+        )
+        print(json.dumps(d, indent=1), flush=True)
+    result = {
+        "model": args.model,
+        "weight_bytes": weight_bytes(params),
+        "dtype": str(args.dtype),
+        "prompt_len": args.prompt_len,
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "runs": runs,
+    }
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
