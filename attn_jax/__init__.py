@@ -1,7 +1,9 @@
 """attn-stack for JAX: ragged paged attention behind a vLLM-style backend interface.
 
-The public names of the contract in DESIGN.md; everything else is internal.
+The public names of the contract in ARCHITECTURE.md; everything else is internal.
 """
+
+__version__ = "0.1.0"
 
 from attn_jax.backends.base import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, AttentionSpec
 from attn_jax.kv_cache import allocate_kv_cache, calc_kv_scales, write_to_kv_cache
@@ -34,6 +36,7 @@ from attn_jax.selector import (
 from attn_jax.types import AttentionType, CacheDType, KVCacheLayout
 
 __all__ = [
+    "__version__",
     "Attention",
     "AttentionBackend",
     "AttentionBackendEnum",

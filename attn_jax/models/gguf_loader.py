@@ -1,7 +1,7 @@
 """Llama-family weights, configuration and tokenizer from a GGUF file.
 
 Weights are read and dequantised (Q4_1, Q8_0, F16, ...) by the ``gguf`` package; the
-tokenizer comes from the same file through transformers' GGUF tokenizer support. Query
+tokenizer is built from the same file's metadata (``gguf_tokenizer``, no torch). Query
 and key projections are un-permuted exactly as transformers does on load (llama.cpp's
 converter interleaves each head's rotary halves), so the model uses Hugging Face's
 rotate-half RoPE and gives the same numbers as ``AutoModelForCausalLM.from_pretrained(
@@ -33,8 +33,6 @@ class ModelLoadError(ValueError):
 
 
 def _reader(path: pathlib.Path):
-    from gguf import GGUFReader
-
     if not path.exists():
         raise ModelLoadError(f"model file {str(path)!r} does not exist (expected a .gguf file)")
     if not path.is_file():
@@ -43,10 +41,20 @@ def _reader(path: pathlib.Path):
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelLoadError(f"{str(path)!r} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+    stat = path.stat()
     try:
-        return GGUFReader(path)
+        return _open_reader(path.resolve(), stat.st_size, stat.st_mtime_ns)
     except Exception as e:  # the reader raises ValueError/IndexError/... on truncated files
         raise ModelLoadError(f"{str(path)!r} is a corrupt or truncated GGUF file: {type(e).__name__}: {e}") from e
+
+
+@functools.lru_cache(maxsize=1)
+def _open_reader(path: pathlib.Path, size: int, mtime_ns: int):
+    """One parse of the file (seconds for the embedded model) for its weights and its
+    tokenizer; a changed file (size, mtime) is parsed again."""
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
 
 
 def _field(reader, key: str, default=None, required: bool = True):
@@ -58,13 +66,21 @@ def _field(reader, key: str, default=None, required: bool = True):
     return field.contents()
 
 
+def _count(reader, key: str, default: int | None = None) -> int:
+    """A metadata value that must be a positive integer (a head count, a size)."""
+    value = _field(reader, key, default=default)
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ModelLoadError(f"GGUF metadata {key}={value!r} must be a positive integer")
+    return int(value)
+
+
 def read_config(reader) -> LlamaConfig:
     """The ``LlamaConfig`` from a GGUF reader's metadata (architecture "llama" only)."""
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"GGUF architecture {arch!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}")
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    num_heads = _count(reader, f"{arch}.attention.head_count")
+    hidden = _count(reader, f"{arch}.embedding_length")
     scaling = _field(reader, f"{arch}.rope.scaling.type", default="none", required=False)
     factor = _field(reader, f"{arch}.rope.scaling.factor", default=1.0, required=False)
     if scaling not in ("none", "linear"):
@@ -72,19 +88,19 @@ def read_config(reader) -> LlamaConfig:
     names = {t.name for t in reader.tensors}
     eos = _field(reader, "tokenizer.ggml.eos_token_id", default=-1, required=False)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{arch}.vocab_size", default=len(tokens.data) if tokens else 0, required=False)
+    vocab = _count(reader, f"{arch}.vocab_size", default=len(tokens.data) if tokens else None)
     return LlamaConfig(
-        vocab_size=int(vocab),
+        vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=_count(reader, f"{arch}.feed_forward_length"),
+        num_layers=_count(reader, f"{arch}.block_count"),
         num_heads=num_heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", default=num_heads)),
-        head_dim=int(_field(reader, f"{arch}.rope.dimension_count", default=hidden // num_heads)),
+        num_kv_heads=_count(reader, f"{arch}.attention.head_count_kv", default=num_heads),
+        head_dim=_count(reader, f"{arch}.rope.dimension_count", default=hidden // num_heads),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", default=10000.0)),
         rope_scaling_factor=float(factor) if scaling == "linear" else 1.0,
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
+        max_position_embeddings=_count(reader, f"{arch}.context_length"),
         tie_word_embeddings="output.weight" not in names,
         bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id", default=-1, required=False)),
         eos_token_ids=(int(eos),) if eos >= 0 else (),
@@ -183,43 +199,61 @@ CACHE_ENV = "ATTN_STACK_CACHE_DIR"
 
 
 def tokenizer_cache_dir(path: pathlib.Path) -> pathlib.Path:
-    """Where the tokenizer converted from ``path`` is saved: ``$ATTN_STACK_CACHE_DIR`` or
+    """Where the tokenizer built from ``path`` is saved: ``$ATTN_STACK_CACHE_DIR`` or
     ``~/.cache/attn-stack``, then ``tokenizers/<file name>-<size>-<mtime>``."""
     root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "attn-stack")
     stat = path.stat()
     return pathlib.Path(root) / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
 
 
-@functools.lru_cache(maxsize=4)
-def _load_tokenizer_cached(path: pathlib.Path, cache_dir: pathlib.Path):
-    if (cache_dir / "tokenizer.json").is_file():
-        from transformers import PreTrainedTokenizerFast  # AutoTokenizer would import torch (seconds)
+def _transformers_tokenizer(path: pathlib.Path, reason: Exception):
+    """transformers' GGUF conversion, for the vocabularies ``GGUFTokenizer`` does not build
+    (it needs torch: the ``torch`` extra)."""
+    import importlib.util
 
-        try:
-            return PreTrainedTokenizerFast.from_pretrained(str(cache_dir))
-        except Exception as e:  # a damaged cache: rebuild it
-            logger.warning("tokenizer cache %s is unreadable (%s); rebuilding it from the GGUF", cache_dir, e)
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        raise ModelLoadError(
+            f"cannot build a tokenizer from {str(path)!r}: {reason}. Other vocabularies go through "
+            "transformers' GGUF conversion, which needs torch and transformers: pip install 'attn-stack[torch]'"
+        ) from reason
     from transformers import AutoTokenizer
 
-    _reader(path)  # the same clear errors as for the weights
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:
         raise ModelLoadError(f"cannot build a tokenizer from {str(path)!r}: {type(e).__name__}: {e}") from e
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer_cached(path: pathlib.Path, cache_dir: pathlib.Path):
+    from attn_jax.models.gguf_tokenizer import GGUFTokenizer, TokenizerBuildError
+
     try:
-        tokenizer.save_pretrained(str(cache_dir))
-    except OSError as e:
-        logger.warning("cannot cache the tokenizer in %s: %s", cache_dir, e)
+        return GGUFTokenizer.load(cache_dir)
+    except FileNotFoundError:
+        pass  # not built yet
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a damaged cache: rebuild it
+        logger.warning("tokenizer cache %s is unreadable (%s); rebuilding it from the GGUF", cache_dir, e)
+    try:
+        tokenizer = GGUFTokenizer.from_gguf(_reader(path))
+    except TokenizerBuildError as e:
+        return _transformers_tokenizer(path, e)
+    try:
+        tokenizer.save(cache_dir)
+    except OSError as e:  # the cache is an optimisation: an unwritable folder only costs a rebuild next time
+        logger.info("cannot cache the tokenizer in %s: %s", cache_dir, e)
     return tokenizer
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """The GGUF's tokenizer, through transformers' GGUF support
-    (``AutoTokenizer.from_pretrained(folder, gguf_file=name)``).
+    """The GGUF's tokenizer: a ``GGUFTokenizer`` (``attn_jax.models.gguf_tokenizer``) built
+    from the file's metadata with ``gguf`` and ``tokenizers``, no torch or transformers.
 
-    The conversion takes about 20 s on a small CPU (transformers re-parses the GGUF and
-    imports torch), so the result is saved once under ``tokenizer_cache_dir(path)`` and
-    later loads read that (about a second); within a process it is loaded once.
+    Vocabularies other than byte-level BPE go through transformers' GGUF conversion
+    (the ``torch`` extra). The built tokenizer is saved under ``tokenizer_cache_dir(path)``
+    and read from there next time; a cache folder that is missing, unwritable or damaged
+    only means building it again. Within a process it is loaded once. Raises
+    ``ModelLoadError`` for a missing or corrupt file.
     """
     path = pathlib.Path(path).resolve()
     if not path.is_file():

@@ -54,16 +54,6 @@ def test_unpermute_inverts_llama_cpp_permutation():
     np.testing.assert_array_equal(_unpermute(permuted, heads), w)
 
 
-def test_tokenizer_matches_transformers(smollm2_gguf, hf_smollm2):
-    ours, theirs = load_tokenizer(smollm2_gguf), hf_smollm2[1]
-    for text in ["The capital of France is", "def f(x):\n    return x ** 2  # café ünïcödé 😀"]:
-        assert ours(text)["input_ids"] == theirs(text)["input_ids"]
-    chat = [{"role": "user", "content": "Hi there"}]
-    assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == theirs.apply_chat_template(
-        chat, add_generation_prompt=True, tokenize=False
-    )
-
-
 def test_prefill_logits_match_transformers(smollm2, hf_smollm2):
     config, params = smollm2
     model_hf, tokenizer = hf_smollm2
