@@ -155,10 +155,7 @@ class SelectionReport:
             name = self.requested.name
             if self.how == "forced":
                 return f"Forced attention backend {name} cannot serve {where}: {reasons}.{usable}"
-            return (
-                f"{ENV_VAR}={name!r} names attention backend {name}, "
-                f"which cannot serve {where}: {reasons}.{usable}"
-            )
+            return f"{ENV_VAR}={name!r} names attention backend {name}, which cannot serve {where}: {reasons}.{usable}"
         per_backend = " ".join(f"{r.name}: {'; '.join(r.reasons)}." for r in self.rows)
         order = ", ".join(b.name for b in self.priority)
         return f"No attention backend can serve {where} (priority list: {order}). {per_backend}"
@@ -211,12 +208,13 @@ def _requested_backends() -> tuple[AttentionBackendEnum | None, AttentionBackend
     value = os.environ.get(ENV_VAR)
     if not value:
         return None, None
-    if value not in AttentionBackendEnum.__members__:
+    name = value.strip().upper()  # case-insensitive, as `attn-stack generate --backend` is
+    if name not in AttentionBackendEnum.__members__:
         raise ValueError(
             f"{ENV_VAR}={value!r} is not an attention backend. "
-            f"Valid options are: {', '.join(AttentionBackendEnum.__members__)}"
+            f"Valid options are (any case): {', '.join(AttentionBackendEnum.__members__)}"
         )
-    return None, AttentionBackendEnum[value]
+    return None, AttentionBackendEnum[name]
 
 
 def _backend_reasons(
@@ -335,9 +333,7 @@ def get_attn_backend(
 
         backend = get_attn_backend(128, jnp.bfloat16)  # XLAAttentionBackend on CPU
     """
-    request = _make_request(
-        head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse, attn_type
-    )
+    request = _make_request(head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse, attn_type)
     forced, env_backend = _requested_backends()
     backend = _cached_get_attn_backend(
         request, platform or current_platform(), forced, env_backend, overrides_snapshot()
@@ -363,8 +359,6 @@ def explain_attn_backend_selection(
     Raises only for invalid arguments or an unknown ``ATTN_STACK_BACKEND``; when no
     backend can serve, ``report.chosen`` is None and ``report.failure_message()`` says why.
     """
-    request = _make_request(
-        head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse, attn_type
-    )
+    request = _make_request(head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse, attn_type)
     forced, env_backend = _requested_backends()
     return _build_report(request, platform or current_platform(), forced, env_backend)

@@ -211,13 +211,21 @@ def test_bad_env_value_names_the_variable_and_valid_options(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "FLASH_ATTN")
     expected = (
         "ATTN_STACK_BACKEND='FLASH_ATTN' is not an attention backend. "
-        "Valid options are: XLA, PALLAS_TPU, PALLAS_GPU, CUSTOM"
+        "Valid options are (any case): XLA, PALLAS_TPU, PALLAS_GPU, CUSTOM"
     )
     with pytest.raises(ValueError) as e:
         select()
     assert str(e.value) == expected
     with pytest.raises(ValueError, match="FLASH_ATTN"):
         explain()
+
+
+@pytest.mark.parametrize("value", ["pallas_gpu", "Pallas_GPU", " PALLAS_GPU "])
+def test_env_backend_name_is_case_insensitive(monkeypatch, value):
+    """As `attn-stack generate --backend pallas_gpu` is."""
+    monkeypatch.setenv(ENV_VAR, value)
+    report = explain()
+    assert report.how == "env" and report.requested is ABE.PALLAS_GPU
 
 
 def test_empty_env_counts_as_unset(monkeypatch):
