@@ -225,8 +225,14 @@ class AttentionMetadataBuilder[M](abc.ABC):
     ) -> M:
         """Central method that builds attention metadata for one batch."""
 
-    def build_for_jit(self, common_attn_metadata: CommonAttentionMetadata) -> M:
-        """Metadata with static shapes for tracing a jitted step (vLLM's CUDA-graph capture)."""
+    def build_for_jit(self, common_attn_metadata: CommonAttentionMetadata, step_query_lens=None) -> M:
+        """Metadata with static shapes for tracing a jitted step (vLLM's CUDA-graph capture).
+
+        ``step_query_lens`` (i32[N], optional): the query lengths of the whole step when it
+        runs several data shards, each built separately. A backend makes its static choices
+        (block sizes, schedule widths) from them instead of from this batch alone, so every
+        shard's metadata has one structure; default: this batch's own.
+        """
         return self.build(common_prefix_len=0, common_attn_metadata=common_attn_metadata)
 
     def use_cascade_attention(

@@ -62,13 +62,20 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         self.device_kind = device_kind
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        return self._build(common_attn_metadata)
+
+    def build_for_jit(self, common_attn_metadata, step_query_lens=None):
+        return self._build(common_attn_metadata, step_query_lens)
+
+    def _build(self, common_attn_metadata, step_query_lens=None) -> PallasGPUAttentionMetadata:
+        base = super().build(0, common_attn_metadata)
         spec = self.kv_cache_spec
         num_tokens = base.slot_mapping.shape[0]
         num_reqs, pages_per_req = base.block_tables.shape
         concrete = is_concrete(base.query_start_loc, base.seq_lens)
         if concrete:
-            mode = gpu_batch_mode(np.diff(np.asarray(base.query_start_loc)))
+            own = np.diff(np.asarray(base.query_start_loc))
+            mode = gpu_batch_mode(own if step_query_lens is None else np.asarray(step_query_lens))
         else:  # traced: only shapes are known; a bucket with no more tokens than requests is decode
             mode = "decode" if num_tokens <= num_reqs else "mixed"
         num_q_heads = spec.num_q_heads or spec.num_kv_heads

@@ -75,13 +75,21 @@ class PallasTPUMetadataBuilder(XLAMetadataBuilder):
         self.device_kind = device_kind
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        return self._build(common_attn_metadata)
+
+    def build_for_jit(self, common_attn_metadata, step_query_lens=None):
+        return self._build(common_attn_metadata, step_query_lens)
+
+    def _build(self, common_attn_metadata, step_query_lens=None) -> PallasTPUAttentionMetadata:
+        base = super().build(0, common_attn_metadata)
         spec = self.kv_cache_spec
         num_tokens = base.slot_mapping.shape[0]
         num_reqs, pages_per_req = base.block_tables.shape
         concrete = is_concrete(base.query_start_loc, base.seq_lens, base.block_tables, base.slot_mapping)
         qsl = np.asarray(base.query_start_loc) if concrete else base.query_start_loc
-        query_lens = np.diff(qsl) if concrete else None
+        query_lens = None
+        if concrete:  # the block sizes follow the whole step's query lengths when given
+            query_lens = np.diff(qsl) if step_query_lens is None else np.asarray(step_query_lens)
         decode_only = bool(concrete and np.all(query_lens <= 1))
         max_query_len = int(query_lens.max(initial=0)) if concrete else None
         dtype = np.dtype(spec.dtype)

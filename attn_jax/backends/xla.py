@@ -19,6 +19,7 @@ import numpy as np
 from attn_jax.backends.base import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, validate_kv_cache_dims
 from attn_jax.metadata import CommonAttentionMetadata, make_local_attention_virtual_batches
 from attn_jax.ops.ragged_paged_attention import dense
+from attn_jax.ops.ragged_paged_attention.config import next_pow2
 from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
 from attn_jax.types import AttentionType, validate_cache_dtype
@@ -46,6 +47,11 @@ class XLAAttentionMetadata:
     q_block: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
+FIXED_PREFILL_SCORES = 1 << 24
+"""Largest prefill-group score tensor (requests x tokens x keys x query heads, float32) for
+which ``build_for_jit`` pads the dense path's prefill group to the whole bucket."""
+
+
 class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
     """Builds ``XLAAttentionMetadata``; traceable unless the layer uses chunked attention.
 
@@ -67,26 +73,49 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
             )
         return self._build_local(md, chunk)
 
-    def build_for_jit(self, common_attn_metadata: CommonAttentionMetadata) -> XLAAttentionMetadata:
+    def build_for_jit(
+        self, common_attn_metadata: CommonAttentionMetadata, step_query_lens=None
+    ) -> XLAAttentionMetadata:
         """Metadata for the dense per-request path, built on the host before ``jit``.
 
-        Adds ``dense.dense_schedule`` (the prefill requests, padded to a power of two, and
-        ``q_block``, the power of two >= the longest prefill; both static shapes, so a step
-        compiles once per bucket and pair of powers of two) to ``build``'s fields. Needs
-        concrete (NumPy) metadata, ValueError otherwise. Chunked local attention keeps the
-        reference path (``build``); builders that subclass this one and build other
-        metadata (PALLAS_GPU's) return their ``build``.
+        Adds the dense op's prefill group (``prefill_reqs``, ``q_block``; static shapes) to
+        ``build``'s fields, sized from the step (``step_query_lens``, default this batch's
+        own query lengths) so every data shard of a step gets one structure:
+
+        - a small group (its score tensor, requests x tokens x keys x query heads, at most
+          ``FIXED_PREFILL_SCORES``) takes every request slot and the whole token bucket: one
+          shape per bucket, fewer compilations for some padding work;
+        - else the power of two >= the step's prefill count (at most the request slots) and
+          the power of two >= its longest prefill.
+
+        Needs concrete (NumPy) metadata, ValueError otherwise. Chunked local attention keeps
+        the reference path (``build``).
         """
         md = common_attn_metadata
         built = self.build(0, md)
-        if self.kv_cache_spec.attention_chunk_size is not None or not isinstance(built, XLAAttentionMetadata):
-            return built  # chunked local attention, or a subclass's builder (e.g. PALLAS_GPU's) with its own metadata
+        if self.kv_cache_spec.attention_chunk_size is not None:
+            return built
         if not is_concrete(md.query_start_loc_cpu):
             raise ValueError(
                 "build_for_jit computes the dense path's schedule on the host: pass concrete "
                 "(NumPy) CommonAttentionMetadata, outside jax.jit"
             )
-        prefill_reqs, q_block = dense.dense_schedule(np.asarray(md.query_start_loc_cpu), md.num_reqs)
+        qsl = np.asarray(md.query_start_loc_cpu)
+        step = np.diff(qsl) if step_query_lens is None else np.asarray(step_query_lens)
+        prefills = step[step > 1]
+        if prefills.size == 0:
+            return dataclasses.replace(built, prefill_reqs=np.zeros(0, np.int32), q_block=0)
+        num_reqs, (_, pages_per_req) = md.num_reqs, np.shape(md.block_table_tensor)
+        spec = self.kv_cache_spec
+        scores = num_reqs * md.num_tokens * pages_per_req * spec.block_size * (spec.num_q_heads or spec.num_kv_heads)
+        if scores <= FIXED_PREFILL_SCORES:
+            width, q_block = num_reqs, md.num_tokens
+        else:
+            width, q_block = min(next_pow2(prefills.size), num_reqs), next_pow2(int(prefills.max()))
+        own, q_block = dense.dense_schedule(qsl, num_reqs, q_block)
+        prefill_reqs = np.full(width, num_reqs, np.int32)
+        own = own[own < num_reqs]
+        prefill_reqs[: own.size] = own
         return dataclasses.replace(built, prefill_reqs=prefill_reqs, q_block=q_block)
 
     def _build_local(self, md: CommonAttentionMetadata, chunk: int) -> XLAAttentionMetadata:
