@@ -1,0 +1,345 @@
+"""Causal prefill over the paged cache as a Mosaic GPU kernel (``plgpu.kernel``, Hopper).
+
+The prefill half of a batch (every request with at least ``2 * block_q`` new tokens)
+runs here; decodes, short chunks and padding rows stay with the Triton kernel
+(``kernel_gpu.py``), which writes its rows into the same output buffer afterwards.
+
+Structure (JAX's ``attention_mgpu.py``, FlashAttention-3 style, adapted to pages):
+
+- A CTA is one q-tile of ``2 * block_q`` query tokens of one request, for one query
+  head (``grid = (Hq, num_tiles)``; heads vary fastest, so the ``G`` heads of a KV
+  head run side by side and share K/V pages through L2). Which request, which tokens
+  and which positions is the host schedule ``mgpu_schedule``; the last tile of a
+  request is shifted back to end at the request's last token (it overlaps the tile
+  before it, and both write identical rows), so every row of every tile is a real row
+  and the output stores are whole TMA tiles.
+- Three warpgroups: two compute warpgroups (``block_q`` rows each; QK^T and PV on
+  ``wgmma``, online softmax in registers with exp2, ping-ponged by a schedule barrier so
+  one warpgroup's softmax overlaps the other's matmuls) and one memory warpgroup that
+  streams K/V blocks of ``block_kv`` keys into a ``steps_in_flight``-deep shared-memory
+  ring, released by consumed barriers.
+- Paging: a K (or V) block is ``block_kv // page_size`` TMA copies, one per page, each
+  ``[page_size, D]`` rows of the cache at the page's id read from the block table by the
+  memory warpgroup; all copies of a block complete on one barrier. One copy per page and
+  not per run of consecutive pages: a TMA box has a static shape, and a run's length is
+  only known at run time.
+- Causal: KV blocks above the diagonal are never fetched (the loop ends at the tile's
+  last position); blocks wholly below it skip the mask.
+- Keys past ``seq_len`` in the last block (the rest of the last page, or pages the block
+  table does not name) are masked out of the scores, and the compute warpgroup zeroes
+  those V rows in shared memory before the PV matmul, so NaN or garbage there cannot
+  reach an output (0 * NaN would).
+
+What it lacks, each named by ``unsupported_reason`` so the caller keeps those batches on
+the Triton kernel: non-causal attention, sliding window, soft cap, ALiBi, sinks, fp8
+caches, float32 activations, head sizes other than 64 and 128, pages that do not tile a
+KV block (``block_kv % page_size`` or ``page_size % 8``). ``common.py``'s per-tile
+functions are not used here: the softmax is written against ``plgpu.Layout.WGMMA``
+register layouts (row statistics in ``WGMMA.reduce(1)``, base-2 exponentials with the
+scale folded into one multiply), which ``common.online_softmax_update``'s ``jnp`` form
+(natural exp, ``dot`` for PV) does not lower to under Mosaic GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+SUPPORTED_HEAD_SIZES = (64, 128)
+SUPPORTED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuBlockSizes:
+    """Static tiling of the Mosaic GPU prefill kernel.
+
+    block_q: query rows per compute warpgroup (a CTA's q-tile is ``2 * block_q`` tokens);
+    block_kv: keys per K/V block (a multiple of the page size, or a divisor of it);
+    steps_in_flight: K/V blocks in the shared-memory ring (>= 2).
+    """
+
+    block_q: int = 64
+    block_kv: int = 128
+    steps_in_flight: int = 2
+
+    @property
+    def tile(self) -> int:
+        return 2 * self.block_q
+
+
+def unsupported_reason(
+    *, head_size: int, page_size: int, dtype, cache_dtype, causal: bool, sliding_window=None,
+    logits_soft_cap=None, alibi_slopes=None, sinks=None, block_sizes: MgpuBlockSizes = MgpuBlockSizes(),
+) -> str | None:  # fmt: skip
+    """Why this kernel cannot serve the configuration, or None when it can."""
+    if not causal:
+        return "the Mosaic GPU prefill kernel is causal only"
+    for name, value in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap),
+                        ("alibi_slopes", alibi_slopes), ("sinks", sinks)):  # fmt: skip
+        if value is not None:
+            return f"the Mosaic GPU prefill kernel has no {name}"
+    if np.dtype(dtype) not in SUPPORTED_DTYPES:
+        return f"the Mosaic GPU prefill kernel takes bfloat16/float16 activations, not {np.dtype(dtype)}"
+    if np.dtype(cache_dtype) != np.dtype(dtype):
+        return f"the Mosaic GPU prefill kernel needs the cache in the activation dtype, not {np.dtype(cache_dtype)}"
+    if head_size not in SUPPORTED_HEAD_SIZES:
+        return f"the Mosaic GPU prefill kernel takes head sizes {list(SUPPORTED_HEAD_SIZES)}, not {head_size}"
+    chunk = min(page_size, block_sizes.block_kv)
+    if page_size % 8 or block_sizes.block_kv % chunk or (page_size > block_sizes.block_kv and page_size % chunk):
+        return f"page_size={page_size} does not tile block_kv={block_sizes.block_kv} in rows of 8"
+    return None
+
+
+def max_num_tiles(num_tokens: int, num_reqs: int, tile: int) -> int:
+    """Static bound on q-tiles: each request served here has >= ``tile`` tokens and at most one partial tile."""
+    full = num_tokens // tile
+    return max(full + min(num_reqs, full), 1)
+
+
+def mgpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, tile: int, xp=jnp):
+    """(i32[4, NT] tiles, bool[R] served): per tile (request, first token, first position, kv length).
+
+    A request is served here when it brings at least ``tile`` new tokens; its tiles start
+    every ``tile`` tokens, the last shifted back to end at its last token. Unused tiles
+    have kv length 0 (the kernel skips them). Tiles are ordered by decreasing last
+    position (longest KV extent first). Host (``xp=numpy``) or traced (``xp=jnp``).
+    """
+    num_reqs = seq_lens.shape[0]
+    nt = max_num_tiles(num_tokens, num_reqs, tile)
+    qsl = query_start_loc.astype(np.int32)
+    qlens = qsl[1:] - qsl[:-1]
+    served = qlens >= tile
+    ntiles = xp.where(served, (qlens + tile - 1) // tile, 0)
+    cum = xp.cumsum(ntiles)
+    b = xp.arange(nt, dtype=np.int32)
+    req = xp.searchsorted(cum, b, side="right").astype(np.int32)
+    used = req < num_reqs
+    req = xp.minimum(req, num_reqs - 1)
+    first = (cum[req] - ntiles[req]).astype(np.int32)
+    offset = xp.minimum((b - first) * tile, qlens[req] - tile)
+    tok = qsl[req] + offset
+    kv_len = seq_lens[req]
+    pos = kv_len - qlens[req] + offset
+    zero = xp.zeros_like(b)
+    rows = (
+        xp.where(used, req, zero),
+        xp.where(used, tok, zero),
+        xp.where(used, pos, zero),
+        xp.where(used, kv_len, zero),
+    )
+    order = xp.argsort(-(rows[2] + tile * used), stable=True)
+    return xp.stack(rows)[:, order].astype(np.int32), served
+
+
+def _kernel(sched_ref, bt_ref, q_ref, kv_ref, out_ref, scoped, *, bs: MgpuBlockSizes, page_size: int,
+            group: int, sm_scale: float, num_slots: int):  # fmt: skip
+    block_q, block_kv, steps = bs.block_q, bs.block_kv, bs.steps_in_flight
+    head_dim = q_ref.shape[-1]
+    dtype = q_ref.dtype
+    pages_per_req = bt_ref.shape[1]
+    (qo_smem2, k_smem, v_smem), (k_bars, v_bars, q_bars), (k_consumed, v_consumed), schedule_barrier = scoped
+    tile = lax.axis_index("tile")
+    q_head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    req = sched_ref[0, tile]
+    tok0 = sched_ref[1, tile]
+    pos0 = sched_ref[2, tile]
+    kv_len = sched_ref[3, tile]
+    valid = kv_len > 0
+    # The memory warpgroup streams every block any row of the tile sees.
+    max_steps = jnp.where(valid, lax.div(pos0 + 2 * block_q + block_kv - 1, jnp.int32(block_kv)), 0)
+
+    def schedule_sync():
+        plgpu.barrier_arrive(schedule_barrier)
+        plgpu.barrier_wait(schedule_barrier)
+
+    @pl.when(valid & (wg < 2))
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        qo_smem = qo_smem2.at[wg]
+        row0 = wg * block_q
+        q_pos0 = pos0 + row0  # position of this warpgroup's first row
+        kv_steps = lax.div(q_pos0 + block_q + block_kv - 1, jnp.int32(block_kv))
+        full_steps = lax.div(q_pos0, jnp.int32(block_kv))
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tok0 + row0, block_q), q_head], qo_smem, q_bars.at[wg])
+        plgpu.barrier_wait(q_bars.at[wg])
+        m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
+        plgpu.barrier_wait(k_bars.at[0])
+        pl.when(wg == 1)(schedule_sync)
+        scale = sm_scale * math.log2(math.e)  # exp(x * s) = exp2(x * s * log2 e)
+
+        def kv_step(step, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(step, jnp.int32(steps))
+
+            def qk_scope(acc_ref):
+                plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                schedule_sync()
+                return acc_ref[...]
+
+            qk = pl.run_scoped(qk_scope, plgpu.ACC((block_q, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            if masked:
+                q_ids = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                kv_ids = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA)
+                qk = jnp.where(q_ids + q_pos0 >= kv_ids + step * block_kv, qk, -jnp.inf)
+            m_ij = jnp.maximum(m_i, qk.max(axis=1) * scale)
+            alpha = jnp.exp2(m_i - m_ij)
+            m_i = m_ij
+            p = jnp.exp2(qk * scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+            acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i *= alpha
+            p16 = p.astype(dtype)
+            if head_dim <= 128:
+                l_i += p.sum(axis=1)
+                acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
+            plgpu.barrier_arrive(schedule_barrier)
+            plgpu.barrier_wait(v_bars.at[slot])
+            plgpu.barrier_wait(schedule_barrier)
+            if head_dim > 128:
+                l_i += p.sum(axis=1)
+            if masked:
+                # Keys from kv_len on (the last page's tail, unnamed pages) may hold NaN: zero their V rows.
+                @pl.when((step + 1) * block_kv > kv_len)
+                def _zero_tail():
+                    v_tile = v_smem.at[slot]
+                    vv = plgpu.load(v_tile, (), layout=plgpu.Layout.WGMMA)
+                    rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=plgpu.Layout.WGMMA)
+                    v_tile[...] = jnp.where(rows + step * block_kv < kv_len, vv, jnp.zeros_like(vv))
+                    plgpu.commit_smem()
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                nxt = step + 1
+
+                @pl.when(nxt < kv_steps)
+                def _():
+                    plgpu.barrier_wait(k_bars.at[lax.rem(nxt, jnp.int32(steps))])
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            return acc, m_i, l_i
+
+        def drain(step, _):  # blocks the other warpgroup needs: release them here too
+            slot = lax.rem(step, jnp.int32(steps))
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            schedule_sync()
+            schedule_sync()
+
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False), carry)
+        acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps, functools.partial(kv_step, masked=True), carry)
+        lax.fori_loop(kv_steps, max_steps, drain, None)
+        pl.when(wg == 0)(schedule_sync)
+        acc /= lax.broadcast_in_dim(l_i, (block_q, head_dim), [0])
+        qo_smem[...] = acc.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[pl.ds(tok0 + row0, block_q), q_head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(valid & (wg == 2))
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        kv_head = lax.div(q_head, jnp.int32(group))
+        chunk = min(page_size, block_kv)
+
+        def fetch(step, slot, plane, smem, bars):
+            for c in range(block_kv // chunk):
+                key0 = step * block_kv + c * chunk
+                page = bt_ref[req, jnp.minimum(lax.div(key0, jnp.int32(page_size)), pages_per_req - 1)]
+                row = plane * num_slots + page * page_size + lax.rem(key0, jnp.int32(page_size))
+                plgpu.copy_gmem_to_smem(
+                    kv_ref.at[pl.ds(row, chunk), kv_head], smem.at[slot, pl.ds(c * chunk, chunk)], bars.at[slot]
+                )
+
+        for i in range(steps):
+
+            @pl.when(i < max_steps)
+            def _(i=i):
+                fetch(i, i, 0, k_smem, k_bars)
+                fetch(i, i, 1, v_smem, v_bars)
+
+        @pl.loop(0, jnp.maximum(max_steps - steps, 0))
+        def _(s):
+            step = s + steps
+            slot = lax.rem(s, jnp.int32(steps))
+            plgpu.barrier_wait(k_consumed.at[slot])
+            fetch(step, slot, 0, k_smem, k_bars)
+            plgpu.barrier_wait(v_consumed.at[slot])
+            fetch(step, slot, 1, v_smem, v_bars)
+
+
+def prefill_attention(
+    q,  # f[T, Hq, D]
+    kv_cache,  # [2, P, S, Hkv, D]
+    schedule,  # i32[4, NT] from mgpu_schedule
+    block_tables,  # i32[R, pages_per_req]
+    *,
+    sm_scale: float,
+    block_sizes: MgpuBlockSizes = MgpuBlockSizes(),
+    interpret=False,
+):
+    """f[T, Hq, D]: causal attention for the rows of the schedule's tiles; other rows are undefined.
+
+    The caller fills the rest (``kernel_gpu.ragged_paged_attention`` passes this output to
+    the Triton kernel, which writes the other rows in place).
+    """
+    return _prefill(q, kv_cache, schedule, block_tables, sm_scale=float(sm_scale), bs=block_sizes, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "bs", "interpret"))
+def _prefill(q, kv_cache, schedule, block_tables, *, sm_scale, bs, interpret):
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_blocks, page_size, num_kv_heads, _ = kv_cache.shape
+    num_slots = num_blocks * page_size
+    kv = kv_cache.reshape(2 * num_slots, num_kv_heads, head_dim)  # a bitcast: K rows, then V rows
+    chunks = bs.block_kv // min(page_size, bs.block_kv)
+    num_tiles = schedule.shape[1]
+    swizzle = 128 if head_dim * q.dtype.itemsize >= 128 else head_dim * q.dtype.itemsize
+    transforms = (plgpu.TilingTransform((8, swizzle // q.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
+
+    def entry(sched_ref, bt_ref, q_ref, kv_ref, out_ref):
+        scratch = (
+            plgpu.SMEM((2, bs.block_q, head_dim), q.dtype, transforms=transforms),
+            plgpu.SMEM((bs.steps_in_flight, bs.block_kv, head_dim), q.dtype, transforms=transforms),
+            plgpu.SMEM((bs.steps_in_flight, bs.block_kv, head_dim), q.dtype, transforms=transforms),
+        )
+        body = functools.partial(
+            _kernel, sched_ref, bt_ref, q_ref, kv_ref, out_ref, bs=bs, page_size=page_size,
+            group=num_q_heads // num_kv_heads, sm_scale=sm_scale, num_slots=num_slots,
+        )  # fmt: skip
+        pl.run_scoped(
+            lambda *args: body(args),
+            scratch,
+            (
+                plgpu.Barrier(num_arrivals=chunks, num_barriers=bs.steps_in_flight),
+                plgpu.Barrier(num_arrivals=chunks, num_barriers=bs.steps_in_flight),
+                plgpu.Barrier(num_barriers=2),
+            ),
+            (plgpu.Barrier(num_arrivals=2, num_barriers=bs.steps_in_flight),) * 2,
+            plgpu.Barrier(num_arrivals=2),
+            collective_axes="wg",
+        )
+
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(num_q_heads, num_tiles),
+        grid_names=("heads", "tile"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+        interpret=interpret,
+        kernel_name="ragged_paged_prefill_mgpu",
+    )(schedule, block_tables, q, kv)

@@ -1,0 +1,160 @@
+"""On a Hopper GPU: the Mosaic GPU prefill kernel and the Pallas k/v write, checked and timed in one run.
+
+1. ``kernel_mgpu.prefill_attention`` against the float32 jnp reference on ragged batches
+   (NaN in every cache slot no request uses), for several head sizes, page sizes and
+   block sizes: relative L2 error and NaN count on the rows it serves.
+2. P1 (4 x 4096 causal, DESIGN.md) with the kernel alone for a few block sizes, beside
+   JAX's dense ``attention_mgpu`` on the same shapes.
+3. The k/v write: ``kv_write.write_kv`` against ``write_to_kv_cache`` (XLA scatters), cache
+   donated, on P1's and D1's new tokens, in GB/s of bytes moved (k and v read + written).
+
+    python benchmarks/prefill_mgpu_check.py [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_jax.kv_cache import write_to_kv_cache
+from attn_jax.ops.ragged_paged_attention import kernel_mgpu, kv_write, reference
+from attn_jax.testing.workloads import WORKLOADS, make_ragged_batch
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+from attention import floors, make_device_batch, measure_ceilings, rel_l2, time_jax  # noqa: E402
+
+log = functools.partial(print, flush=True)
+
+
+def check_case(name, lens, ctx, *, heads, head_size, page, bs, seed=0):
+    batch = make_ragged_batch(seed, query_lens=lens, context_lens=ctx, num_q_heads=heads[0], num_kv_heads=heads[1],
+                              head_size=head_size, block_size=page, dtype=jnp.bfloat16, extra_blocks=3)  # fmt: skip
+    q, k, v, cache, qsl, seq, bt, slots = batch.op_args
+    scale = head_size**-0.5
+    cache = write_to_kv_cache(batch.kv_cache, k, v, slots)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    ref, _ = reference.ragged_paged_attention(f32(q), None, None, f32(cache), qsl, seq, bt, slots, sm_scale=scale)
+    sched, served = kernel_mgpu.mgpu_schedule(np.asarray(qsl), np.asarray(seq), num_tokens=q.shape[0],
+                                              tile=bs.tile, xp=np)  # fmt: skip
+    out = kernel_mgpu.prefill_attention(q, cache, jnp.asarray(sched), bt, sm_scale=scale, block_sizes=bs)
+    out, ref = np.asarray(out, np.float32), np.asarray(ref)
+    qs = np.asarray(qsl)
+    rows = np.concatenate([np.arange(qs[r], qs[r + 1]) for r in np.nonzero(served)[0]])
+    err = rel_l2(out[rows], ref[rows])
+    nans = int(np.isnan(out[rows]).sum())
+    log(
+        f"check {name}: rel L2 {err:.2e}, NaN {nans}, rows {len(rows)}, max abs {np.abs(out[rows] - ref[rows]).max():.3e}"
+    )
+    return {"case": name, "rel_l2": err, "nan": nans, "ok": bool(err < 1e-2 and nans == 0)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--skip", default="", help="comma list of: checks, write")
+    args = p.parse_args(argv)
+    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
+           "checks": [], "p1": [], "write": []}  # fmt: skip
+    B = kernel_mgpu.MgpuBlockSizes
+
+    def attempt(label, fn):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001
+            log(f"{label}: FAILED {type(e).__name__}: {str(e)[:1500]}")
+            traceback.print_exc(limit=4)
+            return {"case": label, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+
+    cases = [
+        ("d128_p16_kv128", dict(heads=(8, 2), head_size=128, page=16, bs=B(64, 128, 2))),
+        ("d64_p32_kv64", dict(heads=(4, 1), head_size=64, page=32, bs=B(64, 64, 3))),
+        ("d128_p64_kv128_mha", dict(heads=(2, 2), head_size=128, page=64, bs=B(64, 128, 2))),
+        ("d128_p256_kv128", dict(heads=(4, 2), head_size=128, page=256, bs=B(64, 128, 2))),
+    ]
+    lens, ctx = [300, 1, 128, 140, 5, 1000], [100, 50, 0, 37, 3, 20]
+    if "checks" not in args.skip:
+        for name, kw in cases:
+            res["checks"].append(attempt(name, functools.partial(check_case, name, lens, ctx, **kw)))
+
+    ceil = measure_ceilings()
+    res["ceilings"] = ceil
+    log(
+        f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"
+    )
+    b = make_device_batch(WORKLOADS["P1"])
+    _, flops = floors(b)
+    qsl, seq = np.asarray(b.query_start_loc), np.asarray(b.seq_lens)
+    for bs in (B(64, 128, 2), B(64, 64, 3), B(64, 64, 4), B(64, 128, 3)):
+        sched = jnp.asarray(kernel_mgpu.mgpu_schedule(qsl, seq, num_tokens=b.num_tokens, tile=bs.tile, xp=np)[0])
+        fn = jax.jit(functools.partial(kernel_mgpu.prefill_attention, sm_scale=128**-0.5, block_sizes=bs))
+
+        def run(fn=fn, sched=sched, bs=bs):
+            t = time_jax(fn, b.q, b.kv_cache, sched, b.block_tables)
+            row = {"block_sizes": str(bs), "ms": t * 1e3, "tflop_per_s": flops / t / 1e12}
+            log(f"P1 mgpu {bs}: {t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s")
+            return row
+
+        res["p1"].append(attempt(f"P1 {bs}", run))
+
+    def peer():
+        from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+
+        # attention_mgpu's shared-memory buffers are float16, so its inputs are too.
+        qd = (b.q.reshape(4, 4096, 32, 128) * jnp.bfloat16(128**-0.5)).astype(jnp.float16)
+        kd = jax.random.normal(jax.random.key(3), (4, 4096, 8, 128), jnp.float16)
+        out = {}
+        for bkv in (128, 64):
+            cfg = am.TuningConfig(block_q=64, block_kv=bkv, max_concurrent_steps=2, causal=True)
+            fn = jax.jit(functools.partial(am.attention, config=cfg))
+            t = time_jax(fn, qd, kd, kd)
+            out[f"block_kv={bkv}"] = {"ms": t * 1e3, "tflop_per_s": flops / t / 1e12}
+            log(f"P1 attention_mgpu dense block_kv={bkv}: {t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s")
+        return out
+
+    res["p1_peer_attention_mgpu"] = attempt("peer", peer)
+
+    for wname in () if "write" in args.skip else ("P1", "D1", "M1"):
+        wb = make_device_batch(WORKLOADS[wname])
+        s = wb.spec
+        k = jax.random.normal(jax.random.key(5), (wb.num_tokens, s.num_kv_heads, s.head_size), jnp.bfloat16)
+        nbytes = 2 * 2 * k.size * 2  # k and v, read and written
+
+        for impl, f in (("xla_scatter", write_to_kv_cache), ("pallas_write", kv_write.write_kv)):
+            step = jax.jit(lambda c, k, sl, f=f: f(c, k, k, sl), donate_argnums=0)
+
+            def run(step=step, impl=impl, wb=wb, k=k, nbytes=nbytes, wname=wname):
+                cache = jnp.array(wb.kv_cache)
+                cache = step(cache, k, wb.slot_mapping)
+                ref = write_to_kv_cache(jnp.array(wb.kv_cache), k, k, wb.slot_mapping)
+                same = bool(jnp.array_equal(cache, ref))
+                del ref
+                times = []
+                for _ in range(30):
+                    jax.block_until_ready(cache)
+                    t0 = time.perf_counter()
+                    for _ in range(5):
+                        cache = step(cache, k, wb.slot_mapping)
+                    jax.block_until_ready(cache)
+                    times.append((time.perf_counter() - t0) / 5)
+                t = float(np.median(times))
+                log(f"write {wname} {impl}: {t * 1e6:.1f} us, {nbytes / t / 1e9:.0f} GB/s, matches scatter {same}")
+                return {"workload": wname, "impl": impl, "us": t * 1e6, "gb_per_s": nbytes / t / 1e9, "same": same}
+
+            res["write"].append(attempt(f"write {wname} {impl}", run))
+        del wb
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=float)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
