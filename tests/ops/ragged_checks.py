@@ -131,3 +131,66 @@ def check(batch: RaggedBatch, options: dict, use_jit: bool, op=ragged_paged_atte
     out, new_cache = run_op(batch, options, use_jit, op=op)
     check_cache(batch, new_cache)
     check_output(batch, options, out, new_cache)
+
+
+# --- non-finite inputs ---------------------------------------------------------------------
+
+NONFINITE_BATCH = dict(query_lens=[1, 8, 3], context_lens=[20, 0, 4], num_q_heads=4, num_kv_heads=2, head_size=64,
+                       block_size=16, num_tokens=14)  # fmt: skip
+"""A decode (row 0), an 8-token prefill (rows 1-8), a 3-token chunk on 4 cached (rows 9-11), 2 padding
+rows: shapes every implementation takes (the TPU kernel's head sizes and pages included)."""
+
+NONFINITE_ENTRIES = (
+    # (what, token row or (request, cached position), head, value)
+    ("q", 0, 0, np.nan),  # the decode's own query, head 0: only that output row
+    ("k", 3, 0, np.nan),  # a prefill key (position 2): the rows at positions 2.. see it (window: 2..5)
+    ("v", 10, 1, np.inf),  # the chunk's second token: rows 10 and 11, heads of kv head 1
+    ("v_cached", (0, 2), 1, np.nan),  # the decode's context: hidden by a window of 4 (it sees 17..20)
+    ("v_cached", (2, 1), 0, np.inf),  # the chunk's context: every row of the chunk sees it
+    ("q", 13, 1, np.nan),  # a padding row's query: never reaches any output
+    ("k", 12, 0, np.nan),  # a padding row's key (slot -1: never written)
+)
+
+
+def with_nonfinite_entries(batch: RaggedBatch, entries=NONFINITE_ENTRIES) -> RaggedBatch:
+    """``batch`` with whole head vectors of q, the new k/v or the cached k/v set to NaN or inf
+    (in the op's inputs and in the oracle's per-request keys and values alike)."""
+    q, k, v = (np.array(x) for x in (batch.q, batch.k, batch.v))
+    k_seqs, v_seqs = [s.copy() for s in batch.k_seqs], [s.copy() for s in batch.v_seqs]
+    cache = np.array(batch.kv_cache)
+    qsl, tables = np.asarray(batch.query_start_loc), np.asarray(batch.block_tables)
+    block_size = cache.shape[2]
+    for what, where, head, value in entries:
+        if what == "q":
+            q[where, head] = value
+        elif what in ("k", "v"):
+            (k if what == "k" else v)[where, head] = value
+            r = int(np.searchsorted(qsl[1:], where, side="right"))
+            if where < batch.num_actual_tokens:
+                seqs = k_seqs if what == "k" else v_seqs
+                seqs[r][batch.context_lens[r] + where - qsl[r], head] = value
+        else:
+            r, pos = where
+            cache[int(what == "v_cached"), tables[r, pos // block_size], pos % block_size, head] = value
+            (v_seqs if what == "v_cached" else k_seqs)[r][pos, head] = value
+    return dataclasses.replace(
+        batch, q=jax.numpy.asarray(q), k=jax.numpy.asarray(k), v=jax.numpy.asarray(v),
+        kv_cache=jax.numpy.asarray(cache), k_seqs=tuple(k_seqs), v_seqs=tuple(v_seqs),
+    )  # fmt: skip
+
+
+def check_nonfinite_output(batch: RaggedBatch, options: dict, out) -> None:
+    """Exactly the output rows (token, head) whose oracle output is non-finite are non-finite
+    in ``out``; the others match the oracle; padding rows are finite."""
+    out = np.asarray(out, np.float64)
+    n = batch.num_actual_tokens
+    with np.errstate(invalid="ignore", over="ignore"):
+        expected = attention_oracle(np.asarray(batch.q, np.float64), batch.k_seqs, batch.v_seqs, batch.query_lens,
+                                    **options)  # fmt: skip
+    bad_expected = ~np.isfinite(expected).all(-1)  # bool[n, Hq]
+    assert bad_expected.any() and not bad_expected.all(), "the test batch must have clean and poisoned rows"
+    bad = ~np.isfinite(out[:n]).all(-1)
+    np.testing.assert_array_equal(bad, bad_expected, err_msg="non-finite output rows (token, head) differ")
+    assert np.isfinite(out[n:]).all(), "padding rows must be finite"
+    tol = TOLERANCES[batch.q.dtype.name]
+    np.testing.assert_allclose(out[:n][~bad], expected[~bad], rtol=tol.rtol, atol=tol.atol)

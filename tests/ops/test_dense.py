@@ -10,7 +10,14 @@ import pytest
 from attn_jax import Attention, build_common_attn_metadata
 from attn_jax.ops.ragged_paged_attention import dense, reference
 from attn_jax.testing.workloads import make_ragged_batch
-from tests.ops.ragged_checks import check, make_options
+from tests.ops.ragged_checks import (
+    NONFINITE_BATCH,
+    check,
+    check_nonfinite_output,
+    make_options,
+    run_op,
+    with_nonfinite_entries,
+)
 
 CASES = {
     "decode": ([1, 1, 1], [9, 30, 2]),
@@ -40,6 +47,15 @@ def test_dense_matches_oracle(case, feature, use_jit):
         num_tokens=sum(query_lens) + 5, extra_blocks=3, num_padding_requests=1,
     )  # fmt: skip
     check(batch, make_options(batch, **features), use_jit, op=dense.ragged_paged_attention)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_dense_nonfinite_inputs_reach_exactly_the_rows_that_see_them(window):
+    """A request's rows share one einsum: a value's NaN must not reach its earlier rows (0 * NaN)."""
+    batch = with_nonfinite_entries(make_ragged_batch(0, **NONFINITE_BATCH))
+    options = make_options(batch, sliding_window=window)
+    out, _ = run_op(batch, options, use_jit=True, op=dense.ragged_paged_attention)
+    check_nonfinite_output(batch, options, out)
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "fp8_e5m2"])

@@ -20,7 +20,15 @@ from hypothesis import strategies as st
 from attn_jax.ops.ragged_paged_attention import kernel_gpu
 from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes, gpu_block_sizes
 from attn_jax.testing.workloads import make_ragged_batch
-from tests.ops.ragged_checks import check, make_options, rel_l2, run_op
+from tests.ops.ragged_checks import (
+    NONFINITE_BATCH,
+    check,
+    check_nonfinite_output,
+    make_options,
+    rel_l2,
+    run_op,
+    with_nonfinite_entries,
+)
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu = pytest.mark.gpu
@@ -69,6 +77,18 @@ def test_kernel_matches_oracle_interpret(name):
     batch_kwargs, options, bs = CASES[name]
     batch = make_ragged_batch(0, **batch_kwargs)
     check(batch, make_options(batch, **options), use_jit=True, op=_op(bs, True))
+
+
+@pytest.mark.parametrize(
+    ("bs", "window"),
+    [(GpuBlockSizes(8, 1), 4), (GpuBlockSizes(8, 1, num_kv_splits=2), None)],
+    ids=["one_pass_window", "split_kv"],
+)
+def test_nonfinite_inputs_reach_exactly_the_rows_that_see_them_interpret(bs, window):
+    batch = with_nonfinite_entries(make_ragged_batch(0, **NONFINITE_BATCH))
+    options = make_options(batch, sliding_window=window)
+    out, _ = run_op(batch, options, use_jit=True, op=_op(bs, interpret=True))
+    check_nonfinite_output(batch, options, out)
 
 
 def test_kv_sharing_writes_nothing_and_matches_reference():

@@ -23,7 +23,15 @@ from hypothesis import strategies as st
 from attn_jax.ops.ragged_paged_attention import kernel_tpu
 from attn_jax.ops.ragged_paged_attention.config import TpuBlockSizes
 from attn_jax.testing.workloads import make_ragged_batch
-from tests.ops.ragged_checks import check, check_output, make_options, run_op
+from tests.ops.ragged_checks import (
+    NONFINITE_BATCH,
+    check,
+    check_nonfinite_output,
+    check_output,
+    make_options,
+    run_op,
+    with_nonfinite_entries,
+)
 
 
 def tpu_op(block_sizes: TpuBlockSizes | None = None):
@@ -74,6 +82,14 @@ def test_kernel_matches_oracle_in_tpu_interpreter(name):
     batch_kwargs, options, block_sizes = CASES[name]
     batch = make_ragged_batch(0, **batch_kwargs)
     check(batch, make_options(batch, **options), use_jit=True, op=tpu_op(block_sizes))
+
+
+@pytest.mark.parametrize(("head_size", "window"), [(64, 4), (128, None)], ids=["packed_h64_window", "h128"])
+def test_nonfinite_inputs_reach_exactly_the_rows_that_see_them_in_tpu_interpreter(head_size, window):
+    batch = with_nonfinite_entries(make_ragged_batch(0, **dict(NONFINITE_BATCH, head_size=head_size)))
+    options = make_options(batch, sliding_window=window)
+    out, _ = run_op(batch, options, use_jit=True, op=tpu_op(SMALL))
+    check_nonfinite_output(batch, options, out)
 
 
 @st.composite

@@ -19,7 +19,15 @@ import pytest
 from attn_jax.kv_cache import write_to_kv_cache
 from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
 from attn_jax.testing.workloads import make_ragged_batch
-from tests.ops.ragged_checks import check, check_output, make_options, run_op
+from tests.ops.ragged_checks import (
+    NONFINITE_BATCH,
+    check,
+    check_nonfinite_output,
+    check_output,
+    make_options,
+    run_op,
+    with_nonfinite_entries,
+)
 
 JIT = pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
 
@@ -125,6 +133,17 @@ def test_padding_rows_never_written_even_to_last_slot():
     batch = make_ragged_batch(3, [2, 1], [3, 2], **_SHAPE, num_tokens=6, extra_blocks=1, shuffle_blocks=False)
     _, new_cache = run_op(batch, make_options(batch), use_jit=False)
     assert np.isnan(np.asarray(new_cache, np.float32)[:, -1, -1]).all()
+
+
+@pytest.mark.parametrize("window", [None, 4])
+@JIT
+def test_nonfinite_inputs_reach_exactly_the_rows_that_see_them(window, use_jit):
+    """NaN / inf in a request's own q, k, v (new or cached) make exactly the output rows that
+    see them non-finite, as torch SDPA does (before: 0.0); padding rows' NaN reaches nothing."""
+    batch = with_nonfinite_entries(make_ragged_batch(0, **NONFINITE_BATCH))
+    options = make_options(batch, sliding_window=window)
+    out, _ = run_op(batch, options, use_jit)
+    check_nonfinite_output(batch, options, out)
 
 
 # --- bad inputs: one case per error message of validate.py --------------------------------

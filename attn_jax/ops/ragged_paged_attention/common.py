@@ -17,6 +17,12 @@ The online softmax keeps, per row, the running maximum ``m``, the running denomi
 A sink (one raw logit per query head) enters as the initial state ``m = sink, denom = 1``:
 it joins the denominator and contributes nothing to the numerator, exactly as
 ``p_j = exp(s_j) / (sum_i exp(s_i) + exp(sink))``.
+
+Non-finite values: NaN or inf in a request's own q, k or v reach exactly the output rows
+that can see them (DESIGN.md), as non-finite values (NaN where torch SDPA may give inf);
+whatever a row cannot see never reaches it. Masks are applied with ``where`` (never by
+multiplying), and ``route_nonfinite_values`` keeps ``p @ v`` from carrying ``0 * NaN``
+from a value no row of the tile sees to the rows that do not see it.
 """
 
 from __future__ import annotations
@@ -107,12 +113,27 @@ def softmax_tile_update(m, denom, s, visible):
     return m_new, denom_new, alpha, p
 
 
+def route_nonfinite_values(k, v):
+    """(k, v) of one tile with every non-finite value entry moved to its key: ``k`` becomes
+    NaN in that entry's place, ``v`` 0.
+
+    ``p @ v`` gives ``0 * NaN = NaN`` in rows whose weight for that key is 0 (rows that do
+    not see it), so a masked tile must not hold non-finite values. A NaN key instead makes
+    that key's score NaN in every row, and the visibility mask (a ``where``) keeps it in
+    exactly the rows that see the key, whose output becomes NaN. Elementwise (``v - v`` is
+    0 or NaN), so it lowers on Triton and Mosaic alike; k and v may be the same array.
+    """
+    poison = v - v  # 0 where v is finite, NaN where it is NaN or +-inf
+    return k + poison.astype(k.dtype), jnp.where(poison == 0, v, jnp.zeros_like(v))
+
+
 def online_softmax_update(state, s, visible, v, *, precision=None):
     """Folds one KV tile into the running state.
 
     state: (m, denom, acc) as from ``init_softmax_state``; s f32[rows, cols] logits;
     visible bool[rows, cols] or None (all visible); v [cols, head_size] in the matmul dtype (rows of v that are
-    not visible to any row must be finite: mask or zero them when loading).
+    not visible to any row must be finite: mask or zero them when loading; with ``visible``
+    given, non-finite entries must have gone through ``route_nonfinite_values``).
     """
     m, denom, acc = state
     m_new, denom_new, alpha, p = softmax_tile_update(m, denom, s, visible)
@@ -120,12 +141,18 @@ def online_softmax_update(state, s, visible, v, *, precision=None):
     return m_new, denom_new, acc * _col(alpha) + pv
 
 
+def normalize(acc, denom):
+    """``acc / denom`` with ``denom`` broadcast against ``acc``: rows that saw no key
+    (denom == 0) give 0; a NaN denominator (a row that saw a non-finite value) gives NaN."""
+    empty = denom == 0
+    return jnp.where(empty, 0.0, acc / jnp.where(empty, 1.0, denom))
+
+
 def finalize_softmax_state(state):
-    """f32[rows, head_size] ``acc / denom``; rows that saw no key (denom == 0) give 0."""
+    """f32[rows, head_size] ``acc / denom``; rows that saw no key (denom == 0) give 0,
+    rows that saw a non-finite score or value give NaN."""
     _, denom, acc = state
-    denom = _col(denom)
-    safe = jnp.where(denom > 0, denom, 1.0)
-    return jnp.where(denom > 0, acc / safe, 0.0)
+    return normalize(acc, _col(denom))
 
 
 def merge_softmax_states(m, denom, acc):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_jax.kv_cache import dequantize_from_cache, write_to_kv_cache
+from attn_jax.ops.ragged_paged_attention.common import normalize, route_nonfinite_values
 from attn_jax.ops.ragged_paged_attention.validate import (
     dynamic_validate_inputs,
     is_concrete,
@@ -193,6 +194,9 @@ def _attend_requests(
     values = dequantize_from_cache(kv_cache[1, req_pages], v_scale, jnp.float32)
     keys = keys.reshape(num_groups, max_kv_len, num_kv_heads, head_size)  # f32[G, L, Hkv, D]
     values = values.reshape(num_groups, max_kv_len, num_kv_heads, head_size)
+    # A request's rows share one einsum: a non-finite value moves to its key, where the mask keeps
+    # it in exactly the rows that see it (unused slots' NaN included: they are never visible).
+    keys, values = route_nonfinite_values(keys, values)
 
     seq = seq_lens[reqs]  # i32[G]
     # Position of each row: the request's query rows are its last query_len positions.
@@ -226,8 +230,7 @@ def _attend_requests(
     denom = jnp.sum(weights, axis=-1)
     if sinks is not None:
         denom = denom + jnp.exp(sink - m)
-    values = jnp.where((j[None, :] < seq[:, None])[:, :, None, None], values, 0.0)  # NaNs must not leak
     o = jnp.einsum("bkgql,blkd->bqkgd", weights, values, precision=_HIGHEST)  # f32[G, Qb, Hkv, g, D]
     denom = jnp.moveaxis(denom, -1, 1)[..., None]  # f32[G, Qb, Hkv, g, 1]
-    o = jnp.where(denom > 0, o / jnp.where(denom > 0, denom, 1.0), 0.0)
+    o = normalize(o, denom)
     return o.reshape(num_groups, q_block, num_q_heads, head_size).astype(q.dtype)

@@ -163,6 +163,8 @@ def _kernel(
         v = plgpu.load(kv_ref.at[1, page, offset, kv_head, d], mask=in_range[:, None], other=0.0)
         k = common.dequantize(k, None, q.dtype)  # fp8 scales fold into sm_scale and the output
         v = common.dequantize(v, None, q.dtype)
+        if masked:  # rows of a masked tile share p @ v: keep a value's NaN from rows that do not see it
+            k, v = common.route_nonfinite_values(k, v)
         dims = (((1,), (1,)), ((), ()))
         s = jax.lax.dot_general(q, k, dims, precision=precision, preferred_element_type=jnp.float32)  # f32[rows, tile]
         s = common.transform_scores(

@@ -428,6 +428,7 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
         return k.astype(mm_dtype), v.astype(mm_dtype)
 
     def update(state, q, k, v, q_pos, kv_pos, visible, slopes):
+        k, v = common.route_nonfinite_values(k, v)  # rows not seeing a non-finite value stay clean
         s = jax.lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )  # f32[rows, bkv]

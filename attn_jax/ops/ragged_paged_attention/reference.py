@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_jax.kv_cache import dequantize_from_cache, write_to_kv_cache
+from attn_jax.ops.ragged_paged_attention.common import normalize
 from attn_jax.ops.ragged_paged_attention.validate import (
     dynamic_validate_inputs,
     is_concrete,
@@ -53,7 +54,8 @@ def ragged_paged_attention(
     softmax denominator only. Query head h reads kv head ``h // (Hq // Hkv)``.
 
     Rows past ``query_start_loc[-1]`` and rows that see no key are padding: their
-    output is finite (zero). Unused cache slots (NaN included) never reach an output.
+    output is finite (zero). Unused cache slots (NaN included) never reach an output;
+    NaN or inf in a request's own q, k or v reaches exactly the rows that see it.
     Softmax and accumulation run in float32; ``out`` has q's dtype and shape.
 
     Example::
@@ -141,7 +143,7 @@ def _attend(
         wg = weights.reshape(num_kv_heads, group, max_kv_len)
         o = jnp.einsum("kgl,lkd->kgd", wg, values, precision=jax.lax.Precision.HIGHEST)
         o = o.reshape(num_q_heads, head_size)
-        o = jnp.where(denom[:, None] > 0, o / jnp.where(denom > 0, denom, 1.0)[:, None], 0.0)
+        o = normalize(o, denom[:, None])  # NaN from a visible q, k or v stays NaN
         return o.astype(q.dtype)
 
     per_row = 2 * max_kv_len * num_kv_heads * head_size
