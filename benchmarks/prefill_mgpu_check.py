@@ -51,7 +51,8 @@ def check_case(name, lens, ctx, *, heads, head_size, page, bs, seed=0):
     err = rel_l2(out[rows], ref[rows])
     nans = int(np.isnan(out[rows]).sum())
     log(
-        f"check {name}: rel L2 {err:.2e}, NaN {nans}, rows {len(rows)}, max abs {np.abs(out[rows] - ref[rows]).max():.3e}"
+        f"check {name}: rel L2 {err:.2e}, NaN {nans}, rows {len(rows)}, "
+        f"max abs {np.abs(out[rows] - ref[rows]).max():.3e}"
     )
     return {"case": name, "rel_l2": err, "nan": nans, "ok": bool(err < 1e-2 and nans == 0)}
 
@@ -87,7 +88,8 @@ def main(argv=None):
     ceil = measure_ceilings()
     res["ceilings"] = ceil
     log(
-        f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"
+        f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+        f"matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"
     )
     b = make_device_batch(WORKLOADS["P1"])
     _, flops = floors(b)

@@ -57,5 +57,9 @@ class PallasKernelImpl(XLAAttentionImpl):
             sm_scale=self.scale, causal=self.attn_type.is_causal, sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap, alibi_slopes=self.alibi_slopes, sinks=self.sinks,
             k_scale=k_scale, v_scale=v_scale, interpret=self.interpret, block_sizes=md.block_sizes,
-            schedule=md.schedule,
+            schedule=md.schedule, **self.kernel_kwargs(md),
         )  # fmt: skip
+
+    def kernel_kwargs(self, md) -> dict:
+        """Further keyword arguments for the kernel from the metadata (none by default)."""
+        return {}

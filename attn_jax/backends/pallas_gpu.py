@@ -1,4 +1,10 @@
-"""The Pallas GPU backend: ragged paged attention as one Triton-lowered Pallas kernel (kernel_gpu.py).
+"""The Pallas GPU backend: ragged paged attention as Pallas kernels (kernel_gpu.py, kernel_mgpu.py).
+
+One Triton-lowered kernel serves every batch; on Hopper GPUs the long prefill requests of a
+batch run in a Mosaic GPU kernel instead (TMA, warpgroup MMA; ``kernel_mgpu``) when the
+layer's configuration allows it (causal, no window / soft cap / ALiBi / sinks, 16-bit
+activations and cache, head size 64 or 128), and new keys and values are written by a
+Pallas kernel (``kv_write``).
 
 The default on GPU platforms. Forced where no GPU exists (``global_force_attn_backend``
 or ``ATTN_STACK_BACKEND=PALLAS_GPU``), it runs the same kernel in the Pallas interpreter
@@ -21,8 +27,13 @@ import numpy as np
 
 from attn_jax.backends.pallas import PallasKernelImpl
 from attn_jax.backends.xla import XLAAttentionBackend, XLAMetadataBuilder
-from attn_jax.ops.ragged_paged_attention import kernel_gpu
-from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes, gpu_batch_mode, gpu_block_sizes
+from attn_jax.ops.ragged_paged_attention import kernel_gpu, kernel_mgpu
+from attn_jax.ops.ragged_paged_attention.config import (
+    GpuBlockSizes,
+    gpu_batch_mode,
+    gpu_block_sizes,
+    mgpu_prefill_available,
+)
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
 from attn_jax.platforms import Platform, current_platform
 
@@ -42,6 +53,11 @@ class PallasGPUAttentionMetadata:
     slot_mapping: Array  # i32[T]
     schedule: Array  # i32[5, NB]: per q-block request, token range, first position, kv length
     block_sizes: GpuBlockSizes = dataclasses.field(metadata=dict(static=True))
+    # The Mosaic GPU prefill split (Hopper, batches with a request of >= 2 * block_q new
+    # tokens), else None: its q-tiles, and ``schedule`` without the requests it serves.
+    mgpu_schedule: Array | None = None  # i32[4, NT]
+    rest_schedule: Array | None = None  # i32[5, NB]
+    mgpu_block_sizes: kernel_mgpu.MgpuBlockSizes | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 class PallasGPUMetadataBuilder(XLAMetadataBuilder):
@@ -52,6 +68,13 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
     schedule are computed on the host; traced metadata (``build`` inside ``jit``) derives
     the schedule with jnp and uses the "mixed" block sizes. Block sizes depend only on the
     bucket's shapes and the mode, so a bucket compiles at most three times.
+
+    On Hopper GPUs (``config.mgpu_prefill_available``), a batch that is not decode-only and
+    has a request of at least ``2 * block_q`` new tokens (host metadata; traced metadata:
+    any non-decode bucket) also gets the Mosaic GPU prefill split (``kernel_gpu.split_schedules``):
+    the kernel runs those requests in ``kernel_mgpu`` when the layer's configuration allows
+    (``kernel_mgpu.unsupported_reason``) and everything in the Triton kernel otherwise. Whether
+    the split is there is part of the jit key: such a bucket compiles once more.
     """
 
     def __init__(self, kv_cache_spec, device_kind: str | None = None) -> None:
@@ -89,9 +112,19 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
             xp.asarray(base.query_start_loc), xp.asarray(base.seq_lens), num_tokens=num_tokens,
             block_q=bs.block_q, xp=xp,
         )  # fmt: skip
+        split = {}
+        mgpu_bs = kernel_mgpu.MgpuBlockSizes()
+        if mgpu_prefill_available(self.device_kind) and mode != "decode":
+            long = (np.diff(np.asarray(base.query_start_loc)) >= mgpu_bs.tile).any() if concrete else True
+            if long:
+                mgpu, rest = kernel_gpu.split_schedules(
+                    xp.asarray(base.query_start_loc), xp.asarray(base.seq_lens), num_tokens=num_tokens,
+                    block_q=bs.block_q, tile=mgpu_bs.tile, xp=xp,
+                )  # fmt: skip
+                split = dict(mgpu_schedule=mgpu, rest_schedule=rest, mgpu_block_sizes=mgpu_bs)
         return PallasGPUAttentionMetadata(
             query_start_loc=base.query_start_loc, seq_lens=base.seq_lens, block_tables=base.block_tables,
-            slot_mapping=base.slot_mapping, schedule=schedule, block_sizes=bs,
+            slot_mapping=base.slot_mapping, schedule=schedule, block_sizes=bs, **split,
         )  # fmt: skip
 
 
@@ -104,6 +137,11 @@ class PallasGPUAttentionImpl(PallasKernelImpl):
     interpreter = "Pallas interpreter"
     kernel = kernel_gpu
     metadata_cls = PallasGPUAttentionMetadata
+
+    def kernel_kwargs(self, md) -> dict:
+        return dict(
+            mgpu_schedule=md.mgpu_schedule, rest_schedule=md.rest_schedule, mgpu_block_sizes=md.mgpu_block_sizes
+        )
 
 
 class PallasGPUAttentionBackend(XLAAttentionBackend):

@@ -166,6 +166,16 @@ def gpu_block_sizes(
     return bs
 
 
+MGPU_DEVICE_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+"""Hopper parts (``jax.Device.device_kind`` contains one of these): where the Mosaic GPU
+prefill kernel (``kernel_mgpu``: TMA and warpgroup MMA, sm_90a) is compiled."""
+
+
+def mgpu_prefill_available(device_kind: str | None) -> bool:
+    """Whether the metadata builder schedules the Mosaic GPU prefill kernel on this device."""
+    return device_kind is not None and any(f" {k} " in f" {device_kind} " for k in MGPU_DEVICE_KINDS)
+
+
 # --------------------------------------------------------------------------------------
 # TPU (kernel_tpu.py)
 # --------------------------------------------------------------------------------------

@@ -306,6 +306,9 @@ def _prefill(q, kv_cache, schedule, block_tables, *, sm_scale, bs, interpret):
     kv = kv_cache.reshape(2 * num_slots, num_kv_heads, head_dim)  # a bitcast: K rows, then V rows
     chunks = bs.block_kv // min(page_size, bs.block_kv)
     num_tiles = schedule.shape[1]
+    pad = -num_tokens % 8  # a TMA over q and out wants whole 8-row tiles of tokens
+    if pad:
+        q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
     swizzle = 128 if head_dim * q.dtype.itemsize >= 128 else head_dim * q.dtype.itemsize
     transforms = (plgpu.TilingTransform((8, swizzle // q.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
 
@@ -332,7 +335,7 @@ def _prefill(q, kv_cache, schedule, block_tables, *, sm_scale, bs, interpret):
             collective_axes="wg",
         )
 
-    return plgpu.kernel(
+    out = plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(num_q_heads, num_tiles),
@@ -343,3 +346,4 @@ def _prefill(q, kv_cache, schedule, block_tables, *, sm_scale, bs, interpret):
         interpret=interpret,
         kernel_name="ragged_paged_prefill_mgpu",
     )(schedule, block_tables, q, kv)
+    return out[:num_tokens] if pad else out

@@ -1,0 +1,172 @@
+"""The Mosaic GPU prefill kernel (``kernel_mgpu``), its host schedule, and the Pallas k/v write.
+
+Mosaic GPU's interpreter in jax 0.11.2 does not run this kernel (it cannot evaluate the
+``run_state`` around the PV matmul), so the kernel itself is checked against the float64
+oracle on a GPU only (marker ``gpu``: the cases below, on ragged batches whose unused
+cache slots hold NaN). On the CPU: the schedules, the fallback reasons, the backend's
+split, the whole op with a split schedule (which the interpreter runs on the Triton
+kernel alone) and the write kernel in the Pallas interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn_jax.kv_cache import write_to_kv_cache
+from attn_jax.ops.ragged_paged_attention import kernel_gpu, kernel_mgpu, kv_write
+from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes, mgpu_prefill_available
+from attn_jax.testing.workloads import make_ragged_batch
+from tests.ops.ragged_checks import check, make_options
+
+ON_GPU = jax.default_backend() == "gpu"
+ON_HOPPER = ON_GPU and mgpu_prefill_available(jax.devices()[0].device_kind)
+needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (H100/H200) for Mosaic GPU")
+
+TILE = kernel_mgpu.MgpuBlockSizes().tile  # 128
+
+
+def _split(batch, block_q, tile=TILE, xp=np):
+    return kernel_gpu.split_schedules(
+        xp.asarray(batch.query_start_loc), xp.asarray(batch.seq_lens), num_tokens=batch.q.shape[0],
+        block_q=block_q, tile=tile, xp=xp,
+    )  # fmt: skip
+
+
+_LENS = dict(query_lens=[300, 1, 128, 140, 5, 0, 260], context_lens=[100, 50, 0, 37, 3, 9, 0])
+_SHAPE = dict(num_q_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+
+
+def test_split_schedules_cover_every_row_once_and_agree_traced():
+    batch = make_ragged_batch(0, **_LENS, **_SHAPE, num_tokens=880)
+    mgpu, rest = _split(batch, block_q=8)
+    mgpu_t, rest_t = jax.jit(lambda a, b: _split_traced(a, b, 880))(batch.query_start_loc, batch.seq_lens)
+    np.testing.assert_array_equal(mgpu, np.asarray(mgpu_t))
+    np.testing.assert_array_equal(rest, np.asarray(rest_t))
+    qsl, seq = np.asarray(batch.query_start_loc), np.asarray(batch.seq_lens)
+    qlens = np.diff(qsl)
+    covered = np.zeros(880, int)
+    for req, tok, pos, kv_len in mgpu.T:
+        if kv_len == 0:
+            continue
+        assert qlens[req] >= TILE and qsl[req] <= tok and tok + TILE <= qsl[req + 1]
+        assert pos == seq[req] - qlens[req] + (tok - qsl[req]) and kv_len == seq[req]
+        covered[tok : tok + TILE] = 1  # overlapping tiles write the same rows
+    for s, e in zip(rest[1], rest[2], strict=True):
+        covered[s:e] += 1
+    assert (covered == 1).all(), "each row is served by exactly one kernel"
+    served = qlens >= TILE
+    assert served.sum() == 4 and (mgpu[3] > 0).sum() == 3 + 1 + 2 + 3  # 300, 128, 140, 260 tokens
+    assert mgpu.shape[1] == kernel_mgpu.max_num_tiles(880, 7, TILE)
+    lasts = mgpu[2] + TILE * (mgpu[3] > 0)
+    assert (np.diff(lasts) <= 0).all(), "longest KV extent first"
+
+
+def _split_traced(qsl, seq, num_tokens):
+    return kernel_gpu.split_schedules(qsl, seq, num_tokens=num_tokens, block_q=8, tile=TILE, xp=jnp)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(causal=False), "causal only"),
+        (dict(sliding_window=8), "no sliding_window"),
+        (dict(logits_soft_cap=3.0), "no logits_soft_cap"),
+        (dict(alibi_slopes=np.ones(4)), "no alibi_slopes"),
+        (dict(sinks=np.ones(4)), "no sinks"),
+        (dict(dtype=jnp.float32, cache_dtype=jnp.float32), "bfloat16/float16 activations, not float32"),
+        (dict(cache_dtype=jnp.float8_e4m3fn), "cache in the activation dtype"),
+        (dict(head_size=256), r"head sizes \[64, 128\], not 256"),
+        (dict(page_size=4), "page_size=4 does not tile"),
+    ],
+)
+def test_unsupported_configurations_are_named(kwargs, match):
+    base = dict(head_size=128, page_size=16, dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16, causal=True)
+    assert kernel_mgpu.unsupported_reason(**base) is None
+    reason = kernel_mgpu.unsupported_reason(**{**base, **kwargs})
+    assert reason is not None and __import__("re").search(match, reason), reason
+
+
+def test_builder_splits_long_prefills_on_hopper_only():
+    from attn_jax.backends.base import AttentionSpec
+    from attn_jax.backends.pallas_gpu import PallasGPUMetadataBuilder
+    from attn_jax.metadata import build_common_attn_metadata
+
+    spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=np.dtype(jnp.bfloat16), num_q_heads=4)
+    tables = np.arange(40, dtype=np.int32).reshape(2, 20)
+    mixed = build_common_attn_metadata([200, 1], [200, 30], tables, block_size=16)
+    decode = build_common_attn_metadata([1, 1], [20, 30], tables, block_size=16)
+    hopper = PallasGPUMetadataBuilder(spec, device_kind="NVIDIA H100 80GB HBM3")
+    md = hopper.build(0, mixed)
+    assert md.mgpu_schedule is not None and md.mgpu_block_sizes == kernel_mgpu.MgpuBlockSizes()
+    assert hopper.build(0, decode).mgpu_schedule is None
+    assert PallasGPUMetadataBuilder(spec, device_kind="NVIDIA A100-SXM4-80GB").build(0, mixed).mgpu_schedule is None
+
+
+def test_op_with_split_schedules_matches_oracle_interpret():
+    """In the interpreter the split falls back to the Triton kernel on the full schedule."""
+    batch = make_ragged_batch(1, query_lens=[130, 1, 3], context_lens=[5, 20, 0], **_SHAPE, dtype=jnp.bfloat16)
+    bs = GpuBlockSizes(block_q=8, pages_per_tile=1)
+    mgpu, rest = _split(batch, block_q=8)
+    op = functools.partial(
+        kernel_gpu.ragged_paged_attention, block_sizes=bs, interpret=True, mgpu_schedule=mgpu, rest_schedule=rest
+    )
+    check(batch, make_options(batch), use_jit=True, op=op)
+
+
+# ------------------------------------------------------------------ the k/v write
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
+def test_write_kernel_matches_scatter_interpret(cache_dtype):
+    batch = make_ragged_batch(2, query_lens=[5, 1, 19], context_lens=[3, 30, 0], num_q_heads=4, num_kv_heads=2,
+                              head_size=32, block_size=16, num_tokens=30, cache_dtype_str=cache_dtype,
+                              extra_blocks=2)  # fmt: skip
+    slots = np.asarray(batch.slot_mapping).copy()
+    slots[-1] = batch.kv_cache.shape[1] * 16 + 5  # out of range: dropped, as by the scatter
+    kw = dict(k_scale=batch.k_scale, v_scale=batch.v_scale)
+    ref = write_to_kv_cache(batch.kv_cache, batch.k, batch.v, slots, **kw)
+    out = kv_write.write_kv(batch.kv_cache, batch.k, batch.v, slots, interpret=True, **kw)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))  # NaN where NaN
+
+
+def test_write_kernel_is_in_place_under_donation():
+    step = jax.jit(functools.partial(kv_write.write_kv, interpret=True), donate_argnums=0)
+    cache = jnp.zeros((2, 4, 16, 2, 32), jnp.float32)
+    k = jnp.ones((3, 2, 32), jnp.float32)
+    text = step.lower(cache, k, k, jnp.array([0, 17, -1], jnp.int32)).as_text()
+    assert "tf.aliasing_output" in text or "jax.buffer_donor" in text
+
+
+def test_write_kernel_rejects_bad_block_tokens():
+    with pytest.raises(ValueError, match="block_tokens=3 must be a power of two"):
+        kv_write.write_kv(jnp.zeros((2, 1, 16, 1, 32)), jnp.zeros((1, 1, 32)), jnp.zeros((1, 1, 32)),
+                          jnp.zeros((1,), jnp.int32), block_tokens=3, interpret=True)  # fmt: skip
+
+
+# ------------------------------------------------------------------ on a Hopper GPU
+GPU_CASES = {
+    # name: (make_ragged_batch kwargs, Mosaic GPU block sizes)
+    "gqa4_head128_page16": (dict(num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16), (64, 128, 2)),
+    "gqa4_head64_page32": (dict(num_q_heads=4, num_kv_heads=1, head_size=64, block_size=32), (64, 64, 3)),
+    "mha_head128_page64": (dict(num_q_heads=2, num_kv_heads=2, head_size=128, block_size=64), (64, 128, 2)),
+    "head128_page256": (dict(num_q_heads=4, num_kv_heads=2, head_size=128, block_size=256), (64, 128, 2)),
+    "float16": (dict(num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=jnp.float16), (64, 128, 2)),
+}
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_mgpu_split_matches_oracle_compiled(name):
+    kwargs, mbs = GPU_CASES[name]
+    kwargs = {"dtype": jnp.bfloat16, **kwargs}
+    batch = make_ragged_batch(0, **_LENS, **kwargs, num_tokens=880, num_padding_requests=1, extra_blocks=3)
+    bs = GpuBlockSizes(block_q=16, pages_per_tile=max(64 // kwargs["block_size"], 1))
+    mgpu_bs = kernel_mgpu.MgpuBlockSizes(*mbs)
+    mgpu, rest = _split(batch, block_q=16, tile=mgpu_bs.tile)
+    op = functools.partial(kernel_gpu.ragged_paged_attention, block_sizes=bs, mgpu_schedule=mgpu,
+                           rest_schedule=rest, mgpu_block_sizes=mgpu_bs)  # fmt: skip
+    check(batch, make_options(batch), use_jit=True, op=op)
