@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from attn_jax.kv_cache import write_to_kv_cache
-from attn_jax.ops.ragged_paged_attention import common
+from attn_jax.ops.ragged_paged_attention import common, kernel_mgpu, kv_write
 from attn_jax.ops.ragged_paged_attention.config import (
     GpuBlockSizes,
     check_block_sizes,
@@ -60,7 +60,7 @@ def max_num_q_blocks(num_tokens: int, num_reqs: int, block_q: int) -> int:
     return -(-num_tokens // block_q) + num_reqs + 1
 
 
-def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp=jnp):
+def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp=jnp, skip=None):
     """i32[5, NB]: per q-block (request, first token, end token, first position, kv length).
 
     Runs on the host with ``xp=numpy`` (the metadata builder) or traced with ``xp=jax.numpy``
@@ -68,12 +68,16 @@ def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp
     to ``num_tokens``) get blocks of a pseudo-request with no keys, so the kernel writes
     zeros there; blocks past the last one are empty (no rows, no keys). Blocks are ordered
     by decreasing KV extent (the grid runs roughly in order: the longest go first).
+    ``skip`` (bool[R] or None) marks requests another kernel serves (the Mosaic GPU prefill,
+    ``kernel_mgpu``): they get no q-blocks here.
     """
     num_reqs = seq_lens.shape[0]
     nb = max_num_q_blocks(num_tokens, num_reqs, block_q)
     qsl = xp.concatenate([query_start_loc.astype(np.int32), xp.full((1,), num_tokens, np.int32)])
     qlens = qsl[1:] - qsl[:-1]  # i32[R + 1]: the last entry is the padding rows
     nblk = (qlens + block_q - 1) // block_q
+    if skip is not None:
+        nblk = xp.where(xp.concatenate([skip, xp.zeros((1,), bool)]), 0, nblk)
     cum = xp.cumsum(nblk)
     b = xp.arange(nb, dtype=np.int32)
     req = xp.searchsorted(cum, b, side="right").astype(np.int32)  # == R + 1: unused block
@@ -102,12 +106,14 @@ def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp
 def _kernel(
     sched_ref, block_tables_ref, q_ref, kv_ref, scales_ref, *rest,
     sm_scale, causal, sliding_window, soft_cap, has_alibi, has_sinks,
-    group, block_q, group_pad, pages_per_tile, num_kv_splits, spare_row,
+    group, block_q, group_pad, pages_per_tile, num_kv_splits, spare_row, has_out_init=False,
 ):  # fmt: skip
-    """One (q-block, kv head, kv split). rest: [alibi_ref], [sinks_ref], out refs."""
+    """One (q-block, kv head, kv split). rest: [alibi_ref], [sinks_ref], [out_init_ref], out refs."""
     rest = list(rest)
     alibi_ref = rest.pop(0) if has_alibi else None
     sinks_ref = rest.pop(0) if has_sinks else None
+    if has_out_init:
+        rest.pop(0)  # aliased to the output ref
     b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_tokens, num_q_heads, head_size = q_ref.shape
     _, _, page_size, _, _ = kv_ref.shape
@@ -227,6 +233,9 @@ def ragged_paged_attention(
     interpret: bool | None = None,
     block_sizes: GpuBlockSizes | None = None,
     schedule=None,  # i32[5, NB] from gpu_schedule (the builder's); derived here when None
+    mgpu_schedule=None,  # i32[4, NT] from kernel_mgpu.mgpu_schedule, or None: no Mosaic GPU prefill
+    rest_schedule=None,  # i32[5, NB]: gpu_schedule without the requests mgpu_schedule serves
+    mgpu_block_sizes: kernel_mgpu.MgpuBlockSizes | None = None,
 ):
     """The reference op's contract (``reference.ragged_paged_attention``) as a Pallas GPU kernel.
 
@@ -234,6 +243,14 @@ def ragged_paged_attention(
     GPU and in the Pallas interpreter elsewhere. ``block_sizes`` defaults to
     ``config.gpu_block_sizes`` for the shapes; ``schedule`` must have been built with
     the same ``block_q``.
+
+    With ``mgpu_schedule`` and ``rest_schedule`` (``split_schedules``; the metadata builder
+    makes them on Hopper GPUs) and a configuration ``kernel_mgpu.unsupported_reason``
+    accepts, the long prefill requests run in the Mosaic GPU kernel and the rest of the
+    rows (decodes, short chunks, padding) in this kernel, writing into the same output;
+    otherwise everything runs here on ``schedule``. Compiled, new keys and values are
+    written by ``kv_write.write_kv`` (a Pallas kernel, in place under donation); in the
+    interpreter by ``write_to_kv_cache``.
 
     Example::
 
@@ -266,8 +283,10 @@ def ragged_paged_attention(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
 
-    if k is not None:
+    if k is not None and interpret:
         kv_cache = write_to_kv_cache(kv_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    elif k is not None:
+        kv_cache = kv_write.write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale, interpret=False)
     if num_tokens == 0:  # nothing to attend; a zero-sized grid would not lower
         return jnp.zeros_like(q), kv_cache
     if schedule is None:
@@ -280,13 +299,40 @@ def ragged_paged_attention(
             f"schedule.shape={tuple(schedule.shape)} must be {expected} (gpu_schedule with "
             f"block_q={block_sizes.block_q}, num_tokens={num_tokens}, num_reqs={num_reqs})"
         )
+    mgpu_bs = mgpu_block_sizes or kernel_mgpu.MgpuBlockSizes()
+    use_mgpu = (
+        mgpu_schedule is not None and rest_schedule is not None and not interpret
+        and block_sizes.num_kv_splits == 1
+        and kernel_mgpu.unsupported_reason(
+            head_size=head_size, page_size=page_size, dtype=q.dtype, cache_dtype=kv_cache.dtype, causal=causal,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+            sinks=sinks, block_sizes=mgpu_bs,
+        ) is None
+    )  # fmt: skip
+    out_init = None
+    if use_mgpu:
+        if tuple(rest_schedule.shape) != expected:
+            raise ValueError(f"rest_schedule.shape={tuple(rest_schedule.shape)} must be {expected}, as schedule's")
+        schedule = rest_schedule
+        out_init = kernel_mgpu.prefill_attention(
+            q, kv_cache, jnp.asarray(mgpu_schedule, jnp.int32), jnp.asarray(block_tables),
+            sm_scale=sm_scale, block_sizes=mgpu_bs,
+        )  # fmt: skip
     out = _attend(
         q, kv_cache, jnp.asarray(schedule, jnp.int32), jnp.asarray(block_tables),
-        alibi_slopes, sinks, k_scale, v_scale,
+        alibi_slopes, sinks, k_scale, v_scale, out_init,
         sm_scale=float(sm_scale), causal=causal, sliding_window=sliding_window,
         soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret,
     )  # fmt: skip
     return out, kv_cache
+
+
+def split_schedules(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, tile: int, xp=jnp):
+    """(mgpu_schedule, rest_schedule): the Mosaic GPU prefill's q-tiles (requests of at least
+    ``tile`` new tokens) and this kernel's q-blocks for every other request and the padding."""
+    mgpu, served = kernel_mgpu.mgpu_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, tile=tile, xp=xp)
+    rest = gpu_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, block_q=block_q, xp=xp, skip=served)
+    return mgpu, rest
 
 
 def check_gpu_shapes(*, head_size: int, page_size: int) -> None:
@@ -305,7 +351,7 @@ def check_gpu_shapes(*, head_size: int, page_size: int) -> None:
     jax.jit,
     static_argnames=("sm_scale", "causal", "sliding_window", "soft_cap", "block_sizes", "interpret"),
 )
-def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v_scale, *,
+def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v_scale, out_init, *,
             sm_scale, causal, sliding_window, soft_cap, block_sizes, interpret):  # fmt: skip
     num_tokens, num_q_heads, head_size = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -321,6 +367,10 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
     if sinks is not None:
         inputs.append(jnp.asarray(sinks, jnp.float32))
     out_tokens = num_tokens + 1 if interpret else num_tokens  # the interpreter's spare row
+    aliases = {}
+    if out_init is not None:  # rows another kernel wrote: this launch writes only its own rows
+        aliases = {len(inputs): 0}
+        inputs.append(out_init)
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((out_tokens, num_q_heads, head_size), q.dtype)
     else:
@@ -334,6 +384,7 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
         has_alibi=alibi_slopes is not None, has_sinks=sinks is not None, group=group,
         block_q=block_sizes.block_q, group_pad=next_pow2(group),
         pages_per_tile=block_sizes.pages_per_tile, num_kv_splits=splits, spare_row=interpret,
+        has_out_init=out_init is not None,
     )  # fmt: skip
     result = pl.pallas_call(
         kernel,
@@ -341,6 +392,7 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
         interpret=interpret,
+        input_output_aliases=aliases,
         name="ragged_paged_attention_gpu",
     )(*inputs)
     if splits == 1:
