@@ -1,4 +1,4 @@
-"""The ``attn-stack`` command line: ``generate`` and ``info``.
+"""The ``attn-stack`` command line: ``generate`` and ``info`` (also ``python -m attn_jax``).
 
 ``attn-stack generate`` runs prompts concurrently through the serving engine on the
 embedded SmolLM2-135M-Instruct (or ``--model PATH``, a Llama GGUF) and prints each
@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
 
+from attn_jax import __version__
 from attn_jax.types import ACTIVATION_DTYPES, CACHE_DTYPES, AttentionType
 
 
@@ -79,6 +81,12 @@ DEFAULT_PROMPTS = (
 MAX_MODEL_LEN = 2048
 """Prompt + new tokens per request in ``attn-stack generate``."""
 
+SEED_LIMIT = 2**32
+"""Seeds are in [0, 2**32) (the engine packs them as uint32)."""
+
+WARMUP_TOKENS = 2
+"""New tokens per request of the warm-up generation: a prefill step and a decode step."""
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -100,8 +108,14 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0 = off)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0 = off)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument(
+        "--seed", type=int, default=0,
+        help="sampling seed in [0, 2**32); prompt i uses (seed + i) mod 2**32 (default: 0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--json", action="store_true",
+        help="print one JSON object instead of text (text is streamed as generated when stdout is a terminal)",
+    )  # fmt: skip
     parser.add_argument("--backend", default=None, help="force an attention backend, e.g. XLA (default: selected)")
     parser.add_argument(
         "--devices", type=int, default=1,
@@ -135,12 +149,88 @@ def _throughput(stats) -> dict:
     }
 
 
+def _check_sampling_args(args: argparse.Namespace) -> str | None:
+    """The first sampling flag out of its range, as a one-line message naming the flag; None if all are fine."""
+    if not 0 <= args.seed < SEED_LIMIT:
+        return f"--seed {args.seed} is outside [0, 2**32): give an integer from 0 to {SEED_LIMIT - 1}"
+    for flag, value in (("--temperature", args.temperature), ("--top-p", args.top_p)):
+        if not math.isfinite(value):
+            return f"{flag} {value} is not a finite number"
+    if args.temperature < 0:
+        return f"--temperature {args.temperature} must be >= 0 (0 = greedy)"
+    if not 0 < args.top_p <= 1:
+        return f"--top-p {args.top_p} must be in (0, 1] (1 = off)"
+    if args.top_k < 0:
+        return f"--top-k {args.top_k} must be >= 0 (0 = off)"
+    return None
+
+
+def _warm_up(engine, prompts: list[str], args: argparse.Namespace) -> None:
+    """Compiles the step for this run's shapes with a throwaway generation of at most
+    ``WARMUP_TOKENS`` tokens per prompt (each prompt cut to one step's token budget), so the
+    user's generation runs once, warm. Steps of it that still compile (a longer context's
+    page bucket, a later prefill chunk's) are left out of the rates."""
+    from attn_jax.serving import SamplingParams
+
+    warm = SamplingParams(
+        max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens), temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=0, ignore_eos=True,
+    )  # fmt: skip
+    for prompt in prompts:
+        engine.add_request(engine.encode(prompt, chat=args.chat)[: args.max_num_batched_tokens], warm)
+    for _ in engine.stream():
+        pass
+
+
+def _run_streaming(engine, ids: list[str], prompts: list[str], args: argparse.Namespace) -> None:
+    """Runs the requests to completion, showing each one's latest text as it is generated
+    (a live region on stdout, one line per request, cleared at the end)."""
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.text import Text
+
+    shown = {i: ("" if args.chat else p) for i, p in zip(ids, prompts, strict=True)}
+    done = dict.fromkeys(ids, 0)
+    start = time.perf_counter()
+
+    def render():
+        lines = []
+        for n, i in enumerate(ids):
+            last = shown[i].rstrip("\n").rsplit("\n", 1)[-1]
+            lines.append(Text.assemble((f"[{n + 1}] ", "bold"), last, no_wrap=True, overflow="ellipsis"))
+        total = len(ids) * args.max_new_tokens
+        status = f"generating: {sum(done.values())}/{total} tokens, {time.perf_counter() - start:.1f} s"
+        return Group(*lines, Text(status, style="dim"))
+
+    with Live(get_renderable=render, console=Console(), refresh_per_second=10, transient=True):
+        for event in engine.stream():
+            shown[event.request_id] += event.text
+            done[event.request_id] = args.max_new_tokens if event.finished else done[event.request_id] + 1
+
+
+def _run_with_progress(engine, progress, num_requests: int, args: argparse.Namespace) -> None:
+    """Runs the requests to completion with a progress bar (stderr)."""
+    task = progress.add_task(f"generating ({num_requests} requests)", total=num_requests * args.max_new_tokens)
+    for event in engine.stream():
+        progress.advance(task)
+        if event.finished:  # stopped early: the bar counts its unused tokens as done
+            left = args.max_new_tokens - len(engine.get_request(event.request_id).output_ids)
+            progress.advance(task, left)
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
-    """Generates continuations of prompts with the serving engine."""
+    """Generates continuations of prompts with the serving engine.
+
+    The model loads (progress on stderr), a short warm-up generation compiles the step,
+    then the prompts run once, concurrently; on a terminal their text shows as it is
+    generated. Rates leave out steps that compiled."""
     prompts = list(DEFAULT_PROMPTS) if args.prompt is None else args.prompt
     for i, p in enumerate(prompts):
         if not p.strip():
             return _error(args, f"--prompt number {i + 1} is empty: give some text to continue")
+    bad = _check_sampling_args(args)
+    if bad is not None:
+        return _error(args, bad)
     try:
         from attn_jax.serving import SamplingParams
 
@@ -150,7 +240,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 temperature=args.temperature,
                 top_p=args.top_p,
                 top_k=args.top_k,
-                seed=args.seed + i,
+                seed=(args.seed + i) % SEED_LIMIT,
             )  # fmt: skip
             for i in range(len(prompts))
         ]
@@ -170,7 +260,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         check_num_devices(args.devices)
-        forced = None if args.backend is None else AttentionBackendEnum[args.backend.upper()]
+        forced = None if args.backend is None else AttentionBackendEnum[args.backend.strip().upper()]
     except ValueError as e:
         return _error(args, e)
     if args.max_new_tokens >= MAX_MODEL_LEN:  # before loading anything; the engine checks prompt + new tokens
@@ -178,13 +268,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             args, f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt: max_model_len={MAX_MODEL_LEN}"
         )
 
-    console = Console(stderr=True)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     columns += (TimeElapsedColumn(),)
+
+    def progress_bar():  # nothing at all when stderr is not a terminal
+        console = Console(stderr=True)
+        return Progress(*columns, console=console, transient=True, disable=not console.is_terminal)
+
+    stream = not args.json and sys.stdout.isatty()
     force = global_force_attn_backend_context_manager(forced) if forced is not None else contextlib.nullcontext()
     with force:
         try:
-            with Progress(*columns, console=console, transient=True) as progress:
+            with progress_bar() as progress:
                 tasks: dict[str, int] = {}
 
                 def on_load(stage: str, done: int, total: int) -> None:
@@ -201,21 +296,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 report = explain_attn_backend_selection(
                     engine.model.config.head_dim, engine.model.dtype, block_size=engine.block_size
                 )
-                warm = progress.add_task("compiling the step (a warm-up run)", total=None)
-                engine.generate(prompts, params, chat=args.chat)
-                progress.remove_task(warm)
-                compilations, warm_steps = engine.num_compilations, len(engine.stats)
-                ids = [engine.add_request(p, sp, chat=args.chat) for p, sp in zip(prompts, params, strict=True)]
-                total = len(prompts) * args.max_new_tokens
-                task = progress.add_task(f"generating ({len(prompts)} requests)", total=total)
-                start = time.perf_counter()
-                for event in engine.stream():
-                    progress.advance(task)
-                    if event.finished:  # stopped early: the bar counts its unused tokens as done
-                        left = args.max_new_tokens - len(engine.get_request(event.request_id).output_ids)
-                        progress.advance(task, left)
-                wall = time.perf_counter() - start
-        except (ModelLoadError, ValueError) as e:
+                progress.add_task(f"compiling the step (a {WARMUP_TOKENS}-token warm-up generation)", total=None)
+                _warm_up(engine, prompts, args)
+            compilations, warm_steps = engine.num_compilations, len(engine.stats)
+            ids = [engine.add_request(p, sp, chat=args.chat) for p, sp in zip(prompts, params, strict=True)]
+            start = time.perf_counter()
+            if stream:
+                _run_streaming(engine, ids, prompts, args)
+            else:
+                with progress_bar() as progress:
+                    _run_with_progress(engine, progress, len(ids), args)
+            wall = time.perf_counter() - start
+        except (ModelLoadError, ValueError, FileNotFoundError) as e:
             return _error(args, e)
 
     completions = [engine.completion(i) for i in ids]
@@ -264,7 +356,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         f"prefill: {rate(stats['prefill_tokens_per_s'])}, decode: {rate(stats['decode_tokens_per_s'])} "
         f"({stats['generated_tokens']} tokens in {stats['steps']} steps, {wall:.2f} s, "
         f"{stats['mean_host_ms_per_step']:.2f} ms host time per step; {compilations} step compilations in "
-        f"the warm-up run, {stats['compilations_after_warmup']} after it)"
+        f"the warm-up, {stats['compilations_after_warmup']} during the run, left out of the rates)"
     )
     return 0
 
@@ -275,9 +367,19 @@ def _error(args: argparse.Namespace, message: object) -> int:
     return 2
 
 
+DESCRIPTION = (
+    "attn-stack: ragged paged attention for LLM serving. 'generate' serves the embedded "
+    "SmolLM2-135M-Instruct (or a Llama GGUF) through the serving engine; 'info' explains "
+    "which attention backend would serve a layer, and why."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``attn-stack`` parser; each subcommand sets ``func(args) -> exit code``."""
-    parser = argparse.ArgumentParser(prog="attn-stack", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="attn-stack", description=DESCRIPTION, epilog="Also runs as: python -m attn_jax COMMAND ..."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate = commands.add_parser(
         "generate", help="generate text with the serving engine (embedded SmolLM2-135M-Instruct)",
@@ -301,3 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     return args.func(args)
+
+
+if __name__ == "__main__":  # python -m attn_jax.cli
+    sys.exit(main())

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
+import subprocess
+import sys
+
 import jax
 import pytest
 
@@ -46,7 +51,7 @@ def test_info_selection_error_is_one_line_and_exit_2(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith("attn-stack info: error: ATTN_STACK_BACKEND='NOPE' is not an attention backend.")
-    assert "Valid options are: XLA, PALLAS_TPU, PALLAS_GPU, CUSTOM" in err
+    assert "Valid options are (any case): XLA, PALLAS_TPU, PALLAS_GPU, CUSTOM" in err
 
 
 def test_info_bad_head_size_exit_2(capsys):
@@ -78,3 +83,32 @@ def test_a_subcommand_is_required(capsys):
 
 def test_parser_lists_info():
     assert "info" in build_parser().format_help()
+
+
+def test_version(capsys):
+    import attn_jax
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out == f"attn-stack {attn_jax.__version__}\n"
+    assert attn_jax.__version__ == importlib.metadata.version("attn-stack")
+
+
+def test_help_has_no_raw_markup():
+    for text in (build_parser().format_help(), *(p.format_help() for p in _subparsers())):
+        assert "``" not in text and "usage: attn-stack" in text
+
+
+def _subparsers():
+    parser = build_parser()
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return list(action.choices.values())
+
+
+@pytest.mark.parametrize("module", ["attn_jax", "attn_jax.cli"])
+def test_python_dash_m_prints_help(module):
+    result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: attn-stack [-h] [--version] COMMAND")
+    assert "generate" in result.stdout and "info" in result.stdout
