@@ -36,3 +36,19 @@ def test_ops_do_not_import_upward(path):
     """ops/ sits below backends, selection, layers and test helpers: no arrow points up."""
     match = UPWARD_IMPORT.search(path.read_text())
     assert match is None, f"{path.relative_to(ROOT)} imports {match.group(0).strip()!r}"
+
+
+BRIDGE = ROOT / "bridge"
+IMPORTS_ATTN_TORCH = re.compile(r"^\s*(from|import)\s+attn_torch\b", re.M)
+
+
+@pytest.mark.parametrize("path", sorted(BRIDGE.rglob("*.py")), ids=lambda p: str(p.relative_to(BRIDGE)))
+def test_bridge_does_not_import_attn_torch(path):
+    """bridge/ is the torch side's ground floor (DLPack, JAX's memory policy): attn_torch
+    builds on it, never the other way round (the torchax path lives in attn_torch/torchax.py)."""
+    match = IMPORTS_ATTN_TORCH.search(path.read_text())
+    assert match is None, f"{path.relative_to(ROOT)} imports {match.group(0).strip()!r}"
+
+
+def test_bridge_holds_only_dlpack_and_memory_policy():
+    assert sorted(p.name for p in BRIDGE.glob("*.py")) == ["__init__.py", "_jax_memory.py", "dlpack.py"]

@@ -10,14 +10,16 @@ adds, ``torch.ops.attn_stack.unified_attention``: it runs the layer's JAX ``Atte
 donated. The cache is a JAX-owned array there, so the update is in place, and the bound
 torchax tensor is re-pointed at the result (its Python object stays the same)::
 
-    env = bridge.xla.enable()
+    env = attn_torch.torchax.enable()
     with env:
         layer = attn_torch.Attention(8, 64, 64**-0.5, 2, prefix="l0")
         attn_torch.bind_kv_cache({"l0": layer.init_kv_cache(64, device="jax")})
         with attn_torch.set_forward_context(md):
             out = layer(q, k, v)            # q, k, v: torch tensors on device "jax"
 
-No DLPack crossing happens on this path: the tensors already are JAX arrays.
+No DLPack crossing happens on this path: the tensors already are JAX arrays. (This
+module lives beside the layer it serves, not in ``bridge/``, which knows nothing of
+attn_torch: DLPack and JAX's memory policy only.)
 
 Importing torchax registers a "jax" device with torch; afterwards ``torch.compile`` in the
 same process fails ("PyTorch is not linked with support for jax devices", torch 2.11 and
@@ -48,7 +50,7 @@ def _torchax():
         import torchax
     except ImportError as e:
         raise ImportError(
-            f"bridge.xla needs torchax=={TORCHAX_VERSION}: pip install 'attn-stack[xla]' "
+            f"attn_torch.torchax needs torchax=={TORCHAX_VERSION}: pip install 'attn-stack[xla]' "
             f"(or pip install torchax=={TORCHAX_VERSION}); torch-xla cannot share this project's jax and torch pins"
         ) from e
     return torchax

@@ -1,4 +1,4 @@
-"""bridge.xla under torchax on the CPU: the checks in torchax_checks.py, in a subprocess.
+"""attn_torch.torchax under torchax on the CPU: the checks in torchax_checks.py, in a subprocess.
 
 A subprocess because importing torchax registers a "jax" device with torch, which breaks
 torch.compile for every later test in the same process.
@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(importlib.util.find_spec("torchax") is None, reason="torchax is the xla extra: attn-stack[xla]")
 def test_torchax_checks_pass_in_their_own_process():
     result = subprocess.run(
-        [sys.executable, "-m", "tests.bridge.torchax_checks"],
+        [sys.executable, "-m", "tests.attn_torch.torchax_checks"],
         cwd=ROOT, env=os.environ | {"JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
@@ -29,8 +29,8 @@ def test_torchax_checks_pass_in_their_own_process():
 
 
 def test_missing_torchax_is_a_clear_error(monkeypatch):
-    import bridge.xla
+    import attn_torch.torchax
 
     monkeypatch.setitem(sys.modules, "torchax", None)  # import torchax -> ImportError
-    with pytest.raises(ImportError, match=r"bridge.xla needs torchax==0.0.13: pip install 'attn-stack\[xla\]'"):
-        bridge.xla.enable()
+    with pytest.raises(ImportError, match=r"attn_torch.torchax needs torchax==0.0.13: pip install 'attn-stack\[xla\]'"):
+        attn_torch.torchax.enable()
