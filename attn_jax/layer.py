@@ -25,7 +25,16 @@ from attn_jax.metadata import CommonAttentionMetadata
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
 from attn_jax.platforms import current_platform
 from attn_jax.selector import get_attn_backend
-from attn_jax.types import AttentionType, is_quantized_kv_cache, validate_cache_dtype, validate_positive_int
+from attn_jax.types import (
+    AttentionType,
+    is_quantized_kv_cache,
+    validate_activation_dtype,
+    validate_cache_dtype,
+    validate_positive_finite,
+    validate_positive_int,
+    validate_sliding_window,
+    validate_soft_cap,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +84,10 @@ class Attention:
             raise NotImplementedError("use_mla=True: no attn-stack backend implements MLA yet")
         if use_sparse:
             raise NotImplementedError("use_sparse=True: no attn-stack backend implements sparse attention yet")
-        validate_positive_int("num_heads", num_heads)
-        validate_positive_int("head_size", head_size)
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if not (isinstance(num_kv_heads, int) and num_kv_heads > 0) or num_heads % num_kv_heads:
+        num_heads = validate_positive_int("num_heads", num_heads)
+        head_size = validate_positive_int("head_size", head_size)
+        num_kv_heads = num_heads if num_kv_heads is None else validate_positive_int("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads!r}")
         if kv_sharing_target_layer_name is not None and kv_sharing_target_layer_name == prefix:
             raise ValueError(f"kv_sharing_target_layer_name={prefix!r} names this layer itself")
@@ -92,24 +101,28 @@ class Attention:
             calculate_kv_scales = cache_config.calculate_kv_scales
         if per_layer_sliding_window is not None:
             sliding_window = per_layer_sliding_window
+        block_size = validate_positive_int("block_size", block_size)
         validate_cache_dtype(kv_cache_dtype)
-        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                           or sliding_window <= 0):  # fmt: skip
-            raise ValueError(
-                f"sliding_window={sliding_window!r} must be None (no window) or a positive int: a window of "
-                "0 or less would hide every key"
-            )
-        if not (isinstance(scale, int | float) and scale > 0) or isinstance(scale, bool):
-            raise ValueError(f"scale={scale!r} must be a positive float (the softmax scale, usually head_size**-0.5)")
-        if attention_chunk_size is not None and (attention_chunk_size <= 0 or attention_chunk_size % block_size):
-            raise ValueError(
-                f"attention_chunk_size={attention_chunk_size} must be a positive multiple of block_size={block_size}"
+        sliding_window = validate_sliding_window(sliding_window)
+        scale = validate_positive_finite("scale", scale, "the softmax scale, usually head_size**-0.5")
+        logits_soft_cap = validate_soft_cap(logits_soft_cap)
+        if attention_chunk_size is not None:
+            attention_chunk_size = validate_positive_int("attention_chunk_size", attention_chunk_size)
+            if attention_chunk_size % block_size:
+                raise ValueError(
+                    f"attention_chunk_size={attention_chunk_size} must be a positive multiple of "
+                    f"block_size={block_size}"
+                )
+        if dtype is None and jnp.zeros(()).dtype == jnp.float64:
+            raise TypeError(
+                "dtype=None means JAX's default float, which is float64 with jax_enable_x64 on; attention runs "
+                "in float32, bfloat16 or float16: pass dtype= (e.g. dtype=jnp.float32)"
             )
 
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
-        self.scale = float(scale)
+        self.scale = scale
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype
         self.sliding_window = sliding_window
@@ -123,7 +136,7 @@ class Attention:
         self.has_sink = sinks is not None
         self.has_alibi = alibi_slopes is not None
         self.logits_soft_cap = logits_soft_cap
-        self.dtype = np.dtype(jnp.zeros(()).dtype if dtype is None else dtype)
+        self.dtype = validate_activation_dtype(jnp.zeros(()).dtype if dtype is None else dtype)
         # vLLM's defaults: 1.0, overwritten by calc_kv_scales or a checkpoint's scales.
         self.k_scale = jnp.float32(1.0)
         self.v_scale = jnp.float32(1.0)
@@ -206,6 +219,7 @@ class Attention:
                 )
             self.calc_kv_scales(query, key, value)
         self._check_kv_cache(kv_cache)
+        self.check_inputs(query, key, value)
         num_tokens = query.shape[0]
         q = self._heads("query", query, self.num_heads)
         k = None if key is None else self._heads("key", key, self.num_kv_heads)
@@ -214,6 +228,31 @@ class Attention:
             attn_metadata = self.metadata_builder.build(0, attn_metadata)
         out, kv_cache = self.impl.forward(q, k, v, kv_cache, attn_metadata, k_scale=self.k_scale, v_scale=self.v_scale)
         return out.reshape(num_tokens, self.num_heads * self.head_size), kv_cache
+
+    def check_inputs(self, query, key, value, dtype_of=None) -> None:
+        """The activation checks both layers (JAX and ``attn_torch``) run on every call:
+        query has the layer's dtype (no silent cast: the backend was selected for it), key
+        and value have query's dtype and one row per query row, or are both None.
+        ``dtype_of(x)`` gives an array's NumPy dtype (default ``np.dtype(x.dtype)``)."""
+        dtype_of = dtype_of or (lambda x: np.dtype(x.dtype))
+        if (key is None) != (value is None):
+            raise ValueError("key and value must both be given or both be None (None: a layer that writes no k/v)")
+        q_dtype = dtype_of(query)
+        if q_dtype != self.dtype:
+            raise TypeError(
+                f"query.dtype={q_dtype} but layer {self.layer_name!r} was built (and its backend selected) for "
+                f"dtype={self.dtype}: cast the activations or build the layer with dtype={q_dtype}"
+            )
+        for name, x in (("key", key), ("value", value)):
+            if x is None:
+                continue
+            if dtype_of(x) != q_dtype:
+                raise TypeError(f"{name}.dtype={dtype_of(x)} must equal query.dtype={q_dtype}")
+            if x.shape[0] != query.shape[0]:
+                raise ValueError(
+                    f"{name} has {x.shape[0]} token rows but query has {query.shape[0]}: key and value hold one "
+                    "row per query row (padding rows included)"
+                )
 
     def _check_kv_cache(self, kv_cache) -> None:
         """ValueError / TypeError when ``kv_cache`` is not this layer's cache (any page count)."""

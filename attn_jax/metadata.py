@@ -44,6 +44,13 @@ class CommonAttentionMetadata:
     block_table_tensor: Array  # i32[num_reqs, max_blocks_per_req], device
     slot_mapping: Array  # i32[num_tokens], device; -1 past num_actual_tokens
 
+    def __post_init__(self) -> None:
+        # Python lists (or tuples) become int32 NumPy arrays (range-checked); arrays and tracers stay.
+        for field in _METADATA_ARRAY_FIELDS:
+            value = getattr(self, field)
+            if isinstance(value, (list, tuple)):
+                object.__setattr__(self, field, _int_array(value, field))
+
     @property
     def query_lens_cpu(self) -> np.ndarray:
         """i32[num_reqs]: new tokens per request (host)."""
@@ -55,14 +62,18 @@ class CommonAttentionMetadata:
         return self.slot_mapping.shape[0]
 
 
+_METADATA_ARRAY_FIELDS = (
+    "query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu", "num_computed_tokens_cpu",
+    "block_table_tensor", "slot_mapping",
+)  # fmt: skip
+
+
 # --------------------------------------------------------------------------------------
 # Decode / prefill split
 # --------------------------------------------------------------------------------------
 
 
-def split_decodes_and_prefills(
-    md: CommonAttentionMetadata, decode_threshold: int = 1
-) -> tuple[int, int, int, int]:
+def split_decodes_and_prefills(md: CommonAttentionMetadata, decode_threshold: int = 1) -> tuple[int, int, int, int]:
     """Finds the decode / prefill boundary of a reordered batch (host-side, before jit).
 
     A request is a decode when its query length is <= ``decode_threshold``, else a
@@ -134,8 +145,7 @@ def reorder_batch_to_split_decodes_and_prefills(
             num_tokens = scheduler_output.num_scheduled_tokens[req_id]
         except KeyError:
             raise ValueError(
-                f"Request {req_id!r} (batch row {i}) has no entry in "
-                "scheduler_output.num_scheduled_tokens"
+                f"Request {req_id!r} (batch row {i}) has no entry in scheduler_output.num_scheduled_tokens"
             ) from None
         (decodes if num_tokens <= decode_threshold else prefills).append(i)
 
@@ -158,17 +168,14 @@ def reorder_batch_to_split_decodes_and_prefills(
 def check_query_start_loc(qsl: np.ndarray, name: str = "query_start_loc") -> None:
     """Raises ValueError unless ``qsl`` is 1-D, starts at 0 and is non-decreasing."""
     if qsl.ndim != 1 or qsl.shape[0] < 1:
-        raise ValueError(
-            f"{name} must be 1-D with num_reqs + 1 >= 1 entries, got shape {qsl.shape}"
-        )
+        raise ValueError(f"{name} must be 1-D with num_reqs + 1 >= 1 entries, got shape {qsl.shape}")
     if qsl[0] != 0:
         raise ValueError(f"{name}[0]={int(qsl[0])} must be 0")
     drops = np.flatnonzero(np.diff(qsl) < 0)
     if drops.size:
         i = int(drops[0]) + 1
         raise ValueError(
-            f"{name} must be non-decreasing: {name}[{i}]={int(qsl[i])} < "
-            f"{name}[{i - 1}]={int(qsl[i - 1])}"
+            f"{name} must be non-decreasing: {name}[{i}]={int(qsl[i])} < {name}[{i - 1}]={int(qsl[i - 1])}"
         )
 
 
@@ -199,9 +206,7 @@ def check_pages_fit(seq_lens: np.ndarray, block_size: int, width: int, name: str
     return max_pages
 
 
-def check_block_ids(
-    block_table: np.ndarray, seq_lens: np.ndarray, block_size: int, num_blocks: int, name: str
-) -> None:
+def check_block_ids(block_table: np.ndarray, seq_lens: np.ndarray, block_size: int, num_blocks: int, name: str) -> None:
     """Raises ValueError naming the first block id a request uses that is outside
     [0, num_blocks); entries past a request's ceil(seq_len / block_size) may hold anything."""
     used = np.arange(block_table.shape[1]) < -(-seq_lens // block_size)[:, None]
@@ -216,9 +221,7 @@ def check_slot_ids(slot_mapping: np.ndarray, num_slots: int, name: str = "slot_m
     bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
     if np.any(bad):
         i = _first_bad(bad)
-        raise ValueError(
-            f"{name}[{i}]={int(slot_mapping[i])} is outside [-1, num_blocks * block_size={num_slots})"
-        )
+        raise ValueError(f"{name}[{i}]={int(slot_mapping[i])} is outside [-1, num_blocks * block_size={num_slots})")
 
 
 def make_local_attention_virtual_batches(
@@ -267,19 +270,13 @@ def make_local_attention_virtual_batches(
     q_lens = np.diff(qsl).astype(np.int32)  # i32[R]
     num_reqs = q_lens.shape[0]
     if seq_lens.shape != (num_reqs,):
-        raise ValueError(
-            f"seq_lens_np has shape {seq_lens.shape}; query_start_loc_np implies ({num_reqs},)"
-        )
+        raise ValueError(f"seq_lens_np has shape {seq_lens.shape}; query_start_loc_np implies ({num_reqs},)")
     if block_table.ndim != 2 or block_table.shape[0] != num_reqs:
-        raise ValueError(
-            f"block_table has shape {tuple(block_table.shape)}; expected ({num_reqs}, pages)"
-        )
+        raise ValueError(f"block_table has shape {tuple(block_table.shape)}; expected ({num_reqs}, pages)")
     check_seq_lens_cover_queries(seq_lens, q_lens, "seq_lens_np")
     width = block_table.shape[1]
     if width == 0 and num_reqs:
-        raise ValueError(
-            f"block_table has shape {tuple(block_table.shape)}; it needs >= 1 page column"
-        )
+        raise ValueError(f"block_table has shape {tuple(block_table.shape)}; it needs >= 1 page column")
     check_pages_fit(seq_lens, block_size, width, "block_table")
 
     context = seq_lens - q_lens  # i32[R]: position of each request's first new token
@@ -295,9 +292,7 @@ def make_local_attention_virtual_batches(
     k_start = chunk * attn_chunk_size  # i32[V]: first key position of the virtual request
     k_end = np.minimum(seq_lens[req], k_start + attn_chunk_size)  # i32[V]
     has_q_v = has_q[req]
-    seqlens_q_local = np.where(has_q_v, k_end - np.maximum(context[req], k_start), 0).astype(
-        np.int32
-    )
+    seqlens_q_local = np.where(has_q_v, k_end - np.maximum(context[req], k_start), 0).astype(np.int32)
     seqlens_k_local = np.where(has_q_v, k_end - k_start, 0).astype(np.int32)
     cu_seqlens_q_local = np.zeros(num_virtual + 1, np.int32)
     np.cumsum(seqlens_q_local, out=cu_seqlens_q_local[1:])
@@ -361,9 +356,7 @@ class PerLayerParameters:
     sm_scale: float
 
 
-def get_per_layer_parameters(
-    layers: Mapping[str, Any], impl_cls: type | None = None
-) -> dict[str, PerLayerParameters]:
+def get_per_layer_parameters(layers: Mapping[str, Any], impl_cls: type | None = None) -> dict[str, PerLayerParameters]:
     """Reads each layer's ``impl`` (sliding_window, logits_soft_cap, scale).
 
     ``layers`` maps layer names to objects with an ``.impl``; with ``impl_cls`` given,
@@ -376,8 +369,7 @@ def get_per_layer_parameters(
             raise TypeError(f"Layer {name!r} ({type(layer).__name__}) has no .impl")
         if impl_cls is not None and not isinstance(impl, impl_cls):
             raise TypeError(
-                f"Layer {name!r} has impl of type {type(impl).__name__}; "
-                f"expected an instance of {impl_cls.__name__}"
+                f"Layer {name!r} has impl of type {type(impl).__name__}; expected an instance of {impl_cls.__name__}"
             )
         sliding_window = getattr(impl, "sliding_window", None)
         if sliding_window is not None and sliding_window < 1:
@@ -449,10 +441,7 @@ def validate_common_metadata(
     _check_shape("seq_lens", md.seq_lens.shape, (num_reqs,), why)
     _check_shape("num_computed_tokens_cpu", computed.shape, (num_reqs,), why)
     if block_table.ndim != 2 or block_table.shape[0] != num_reqs:
-        raise ValueError(
-            f"block_table_tensor has shape {block_table.shape}; "
-            f"expected ({num_reqs}, pages) ({why})"
-        )
+        raise ValueError(f"block_table_tensor has shape {block_table.shape}; expected ({num_reqs}, pages) ({why})")
     if slot_mapping.ndim != 1:
         raise ValueError(f"slot_mapping has shape {slot_mapping.shape}; expected (num_tokens,)")
     check_query_start_loc(qsl, "query_start_loc_cpu")
@@ -463,27 +452,18 @@ def validate_common_metadata(
         diff = np.flatnonzero(np.asarray(dev) != host)
         if diff.size:
             i = int(diff[0])
-            raise ValueError(
-                f"{name}[{i}]={int(np.asarray(dev)[i])} differs from {name}_cpu[{i}]={int(host[i])}"
-            )
+            raise ValueError(f"{name}[{i}]={int(np.asarray(dev)[i])} differs from {name}_cpu[{i}]={int(host[i])}")
 
     query_lens = np.diff(qsl)
     num_tokens = slot_mapping.shape[0]
     if md.num_actual_tokens != qsl[-1]:
-        raise ValueError(
-            f"num_actual_tokens={md.num_actual_tokens} must equal "
-            f"query_start_loc_cpu[-1]={int(qsl[-1])}"
-        )
+        raise ValueError(f"num_actual_tokens={md.num_actual_tokens} must equal query_start_loc_cpu[-1]={int(qsl[-1])}")
     if md.num_actual_tokens > num_tokens:
-        raise ValueError(
-            f"num_actual_tokens={md.num_actual_tokens} exceeds the {num_tokens} rows of "
-            "slot_mapping"
-        )
+        raise ValueError(f"num_actual_tokens={md.num_actual_tokens} exceeds the {num_tokens} rows of slot_mapping")
     if num_reqs and md.max_query_len < query_lens.max():
         r = int(np.argmax(query_lens))
         raise ValueError(
-            f"max_query_len={md.max_query_len} is less than request {r}'s query length "
-            f"{int(query_lens[r])}"
+            f"max_query_len={md.max_query_len} is less than request {r}'s query length {int(query_lens[r])}"
         )
     if np.any(seq_lens < 0):
         r = _first_bad(seq_lens < 0)
@@ -494,8 +474,7 @@ def validate_common_metadata(
         if np.any(computed != expected):
             r = _first_bad(computed != expected)
             raise ValueError(
-                f"num_computed_tokens_cpu[{r}]={int(computed[r])} must be seq_len - query_len "
-                f"= {int(expected[r])}"
+                f"num_computed_tokens_cpu[{r}]={int(computed[r])} must be seq_len - query_len = {int(expected[r])}"
             )
     tail = slot_mapping[md.num_actual_tokens :]
     if np.any(tail != -1):
@@ -562,15 +541,27 @@ class MetadataBuckets:
         return buckets[i]
 
 
-def _int_array(x, name: str, ndim: int) -> np.ndarray:
+def _int_array(x, name: str, ndim: int | None = None) -> np.ndarray:
+    """``x`` (a sequence or an integer array) as int32 NumPy; ValueError naming the first entry
+    outside int32's range (never a silent wrap-around) or a non-integer dtype."""
     a = np.asarray(x)
-    if a.ndim != ndim:
+    if ndim is not None and a.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
     if a.dtype.kind not in "iu":
         if a.size:
             raise ValueError(f"{name} must hold integers, got dtype {a.dtype}")
-        a = a.astype(np.int32)  # an empty list comes in as float64
-    return a
+        return a.astype(np.int32)  # an empty list comes in as float64
+    if a.dtype.itemsize > 4 or a.dtype == np.uint32:
+        info = np.iinfo(np.int32)
+        bad = (a < info.min) | (a > info.max)
+        if bad.any():
+            index = ", ".join(str(int(i)) for i in np.argwhere(bad)[0])
+            value = int(a[tuple(np.argwhere(bad)[0])])
+            raise ValueError(
+                f"{name}[{index}]={value} is outside int32's range [{info.min}, {info.max}]: "
+                "metadata is int32 and is never narrowed silently"
+            )
+    return a.astype(np.int32, copy=False)
 
 
 def build_common_attn_metadata(
@@ -611,8 +602,7 @@ def build_common_attn_metadata(
     num_reqs = q.shape[0]
     if s.shape != (num_reqs,) or bt.shape[0] != num_reqs:
         raise ValueError(
-            f"query_lens {q.shape}, seq_lens {s.shape} and block_table {bt.shape} must "
-            "agree on the number of requests"
+            f"query_lens {q.shape}, seq_lens {s.shape} and block_table {bt.shape} must agree on the number of requests"
         )
     block_size = validate_positive_int("block_size", block_size)
     if num_reqs and q.min() < 0:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from typing import Literal, get_args
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -58,24 +61,71 @@ _STORAGE_DTYPES = {
     "fp8_e5m2": jnp.float8_e5m2,
 }
 
-ACTIVATION_DTYPES: tuple[np.dtype, ...] = tuple(
-    np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16)
-)
+ACTIVATION_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
 def validate_positive_int(name: str, value) -> int:
-    """Returns ``int(value)`` if it is a positive integer (bool excluded), else ValueError."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+    """Returns ``int(value)`` if it is a positive integer (any ``numbers.Integral``: Python or
+    NumPy; bool excluded), else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a positive integer")
     return int(value)
+
+
+def _static_real(name: str, value, what: str) -> float | None:
+    """``float(value)`` for a real number (Python, NumPy or a concrete 0-d array; bool excluded),
+    None if ``value`` is not one; TypeError naming ``name`` for a traced value."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} is a traced value ({value.aval}); it is a static hyperparameter ({what}): pass a Python or "
+            "NumPy number, not an array computed under jax.jit"
+        )
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if getattr(value, "shape", None) == () and np.dtype(getattr(value, "dtype", object)).kind in "fiu":
+        return float(value)
+    return None
+
+
+def validate_positive_finite(name: str, value, what: str) -> float:
+    """``float(value)`` if it is a finite real number > 0 (Python or NumPy scalar, or a
+    concrete 0-d array), else ValueError naming it; TypeError for a traced value.
+    ``what`` says what the value is, for the message."""
+    x = _static_real(name, value, what)
+    if x is None or not (math.isfinite(x) and x > 0):
+        raise ValueError(f"{name}={value!r} must be a finite number > 0 ({what})")
+    return x
+
+
+def validate_sliding_window(value, name: str = "sliding_window") -> int | None:
+    """None, or ``int(value)`` for a positive integer (Python or NumPy); else ValueError."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(
+            f"{name}={value!r} must be None (no window) or a positive int: a window of 0 or less would hide every key"
+        )
+    return int(value)
+
+
+def validate_soft_cap(value, name: str = "logits_soft_cap") -> float | None:
+    """None, or ``float(value)`` for a finite number > 0 (the cap c of ``c * tanh(s / c)``)."""
+    if value is None:
+        return None
+    x = _static_real(name, value, "the cap c of c * tanh(s / c)")
+    if x is None or not (math.isfinite(x) and x > 0):
+        raise ValueError(
+            f"{name}={value!r} must be None (no cap) or a finite number > 0 (the cap c of c * tanh(s / c))"
+        )
+    return x
 
 
 def validate_cache_dtype(kv_cache_dtype: str) -> str:
     """Returns ``kv_cache_dtype`` if it is one of CACHE_DTYPES, else raises ValueError."""
     if kv_cache_dtype not in CACHE_DTYPES:
-        raise ValueError(
-            f"Invalid kv_cache_dtype: {kv_cache_dtype!r}. Valid values are: {', '.join(CACHE_DTYPES)}"
-        )
+        raise ValueError(f"Invalid kv_cache_dtype: {kv_cache_dtype!r}. Valid values are: {', '.join(CACHE_DTYPES)}")
     return kv_cache_dtype
 
 
@@ -107,7 +157,5 @@ def validate_activation_dtype(dtype) -> np.dtype:
 def validate_kv_cache_layout(layout: str) -> str:
     """Returns ``layout`` if it is "NHD" or "HND", else raises ValueError."""
     if layout not in KV_CACHE_LAYOUTS:
-        raise ValueError(
-            f"Invalid KV cache layout: {layout!r}. Valid options are: {', '.join(KV_CACHE_LAYOUTS)}"
-        )
+        raise ValueError(f"Invalid KV cache layout: {layout!r}. Valid options are: {', '.join(KV_CACHE_LAYOUTS)}")
     return layout

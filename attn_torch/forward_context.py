@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from attn_jax.metadata import CommonAttentionMetadata
+from attn_jax.ops.ragged_paged_attention.validate import dynamic_validate_inputs
 from bridge.dlpack import BridgeError, jax_device_for, to_jax_int32
 
 __all__ = [
@@ -78,14 +79,28 @@ class ForwardContext:
             )
         return md
 
-    def prepare(self, layer_name: str, builder, device: torch.device) -> PreparedMetadata:
-        """The layer's metadata built by ``builder`` on ``device``, cached for the step."""
+    def prepare(
+        self, layer_name: str, builder, device: torch.device, *, num_blocks: int | None = None, causal: bool = True
+    ) -> PreparedMetadata:
+        """The layer's metadata built by ``builder`` on ``device``, cached for the step.
+
+        With ``num_blocks`` (the layer's cache pages) the metadata first gets the JAX op's
+        dynamic checks (``validate.dynamic_validate_inputs``: lengths consistent, seq_len >=
+        query_len when ``causal``, the block ids requests use in [0, num_blocks), slots in
+        range), once per step: ValueError naming the first bad value.
+        """
         md = self.metadata_for(layer_name)
-        key = (id(md), type(builder), builder.kv_cache_spec, device)
+        key = (id(md), type(builder), builder.kv_cache_spec, device, num_blocks, causal)
         prepared = self._prepared.get(key)
         if prepared is None:
             common = self._on_device(md, device)
             host_slots = _host_int32(md.slot_mapping, "slot_mapping")
+            if num_blocks is not None:
+                dynamic_validate_inputs(
+                    _host_int32(md.query_start_loc, "query_start_loc"), _host_int32(md.seq_lens, "seq_lens"),
+                    _host_int32(md.block_table_tensor, "block_table_tensor"), host_slots,
+                    num_blocks=num_blocks, block_size=builder.kv_cache_spec.block_size, causal=causal,
+                )  # fmt: skip
             rows = np.flatnonzero(host_slots >= 0)
             contiguous = rows.size == 0 or (rows[0] == 0 and rows[-1] == rows.size - 1)
             prepared = PreparedMetadata(

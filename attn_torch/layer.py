@@ -33,7 +33,7 @@ from torch import nn
 from attn_jax.kv_cache import DEFAULT_K_RANGE, DEFAULT_V_RANGE, MIN_SCALE
 from attn_jax.layer import Attention as JaxAttention
 from attn_jax.layer import CacheConfig
-from attn_jax.types import AttentionType, is_quantized_kv_cache
+from attn_jax.types import AttentionType, is_quantized_kv_cache, validate_positive_finite
 from attn_torch import ops
 from attn_torch.forward_context import get_forward_context
 from attn_torch.kv_cache import NHD_LAYOUT, write_to_kv_cache
@@ -49,6 +49,11 @@ _unnamed = itertools.count()
 
 def _torch_dtype(np_dtype) -> torch.dtype:
     return _TORCH_OF_NP[np.dtype(np_dtype)]
+
+
+def _numpy_dtype(x: torch.Tensor):
+    """A tensor's NumPy dtype for the JAX layer's checks (its torch dtype if the bridge has none)."""
+    return SUPPORTED_DTYPES.get(x.dtype, x.dtype)
 
 
 class Attention(nn.Module):
@@ -169,6 +174,12 @@ class Attention(nn.Module):
                 f"kv_cache_dtype={self.kv_cache_dtype!r} with activation dtype {self.dtype}: expected "
                 f"{self.kv_cache_torch_dtype}"
             )
+        if not kv_cache.is_contiguous():
+            raise BridgeError(
+                f"kv_cache with shape={tuple(kv_cache.shape)} and strides={kv_cache.stride()} for layer "
+                f"{self.layer_name!r} is not contiguous: the layer writes it in place and JAX reads it zero-copy, "
+                "so it must be one compact row-major buffer (allocate it with layer.init_kv_cache)"
+            )
 
     # ---------------------------------------------------------------- forward
 
@@ -232,7 +243,10 @@ class Attention(nn.Module):
             )
         self._check_inputs(query, key, value, kv_cache)
         jax_cache = self._jax_cache(kv_cache)
-        prepared = ctx.prepare(self.layer_name, self._jax.metadata_builder, kv_cache.device)
+        prepared = ctx.prepare(
+            self.layer_name, self._jax.metadata_builder, kv_cache.device,
+            num_blocks=kv_cache.shape[0 if paired else 1], causal=self.attn_type.is_causal,
+        )  # fmt: skip
         if query.shape[0] != prepared.num_tokens:
             raise ValueError(
                 f"query has {query.shape[0]} token rows but the forward context's slot_mapping has "
@@ -271,16 +285,7 @@ class Attention(nn.Module):
                     f"{name} is on {x.device} but layer {self.layer_name!r}'s KV cache is on {device}; "
                     "q, k, v and the cache must share one device"
                 )
-        if query.dtype != self.dtype:
-            raise ValueError(
-                f"query.dtype={query.dtype} but layer {self.layer_name!r} was built (and its backend selected) "
-                f"for dtype={self.dtype}"
-            )
-        for name, x in (("key", key), ("value", value)):
-            if x is not None and x.dtype != query.dtype:
-                raise ValueError(f"{name}.dtype={x.dtype} must equal query.dtype={query.dtype}")
-        if (key is None) != (value is None):
-            raise ValueError("key and value must both be tensors or both be None")
+        self._jax.check_inputs(query, key, value, dtype_of=_numpy_dtype)  # the JAX layer's rules
 
     def unbind_kv_cache(self) -> None:
         """Drops the bound caches (and their JAX view): ``kv_cache`` is empty again."""
@@ -307,8 +312,11 @@ class Attention(nn.Module):
         self.calculate_kv_scales = self._jax.calculate_kv_scales = False
 
     def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
-        """Sets the fp8 cache scales (a checkpoint's, say): the cache stores k / k_scale."""
-        self._k_scale_float, self._v_scale_float = float(k_scale), float(v_scale)
+        """Sets the fp8 cache scales (a checkpoint's, say): the cache stores k / k_scale.
+        Each must be a finite number > 0 (ValueError otherwise: 0 or NaN would zero the cache)."""
+        k_scale = validate_positive_finite("k_scale", k_scale, "the fp8 cache stores k / k_scale")
+        v_scale = validate_positive_finite("v_scale", v_scale, "the fp8 cache stores v / v_scale")
+        self._k_scale_float, self._v_scale_float = k_scale, v_scale
         self._jax.k_scale, self._jax.v_scale = jnp.float32(k_scale), jnp.float32(v_scale)
         self.calculate_kv_scales = self._jax.calculate_kv_scales = False
 

@@ -227,6 +227,11 @@ def to_jax(tensor: torch.Tensor, *, name: str = "tensor") -> jax.Array:
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise BridgeError(
+            f"{name} has layout={tensor.layout}; DLPack shares dense (torch.strided) tensors only. Convert it "
+            "with .to_dense() (a copy) if a copy is acceptable"
+        )
     if tensor.dtype not in SUPPORTED_DTYPES:
         _check_dtype_torch(tensor.dtype, name)
     if tensor.requires_grad:
@@ -271,6 +276,11 @@ def to_torch(array: jax.Array, *, name: str = "array") -> torch.Tensor:
     ``data_ptr() == array.unsafe_buffer_pointer()``; it keeps the buffer alive. Writing
     to it changes the JAX array: do so only for buffers you own, such as a KV cache.
     """
+    if isinstance(array, jax.core.Tracer):
+        raise BridgeError(
+            f"{name} is a traced value ({array.aval}) inside jax.jit (or another transformation): it has no buffer "
+            "to share. Call to_torch on the concrete result, outside the jitted function"
+        )
     if not isinstance(array, jax.Array):
         raise TypeError(f"{name} must be a jax.Array, got {type(array).__name__}")
     if array.is_deleted():

@@ -153,7 +153,13 @@ def test_padding_to_a_bucket_never_changes_real_rows():
     def padded(x, fill):
         return jnp.concatenate([x, jnp.full((pad, x.shape[1]), fill, x.dtype)])
 
-    cache = layer.init_kv_cache(NUM_BLOCKS, fill=np.nan)
+    cache = layer.init_kv_cache(NUM_BLOCKS, fill=np.nan)  # unused slots hold NaN
+    # The requests' cached context holds finite keys and values (a request's own NaN would reach its rows).
+    table = np.asarray(md_tight.block_table_tensor)
+    context = [table[r, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+               for r, (n, s) in enumerate(zip(query_lens, seq_lens, strict=True)) for p in range(s - n)]  # fmt: skip
+    kv = jnp.asarray(rng.normal(size=(len(context), NUM_KV_HEADS * HEAD_SIZE)), jnp.float32)
+    cache = layer.write_to_kv_cache(cache, kv, kv, jnp.asarray(context, jnp.int32))
     out_tight, cache_tight = layer(q, k, v, cache, md_tight)
     out_a, cache_a = layer(padded(q, 1e4), padded(k, 1e4), padded(v, 1e4), cache, md_wide)
     out_b, cache_b = layer(padded(q, -3.0), padded(k, 7.0), padded(v, 0.5), cache, md_wide)
@@ -275,13 +281,68 @@ def test_calculate_kv_scales_sets_scales_from_the_first_batch():
         (dict(per_layer_sliding_window=0), ValueError, r"sliding_window=0 must be None \(no window\) or a positive"),
         (dict(per_layer_sliding_window=-3), ValueError, r"sliding_window=-3 must be None"),
         (dict(cache_config=CacheConfig(4, "auto", 0, False)), ValueError, r"sliding_window=0 must be None"),
-        (dict(scale=0.0), ValueError, r"scale=0.0 must be a positive float"),
-        (dict(scale=-0.1), ValueError, r"scale=-0.1 must be a positive float"),
+        (dict(scale=0.0), ValueError, r"scale=0.0 must be a finite number > 0 \(the softmax scale"),
+        (dict(scale=-0.1), ValueError, r"scale=-0.1 must be a finite number > 0"),
+        (dict(scale=float("inf")), ValueError, r"scale=inf must be a finite number > 0"),
+        (dict(scale=float("nan")), ValueError, r"scale=nan must be a finite number > 0"),
+        (dict(scale=None), ValueError, r"scale=None must be a finite number > 0"),
+        (dict(logits_soft_cap=0.0), ValueError, r"logits_soft_cap=0.0 must be None \(no cap\) or a finite number > 0"),
+        (dict(logits_soft_cap=-2.0), ValueError, r"logits_soft_cap=-2.0 must be None"),
+        (dict(logits_soft_cap=float("nan")), ValueError, r"logits_soft_cap=nan must be None"),
+        (dict(dtype="floatx"), TypeError, r"Unsupported activation dtype: 'floatx'. Valid dtypes are: float32"),
+        (dict(attention_chunk_size="64"), ValueError, r"attention_chunk_size='64' must be a positive integer"),
+        (dict(per_layer_sliding_window=4.0), ValueError, r"sliding_window=4.0 must be None \(no window\)"),
     ],
 )
 def test_constructor_errors_name_the_value(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
         make_layer(**kwargs)
+
+
+def test_numpy_scalars_are_accepted_wherever_python_numbers_are():
+    layer = make_layer(num_heads=np.int64(NUM_HEADS), num_kv_heads=np.int32(NUM_KV_HEADS), scale=np.float32(0.125),
+                       per_layer_sliding_window=np.int64(4), logits_soft_cap=np.float64(30.0),
+                       block_size=np.int64(BLOCK_SIZE), attention_chunk_size=np.int64(2 * BLOCK_SIZE))  # fmt: skip
+    assert (layer.scale, layer.sliding_window, layer.logits_soft_cap) == (0.125, 4, 30.0)
+    assert type(layer.scale) is float and type(layer.sliding_window) is int and type(layer.block_size) is int
+
+
+def test_x64_default_dtype_asks_for_dtype():
+    with jax.enable_x64(True), pytest.raises(TypeError, match=r"float64 with jax_enable_x64 on.*pass dtype="):
+        Attention(NUM_HEADS, HEAD_SIZE, 0.125, NUM_KV_HEADS)
+    with jax.enable_x64(True):
+        assert Attention(NUM_HEADS, HEAD_SIZE, 0.125, NUM_KV_HEADS, dtype=jnp.float32).dtype == np.float32
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+def test_activations_of_another_dtype_are_refused(use_jit):
+    """The torch layer's rule: no silent bfloat16 through a float32 layer (the backend was chosen for float32)."""
+    layer = make_layer()
+    md, q, k, v = make_batch(np.random.default_rng(11), [1, 3], [4, 3])
+    call = jax.jit(layer.__call__) if use_jit else layer.__call__
+    bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    with pytest.raises(TypeError, match=r"query.dtype=bfloat16 but layer '' was built .* for dtype=float32"):
+        call(*bf16, layer.init_kv_cache(NUM_BLOCKS), md)
+    with pytest.raises(TypeError, match=r"value.dtype=bfloat16 must equal query.dtype=float32"):
+        call(q, k, bf16[2], layer.init_kv_cache(NUM_BLOCKS), md)
+
+
+def test_key_rows_must_match_query_rows():
+    layer = make_layer()
+    md, q, k, v = make_batch(np.random.default_rng(12), [1, 3], [4, 3])
+    with pytest.raises(ValueError, match=r"key has 4 token rows but query has 8: key and value hold one row per"):
+        layer(q, k[:4], v, layer.init_kv_cache(NUM_BLOCKS), md)
+
+
+def test_metadata_given_as_python_lists_is_converted():
+    layer = make_layer()
+    md, q, k, v = make_batch(np.random.default_rng(13), [1, 3], [4, 3])
+    fields = ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping", "query_start_loc_cpu")
+    as_lists = CommonAttentionMetadata(**{**md.__dict__, **{f: getattr(md, f).tolist() for f in fields}})
+    assert all(isinstance(getattr(as_lists, f), np.ndarray) and getattr(as_lists, f).dtype == np.int32 for f in fields)
+    want, _ = layer(q, k, v, layer.init_kv_cache(NUM_BLOCKS), md)
+    got, _ = layer(q, k, v, layer.init_kv_cache(NUM_BLOCKS), as_lists)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_call_rejects_misshaped_query():

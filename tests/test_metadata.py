@@ -120,12 +120,8 @@ def test_local_attention_properties(batch):
             # causal within the virtual request: keys [k_start, p], the token's chunk
             assert k_start == p // chunk * chunk
         used_pages = -(-(k_start + int(k_local[v])) // block_size) - first_page
-        np.testing.assert_array_equal(
-            bt_local[v, :used_pages], table[req, first_page : first_page + used_pages]
-        )
-    real = [
-        (r, int(seq_lens[r] - q_lens[r]) + i) for r in range(len(q_lens)) for i in range(q_lens[r])
-    ]
+        np.testing.assert_array_equal(bt_local[v, :used_pages], table[req, first_page : first_page + used_pages])
+    real = [(r, int(seq_lens[r] - q_lens[r]) + i) for r in range(len(q_lens)) for i in range(q_lens[r])]
     assert seen == real  # every real query token exactly once, in order
     # virtual requests with no queries come only from requests with no new tokens
     assert np.count_nonzero(q_local == 0) == np.count_nonzero(q_lens == 0)
@@ -264,9 +260,7 @@ def test_reorder_then_split(token_counts, threshold):
     ids = [f"r{i}" for i in range(len(token_counts))]
     tokens = dict(zip(ids, token_counts, strict=True))
     batch = FakeBatch(ids)
-    modified = reorder_batch_to_split_decodes_and_prefills(
-        batch, FakeSchedulerOutput(tokens), threshold
-    )
+    modified = reorder_batch_to_split_decodes_and_prefills(batch, FakeSchedulerOutput(tokens), threshold)
     assert sorted(batch.req_ids) == sorted(ids)
     assert modified == (batch.req_ids != ids)
     is_decode = [tokens[r] <= threshold for r in batch.req_ids]
@@ -322,9 +316,7 @@ def test_kv_cache_layout_invalid_env(clean_layout):
 
 
 def test_kv_cache_layout_invalid_override(clean_layout):
-    with pytest.raises(
-        ValueError, match="Invalid KV cache layout: 'NDH'. Valid options are: NHD, HND"
-    ):
+    with pytest.raises(ValueError, match="Invalid KV cache layout: 'NDH'. Valid options are: NHD, HND"):
         set_kv_cache_layout("NDH")
     assert get_kv_cache_layout() == "NHD"
 
@@ -363,9 +355,7 @@ def test_per_layer_parameters():
 def test_per_layer_parameters_wrong_impl_class():
     layers = {"l0": FakeLayer(OtherImpl()), "l1": FakeLayer(FakeImpl())}
     get_per_layer_parameters(layers, FakeImpl)  # a subclass is fine
-    with pytest.raises(
-        TypeError, match="Layer 'l1' has impl of type FakeImpl; expected an instance of OtherImpl"
-    ):
+    with pytest.raises(TypeError, match="Layer 'l1' has impl of type FakeImpl; expected an instance of OtherImpl"):
         get_per_layer_parameters(layers, OtherImpl)
 
 
@@ -385,9 +375,7 @@ def test_infer_global_hyperparameters():
     with pytest.raises(ValueError, match="No attention layers"):
         infer_global_hyperparameters({})
     q = PerLayerParameters(3, None, 0.5)
-    with pytest.raises(
-        ValueError, match=r"layer 'c' has .*window_left=3.*, but layer 'a' has .*window_left=-1"
-    ):
+    with pytest.raises(ValueError, match=r"layer 'c' has .*window_left=3.*, but layer 'a' has .*window_left=-1"):
         infer_global_hyperparameters({"a": p, "b": p, "c": q, "d": q})
 
 
@@ -415,9 +403,7 @@ def raw_batches(draw):
     block_size = draw(st.sampled_from([1, 3, 4, 16]))
     num_reqs = draw(st.integers(0, 8))
     q = np.array(draw(st.lists(st.integers(0, 15), min_size=num_reqs, max_size=num_reqs)), np.int32)
-    ctx = np.array(
-        draw(st.lists(st.integers(0, 40), min_size=num_reqs, max_size=num_reqs)), np.int32
-    )
+    ctx = np.array(draw(st.lists(st.integers(0, 40), min_size=num_reqs, max_size=num_reqs)), np.int32)
     seq = q + ctx
     need = -(-int(seq.max()) // block_size) if num_reqs else 0
     width = max(1, need + draw(st.integers(0, 20)))
@@ -453,9 +439,7 @@ def test_build_matches_oracle(batch):
     w = min(pages, table.shape[1])
     np.testing.assert_array_equal(md.block_table_tensor[:num_reqs, :w], table[:, :w])
     assert np.all(md.block_table_tensor[:num_reqs, w:] == 0)
-    np.testing.assert_array_equal(
-        md.slot_mapping[:real_tokens], oracle_slots(q, seq, table, block_size)
-    )
+    np.testing.assert_array_equal(md.slot_mapping[:real_tokens], oracle_slots(q, seq, table, block_size))
     assert md.num_actual_tokens == real_tokens
     assert md.max_query_len == (int(q.max()) if num_reqs else 0)
     # padding as specified
@@ -529,6 +513,11 @@ def _build(**overrides):
         ({"query_lens": np.array([[2, 1]])}, r"query_lens must be 1-D, got shape \(1, 2\)"),
         ({"block_table": np.zeros(2, np.int32)}, r"block_table must be 2-D, got shape \(2,\)"),
         ({"seq_lens": np.array([2.0, 5.0])}, "seq_lens must hold integers, got dtype float64"),
+        (
+            {"block_table": np.array([[3, 2**32 + 3], [1, 0]], np.int64)},
+            r"block_table\[0, 1\]=4294967299 is outside int32's range \[-2147483648, 2147483647\]: .*never narrowed",
+        ),
+        ({"seq_lens": np.array([2, 2**31], np.uint64)}, r"seq_lens\[1\]=2147483648 is outside int32's range"),
         (
             {
                 "query_lens": np.array([100, 100]),
@@ -676,16 +665,12 @@ def _set(a, index, value):
             "max_query_len=2 is less than request 0's query length 3",
         ),
         (
-            lambda m: _with(
-                m, seq_lens=_set(m.seq_lens, 1, -1), seq_lens_cpu=_set(m.seq_lens_cpu, 1, -1)
-            ),
+            lambda m: _with(m, seq_lens=_set(m.seq_lens, 1, -1), seq_lens_cpu=_set(m.seq_lens_cpu, 1, -1)),
             {"causal": False},
             r"seq_lens_cpu\[1\]=-1 must be >= 0",
         ),
         (
-            lambda m: _with(
-                m, seq_lens=_set(m.seq_lens, 0, 2), seq_lens_cpu=_set(m.seq_lens_cpu, 0, 2)
-            ),
+            lambda m: _with(m, seq_lens=_set(m.seq_lens, 0, 2), seq_lens_cpu=_set(m.seq_lens_cpu, 0, 2)),
             {},
             r"seq_lens_cpu\[0\]=2 is less than request 0's query length 3",
         ),

@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import logging
+import math
+import numbers
 from collections import deque
 
 from attn_jax.serving.block_allocator import BlockAllocator
 from attn_jax.types import validate_positive_int
 
 logger = logging.getLogger(__name__)
+
+SEED_LIMIT = 2**32
+"""Seeds are in [0, SEED_LIMIT): the sampler packs them as uint32."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,15 +45,30 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        validate_positive_int("max_new_tokens", self.max_new_tokens)
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"temperature={self.temperature!r} must be a number >= 0 (0 = greedy)")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        # Any real / integral number is accepted (NumPy scalars included) and stored as a Python one.
+        def real(x) -> bool:
+            return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+        def integral(x) -> bool:
+            return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+        set_ = functools.partial(object.__setattr__, self)
+        set_("max_new_tokens", validate_positive_int("max_new_tokens", self.max_new_tokens))
+        if not (real(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0 = greedy)")
+        set_("temperature", float(self.temperature))
+        if not (real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        set_("top_p", float(self.top_p))
+        if not integral(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r} must be an int >= 0 (0 = off)")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed={self.seed!r} must be an int or None")
+        set_("top_k", int(self.top_k))
+        if self.seed is not None:
+            if not integral(self.seed):
+                raise ValueError(f"seed={self.seed!r} must be an int in [0, 2**32) or None")
+            if not 0 <= self.seed < SEED_LIMIT:
+                raise ValueError(f"seed={self.seed!r} is outside [0, 2**32) (sampling keys take a uint32 seed)")
+            set_("seed", int(self.seed))
 
 
 class RequestStatus(enum.Enum):

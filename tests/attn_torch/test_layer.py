@@ -283,7 +283,7 @@ def test_kv_dtype_differs_from_query(bound):
     layer, md, q, k, v = bound
     with (
         set_forward_context(md),
-        pytest.raises(ValueError, match=r"key.dtype=torch.bfloat16 must equal query.dtype=torch.float32"),
+        pytest.raises(TypeError, match=r"key.dtype=bfloat16 must equal query.dtype=float32"),
     ):
         layer(q, k.bfloat16(), v)
 
@@ -292,7 +292,7 @@ def test_query_dtype_differs_from_layer(bound):
     layer, md, q, k, v = bound
     with (
         set_forward_context(md),
-        pytest.raises(ValueError, match=r"query.dtype=torch.float16 but layer .* for dtype=torch.float32"),
+        pytest.raises(TypeError, match=r"query.dtype=float16 but layer .* for dtype=float32"),
     ):
         layer(q.half(), k.half(), v.half())
 
@@ -330,8 +330,80 @@ def test_slot_outside_the_cache(bound):
     slots = md.slot_mapping.copy()
     slots[0] = 8 * 4
     md = CommonAttentionMetadata(**{**md.__dict__, "slot_mapping": slots})
-    with set_forward_context(md), pytest.raises(ValueError, match="holds slot 32, outside layer .* 32 slots"):
+    with set_forward_context(md), pytest.raises(ValueError, match=r"slot_mapping\[0\]=32 is outside \[-1, num_blocks"):
         layer(q, k, v)
+
+
+def _edited(md, **fields) -> CommonAttentionMetadata:
+    """``md`` with some device fields replaced (a hand-edited batch)."""
+    return CommonAttentionMetadata(**{**md.__dict__, **fields})
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (8, r"block_tables\[0, 0\]=8 is outside \[0, num_blocks=8\)"),  # a read-only page past the cache
+        (-1, r"block_tables\[0, 0\]=-1 is outside \[0, num_blocks=8\)"),
+    ],
+)
+def test_block_ids_are_checked_against_the_bound_cache(bound, entry, message):
+    """As the JAX layer does in eager mode (before: clamped to the last block, or zeros for -1)."""
+    layer, md, q, k, v = bound
+    table = md.block_table_tensor.copy()
+    table[0, 0] = entry  # request 0's context page: read, never written
+    with set_forward_context(_edited(md, block_table_tensor=table)), pytest.raises(ValueError, match=message):
+        layer(q, k, v)
+
+
+def test_seq_lens_below_query_lens_are_refused(bound):
+    layer, md, q, k, v = bound
+    seq_lens = md.seq_lens.copy()
+    seq_lens[1] = 1  # request 1 has 2 new tokens
+    with (
+        set_forward_context(_edited(md, seq_lens=seq_lens)),
+        pytest.raises(ValueError, match=r"seq_lens\[1\]=1 is less than request 1's query length 2"),
+    ):
+        layer(q, k, v)
+
+
+@pytest.mark.parametrize("rows", [17, 2], ids=["more_than_q", "fewer_than_real_tokens"])
+def test_key_and_value_rows_must_match_query_rows(bound, rows):
+    layer, md, q, _, _ = bound
+    k = v = torch.randn(rows, 32)
+    with set_forward_context(md), pytest.raises(ValueError, match=rf"key has {rows} token rows but query has 16"):
+        layer(q, k, v)
+
+
+@pytest.mark.parametrize("bad", [0.0, float("nan"), float("inf"), -1.0])
+def test_set_kv_scales_refuses_scales_that_zero_the_cache(bad):
+    layer = Attention(2, 16, 0.25, prefix=_name(), kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=rf"k_scale={bad!r} must be a finite number > 0"):
+        layer.set_kv_scales(bad, 1.0)
+    with pytest.raises(ValueError, match=rf"v_scale={bad!r} must be a finite number > 0"):
+        layer.set_kv_scales(np.float32(0.5), bad)
+    layer.set_kv_scales(np.float32(0.5), 2)  # NumPy scalars and ints are numbers too
+    assert (layer._k_scale_float, layer._v_scale_float) == (0.5, 2.0)
+
+
+def test_non_contiguous_cache_is_refused_at_bind(bound):
+    layer, *_ = bound
+    cache = layer.init_kv_cache(8).transpose(1, 2).contiguous().transpose(1, 2)  # right shape, wrong strides
+    with pytest.raises(BridgeError, match=r"kv_cache with shape=\(2, 8, 4, 2, 16\) and strides=.* is not contiguous"):
+        bind_kv_cache({layer.layer_name: cache})
+
+
+def test_nonfinite_key_reaches_exactly_the_rows_that_see_it():
+    """Through the bridge as in the op: k[1] = NaN in a 4-token prefill gives rows [finite, NaN, NaN, NaN]
+    (before: 0.0); a padding row's NaN query reaches nothing."""
+    layer = Attention(2, 16, 0.25, prefix=_name(), block_size=4)
+    bind_kv_cache({layer.layer_name: layer.init_kv_cache(4)})
+    md = build_common_attn_metadata([4], [4], np.array([[2]]), block_size=4)
+    q, k, v = torch.randn(md.num_tokens, 32), torch.randn(md.num_tokens, 32), torch.randn(md.num_tokens, 32)
+    k[1] = float("nan")
+    q[5] = float("nan")  # a padding row
+    with torch.inference_mode(), set_forward_context(md):
+        out = layer(q, k, v)
+    assert torch.isnan(out[1:4]).all() and torch.isfinite(out[0]).all() and torch.isfinite(out[4:]).all()
 
 
 def test_token_rows_must_match_metadata(bound):

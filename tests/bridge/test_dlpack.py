@@ -74,6 +74,20 @@ def test_non_contiguous_is_an_error(make):
         to_jax(make())
 
 
+@pytest.mark.parametrize("layout", ["to_sparse", "to_sparse_csr"])
+def test_sparse_is_an_error_that_does_not_advise_contiguous(layout):
+    with pytest.raises(BridgeError, match=r"layout=torch.sparse_\w+; DLPack shares dense .* \.to_dense\(\)") as e:
+        to_jax(getattr(torch.eye(4), layout)())
+    assert "contiguous" not in str(e.value)
+
+
+def test_to_torch_inside_jit_is_an_error():
+    with pytest.raises(
+        BridgeError, match=r"array is a traced value \(float32\[3\]\) inside jax.jit.*outside the jitted"
+    ):
+        jax.jit(to_torch)(jnp.zeros(3))
+
+
 def test_requires_grad_is_an_error():
     with pytest.raises(BridgeError, match=r"requires grad.*detach\(\)"):
         to_jax(torch.zeros(4, requires_grad=True))

@@ -72,6 +72,14 @@ def test_dense_matches_reference_on_other_caches(cache_dtype):
     np.testing.assert_array_equal(np.asarray(got_cache, np.float32), np.asarray(want_cache, np.float32))
 
 
+def test_zero_tokens_give_an_empty_result_as_the_reference_does():
+    batch = make_ragged_batch(0, [0, 0], [3, 0], num_q_heads=4, num_kv_heads=2, head_size=16, block_size=4)
+    want, want_cache = reference.ragged_paged_attention(*batch.op_args, sm_scale=0.25)
+    got, got_cache = dense.ragged_paged_attention(*batch.op_args, sm_scale=0.25)
+    assert got.shape == want.shape == batch.q.shape == (0, 4, 16)
+    np.testing.assert_array_equal(np.asarray(got_cache), np.asarray(want_cache))
+
+
 def test_schedule_buckets_and_errors():
     qsl = np.array([0, 1, 6, 7, 10], np.int32)
     reqs, q_block = dense.dense_schedule(qsl)

@@ -102,9 +102,11 @@ def test_tuned_table_entries_export_for_tpu(table, index):
 
 
 def test_cost_estimate_is_attached():
-    text = jax.jit(
-        lambda *a: kernel_tpu.ragged_paged_attention(*a, sm_scale=0.1, interpret=False)
-    ).trace(*_zeros(num_tokens=32, num_reqs=2, pages_per_req=4, page_size=16, head_size=128)).jaxpr.pretty_print()
+    text = (
+        jax.jit(lambda *a: kernel_tpu.ragged_paged_attention(*a, sm_scale=0.1, interpret=False))
+        .trace(*_zeros(num_tokens=32, num_reqs=2, pages_per_req=4, page_size=16, head_size=128))
+        .jaxpr.pretty_print()
+    )
     assert "cost_estimate=CostEstimate(flops=" in text
 
 
@@ -177,8 +179,10 @@ def test_unsupported_shapes_raise(kwargs, message):
     [
         (TpuBlockSizes(3, 1), "q_tokens_per_block=3 x group=4 = 12 rows must be a multiple of 8"),
         (TpuBlockSizes(8, 1, kv_heads_per_block=3), "kv_heads_per_block=3 must divide num_kv_heads=2"),
-        (TpuBlockSizes(8, 1, kv_heads_per_block=1),
-         "kv_heads_per_block=1 x group=4 = 4 query heads per block must be a multiple of 8 or all 8 query heads"),
+        (
+            TpuBlockSizes(8, 1, kv_heads_per_block=1),
+            "kv_heads_per_block=1 x group=4 = 4 query heads per block must be a multiple of 8 or all 8 query heads",
+        ),
         (TpuBlockSizes(8, 4), "kv_pages_per_block=4 exceeds the bucket's pages_per_req=2"),
         (TpuBlockSizes(0, 1), "q_tokens_per_block=0 must be a positive int"),
     ],
@@ -186,6 +190,19 @@ def test_unsupported_shapes_raise(kwargs, message):
 def test_bad_block_sizes_raise(block_sizes, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         kernel_tpu.ragged_paged_attention(*_small_args(), sm_scale=0.1, block_sizes=block_sizes, interpret=True)
+
+
+def test_two_dimensional_q_is_named():
+    q, *rest = _small_args()
+    with pytest.raises(ValueError, match=re.escape("q.shape=(8, 1024) must be [num_tokens, num_q_heads, head_size]")):
+        kernel_tpu.ragged_paged_attention(q.reshape(q.shape[0], -1), *rest, sm_scale=0.1, interpret=True)
+
+
+def test_zero_tokens_give_an_empty_result_and_an_unchanged_cache():
+    q, k, v, cache, *rest = _small_args(num_tokens=0)
+    out, new_cache = kernel_tpu.ragged_paged_attention(q, k, v, cache, *rest, sm_scale=0.1, interpret=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    np.testing.assert_array_equal(np.asarray(new_cache), np.asarray(cache))
 
 
 def test_reference_layout_cache_is_a_clear_error():
@@ -196,7 +213,7 @@ def test_reference_layout_cache_is_a_clear_error():
     assert "convert it with from_reference_layout" in str(e.value)
     cache = kernel_tpu.from_reference_layout(batch.kv_cache)
     q, k, v, _, *rest = batch.op_args
-    with pytest.raises(ValueError, match=re.escape(f"kv_cache.shape={cache.shape[:3]+(128,)} is not the PALLAS_TPU")):
+    with pytest.raises(ValueError, match=re.escape(f"kv_cache.shape={cache.shape[:3] + (128,)} is not the PALLAS_TPU")):
         kernel_tpu.ragged_paged_attention(q, k, v, cache[..., :128], *rest, sm_scale=0.1)
 
 
@@ -357,8 +374,11 @@ def test_vmem_limit_is_raised_for_large_blocks_and_refused_past_v7x():
         kernel_tpu.vmem_limit_for(TpuBlockSizes(1024, 64, 2), **shape)
     # The op passes it on: 4096 tokens take 256-token q-blocks; with ALiBi and sinks they need more.
     args = _zeros(num_tokens=4096, num_reqs=4, pages_per_req=256, page_size=16, head_size=128, num_blocks=1024)
-    step = jax.jit(lambda *a: kernel_tpu.ragged_paged_attention(
-        *a, sm_scale=0.1, interpret=False, sinks=jnp.zeros(8, jnp.float32), alibi_slopes=jnp.ones(8, jnp.float32)))
+    step = jax.jit(
+        lambda *a: kernel_tpu.ragged_paged_attention(
+            *a, sm_scale=0.1, interpret=False, sinks=jnp.zeros(8, jnp.float32), alibi_slopes=jnp.ones(8, jnp.float32)
+        )
+    )
     jaxpr = step.trace(*args).jaxpr.pretty_print()
     raised = kernel_tpu.vmem_limit_for(TpuBlockSizes(256, 16, 2), **shape)
     assert f"vmem_limit_bytes={raised}" in jaxpr

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,12 +43,17 @@ CASES: dict[str, tuple[dict, dict]] = {
     "mixed": (_MIXED, {}),
     "empty_requests": (dict(query_lens=[0, 3, 0, 1], context_lens=[6, 2, 0, 4], **_SHAPE), {}),
     "padding_rows_and_requests": (
-        dict(**_MIXED, num_tokens=16, num_padding_requests=2, extra_blocks=3), {},
+        dict(**_MIXED, num_tokens=16, num_padding_requests=2, extra_blocks=3),
+        {},
     ),
-    "block_size_2": (dict(query_lens=[3, 1], context_lens=[4, 6], num_q_heads=4, num_kv_heads=2,
-                          head_size=8, block_size=2), {}),
-    "block_size_8_head_32": (dict(query_lens=[5, 1], context_lens=[11, 20], num_q_heads=2,
-                                  num_kv_heads=2, head_size=32, block_size=8), {}),
+    "block_size_2": (
+        dict(query_lens=[3, 1], context_lens=[4, 6], num_q_heads=4, num_kv_heads=2, head_size=8, block_size=2),
+        {},
+    ),
+    "block_size_8_head_32": (
+        dict(query_lens=[5, 1], context_lens=[11, 20], num_q_heads=2, num_kv_heads=2, head_size=32, block_size=8),
+        {},
+    ),
     "gqa_group_3": (dict(_MIXED, num_q_heads=6, num_kv_heads=2), {}),  # _SHAPE itself is GQA, group 2
     "mha": (dict(_MIXED, num_kv_heads=4), {}),
     "mqa": (dict(_MIXED, num_kv_heads=1), {}),
@@ -66,15 +72,19 @@ CASES: dict[str, tuple[dict, dict]] = {
     "float16": (dict(_MIXED, dtype=jnp.float16, num_tokens=14), dict(alibi=True)),
     "bfloat16_cache_float32_activations": (dict(_MIXED, cache_dtype_str="bfloat16"), {}),
     "fp8_e4m3": (dict(_MIXED, cache_dtype_str="fp8_e4m3", num_tokens=14, extra_blocks=2), {}),
-    "fp8_alias_unit_scales": (dict(_MIXED, cache_dtype_str="fp8", k_scale=1.0, v_scale=1.0, shuffle_blocks=False),
-                              dict(sliding_window=4)),
+    "fp8_alias_unit_scales": (
+        dict(_MIXED, cache_dtype_str="fp8", k_scale=1.0, v_scale=1.0, shuffle_blocks=False),
+        dict(sliding_window=4),
+    ),
     "fp8_e5m2": (dict(_MIXED, cache_dtype_str="fp8_e5m2", num_tokens=14, extra_blocks=2), {}),
     "fp8_e4m3_bfloat16_all_features": (
         dict(_MIXED, cache_dtype_str="fp8_e4m3", dtype=jnp.bfloat16, num_padding_requests=1),
         dict(sliding_window=6, logits_soft_cap=3.0, alibi=True, sinks=True),
     ),
-    "fp8_e5m2_float16_mqa": (dict(_MIXED, cache_dtype_str="fp8_e5m2", dtype=jnp.float16, num_kv_heads=1),
-                             dict(causal=False)),
+    "fp8_e5m2_float16_mqa": (
+        dict(_MIXED, cache_dtype_str="fp8_e5m2", dtype=jnp.float16, num_kv_heads=1),
+        dict(causal=False),
+    ),
 }
 
 
@@ -103,9 +113,7 @@ def test_unused_slots_really_hold_nan():
     num_slots = cache.shape[1] * cache.shape[2]
     assert np.isnan(cache).any()
     # Exactly the context slots are filled.
-    assert (~np.isnan(cache)).reshape(2, num_slots, -1).all(-1).sum(-1).tolist() == [
-        int(batch.context_lens.sum())
-    ] * 2
+    assert (~np.isnan(cache)).reshape(2, num_slots, -1).all(-1).sum(-1).tolist() == [int(batch.context_lens.sum())] * 2
 
 
 @JIT
@@ -176,10 +184,20 @@ BAD_INPUTS = {
                            "block_tables.shape=(1, 2) must be [num_reqs=2, pages_per_req]"),
     "slot_mapping_shape": (_set("slot_mapping", lambda x: x[:4]), ValueError, "slot_mapping.shape=(4,) must be (5,)"),
     "index_dtype": (_set("seq_lens", lambda x: np.asarray(x, np.int64)), TypeError, "seq_lens.dtype=int64 is not supported"),
-    "sm_scale": (_set("sm_scale", lambda s: 0.0), ValueError, "sm_scale=0.0 must be > 0"),
+    "sm_scale": (_set("sm_scale", lambda s: 0.0), ValueError, "sm_scale=0.0 must be a finite number > 0"),
+    "sm_scale_inf": (_set("sm_scale", lambda s: float("inf")), ValueError, "sm_scale=inf must be a finite number > 0"),
+    "sm_scale_nan": (_set("sm_scale", lambda s: float("nan")), ValueError, "sm_scale=nan must be a finite number > 0"),
+    "sm_scale_none": (_set("sm_scale", lambda s: None), ValueError, "sm_scale=None must be a finite number > 0"),
     "sliding_window": (_set("sliding_window", lambda w: 0), ValueError,
-                       "sliding_window=0 must be None or a positive int"),
-    "soft_cap": (_set("logits_soft_cap", lambda c: -1.0), ValueError, "logits_soft_cap=-1.0 must be None or > 0"),
+                       "sliding_window=0 must be None (no window) or a positive int"),
+    "sliding_window_float": (_set("sliding_window", lambda w: 2.0), ValueError,
+                             "sliding_window=2.0 must be None (no window) or a positive int"),
+    "soft_cap": (_set("logits_soft_cap", lambda c: -1.0), ValueError,
+                 "logits_soft_cap=-1.0 must be None (no cap) or a finite number > 0"),
+    "soft_cap_nan": (_set("logits_soft_cap", lambda c: float("nan")), ValueError,
+                     "logits_soft_cap=nan must be None (no cap) or a finite number > 0"),
+    "metadata_as_list": (_set("seq_lens", lambda x: [5, 3]), TypeError,
+                         "seq_lens is a list; it must be an array (NumPy or jax) of dtype int32"),
     "alibi_shape": (_set("alibi_slopes", lambda a: np.ones(3, np.float32)), ValueError,
                     "alibi_slopes.shape=(3,) must be (4,)"),
     "sinks_shape": (_set("sinks", lambda a: np.ones((4, 1), np.float32)), ValueError, "sinks.shape=(4, 1) must be (4,)"),
@@ -215,3 +233,15 @@ def test_bad_inputs_raise(case):
     mutate(args)
     with pytest.raises(error, match=re.escape(message)):
         ragged_paged_attention(*(args[n] for n in names), **{k: a for k, a in args.items() if k not in names})
+
+
+def test_traced_sm_scale_is_named():
+    batch = make_ragged_batch(0, [1, 3], [4, 0], num_q_heads=4, num_kv_heads=2, head_size=8, block_size=4)
+    with pytest.raises(TypeError, match=r"sm_scale is a traced value .* a static hyperparameter"):
+        jax.jit(lambda scale: ragged_paged_attention(*batch.op_args, sm_scale=scale))(0.5)
+
+
+def test_numpy_scalars_are_accepted_as_options():
+    batch = make_ragged_batch(0, **_MIXED)
+    options = make_options(batch, sm_scale=np.float32(0.25), sliding_window=np.int64(3), logits_soft_cap=np.float64(2))
+    check(batch, options, use_jit=False)

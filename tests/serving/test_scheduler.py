@@ -114,15 +114,32 @@ def test_waiting_when_the_cache_is_full_and_refusal_when_a_request_can_never_fit
     ("kwargs", "match"),
     [
         (dict(max_new_tokens=0), "max_new_tokens=0 must be a positive integer"),
-        (dict(temperature=-1.0), "temperature=-1.0 must be a number >= 0"),
+        (dict(temperature=-1.0), "temperature=-1.0 must be a finite number >= 0"),
+        (dict(temperature=float("inf")), r"temperature=inf must be a finite number >= 0 \(0 = greedy\)"),
+        (dict(temperature=float("nan")), "temperature=nan must be a finite number >= 0"),
+        (dict(temperature="0.5"), "temperature='0.5' must be a finite number >= 0"),
         (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
         (dict(top_k=-2), "top_k=-2 must be an int >= 0"),
-        (dict(seed="x"), "seed='x' must be an int or None"),
+        (dict(seed="x"), r"seed='x' must be an int in \[0, 2\*\*32\) or None"),
+        (dict(seed=-1), r"seed=-1 is outside \[0, 2\*\*32\)"),
+        (dict(seed=2**32), r"seed=4294967296 is outside \[0, 2\*\*32\)"),
+        (dict(seed=np.int64(-5)), r"seed=np.int64\(-5\) is outside \[0, 2\*\*32\)"),
+        (dict(top_k=2.0), "top_k=2.0 must be an int >= 0"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_sampling_params_accept_numpy_scalars():
+    params = SamplingParams(max_new_tokens=np.int64(4), temperature=np.float32(0.5), top_p=np.float64(0.9),
+                            top_k=np.int64(5), seed=np.uint32(2**32 - 1))  # fmt: skip
+    assert params == SamplingParams(max_new_tokens=4, temperature=0.5, top_p=float(np.float64(0.9)), top_k=5,
+                                    seed=2**32 - 1)  # fmt: skip
+    assert [type(x) for x in (params.max_new_tokens, params.temperature, params.top_k, params.seed)] == [
+        int, float, int, int
+    ]
 
 
 def _sample(logits, temperature, top_p=1.0, top_k=0, seed=0, counter=0):

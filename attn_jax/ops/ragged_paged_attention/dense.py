@@ -127,6 +127,8 @@ def ragged_paged_attention(
         _check_schedule(np.asarray(query_start_loc), np.asarray(prefill_reqs), q_block, num_reqs)
     if k is not None:
         kv_cache = write_to_kv_cache(kv_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    if q.shape[0] == 0:  # no rows: an empty result, as the reference gives
+        return jnp.zeros_like(q), kv_cache
 
     qsl = jnp.asarray(query_start_loc, jnp.int32)
     seq_lens = jnp.asarray(seq_lens, jnp.int32)

@@ -62,6 +62,7 @@ from attn_jax.ops.ragged_paged_attention.config import (
     tpu_block_sizes,
 )
 from attn_jax.ops.ragged_paged_attention.validate import (
+    check_query,
     dynamic_validate_inputs,
     is_concrete,
     static_validate_inputs,
@@ -593,6 +594,7 @@ def ragged_paged_attention(
             q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
             sm_scale=head_size**-0.5)
     """
+    check_query(q)
     num_tokens, num_q_heads, head_size = q.shape
     check_tpu_cache_layout(kv_cache, num_kv_heads=None, head_size=head_size)
     num_kv_heads = kv_cache.shape[1]
@@ -606,6 +608,8 @@ def ragged_paged_attention(
             query_start_loc, seq_lens, block_tables, slot_mapping,
             num_blocks=num_blocks, block_size=page_size, causal=causal,
         )  # fmt: skip
+    if num_tokens == 0:  # nothing to write or attend; a zero-sized grid would not lower
+        return jnp.zeros_like(q), kv_cache
     group = num_q_heads // num_kv_heads
     if block_sizes is None:
         block_sizes = tpu_block_sizes(

@@ -19,7 +19,12 @@ from attn_jax.metadata import (
     check_seq_lens_cover_queries,
     check_slot_ids,
 )
-from attn_jax.types import ACTIVATION_DTYPES
+from attn_jax.types import (
+    ACTIVATION_DTYPES,
+    validate_positive_finite,
+    validate_sliding_window,
+    validate_soft_cap,
+)
 
 _INDEX_DTYPES = (np.dtype(np.int32),)
 
@@ -30,6 +35,11 @@ def is_concrete(*arrays) -> bool:
 
 
 def _check_dtype(name: str, x, allowed: tuple[np.dtype, ...]) -> None:
+    if not hasattr(x, "dtype"):
+        raise TypeError(
+            f"{name} is a {type(x).__name__}; it must be an array (NumPy or jax) of dtype {allowed[0]}, "
+            f"e.g. np.asarray({name}, np.{allowed[0]})"
+        )
     if np.dtype(x.dtype) not in allowed:
         valid = ", ".join(str(d) for d in allowed)
         raise TypeError(f"{name}.dtype={np.dtype(x.dtype)} is not supported. Valid dtypes are: {valid}")
@@ -38,6 +48,13 @@ def _check_dtype(name: str, x, allowed: tuple[np.dtype, ...]) -> None:
 def _check_shape(name: str, x, expected: tuple[int, ...], meaning: str) -> None:
     if tuple(x.shape) != expected:
         raise ValueError(f"{name}.shape={tuple(x.shape)} must be {expected} ({meaning})")
+
+
+def check_query(q) -> None:
+    """q must be an f[num_tokens, num_q_heads, head_size] array of an activation dtype."""
+    _check_dtype("q", q, ACTIVATION_DTYPES)
+    if q.ndim != 3:
+        raise ValueError(f"q.shape={tuple(q.shape)} must be [num_tokens, num_q_heads, head_size]")
 
 
 def static_validate_inputs(
@@ -57,10 +74,15 @@ def static_validate_inputs(
     sinks=None,
 ) -> None:
     """Checks shapes, dtypes and options; raises ValueError / TypeError naming the bad value."""
-    if q.ndim != 3:
-        raise ValueError(f"q.shape={tuple(q.shape)} must be [num_tokens, num_q_heads, head_size]")
+    check_query(q)
+    for name, x in (
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+        ("block_tables", block_tables),
+        ("slot_mapping", slot_mapping),
+    ):
+        _check_dtype(name, x, _INDEX_DTYPES)
     num_tokens, num_q_heads, head_size = q.shape
-    _check_dtype("q", q, ACTIVATION_DTYPES)
     if kv_cache.ndim != 5 or kv_cache.shape[0] != 2:
         raise ValueError(
             f"kv_cache.shape={tuple(kv_cache.shape)} must be "
@@ -88,19 +110,9 @@ def static_validate_inputs(
     if block_tables.ndim != 2 or block_tables.shape[0] != num_reqs:
         raise ValueError(f"block_tables.shape={tuple(block_tables.shape)} must be [num_reqs={num_reqs}, pages_per_req]")
     _check_shape("slot_mapping", slot_mapping, (num_tokens,), f"[num_tokens] with num_tokens={num_tokens} from q")
-    for name, x in (
-        ("query_start_loc", query_start_loc),
-        ("seq_lens", seq_lens),
-        ("block_tables", block_tables),
-        ("slot_mapping", slot_mapping),
-    ):
-        _check_dtype(name, x, _INDEX_DTYPES)
-    if not sm_scale > 0:
-        raise ValueError(f"sm_scale={sm_scale!r} must be > 0")
-    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window > 0):
-        raise ValueError(f"sliding_window={sliding_window!r} must be None or a positive int")
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap={logits_soft_cap!r} must be None or > 0")
+    validate_positive_finite("sm_scale", sm_scale, "the softmax scale, usually head_size**-0.5")
+    validate_sliding_window(sliding_window)
+    validate_soft_cap(logits_soft_cap)
     for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if x is not None:
             _check_shape(name, x, (num_q_heads,), f"one value per query head, num_q_heads={num_q_heads}")
