@@ -22,7 +22,10 @@ Two attention implementations are registered with ``AttentionInterface.register`
   graphs must be off too (each step runs host code): ``use_attn_stack(model, paged=True)``
   turns them off for ``generate_batch`` and refuses a config that asks for them.
 
-Both go through ``attn_torch.Attention`` layers (one per decoder layer and path, made on
+Importing this module registers both names (``register()``, idempotent), so
+``AutoModelForCausalLM.from_pretrained(..., attn_implementation="attn_stack")`` works
+after ``import attn_torch.integrations.transformers``; ``use_attn_stack`` switches an
+already loaded model. Both go through ``attn_torch.Attention`` layers (one per decoder layer and path, made on
 first use), so selection, backends and errors are the same as everywhere else. Usage::
 
     from attn_torch.integrations.transformers import use_attn_stack
@@ -118,6 +121,7 @@ def _init_without_cuda_graphs(model, generation_config=None, continuous_batching
     cb_config = continuous_batching_config
     if cb_config is None:  # transformers' deprecated route: the config inside the GenerationConfig
         cb_config = getattr(generation_config or model.generation_config, "continuous_batching_config", None)
+    generation_config = _with_explicit_no_eos(generation_config or model.generation_config)
     cb_config = ContinuousBatchingConfig() if cb_config is None else copy.copy(cb_config)
     if cb_config.use_cuda_graph not in (None, False, (False, False)):
         raise ValueError(
@@ -129,6 +133,17 @@ def _init_without_cuda_graphs(model, generation_config=None, continuous_batching
     return type(model).init_continuous_batching(
         model, generation_config=generation_config, continuous_batching_config=cb_config, workload_hints=workload_hints
     )
+
+
+def _with_explicit_no_eos(generation_config):
+    """``generation_config`` with ``eos_token_id=None`` spelled as -1, transformers'
+    "disabled": the same generation, without the warning transformers logs on every
+    ``generate_batch`` call (and without it rewriting the caller's config in place)."""
+    if generation_config is None or generation_config.eos_token_id is not None:
+        return generation_config
+    generation_config = copy.copy(generation_config)
+    generation_config.eos_token_id = -1
+    return generation_config
 
 
 def _layer_for(module, kind: str, query: torch.Tensor, key: torch.Tensor, scaling: float, block_size: int) -> Attention:
@@ -378,3 +393,6 @@ def attn_stack_paged_attention_forward(
     with use_forward_context(step.context):
         out = layer(q, None, None)
     return out.view(1, num_tokens, num_q_heads, head_size), None
+
+
+register()  # attn_implementation="attn_stack" works once this module is imported

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import logging
+
 import pytest
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -41,7 +44,8 @@ def stock_tokens(hf_smollm2, padded_prompts):
     return out[:, padded_prompts["input_ids"].shape[1] :].tolist()
 
 
-def test_generate_batch_over_the_paged_cache_matches(hf_smollm2, stock_tokens):
+def test_generate_batch_over_the_paged_cache_matches(hf_smollm2, stock_tokens, caplog):
+    """Also: no "eos_token_id not set" warning, and the caller's config is left as it was."""
     model, tokenizer = hf_smollm2
     original = model.config._attn_implementation
     config = GenerationConfig(
@@ -50,7 +54,11 @@ def test_generate_batch_over_the_paged_cache_matches(hf_smollm2, stock_tokens):
     inputs = [tokenizer(p)["input_ids"] for p in PROMPTS]
     with use_attn_stack(model, paged=True):
         assert model.config._attn_implementation == PAGED_ATTN_IMPLEMENTATION
-        results = model.generate_batch(inputs=inputs, generation_config=config, continuous_batching_config=SMALL_CACHE)
+        with caplog.at_level(logging.WARNING):
+            results = model.generate_batch(
+                inputs=inputs, generation_config=config, continuous_batching_config=SMALL_CACHE
+            )
+    assert "eos_token_id" not in caplog.text and config.eos_token_id is None
     assert model.config._attn_implementation == original
     assert "init_continuous_batching" not in vars(model), "the block's CUDA-graph guard must be removed on exit"
     ours = [results[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))]
@@ -92,3 +100,22 @@ def test_paged_block_refuses_cuda_graphs(hf_smollm2):
     ):
         model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(use_cuda_graph=True))
     assert "init_continuous_batching" not in vars(model)
+
+
+def test_attn_implementation_by_name_after_import():
+    """Importing the integration registers "attn_stack": from_config / from_pretrained take it by name."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=ATTN_IMPLEMENTATION).eval()
+    stock = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    stock.load_state_dict(ours.state_dict())
+    assert ours.config._attn_implementation == ATTN_IMPLEMENTATION
+    ids = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, stock(ids).logits, rtol=1e-4, atol=1e-4)
+    assert any("_attn_stack_layers" in m.__dict__ for m in ours.modules()), "attn-stack served the attention"
