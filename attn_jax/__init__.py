@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 
 from attn_jax.backends.base import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, AttentionSpec
 from attn_jax.kv_cache import allocate_kv_cache, calc_kv_scales, write_to_kv_cache
-from attn_jax.layer import Attention, CacheConfig
+from attn_jax.layer import Attention, CacheConfig, debug_checks_enabled, set_debug_checks
 from attn_jax.metadata import (
     CommonAttentionMetadata,
     MetadataBuckets,
@@ -57,6 +57,7 @@ __all__ = [
     "build_common_attn_metadata",
     "calc_kv_scales",
     "current_platform",
+    "debug_checks_enabled",
     "explain_attn_backend_selection",
     "get_attn_backend",
     "get_global_forced_attn_backend",
@@ -69,6 +70,7 @@ __all__ = [
     "ragged_paged_attention",
     "register_backend",
     "reorder_batch_to_split_decodes_and_prefills",
+    "set_debug_checks",
     "set_kv_cache_layout",
     "split_decodes_and_prefills",
     "validate_common_metadata",

@@ -22,7 +22,7 @@ import numpy as np
 from attn_jax.backends.base import AttentionBackend, AttentionSpec
 from attn_jax.kv_cache import allocate_kv_cache, calc_kv_scales
 from attn_jax.metadata import CommonAttentionMetadata
-from attn_jax.ops.ragged_paged_attention.validate import is_concrete
+from attn_jax.ops.ragged_paged_attention.validate import checkify_validate_inputs, is_concrete
 from attn_jax.platforms import current_platform
 from attn_jax.selector import get_attn_backend
 from attn_jax.types import (
@@ -37,6 +37,34 @@ from attn_jax.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+_debug_checks = False
+
+
+def set_debug_checks(enabled: bool) -> None:
+    """Turns the checked mode on or off for every later trace of an ``Attention`` layer.
+
+    With it on, a layer called on traced metadata (inside ``jax.jit``) states the dynamic
+    metadata checks (lengths consistent, block ids a request uses in range, slots in range:
+    those that run on the host for concrete metadata) as ``jax.experimental.checkify``
+    checks, which the caller functionalizes::
+
+        attn_jax.set_debug_checks(True)
+        err, (out, kv_cache) = checkify.checkify(jax.jit(layer.__call__))(q, k, v, kv_cache, md)
+        err.throw()  # JaxRuntimeError naming the first bad value
+
+    A step jitted without ``checkify.checkify`` then fails at trace time (never runs
+    unchecked). Off (the default), jitted code carries no checks. Already-compiled
+    functions keep the mode they were traced with.
+    """
+    global _debug_checks
+    _debug_checks = bool(enabled)
+
+
+def debug_checks_enabled() -> bool:
+    """Whether ``set_debug_checks(True)`` is in effect."""
+    return _debug_checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +246,7 @@ class Attention:
                     "call layer.calc_kv_scales(query, key, value) once outside jax.jit"
                 )
             self.calc_kv_scales(query, key, value)
-        self._check_kv_cache(kv_cache)
+        num_blocks = self._check_kv_cache(kv_cache)
         self.check_inputs(query, key, value)
         num_tokens = query.shape[0]
         q = self._heads("query", query, self.num_heads)
@@ -226,6 +254,13 @@ class Attention:
         v = None if value is None else self._heads("value", value, self.num_kv_heads)
         if isinstance(attn_metadata, CommonAttentionMetadata):
             attn_metadata = self.metadata_builder.build(0, attn_metadata)
+        if _debug_checks:
+            md = attn_metadata
+            arrays = (md.query_start_loc, md.seq_lens, md.block_tables, md.slot_mapping)
+            if not is_concrete(*arrays):  # concrete metadata gets the same checks on the host, in the op
+                checkify_validate_inputs(
+                    *arrays, num_blocks=num_blocks, block_size=self.block_size, causal=self.attn_type.is_causal
+                )
         out, kv_cache = self.impl.forward(q, k, v, kv_cache, attn_metadata, k_scale=self.k_scale, v_scale=self.v_scale)
         return out.reshape(num_tokens, self.num_heads * self.head_size), kv_cache
 
@@ -254,8 +289,8 @@ class Attention:
                     "row per query row (padding rows included)"
                 )
 
-    def _check_kv_cache(self, kv_cache) -> None:
-        """ValueError / TypeError when ``kv_cache`` is not this layer's cache (any page count)."""
+    def _check_kv_cache(self, kv_cache) -> int:
+        """Its page count; ValueError / TypeError when ``kv_cache`` is not this layer's cache (any page count)."""
         backend = self.attn_backend
         want_dtype = backend.kv_cache_dtype_for(self.kv_cache_dtype, self.dtype)
         if np.dtype(kv_cache.dtype) != want_dtype:
@@ -278,6 +313,7 @@ class Attention:
                 f"{tuple(expected)} (block_size={self.block_size}, num_kv_heads={self.num_kv_heads}, "
                 f"head_size={self.head_size})"
             )
+        return shape[pages_axis]
 
     def _heads(self, name: str, x, num_heads: int):
         """[T, H*D] or [T, H, D] -> [T, H, D], with an error naming the expected shapes."""

@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 from attn_jax.backends.pallas_tpu import PallasTPUAttentionBackend
 from attn_jax.backends.xla import XLAAttentionBackend
-from attn_jax.layer import Attention, CacheConfig
+from attn_jax.layer import Attention, CacheConfig, debug_checks_enabled, set_debug_checks
 from attn_jax.metadata import CommonAttentionMetadata, MetadataBuckets, build_common_attn_metadata
 from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
 from attn_jax.testing.workloads import make_ragged_batch
@@ -343,6 +344,58 @@ def test_metadata_given_as_python_lists_is_converted():
     want, _ = layer(q, k, v, layer.init_kv_cache(NUM_BLOCKS), md)
     got, _ = layer(q, k, v, layer.init_kv_cache(NUM_BLOCKS), as_lists)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.fixture
+def debug_checks():
+    set_debug_checks(True)
+    yield
+    set_debug_checks(False)
+
+
+def _edited(md, **fields):
+    return CommonAttentionMetadata(**{**md.__dict__, **fields})
+
+
+def _bad_metadata(md, case):
+    table, seq_lens, slots = md.block_table_tensor.copy(), md.seq_lens.copy(), md.slot_mapping.copy()
+    if case == "block_id":
+        table[0, 0] = NUM_BLOCKS + 3  # request 0's context page
+        return _edited(
+            md, block_table_tensor=table
+        ), rf"block_tables\[0, 0\]={NUM_BLOCKS + 3} is outside \[0, num_blocks=32\)"
+    if case == "seq_len":
+        seq_lens[1] = 1  # request 1 has 3 new tokens
+        return _edited(md, seq_lens=seq_lens), r"seq_lens\[1\]=1 is less than request 1's query length 3"
+    slots[2] = NUM_BLOCKS * BLOCK_SIZE
+    return _edited(md, slot_mapping=slots), r"slot_mapping\[2\]=128 is outside \[-1, num_blocks \* block_size=128\)"
+
+
+@pytest.mark.parametrize("case", ["block_id", "seq_len", "slot"])
+def test_checked_mode_turns_metadata_checks_into_errors_under_jit(case, debug_checks):
+    layer = make_layer()
+    md, q, k, v = make_batch(np.random.default_rng(14), [1, 3], [6, 3])
+    bad, message = _bad_metadata(md, case)
+    with pytest.raises(ValueError, match=message):  # eager: the host checks, as always
+        layer(q, k, v, layer.init_kv_cache(NUM_BLOCKS), bad)
+    checked = checkify.checkify(jax.jit(layer.__call__))
+    err, _ = checked(q, k, v, layer.init_kv_cache(NUM_BLOCKS), bad)
+    with pytest.raises(checkify.JaxRuntimeError, match=message):
+        err.throw()
+    err, (out, _) = checked(q, k, v, layer.init_kv_cache(NUM_BLOCKS), md)  # good metadata, same compiled step
+    assert err.get() is None and np.isfinite(np.asarray(out)).all()
+    with pytest.raises(ValueError, match="not functionalized"):  # on but not checkified: never runs unchecked
+        jax.jit(layer.__call__)(q, k, v, layer.init_kv_cache(NUM_BLOCKS), bad)
+
+
+def test_default_jitted_path_is_check_free():
+    layer = make_layer()
+    md, q, k, v = make_batch(np.random.default_rng(15), [1, 3], [6, 3])
+    assert not debug_checks_enabled()
+    jaxpr = str(jax.make_jaxpr(layer.__call__)(q, k, v, layer.init_kv_cache(NUM_BLOCKS), md))
+    assert "check" not in jaxpr
+    bad, _ = _bad_metadata(md, "block_id")
+    jax.jit(layer.__call__)(q, k, v, layer.init_kv_cache(NUM_BLOCKS), bad)  # unchecked: runs (documented)
 
 
 def test_call_rejects_misshaped_query():

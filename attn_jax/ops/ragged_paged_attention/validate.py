@@ -3,13 +3,17 @@
 ``static_validate_inputs`` looks only at shapes, dtypes and static options, so it runs
 at trace time. ``dynamic_validate_inputs`` looks at concrete index values (lengths,
 block ids, slot ids); callers run it only when the arrays are concrete (not inside
-``jit``), see ``is_concrete``.
+``jit``), see ``is_concrete``. ``checkify_validate_inputs`` states the same dynamic
+checks as ``jax.experimental.checkify`` checks on traced arrays: the layers' opt-in
+checked mode (``attn_jax.set_debug_checks``), never the default path.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from attn_jax.kv_cache import CACHE_STORAGE_DTYPES
 from attn_jax.metadata import (
@@ -147,3 +151,66 @@ def dynamic_validate_inputs(
     check_pages_fit(lens, block_size, table.shape[1], "block_tables")
     check_block_ids(table, lens, block_size, num_blocks, "block_tables")
     check_slot_ids(slots, num_blocks * block_size)
+
+
+def _first(bad):
+    """Index tuple (i32 scalars) of the first True entry of ``bad`` (row-major)."""
+    return jnp.unravel_index(jnp.argmax(bad.reshape(-1)), bad.shape)
+
+
+def checkify_validate_inputs(
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    slot_mapping,
+    *,
+    num_blocks: int,
+    block_size: int,
+    causal: bool = True,
+) -> None:
+    """``dynamic_validate_inputs``'s checks, with the same messages, as ``checkify.check``s.
+
+    For traced metadata (inside ``jit``); the caller functionalizes them with
+    ``checkify.checkify`` (a check that is not raises ValueError at trace time, so the
+    checked mode can never be skipped silently). Only the block-table entries a request
+    uses are checked, as on the host.
+    """
+    qsl, lens = jnp.asarray(query_start_loc), jnp.asarray(seq_lens)
+    table, slots = jnp.asarray(block_tables), jnp.asarray(slot_mapping)
+    num_tokens, width = slots.shape[0], table.shape[1]
+    checkify.check(qsl[0] == 0, "query_start_loc[0]={v} must be 0", v=qsl[0])
+    drops = qsl[1:] < qsl[:-1]
+    (i,) = _first(drops)
+    checkify.check(
+        ~jnp.any(drops), "query_start_loc must be non-decreasing: query_start_loc[{i}]={a} < query_start_loc[{j}]={b}",
+        i=i + 1, a=qsl[i + 1], j=i, b=qsl[i],
+    )  # fmt: skip
+    checkify.check(qsl[-1] <= num_tokens, f"query_start_loc[-1]={{v}} exceeds {num_tokens=}", v=qsl[-1])
+    (r,) = _first(lens < 0)
+    checkify.check(jnp.all(lens >= 0), "seq_lens[{r}]={v} must be >= 0", r=r, v=lens[r])
+    if causal:
+        query_lens = qsl[1:] - qsl[:-1]
+        (r,) = _first(lens < query_lens)
+        checkify.check(
+            jnp.all(lens >= query_lens),
+            "seq_lens[{r}]={s} is less than request {r}'s query length {q}; seq_len counts computed + new tokens",
+            r=r, s=lens[r], q=query_lens[r],
+        )  # fmt: skip
+    pages = (lens + block_size - 1) // block_size  # i32[R]
+    (r,) = _first(pages > width)
+    checkify.check(
+        jnp.all(pages <= width),
+        f"block_tables has {width} pages per request; request {{r}} needs {{n}} (seq_len {{s}}, {block_size=})",
+        r=r, n=pages[r], s=lens[r],
+    )  # fmt: skip
+    bad = (jnp.arange(width)[None, :] < pages[:, None]) & ((table < 0) | (table >= num_blocks))
+    r, j = _first(bad)
+    checkify.check(
+        ~jnp.any(bad), f"block_tables[{{r}}, {{j}}]={{v}} is outside [0, {num_blocks=})", r=r, j=j, v=table[r, j]
+    )
+    bad = (slots < -1) | (slots >= num_blocks * block_size)
+    (i,) = _first(bad)
+    checkify.check(
+        ~jnp.any(bad), f"slot_mapping[{{i}}]={{v}} is outside [-1, num_blocks * block_size={num_blocks * block_size})",
+        i=i, v=slots[i],
+    )  # fmt: skip
