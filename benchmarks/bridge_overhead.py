@@ -14,8 +14,8 @@
 Decode workload: CPU 8 requests x 1 new token on 127 cached, Hq=8, Hkv=2, D=64, f32, block 16;
 CUDA: 64 x 1 on 4095 cached, Hq=32, Hkv=8, D=128, bf16 (DESIGN.md's D1).
 
-Run: .venv/bin/python benchmarks/bridge_overhead.py [--device cpu|cuda]
-Writes benchmarks/results/bridge_overhead_<device>.json.
+Run: .venv/bin/python benchmarks/bridge_overhead.py [--device cpu|cuda] [--write | --out PATH]
+Prints the results; ``--write`` writes benchmarks/results/bridge_overhead_<device>.json.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from torch_run_record import run_environment, write_result  # benchmarks/, the script's folder
+from results_io import add_output_args, output_path  # benchmarks/, the script's folder
+from torch_run_record import run_environment, write_result
 
 import attn_jax
 import attn_torch
@@ -197,6 +198,7 @@ def decode_step(device: torch.device) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    add_output_args(parser, "bridge_overhead_{device}.json")
     args = parser.parse_args()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -209,7 +211,7 @@ def main() -> None:
         "decode_step": decode_step(device),
         **run_environment(),
     }
-    write_result(f"bridge_overhead_{device.type}", result)
+    write_result(output_path(args), result)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@ SmolLM2-135M-Instruct from the embedded GGUF, float32, 8 prompts x 64 new greedy
 * ``hf_generate``: transformers' padded batched ``generate`` (left padding);
 * ``hf_generate_batch``: transformers' continuous-batching ``generate_batch`` (paged cache).
 
-Each is measured once, in one process, one after the other. Writes
-``benchmarks/results/generate_cpu.json``; ``--quick`` runs 2 prompts x 8 tokens.
+Each is measured once, in one process, one after the other. Prints the results;
+``--write`` writes ``benchmarks/results/generate_cpu.json`` (``--out PATH``: elsewhere);
+``--quick`` runs 2 prompts x 8 tokens.
 
-    .venv/bin/python benchmarks/generate_cpu.py
+    .venv/bin/python benchmarks/generate_cpu.py --write
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import argparse
 import datetime
 import json
 import os
-import pathlib
 import platform
 import time
+
+from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
 PROMPTS = [
     "The capital of France is",
@@ -34,7 +36,6 @@ PROMPTS = [
     "The quick brown fox",
     "My favourite recipe for pancakes starts with",
 ]
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "generate_cpu.json"
 
 
 def machine() -> dict:
@@ -141,7 +142,7 @@ def run_hf_generate_batch(model, tokenizer, prompts: list[str], new_tokens: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 prompts x 8 tokens (a smoke test)")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    add_output_args(parser, "generate_cpu.json")
     args = parser.parse_args()
     prompts, new_tokens = (PROMPTS[:2], 8) if args.quick else (PROMPTS, 64)
 
@@ -170,9 +171,8 @@ def main() -> None:
         "sequences_identical_to_hf_generate": f"{same}/{len(prompts)}",
     }
     print(f"speedup vs the better transformers path: {result['speedup_vs_best_transformers']:.2f}x")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print(json.dumps(result, indent=2))
+    write_json(output_path(args), result)
 
 
 if __name__ == "__main__":

@@ -4,17 +4,16 @@
 Prints microseconds per build (median over many timeit repeats) for the NumPy build
 and, to decide whether device fields should be jax arrays, the build followed by one
 ``jax.device_put`` of the device fields, and build + a trivial jitted step taking the
-metadata with NumPy fields (jit transfers them) or device_put fields. Writes
-benchmarks/results/metadata_build.json.
+metadata with NumPy fields (jit transfers them) or device_put fields. Prints the
+results; ``--write`` writes benchmarks/results/metadata_build.json (``--out PATH``: elsewhere).
 
-Run: .venv/bin/python benchmarks/metadata_build.py
+Run: .venv/bin/python benchmarks/metadata_build.py [--write]
 """
 
+import argparse
 import dataclasses
 import datetime
-import json
 import os
-import pathlib
 import platform
 import statistics
 import sys
@@ -22,6 +21,7 @@ import timeit
 
 import jax
 import numpy as np
+from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
 from attn_jax.metadata import build_common_attn_metadata
 
@@ -50,6 +50,9 @@ def median_us(fn) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_output_args(parser, "metadata_build.json")
+    args = parser.parse_args()
     query_lens, seq_lens, block_table = mixed_batch()
 
     def build():
@@ -105,10 +108,7 @@ def main() -> None:
     }
     for key in [k for k in result if k.startswith("us_")]:
         print(f"{key}: {result[key]:.1f} us")
-    out = pathlib.Path(__file__).parent / "results" / "metadata_build.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(output_path(args), result)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """Roofline plot and markdown table of a ``benchmarks/attention.py`` results file (runs on the CPU).
 
-    python benchmarks/plot_attention.py benchmarks/results/attention_nvidia_h100_80gb_hbm3.json
+    python benchmarks/plot_attention.py benchmarks/results/attention_nvidia_h100_80gb_hbm3.json --write
 
-Writes ``<results>.png`` beside the JSON and prints the table BENCHMARKS.md holds.
+Prints the table BENCHMARKS.md holds; ``--write`` draws the roofline to ``<results>.png``
+beside the JSON (the committed plot), ``--out PATH`` to PATH.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 import sys
@@ -76,14 +78,18 @@ def roofline(data: dict, out: pathlib.Path) -> None:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print(__doc__, file=sys.stderr)
-        return 2
-    path = pathlib.Path(argv[0])
-    data = load(path)
-    roofline(data, path.with_suffix(".png"))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=pathlib.Path, help="a benchmarks/attention.py results JSON file")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--write", action="store_true", help="draw the roofline to <results>.png (the committed plot)")
+    where.add_argument("--out", type=pathlib.Path, default=None, metavar="PATH", help="draw the roofline to PATH")
+    args = parser.parse_args(argv)
+    data = load(args.results)
     print(table(data))
+    png = args.out if args.out is not None else args.results.with_suffix(".png") if args.write else None
+    if png is not None:
+        roofline(data, png)
+        print(f"wrote {png}")
     return 0
 
 

