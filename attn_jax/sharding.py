@@ -20,8 +20,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 import math
 
@@ -29,8 +27,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from attn_jax.backends.xla import XLAAttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -191,58 +187,39 @@ class ShardedStep:
         zeros = jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)
         return [zeros() for _ in range(self.model.config.num_layers)]
 
+    def zeros_per_shard(self, n: int) -> jax.Array:
+        """i32[data, n] zeros, one row per data shard (the engine's sampled-token buffer)."""
+        sharding = NamedSharding(self.mesh, P(DATA))
+        return jax.jit(lambda: jax.numpy.zeros((self.data_size, n), jax.numpy.int32), out_shardings=sharding)()
+
     def jit(self, device_step):
-        """``device_step(params, caches, token_ids, positions, md, logits_rows, sampling)``
-        (one shard's arrays) jitted over the mesh, caches donated."""
+        """``device_step(params, caches, last_tokens, packed, layout, num_candidates)`` (one
+        shard's arrays; the last two static) jitted over the mesh, caches donated."""
         mesh, cache_spec = self.mesh, self.cache_spec
 
-        def body(params, caches, token_ids, positions, md, logits_rows, sampling):
-            squeeze = functools.partial(jax.tree.map, lambda x: x[0])
-            tokens, caches = device_step(
-                params, caches, token_ids[0], positions[0], squeeze(md), logits_rows[0], squeeze(sampling)
-            )
-            return tokens[None], caches
+        def step(params, caches, last_tokens, packed, layout, num_candidates):
+            def body(params, caches, last_tokens, packed):
+                tokens, caches = device_step(params, caches, last_tokens[0], packed[0], layout, num_candidates)
+                return tokens[None], caches
 
-        def step(params, caches, token_ids, positions, md, logits_rows, sampling):
             fn = jax.shard_map(
                 body,
                 mesh=mesh,
-                in_specs=(self.param_specs(params), [cache_spec] * len(caches), *[P(DATA)] * 5),
+                in_specs=(self.param_specs(params), [cache_spec] * len(caches), P(DATA), P(DATA)),
                 out_specs=(P(DATA), [cache_spec] * len(caches)),
                 check_vma=False,
             )
-            return fn(params, caches, token_ids, positions, md, logits_rows, sampling)
+            return fn(params, caches, last_tokens, packed)
 
-        return jax.jit(step, donate_argnums=1)
+        return jax.jit(step, donate_argnums=1, static_argnums=(4, 5))
 
-    def run(self, jit_step, params, caches, inputs):
-        """Stacks each shard's host inputs on a leading axis and runs ``jit_step``.
+    def run(self, jit_step, params, caches, last_tokens, packed, num_candidates: int):
+        """Stacks each data shard's packed inputs (``step_inputs.pack`` results, which must
+        share one layout) on a leading axis and runs ``jit_step``.
 
-        Returns (list of per-shard i32[R] tokens, caches).
-        """
-        mds = [md for _, _, md, _, _ in inputs]
-        if isinstance(mds[0], XLAAttentionMetadata) and mds[0].q_block is not None:
-            mds = _common_dense_schedule(mds)
-        treedefs = {jax.tree.structure(md) for md in mds}
-        if len(treedefs) != 1:
-            raise ValueError(f"data shards built metadata of different structures: {treedefs}")
-        stack = functools.partial(jax.tree.map, lambda *xs: np.stack([np.asarray(x) for x in xs]))
-        token_ids = np.stack([i[0] for i in inputs])
-        positions = np.stack([i[1] for i in inputs])
-        logits_rows = np.stack([i[3] for i in inputs])
-        sampling = stack(*[i[4] for i in inputs])
-        tokens, caches = jit_step(params, caches, token_ids, positions, stack(*mds), logits_rows, sampling)
-        return list(np.asarray(tokens)), caches
-
-
-def _common_dense_schedule(mds: list[XLAAttentionMetadata]) -> list[XLAAttentionMetadata]:
-    """The dense path's schedule padded to one shape for every data shard."""
-    q_block = max(md.q_block for md in mds)
-    width = max(md.prefill_reqs.shape[0] for md in mds)
-    out = []
-    for md in mds:
-        num_reqs = md.seq_lens.shape[0]
-        reqs = np.full(width, num_reqs, np.int32)
-        reqs[: md.prefill_reqs.shape[0]] = md.prefill_reqs
-        out.append(dataclasses.replace(md, prefill_reqs=reqs, q_block=q_block))
-    return out
+        Returns (i32[data, R_max] sampled tokens, caches)."""
+        layouts = {layout for _, layout in packed}
+        if len(layouts) != 1:
+            raise ValueError(f"data shards built inputs of different structures: {layouts}")
+        buffers = np.stack([buffer for buffer, _ in packed])
+        return jit_step(params, caches, last_tokens, buffers, layouts.pop(), num_candidates)

@@ -2,10 +2,19 @@
 
 Each ``Engine.step`` asks the scheduler for a batch (decodes and prefill chunks under a
 token budget), builds its attention metadata on the host with the foundation's bucketed
-builder (``build_common_attn_metadata`` + the backend's ``build_for_jit``), and runs
-one jitted function: the model's forward over the packed tokens, the paged cache
-updated in place (donated), and sampling. Shapes are padded to buckets, so the step
-compiles once per bucket; ``num_compilations`` counts the traces.
+builder (``build_common_attn_metadata`` + the backend's ``build_for_jit``), packs every
+host input into one buffer (one upload), and runs one jitted function: the model's
+forward over the packed tokens, the paged cache updated in place (donated), and
+sampling. Shapes are padded to buckets, so the step compiles once per bucket (and
+sampling mode); ``num_compilations`` counts the traces.
+
+Asynchronous scheduling (the default, vLLM's ``async_scheduling``): ``step`` dispatches
+the next batch before it reads back the previous one's sampled tokens, so the host
+schedules step N+1 while the device runs step N. A decode's input token then comes from
+the device (the previous step's output, never copied to the host first), and tokens
+reach the caller one ``step`` late. Stop tokens and max lengths still end requests
+exactly: a request whose last token is pending is not scheduled again, and a token
+computed after its request stopped at EOS is dropped.
 
 Example::
 
@@ -21,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import numbers
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,27 +39,36 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax.backends.xla import XLAAttentionMetadata
 from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
 from attn_jax.models.llama import LlamaModel
 from attn_jax.serving.block_allocator import BlockAllocator
-from attn_jax.serving.sampling import sample_tokens
-from attn_jax.serving.scheduler import Request, SamplingParams, ScheduledBatch, Scheduler
+from attn_jax.serving.sampling import num_candidates_for, sample_tokens
+from attn_jax.serving.scheduler import Request, RequestStatus, SamplingParams, ScheduledBatch, Scheduler
+from attn_jax.serving.step_inputs import PackedLayout, pack, unpack
 from attn_jax.sharding import ShardedStep, check_num_devices, local_model_kwargs, make_mesh
 from attn_jax.types import validate_positive_int
 
 logger = logging.getLogger(__name__)
 
 
+class UnknownRequestError(KeyError):
+    """A request id the engine does not know."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenEvent:
-    """One generated token of one request (what ``step`` and ``stream`` yield)."""
+    """One generated token of one request (what ``step`` and ``stream`` yield); a request
+    that fails or is aborted ends with an event of token_id -1."""
 
     request_id: str
     token_id: int
     text: str  # the text this token adds (may be "" while a multi-byte character is incomplete)
     finished: bool
-    finish_reason: str | None  # "stop" (EOS) or "length" (max_new_tokens) when finished
+    finish_reason: str | None  # "stop" (EOS), "length" (max_new_tokens), "abort" or "error" when finished
+    error: str | None = None  # what went wrong, for finish_reason "error"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +80,7 @@ class Completion:
     output_ids: list[int]
     text: str
     finish_reason: str
+    error: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,19 +92,45 @@ class StepStats:
     num_decode_tokens: int
     num_sampled: int
     token_bucket: int
-    host_seconds: float  # scheduling + metadata before the device call
-    seconds: float  # the whole step, device included
+    host_seconds: float  # scheduling + metadata + packing before the device call
+    seconds: float  # the whole ``step`` call (with asynchronous scheduling: the device's step time)
     compiled: bool  # the step traced and compiled a new bucket
 
 
-_FIXED_PREFILL_SCORES = 1 << 24
-"""Largest prefill-group score tensor (requests x tokens x keys x query heads, float32)
-for which the engine pads the XLA dense path's prefill group to the full buckets."""
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step whose sampled tokens are not read back yet."""
+
+    tokens: jax.Array  # i32[R_max] (or [data, R_max]): each request row's sampled token
+    sampled: list[tuple[int, int, Request]]  # (data shard, row, request) of each sampled token
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """A checked request, ready to queue."""
+
+    ids: list[int]
+    params: SamplingParams
+    request_id: str | None
 
 
 def _powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
     out = [b for b in (1 << k for k in range(32)) if start <= b < limit]
     return (*out, limit)
+
+
+def _token_ids(prompt) -> list[int]:
+    """A prompt given as token ids: integers only (no bools, floats, strings or bytes)."""
+    if isinstance(prompt, (bytes, bytearray)):
+        raise TypeError(f"prompt={bytes(prompt)[:20]!r}... is bytes: give text (str) or a list of int token ids")
+    try:
+        ids = list(prompt)
+    except TypeError:
+        raise TypeError(f"prompt={prompt!r} must be text (str) or a sequence of int token ids") from None
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"prompt token {i} is {t!r} ({type(t).__name__}): token ids must be integers")
+    return [int(t) for t in ids]
 
 
 class Engine:
@@ -93,8 +139,9 @@ class Engine:
     Args:
       model: the model (its attention layer fixes backend, block size and cache dtype).
       params: the model's weights (NumPy or jax arrays).
-      tokenizer: a transformers tokenizer for text prompts and streamed text (optional
-        when prompts are token ids).
+      tokenizer: a tokenizer for text prompts and streamed text (optional when prompts
+        are token ids): ``tokenizer(text)["input_ids"]``, ``decode(ids,
+        skip_special_tokens=True)``, ``apply_chat_template`` and ``eos_token_id``.
       num_blocks: KV cache pages (per data shard); default: every request of
         ``max_num_seqs`` at ``max_model_len``, capped at ``kv_cache_bytes``.
       max_num_seqs: most requests per step (per data shard).
@@ -102,13 +149,15 @@ class Engine:
         chunks of at most this many tokens.
       max_model_len: prompt + new tokens allowed per request (default: the model's
         context length, at most 2048).
-      seed: draws the sampling seeds of requests that do not give one.
+      seed: in [0, 2**32); draws the sampling seeds of requests that do not give one.
       mesh: a ``jax.sharding.Mesh`` from ``attn_jax.sharding.make_mesh`` to shard the
         step (requests over "data", heads over "model"); None: one device.
       buckets: padded sizes of the step's shapes (tokens, requests, pages per request);
         default: powers of two up to the limits above. Fewer buckets, fewer compilations.
       kv_cache_bytes: the default ``num_blocks``'s memory cap (all layers, per data
         shard); requests beyond it wait, are preempted, or are refused when alone too big.
+      async_scheduling: dispatch each step before reading back the last one's tokens
+        (the module docstring says how); False: each ``step`` returns its own tokens.
     """
 
     def __init__(
@@ -125,6 +174,7 @@ class Engine:
         mesh=None,
         buckets: MetadataBuckets | None = None,
         kv_cache_bytes: int = 256 << 20,
+        async_scheduling: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -139,6 +189,8 @@ class Engine:
                 f"max_model_len={self.max_model_len} exceeds the model's context length "
                 f"{config.max_position_embeddings}"
             )
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:
+            raise ValueError(f"seed={seed!r} must be an integer in [0, 2**32)")
         max_pages = -(-self.max_model_len // self.block_size)
         if num_blocks is None:
             page_bytes = int(np.prod(model.kv_cache_shape(1))) * model.dtype.itemsize * config.num_layers
@@ -159,6 +211,7 @@ class Engine:
             if largest < limit:
                 raise ValueError(f"buckets.{name} ends at {largest}, below the engine's limit {limit}")
         self.buckets = buckets
+        self.async_scheduling = bool(async_scheduling)
         self.eos_token_ids = set(config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
@@ -169,18 +222,23 @@ class Engine:
             Scheduler(BlockAllocator(self.num_blocks), self.block_size, max_num_seqs, max_num_batched_tokens)
             for _ in range(self.num_shards)
         ]
+        self._max_rows = buckets.request_buckets[-1]  # the sampled-token buffer's length
         if self._sharded is None:
             self.params = jax.device_put(params)
             self.kv_caches = model.init_kv_caches(self.num_blocks)
-            self._jit_step = jax.jit(self._device_step, donate_argnums=1)
+            self._jit_step = jax.jit(self._device_step, donate_argnums=1, static_argnums=(4, 5))
+            self._last_tokens = jnp.zeros(self._max_rows, jnp.int32)
         else:
             self.params = self._sharded.put_params(params)
             self.kv_caches = self._sharded.init_kv_caches(self.num_blocks)
             self._jit_step = self._sharded.jit(self._device_step)
+            self._last_tokens = self._sharded.zeros_per_shard(self._max_rows)
+        self._in_flight: _InFlight | None = None
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
         self._requests: dict[str, Request] = {}
         self._texts: dict[str, str] = {}
+        self._shard_of: dict[str, int] = {}
         self.num_compilations = 0
         self.stats: list[StepStats] = []
 
@@ -241,24 +299,21 @@ class Engine:
             return [int(i) for i in ids]
         return [int(i) for i in self.tokenizer(prompt)["input_ids"]]
 
-    def add_request(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        chat: bool = False,
-    ) -> str:
-        """Queues a request; returns its id. ValueError (naming the value) for an empty
-        prompt, one longer than ``max_model_len`` with its new tokens, a token id outside
-        the vocabulary, a duplicate id, or a request that cannot fit in the cache."""
-        params = SamplingParams() if params is None else params
+    def _prepare(self, prompt, params, request_id, chat: bool, taken: set[str]) -> _Prepared:
+        """Checks one request without queueing it (ValueError / TypeError naming the value)."""
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"params={params!r} is a {type(params).__name__}, not a SamplingParams: "
+                "pass SamplingParams(...) (e.g. SamplingParams(**that_dict))"
+            )
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: give at least one character of text")
             ids = self.encode(prompt, chat=chat)
         else:
-            ids = [int(i) for i in prompt]
+            ids = _token_ids(prompt)
         if not ids:
             raise ValueError("prompt is empty: it encodes to no tokens")
         vocab = self.model.config.vocab_size
@@ -272,135 +327,273 @@ class Engine:
                 f"max_model_len={self.max_model_len} (the model's context length is "
                 f"{self.model.config.max_position_embeddings})"
             )
-        request_id = f"req-{next(self._ids)}" if request_id is None else str(request_id)
-        if request_id in self._requests:
-            raise ValueError(f"request_id={request_id!r} is already in use")
-        seed = int(self._rng.integers(2**31)) if params.seed is None else params.seed
-        request = Request(request_id, ids, params, seed=seed)
+        pages = -(-total // self.block_size)
+        if pages > self.num_blocks:
+            raise ValueError(
+                f"the request needs up to {pages} KV cache pages ({len(ids)} prompt + {params.max_new_tokens} "
+                f"new tokens, block_size={self.block_size}) but the cache holds {self.num_blocks}: "
+                "lower max_new_tokens or give the engine more num_blocks"
+            )
+        if request_id is not None:
+            request_id = str(request_id)
+            if request_id in self._requests or request_id in taken:
+                raise ValueError(f"request_id={request_id!r} is already in use")
+        return _Prepared(ids, params, request_id)
+
+    def _queue(self, prepared: _Prepared) -> str:
+        request_id = f"req-{next(self._ids)}" if prepared.request_id is None else prepared.request_id
+        while request_id in self._requests:  # a user id took the generated name
+            request_id = f"req-{next(self._ids)}"
+        params = prepared.params
+        seed = int(self._rng.integers(2**31)) if params.seed is None else int(params.seed)
+        request = Request(request_id, prepared.ids, params, seed=seed)
         shard = min(range(self.num_shards), key=lambda s: self._load(self.schedulers[s]))
         self.schedulers[shard].add(request)
         self._requests[request_id] = request
         self._texts[request_id] = ""
+        self._shard_of[request_id] = shard
         return request_id
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        chat: bool = False,
+    ) -> str:
+        """Queues a request; returns its id. ValueError / TypeError (naming the value) for
+        an empty prompt, token ids that are not integers or lie outside the vocabulary,
+        params that are not a ``SamplingParams``, a prompt longer than ``max_model_len``
+        with its new tokens, a duplicate id, or a request that cannot fit in the cache."""
+        return self._queue(self._prepare(prompt, params, request_id, chat, set()))
+
+    def abort_request(self, request_id: str) -> None:
+        """Cancels a request (waiting or running) and frees its pages; it finishes with
+        reason "abort". Aborting a finished request does nothing."""
+        request = self.get_request(request_id)
+        if request.status is not RequestStatus.FINISHED:
+            self.schedulers[self._shard_of[request_id]].finish(request, "abort")
 
     @staticmethod
     def _load(scheduler: Scheduler) -> int:
         return len(scheduler.waiting) + len(scheduler.running)
 
     def has_unfinished(self) -> bool:
-        return any(s.has_unfinished() for s in self.schedulers)
+        """Whether any request is waiting or running, or a dispatched step is unread."""
+        return self._in_flight is not None or any(s.has_unfinished() for s in self.schedulers)
 
     def get_request(self, request_id: str) -> Request:
-        return self._requests[request_id]
+        """The request with this id (UnknownRequestError, a KeyError, if there is none)."""
+        try:
+            return self._requests[request_id]
+        except (KeyError, TypeError):
+            known = list(self._requests)
+            shown = ", ".join(map(repr, known[-5:])) + (" ..." if len(known) > 5 else "")
+            raise UnknownRequestError(
+                f"unknown request_id={request_id!r}; this engine has {len(known)} request(s)"
+                + (f": {shown}" if known else "")
+            ) from None
 
     # ------------------------------------------------------------------ the step
 
-    def _device_step(self, params, kv_caches, token_ids, positions, md, logits_rows, sampling):
-        """Traced once per bucket: forward, then sampling. Returns (i32[R] tokens, caches).
+    def _device_step(self, params, kv_caches, last_tokens, packed, layout: PackedLayout, num_candidates: int):
+        """Traced once per (bucket, sampling mode): forward, then sampling.
 
-        Greedy batches skip the sampling work at run time (``lax.cond``), without a
-        second compilation."""
+        ``last_tokens`` i32[R_max] are the previous step's sampled tokens (still on the
+        device); rows whose ``token_src`` is >= 0 take their input token from there.
+        Returns (i32[R_max] sampled tokens, caches)."""
         self.num_compilations += 1
-        logits, kv_caches = self.model.step(params, kv_caches, token_ids, positions, md, logits_rows)
-        temperature = sampling[0]
-        tokens = jax.lax.cond(
-            jnp.any(temperature > 0),
-            lambda: sample_tokens(logits, *sampling),
-            lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
+        x = unpack(packed, layout)
+        token_ids = jnp.where(x["token_src"] >= 0, last_tokens[jnp.maximum(x["token_src"], 0)], x["token_ids"])
+        logits, kv_caches = self.model.step(params, kv_caches, token_ids, x["positions"], x["md"], x["logits_rows"])
+        s = x["sampling"]
+        tokens = sample_tokens(
+            logits, s["temperature"], s["top_p"], s["top_k"], s["seeds"], s["counters"], num_candidates=num_candidates
         )
-        return tokens, kv_caches
+        return jnp.pad(tokens, (0, self._max_rows - tokens.shape[0])), kv_caches
 
-    def _host_inputs(self, batch: ScheduledBatch, token_bucket: int, req_bucket: int, page_bucket: int):
-        """NumPy inputs of one shard's batch, padded to the given buckets."""
+    @staticmethod
+    def _request_row(request: Request, num_new: int, rows_of_pending: dict[int, int]) -> tuple:
+        """One request's part of the step: (known input token ids, the row of its pending
+        token in the previous step's output or -1, sampling values). Raises for a request
+        whose values do not fit the step's arrays (a seed outside [0, 2**32), say)."""
+        known = request.known_ids(request.num_computed, request.num_computed + num_new)
+        src = -1
+        if len(known) < num_new:  # the last token is the previous step's, still on the device
+            if id(request) not in rows_of_pending:
+                raise RuntimeError("its last token is pending but in no dispatched step")
+            src = rows_of_pending[id(request)]
+        p = request.params
+        sampling = (
+            np.float32(p.temperature), np.float32(p.top_p), np.int32(p.top_k), np.uint32(request.seed),
+            np.int32(request.num_generated),
+        )  # fmt: skip
+        return known, src, sampling
+
+    def _host_inputs(self, batch: ScheduledBatch, rows: dict[int, tuple], buckets, step_query_lens) -> dict:
+        """One shard's batch as a tree of NumPy arrays, padded to ``buckets`` (tokens,
+        requests, pages per request); ``rows`` holds each request's ``_request_row``."""
+        token_bucket, req_bucket, page_bucket = buckets
         reqs, num_new = batch.requests, batch.num_new
         n = len(reqs)
         query_lens = np.asarray(num_new, np.int32)
-        seq_lens = np.asarray([r.num_computed + q for r, q in zip(reqs, num_new, strict=True)], np.int32)
+        starts = np.fromiter((r.num_computed for r in reqs), np.int32, n)
         block_table = np.zeros((n, page_bucket), np.int32)
-        for i, r in enumerate(reqs):
-            block_table[i, : len(r.blocks)] = r.blocks
-        buckets = MetadataBuckets((token_bucket,), (req_bucket,), (page_bucket,))
-        md = build_common_attn_metadata(query_lens, seq_lens, block_table, self.block_size, buckets)
-        md = self.model.attn.metadata_builder.build_for_jit(md)
-        if isinstance(md, XLAAttentionMetadata) and md.q_block:
-            scores = req_bucket * token_bucket * page_bucket * self.block_size * self.model.num_heads
-            if scores <= _FIXED_PREFILL_SCORES:
-                # Small enough: one prefill-group shape per bucket (every request slot, the
-                # whole token bucket) instead of one per pair of powers of two: fewer
-                # compilations for some padding work.
-                prefill_reqs = np.full(req_bucket, req_bucket, np.int32)
-                prefill_reqs[: md.prefill_reqs.shape[0]] = md.prefill_reqs
-                md = dataclasses.replace(md, prefill_reqs=prefill_reqs, q_block=token_bucket)
         token_ids = np.zeros(token_bucket, np.int32)
-        positions = np.zeros(token_bucket, np.int32)
+        token_src = np.full(token_bucket, -1, np.int32)
+        sampling = np.zeros((5, req_bucket), np.int32)  # temperature, top_p, top_k, seed, counter (by bits)
+        sampling[1] = np.float32(1.0).view(np.int32)
         offset = 0
-        for r, q in zip(reqs, num_new, strict=True):
-            token_ids[offset : offset + q] = r.all_ids[r.num_computed : r.num_computed + q]
-            positions[offset : offset + q] = np.arange(r.num_computed, r.num_computed + q)
+        for i, (r, q) in enumerate(zip(reqs, num_new, strict=True)):
+            known, src, values = rows[id(r)]
+            block_table[i, : len(r.blocks)] = r.blocks
+            token_ids[offset : offset + len(known)] = known
+            token_src[offset + q - 1] = src
+            sampling[:, i] = [v.view(np.int32) for v in values]
             offset += q
+        md = build_common_attn_metadata(
+            query_lens, starts + query_lens, block_table, self.block_size, MetadataBuckets(*((b,) for b in buckets))
+        )  # fmt: skip
+        md = self.model.attn.metadata_builder.build_for_jit(md, step_query_lens=step_query_lens)
+        positions = np.zeros(token_bucket, np.int32)
+        ends = np.cumsum(query_lens)
+        positions[:offset] = np.arange(offset, dtype=np.int32) - np.repeat(ends - query_lens - starts, query_lens)
         logits_rows = np.zeros(req_bucket, np.int32)
-        logits_rows[:n] = np.cumsum(query_lens) - 1
-        temperature = np.zeros(req_bucket, np.float32)
-        top_p = np.ones(req_bucket, np.float32)
-        top_k = np.zeros(req_bucket, np.int32)
-        seeds = np.zeros(req_bucket, np.uint32)
-        counters = np.zeros(req_bucket, np.int32)
-        for i, r in enumerate(reqs):
-            temperature[i], top_p[i], top_k[i] = r.params.temperature, r.params.top_p, r.params.top_k
-            seeds[i], counters[i] = r.seed, len(r.output_ids)
-        sampling = (temperature, top_p, top_k, seeds, counters)
-        return token_ids, positions, md, logits_rows, sampling
+        logits_rows[:n] = ends - 1
+        return dict(
+            token_ids=token_ids, token_src=token_src, positions=positions, md=md, logits_rows=logits_rows,
+            sampling=dict(
+                temperature=sampling[0].view(np.float32), top_p=sampling[1].view(np.float32), top_k=sampling[2],
+                seeds=sampling[3].view(np.uint32), counters=sampling[4],
+            ),
+        )  # fmt: skip
 
-    def step(self) -> list[TokenEvent]:
-        """Schedules and runs one batch; returns the tokens it generated (may be none,
-        e.g. while a long prompt is prefilled in chunks)."""
-        start = time.perf_counter()
+    def _fail(self, shard: int, request: Request, error: Exception) -> TokenEvent:
+        """Ends one request with reason "error" (its pages freed); the others go on."""
+        message = f"{type(error).__name__}: {error}"
+        logger.error("request %r failed and was ended: %s", request.request_id, message)
+        request.num_pending = 0
+        self.schedulers[shard].finish(request, "error", message)
+        return TokenEvent(request.request_id, -1, "", True, "error", message)
+
+    def _schedule(self, events: list[TokenEvent]) -> tuple[list[ScheduledBatch], list] | None:
+        """Each shard's next batch and its host inputs (a request whose inputs cannot be
+        built fails alone, with an event in ``events``); None when there is no work."""
         batches = [s.schedule() for s in self.schedulers]
         if not any(b.requests for b in batches):
-            return []
+            return None
+        rows_of_pending = {}
+        if self._in_flight is not None:
+            rows_of_pending = {id(r): row for _, row, r in self._in_flight.sampled}
+        rows = {}
+        for shard, batch in enumerate(batches):
+            for i in reversed(range(len(batch.requests))):
+                request = batch.requests[i]
+                try:
+                    rows[id(request)] = self._request_row(request, batch.num_new[i], rows_of_pending)
+                except Exception as e:  # one bad request must not stop the others
+                    events.append(self._fail(shard, request, e))
+                    del batch.requests[i], batch.num_new[i]
+        if not any(b.requests for b in batches):
+            return None
         fits = MetadataBuckets.fit
         token_bucket = fits(self.buckets.token_buckets, max(b.num_tokens for b in batches), "num_tokens")
         req_bucket = fits(self.buckets.request_buckets, max(len(b.requests) for b in batches), "num_reqs")
         pages = max((len(r.blocks) for b in batches for r in b.requests), default=1)
         page_bucket = fits(self.buckets.blocks_per_request_buckets, pages, "blocks per request")
-        inputs = [self._host_inputs(b, token_bucket, req_bucket, page_bucket) for b in batches]
+        step_query_lens = np.concatenate([np.asarray(b.num_new, np.int32) for b in batches])
+        buckets = (token_bucket, req_bucket, page_bucket)
+        inputs = [self._host_inputs(b, rows, buckets, step_query_lens) for b in batches]
+        return batches, inputs
+
+    def step(self) -> list[TokenEvent]:
+        """Schedules and dispatches one batch and returns the tokens that have become
+        known: with asynchronous scheduling the previous step's (read back while this one
+        runs), else this step's. May return none, e.g. while a long prompt is prefilled in
+        chunks."""
+        start = time.perf_counter()
+        events: list[TokenEvent] = []
+        scheduled = self._schedule(events)
+        if scheduled is None:
+            events += self._resolve(self._in_flight)
+            self._in_flight = None
+            return events
+        batches, inputs = scheduled
         compilations = self.num_compilations
+        packed = [pack(x) for x in inputs]
+        layout = packed[0][1]
+        temps = np.concatenate([x["sampling"]["temperature"] for x in inputs])
+        top_p = np.concatenate([x["sampling"]["top_p"] for x in inputs])
+        top_k = np.concatenate([x["sampling"]["top_k"] for x in inputs])
+        num_candidates = num_candidates_for(temps, top_p, top_k, self.model.config.vocab_size)
         host_done = time.perf_counter()
         if self._sharded is None:
-            token_ids, positions, md, logits_rows, sampling = inputs[0]
             tokens, self.kv_caches = self._jit_step(
-                self.params, self.kv_caches, token_ids, positions, md, logits_rows, sampling
+                self.params, self.kv_caches, self._last_tokens, packed[0][0], layout, num_candidates
             )
-            tokens = [np.asarray(tokens)]
         else:
-            tokens, self.kv_caches = self._sharded.run(self._jit_step, self.params, self.kv_caches, inputs)
-        events = []
-        num_prefill = num_decode = num_sampled = 0
-        for shard, (batch, shard_tokens) in enumerate(zip(batches, tokens, strict=True)):
-            for i, (request, n) in enumerate(zip(batch.requests, batch.num_new, strict=True)):
-                request.num_computed += n
-                if n > 1:
-                    num_prefill += n
-                else:
-                    num_decode += n
-                if request.num_computed < request.num_tokens:
-                    continue  # a prefill chunk with more to come
-                num_sampled += 1
-                events.append(self._append_token(shard, request, int(shard_tokens[i])))
-        end = time.perf_counter()
+            tokens, self.kv_caches = self._sharded.run(
+                self._jit_step, self.params, self.kv_caches, self._last_tokens, packed, num_candidates
+            )
+        tokens.copy_to_host_async()
+        self._last_tokens = tokens
+        dispatched = self._account(batches, tokens)
+        if self.async_scheduling:
+            events += self._resolve(self._in_flight)
+            self._in_flight = dispatched
+        else:
+            events += self._resolve(dispatched)
+        num_prefill = sum(n for b in batches for n in b.num_new if n > 1)
+        num_decode = sum(n for b in batches for n in b.num_new if n == 1)
         self.stats.append(
             StepStats(
                 num_requests=sum(len(b.requests) for b in batches),
                 num_prefill_tokens=num_prefill,
                 num_decode_tokens=num_decode,
-                num_sampled=num_sampled,
-                token_bucket=token_bucket,
+                num_sampled=len(dispatched.sampled),
+                token_bucket=inputs[0]["token_ids"].shape[0],
                 host_seconds=host_done - start,
-                seconds=end - start,
+                seconds=time.perf_counter() - start,
                 compiled=self.num_compilations > compilations,
             )
         )
         return events
+
+    def _account(self, batches: list[ScheduledBatch], tokens) -> _InFlight:
+        """Advances the host's view of a dispatched step: computed tokens, and a pending
+        token for each request that samples in it."""
+        sampled = []
+        for shard, batch in enumerate(batches):
+            for row, (request, n) in enumerate(zip(batch.requests, batch.num_new, strict=True)):
+                request.num_computed += n
+                if request.num_computed == request.num_tokens:  # not a prefill chunk with more to come
+                    request.num_pending += 1
+                    sampled.append((shard, row, request))
+        return _InFlight(tokens, sampled)
+
+    def _resolve(self, step: _InFlight | None) -> list[TokenEvent]:
+        """Reads a dispatched step's tokens back and appends them (EOS and length end
+        requests); tokens of requests that ended meanwhile are dropped."""
+        if step is None or not step.sampled:
+            return []
+        tokens = np.asarray(step.tokens)
+        tokens = tokens[None] if tokens.ndim == 1 else tokens
+        events = []
+        for shard, row, request in step.sampled:
+            if request.status is RequestStatus.FINISHED:
+                continue  # stopped (EOS), aborted or failed after this step was dispatched
+            request.num_pending -= 1
+            try:
+                events.append(self._append_token(shard, request, int(tokens[shard, row])))
+            except Exception as e:  # noqa: BLE001 - e.g. the tokenizer fails on this request alone
+                events.append(self._fail(shard, request, e))
+        return events
+
+    def synchronize(self) -> None:
+        """Waits for the dispatched step to finish on the device (timing)."""
+        if self._in_flight is not None:
+            jax.block_until_ready(self._in_flight.tokens)
 
     def _append_token(self, shard: int, request: Request, token: int) -> TokenEvent:
         request.output_ids.append(token)
@@ -428,11 +621,11 @@ class Engine:
 
     def completion(self, request_id: str) -> Completion:
         """The result of a finished request."""
-        r = self._requests[request_id]
+        r = self.get_request(request_id)
         if r.finish_reason is None:
             raise ValueError(f"request {request_id!r} has not finished")
         text = "" if self.tokenizer is None else self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        return Completion(r.request_id, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason)
+        return Completion(r.request_id, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason, r.error)
 
     def generate(
         self,
@@ -441,10 +634,19 @@ class Engine:
         *,
         chat: bool = False,
     ) -> list[Completion]:
-        """Runs ``prompts`` concurrently to completion; results in prompt order."""
+        """Runs ``prompts`` concurrently to completion; results in prompt order. Every
+        prompt and its params are checked before any is queued."""
+        if isinstance(prompts, (str, bytes)):
+            raise TypeError("prompts must be a list of prompts; for one prompt, pass [prompt]")
+        prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        ids = [self.add_request(p, sp, chat=chat) for p, sp in zip(prompts, params, strict=True)]
+        elif not isinstance(params, Sequence) or len(params) != len(prompts):
+            got = f"{len(params)} params" if isinstance(params, Sequence) else f"params={params!r}"
+            raise ValueError(f"{got} for {len(prompts)} prompts: give one SamplingParams for all, or one per prompt")
+        taken: set[str] = set()
+        prepared = [self._prepare(p, sp, None, chat, taken) for p, sp in zip(prompts, params, strict=True)]
+        ids = [self._queue(x) for x in prepared]
         for _ in self.stream():
             pass
         return [self.completion(i) for i in ids]

@@ -89,8 +89,12 @@ class Request:
     num_computed: int = 0  # tokens whose k/v are in the cache
     blocks: list[int] = dataclasses.field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "stop" (EOS) | "length" (max_new_tokens)
+    finish_reason: str | None = None  # "stop" (EOS) | "length" (max_new_tokens) | "abort" | "error"
+    error: str | None = None  # why the request failed (finish_reason "error")
     num_preemptions: int = 0
+    # Tokens sampled on the device but not read back yet (asynchronous scheduling: at most
+    # one, the last token; the next step takes its value from the device).
+    num_pending: int = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -98,7 +102,23 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Prompt + generated tokens, pending ones included."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_generated(self) -> int:
+        """Generated tokens, pending ones included."""
+        return len(self.output_ids) + self.num_pending
+
+    def known_ids(self, start: int, stop: int) -> list[int]:
+        """Token ids at positions [start, stop) that the host knows (a pending last token
+        is left out: the list is then one shorter)."""
+        num_prompt = len(self.prompt_ids)
+        if stop <= num_prompt:
+            return self.prompt_ids[start:stop]
+        return (self.prompt_ids[start:] if start < num_prompt else []) + self.output_ids[
+            max(start - num_prompt, 0) : stop - num_prompt
+        ]
 
     @property
     def max_tokens(self) -> int:
@@ -181,8 +201,8 @@ class Scheduler:
             if request not in self.running:  # preempted by an older request this step
                 continue
             n = min(request.num_tokens - request.num_computed, budget)
-            if n <= 0:
-                continue
+            if n <= 0 or request.num_generated >= request.params.max_new_tokens:
+                continue  # nothing to compute, or its last token is pending and ends it
             need = self._pages_needed(request, n)
             while not self.allocator.can_allocate(need):
                 victim = self.running[-1]
@@ -201,8 +221,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if request in preempted:
-                break  # not in the step that preempted it
+            if request in preempted or request.num_pending:
+                break  # not in the step that preempted it, nor before its last token is known
             n = min(request.num_tokens - request.num_computed, budget)
             need = self._pages_needed(request, n)
             if not self.allocator.can_allocate(need):
@@ -224,11 +244,15 @@ class Scheduler:
             budget -= n
         return ScheduledBatch(scheduled, num_new, preempted)
 
-    def finish(self, request: Request, reason: str) -> None:
-        """Marks ``request`` finished and frees its pages."""
+    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        """Marks ``request`` (running or waiting) finished and frees its pages."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        request.error = error
         self.allocator.free(request.blocks)
         request.blocks = []
-        self.running.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
         self._warned_full = False

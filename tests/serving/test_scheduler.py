@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attn_jax.serving import BlockAllocator, OutOfBlocksError, Request, SamplingParams, Scheduler
-from attn_jax.serving.sampling import sample_tokens
+from attn_jax.serving.sampling import num_candidates_for, sample_tokens
 
 
 def test_allocator_allocates_frees_and_reuses():
@@ -138,18 +138,51 @@ def test_sampling_params_accept_numpy_scalars():
     assert params == SamplingParams(max_new_tokens=4, temperature=0.5, top_p=float(np.float64(0.9)), top_k=5,
                                     seed=2**32 - 1)  # fmt: skip
     assert [type(x) for x in (params.max_new_tokens, params.temperature, params.top_k, params.seed)] == [
-        int, float, int, int
+        int,
+        float,
+        int,
+        int,
     ]
 
 
 def _sample(logits, temperature, top_p=1.0, top_k=0, seed=0, counter=0):
-    n = logits.shape[0]
+    n, vocab = logits.shape
+    t, p, k = np.full(n, temperature, np.float32), np.full(n, top_p, np.float32), np.full(n, top_k, np.int32)
     return np.asarray(
         sample_tokens(
-            jnp.asarray(logits, jnp.float32), jnp.full(n, temperature, jnp.float32), jnp.full(n, top_p, jnp.float32),
-            jnp.full(n, top_k, jnp.int32), jnp.full(n, seed, jnp.uint32), jnp.full(n, counter, jnp.int32),
+            jnp.asarray(logits, jnp.float32), t, p, k, jnp.full(n, seed, jnp.uint32), jnp.full(n, counter, jnp.int32),
+            num_candidates=num_candidates_for(t, p, k, vocab),
         )
     )  # fmt: skip
+
+
+def test_num_candidates_sizes_the_sampling_work():
+    def n(t, p, k):
+        return num_candidates_for(np.array(t, np.float32), np.array(p, np.float32), np.array(k, np.int32), 100)
+
+    assert n([0, 0], [0.5, 1], [0, 7]) == 0  # all greedy: an argmax only
+    assert n([0, 1], [1, 1], [0, 0]) == 1  # sampled without filters: a draw over the vocabulary
+    assert n([1, 1], [0.9, 1], [5, 40]) == 64  # top-k: the power of two >= the largest k
+    assert n([1, 0], [0.9, 1], [0, 0]) == 100  # top-p alone: every token is a candidate
+    assert n([1], [1], [500]) == 100
+
+
+def test_top_p_keeps_the_nucleus_within_top_k():
+    rng = np.random.default_rng(1)
+    logits = rng.standard_normal((256, 40)).astype(np.float32) * 3
+    order = np.argsort(-logits, axis=-1)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    sorted_probs = np.take_along_axis(probs, order, -1)
+    for top_k, top_p in ((0, 0.6), (4, 0.6), (4, 1.0)):
+        picked = _sample(logits, 1.0, top_p=top_p, top_k=top_k, seed=3)
+        kept = (np.cumsum(sorted_probs, -1) - sorted_probs < top_p) if top_k == 0 else None
+        for row, token in enumerate(picked):
+            rank = int(np.flatnonzero(order[row] == token)[0])
+            if top_k:
+                assert rank < top_k
+            if kept is not None:
+                assert kept[row, rank]
 
 
 def test_sampling_greedy_top_k_top_p_and_seeds():
