@@ -107,10 +107,10 @@ def profile_batch(config, params, batch: int, args, backend) -> dict:
     model = LlamaModel(config, block_size=args.block_size, attn_backend=backend, dtype=args.dtype)
     engine = Engine(
         model, params, max_num_seqs=batch, max_num_batched_tokens=max(args.prompt_len * batch, 16),
-        max_model_len=args.prompt_len + args.warmup_steps + args.steps + 8, kv_cache_bytes=args.kv_cache_gib << 30,
+        max_model_len=args.prompt_len + args.warmup_steps + 2 * args.steps + 8, kv_cache_bytes=args.kv_cache_gib << 30,
     )  # fmt: skip
     rng = np.random.default_rng(batch)
-    sp = SamplingParams(max_new_tokens=args.warmup_steps + args.steps + 4, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=args.warmup_steps + 2 * args.steps + 4, ignore_eos=True)  # traced + untraced
     for _ in range(batch):
         engine.add_request(rng.integers(3, config.vocab_size, args.prompt_len).tolist(), sp)
     for _ in range(args.warmup_steps):

@@ -1,15 +1,18 @@
-"""Engine throughput on a GPU (or any jax device): tokens/s at batch 1, 8 and 64, host time
-per engine step, compilations after warm-up.
+"""Engine throughput on a GPU (or any jax device) beside transformers on the same shapes.
 
-Needs only jax and numpy (and attn-stack's own package). The model is SmolLM2-135M's
-architecture; with ``--gguf PATH`` (and the ``gguf`` package importable) its real
-weights, otherwise random weights of the same shapes: throughput does not depend on the
-values, since every request generates exactly ``--new-tokens`` tokens (EOS ignored) from
-fixed random prompt token ids. Each batch size: one warm-up run of the workload (it
-compiles every shape bucket), then one measured run.
+For each model shape (``--model``: SmolLM2-135M, an 8-layer Llama-3-8B; random weights,
+since every request generates exactly ``--new-tokens`` tokens with EOS ignored) and batch
+size: attn-stack's engine (one warm-up run of the workload, which compiles every bucket,
+then one measured run), tokens/s, the decode step's median time, host time per step, and
+the decode step's floor: the weights' bytes over the measured device copy bandwidth.
+With ``--peers`` (and torch + transformers importable) the same run also times
+transformers' ``generate`` on the same architecture, shapes and dtype: eager, and with
+its static cache and ``torch.compile`` (the same-run peer).
 
-    python benchmarks/generate_gpu.py --out benchmarks/results/generate_gpu.json
-    python benchmarks/generate_gpu.py --gguf /path/SmolLM2-135M-Instruct.Q4_1.gguf --batch 1 8 64
+    python benchmarks/generate_gpu.py --dtype bfloat16 --peers --out benchmarks/results/generate_gpu.json
+    python benchmarks/generate_gpu.py --model llama3-8b-8l --batch 1 16
+
+Writes JSON only with ``--out``.
 """
 
 from __future__ import annotations
@@ -25,36 +28,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax.models.llama import LlamaModel, init_params
-from attn_jax.models.smollm2 import smollm2_135m_config
+from attn_jax.models.llama import LlamaModel
 from attn_jax.registry import AttentionBackendEnum
 from attn_jax.serving import Engine, SamplingParams
-
-RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "generate_gpu.json"
-
-
-def load(gguf: str | None, dtype):
-    if gguf is None:
-        config = smollm2_135m_config()
-        return config, init_params(config, seed=0, dtype=np.float32), "random weights, SmolLM2-135M shapes"
-    from attn_jax.models.gguf_loader import load_gguf
-
-    config, params = load_gguf(gguf)
-    return config, params, f"GGUF {pathlib.Path(gguf).name}"
+from attn_jax.testing.models import MODEL_SHAPES, random_params, weight_bytes
 
 
-def cast(params, dtype):
-    return jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
+def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 20) -> float:
+    """Measured device-to-device copy bandwidth (bytes read + written per second)."""
+    x = jnp.ones(num_bytes // 4, jnp.float32)
+    copy = jax.jit(lambda a: a * 1.0)
+    copy(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        copy(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * num_bytes / float(np.median(times))
 
 
-def run_batch(config, params, batch: int, args, backend) -> dict:
+def prompts_for(config, batch: int, prompt_len: int) -> list[list[int]]:
     rng = np.random.default_rng(batch)
-    prompts = [rng.integers(3, config.vocab_size, args.prompt_len).tolist() for _ in range(batch)]
+    return [rng.integers(3, config.vocab_size, prompt_len).tolist() for _ in range(batch)]
+
+
+def run_engine(config, params, batch: int, args, backend) -> dict:
     model = LlamaModel(config, block_size=args.block_size, attn_backend=backend, dtype=args.dtype)
     engine = Engine(
         model, params, max_num_seqs=batch, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.prompt_len + args.new_tokens, kv_cache_bytes=args.kv_cache_gib << 30,
     )  # fmt: skip
+    prompts = prompts_for(config, batch, args.prompt_len)
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     t = time.perf_counter()
     engine.generate(prompts, sp)
@@ -74,69 +78,127 @@ def run_batch(config, params, batch: int, args, backend) -> dict:
         "tokens_per_s": tokens / wall,
         "decode_tokens_per_s": sum(s.num_decode_tokens for s in decode) / sum(s.seconds for s in decode),
         "steps": len(stats),
-        "host_ms_per_step_mean": 1e3 * float(np.mean([s.host_seconds for s in stats])),
         "host_ms_per_step_median": 1e3 * float(np.median([s.host_seconds for s in stats])),
-        "step_ms_median": 1e3 * float(np.median([s.seconds for s in stats])),
         "decode_step_ms_median": 1e3 * float(np.median([s.seconds for s in decode])),
         "warmup_seconds": warmup,
-        "compilations_in_warmup": compiles,
         "compilations_after_warmup": engine.num_compilations - compiles,
         "num_blocks": engine.num_blocks,
     }
 
 
+def run_transformers(config, batch: int, args, compiled: bool) -> dict:
+    """transformers' greedy ``generate`` on the same architecture (random weights, the
+    benchmark's dtype), left as it ships: eager, or static cache + ``torch.compile``."""
+    import torch
+    import transformers
+
+    hf_config = transformers.LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rope_theta=config.rope_theta,
+        max_position_embeddings=config.max_position_embeddings, tie_word_embeddings=config.tie_word_embeddings,
+    )  # fmt: skip
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[str(args.dtype)]
+    model = transformers.LlamaForCausalLM(hf_config).to(device="cuda", dtype=dtype).eval()
+    ids = torch.tensor(prompts_for(config, batch, args.prompt_len), device="cuda")
+    kwargs = dict(
+        max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+        attention_mask=torch.ones_like(ids), pad_token_id=0,
+    )  # fmt: skip
+    if compiled:
+        kwargs["cache_implementation"] = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    with torch.inference_mode():
+        t = time.perf_counter()
+        model.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+        warmup = time.perf_counter() - t
+        t = time.perf_counter()
+        out = model.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    tokens = int((out.shape[1] - ids.shape[1]) * batch)
+    del model
+    torch.cuda.empty_cache()
+    return {
+        "batch": batch,
+        "peer": "transformers static cache + torch.compile" if compiled else "transformers eager",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "tokens_per_s": tokens / wall,
+        "seconds": wall,
+        "warmup_seconds": warmup,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gguf", default=None, help="SmolLM2 GGUF for real weights (needs the gguf package)")
+    parser.add_argument("--model", nargs="+", default=["smollm2-135m"], choices=sorted(MODEL_SHAPES))
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--backend", default=None, help="force a backend (XLA, PALLAS_GPU); default: selected")
     parser.add_argument("--kv-cache-gib", type=int, default=4)
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--peers", action="store_true", help="also time transformers (needs torch + transformers)")
+    parser.add_argument("--peer-batch", type=int, nargs="+", default=None, help="batches for peers (default: --batch)")
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="write the JSON here")
     args = parser.parse_args()
     args.dtype = jnp.dtype(args.dtype)
 
     device = jax.devices()[0]
-    config, params, weights = load(args.gguf, args.dtype)
-    params = cast(params, args.dtype)
-    backend = None if args.backend is None else AttentionBackendEnum[args.backend].get_class()
-    runs = []
-    for batch in args.batch:
-        r = run_batch(config, params, batch, args, backend)
-        runs.append(r)
-        print(
-            f"batch {batch:3d} [{r['backend']}]: {r['tokens_per_s']:9.1f} tokens/s "
-            f"(decode {r['decode_tokens_per_s']:9.1f}), host {r['host_ms_per_step_median']:.3f} ms/step, "
-            f"step {r['step_ms_median']:.2f} ms, {r['compilations_after_warmup']} compilations after warm-up",
-            flush=True,
-        )
+    bandwidth = copy_bandwidth()
+    print(f"{device.device_kind}: measured copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    backend = None if args.backend is None else AttentionBackendEnum[args.backend.upper()].get_class()
+    models = []
+    for name in args.model:
+        config = MODEL_SHAPES[name]()
+        params = random_params(config, args.dtype)
+        floor_ms = 1e3 * weight_bytes(params) / bandwidth
+        runs = []
+        for batch in args.batch:
+            r = run_engine(config, params, batch, args, backend)
+            runs.append(r)
+            print(
+                f"{name} batch {batch:3d} [{r['backend']}]: {r['tokens_per_s']:9.1f} tokens/s "
+                f"(decode {r['decode_tokens_per_s']:9.1f}), decode step {r['decode_step_ms_median']:.3f} ms "
+                f"(weight-read floor {floor_ms:.3f} ms), host {r['host_ms_per_step_median']:.3f} ms/step, "
+                f"{r['compilations_after_warmup']} compilations after warm-up",
+                flush=True,
+            )
+        del params
+        peers = []
+        for batch in (args.peer_batch or args.batch) if args.peers else ():
+            for compiled in (False, True):
+                p = run_transformers(config, batch, args, compiled)
+                peers.append(p)
+                print(f"{name} batch {batch:3d} [{p['peer']}]: {p['tokens_per_s']:9.1f} tokens/s", flush=True)
+        models.append({"model": name, "weight_read_floor_ms": floor_ms, "runs": runs, "peers": peers})
     result = {
         "workload": {
-            "model": config.name,
-            "weights": weights,
+            "weights": "random",
             "dtype": str(args.dtype),
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens,
             "greedy": True,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-        },  # fmt: skip
+        },
         "machine": {
             "device": device.device_kind,
-            "platform": device.platform,
+            "copy_bandwidth_bytes_per_s": bandwidth,
             "num_devices": jax.device_count(),
             "jax": jax.__version__,
             "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        },  # fmt: skip
-        "runs": runs,
+        },
+        "models": models,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
