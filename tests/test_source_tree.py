@@ -15,7 +15,7 @@ ENV_ACCESS = re.compile(r"\bos\.environ\b|\bgetenv\b|^\s*import os\b|^\s*from os
 
 @pytest.mark.parametrize("path", sorted(OPS.rglob("*.py")), ids=lambda p: str(p.relative_to(OPS)))
 def test_kernels_are_pure(path):
-    """Nothing under ops/ reads environment variables (DESIGN.md, rules of the house)."""
+    """Nothing under ops/ reads environment variables (ARCHITECTURE.md, rules of the house)."""
     assert not ENV_ACCESS.search(path.read_text()), f"{path.relative_to(ROOT)} reads the environment"
 
 
