@@ -175,6 +175,29 @@ def pallas_gpu_fn(b: DeviceBatch, block_sizes: GpuBlockSizes | None, mgpu: bool 
     return run
 
 
+def split_part_times(b: DeviceBatch, bs: GpuBlockSizes, sched: dict) -> dict[str, float]:
+    """Seconds of the Mosaic GPU prefill launch alone and of the Triton launch on the rest alone."""
+    s = b.spec
+    mgpu = jax.jit(functools.partial(kernel_mgpu.prefill_attention, sm_scale=s.head_size**-0.5,
+                                     block_sizes=sched["mgpu_block_sizes"]))  # fmt: skip
+
+    rest = functools.partial(
+        kernel_gpu._attend, sm_scale=s.head_size**-0.5, causal=True, sliding_window=None, soft_cap=None,
+        block_sizes=bs, interpret=False,
+    )  # fmt: skip
+
+    return {
+        "part_mgpu_prefill": time_jax(mgpu, b.q, b.kv_cache, sched["mgpu_schedule"], b.block_tables),
+        "part_triton_rest": time_jax(
+            lambda q, c, sc, bt: rest(q, c, sc, bt, None, None, None, None, None),
+            b.q,
+            b.kv_cache,
+            sched["rest_schedule"],
+            b.block_tables,
+        ),
+    }
+
+
 def with_write_ms(b: DeviceBatch, reps: int = 30, inner: int = 5) -> dict[str, float]:
     """Median ms per step of write + attend (the op as a layer calls it, cache donated, one jit),
     and of the k/v write alone by the Pallas kernel and by XLA's scatter, each in place."""
@@ -464,9 +487,14 @@ def main(argv=None) -> int:
                 fn = pallas_gpu_fn(b, bs)
                 extra = {"block_sizes": dataclasses.asdict(bs)}
                 record("pallas_gpu", time_jax(fn, *op_args), rel_l2(fn(*op_args), ref), extra)
-                if "mgpu_schedule" in schedules(b, bs, True):  # the same batch on the Triton kernel alone
+                sched = schedules(b, bs, True)
+                if "mgpu_schedule" in sched:  # the same batch on the Triton kernel alone, and each part alone
                     fn = pallas_gpu_fn(b, bs, mgpu=False)
                     record("pallas_gpu_triton_only", time_jax(fn, *op_args), rel_l2(fn(*op_args), ref), extra)
+                    for part, t in split_part_times(b, bs, sched).items():
+                        record(
+                            part, t, float("nan"), {"note": "one of the two launches alone; rows of the other unset"}
+                        )
                 if args.tune and b.spec.name in args.tune.split(","):
                     best, t, rows = tune(b, log)
                     fn = pallas_gpu_fn(b, best)

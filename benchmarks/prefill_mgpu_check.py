@@ -42,12 +42,11 @@ def check_case(name, lens, ctx, *, heads, head_size, page, bs, seed=0):
     cache = write_to_kv_cache(batch.kv_cache, k, v, slots)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     ref, _ = reference.ragged_paged_attention(f32(q), None, None, f32(cache), qsl, seq, bt, slots, sm_scale=scale)
-    sched, served = kernel_mgpu.mgpu_schedule(np.asarray(qsl), np.asarray(seq), num_tokens=q.shape[0],
+    sched, (lo, hi) = kernel_mgpu.mgpu_schedule(np.asarray(qsl), np.asarray(seq), num_tokens=q.shape[0],
                                               tile=bs.tile, xp=np)  # fmt: skip
     out = kernel_mgpu.prefill_attention(q, cache, jnp.asarray(sched), bt, sm_scale=scale, block_sizes=bs)
     out, ref = np.asarray(out, np.float32), np.asarray(ref)
-    qs = np.asarray(qsl)
-    rows = np.concatenate([np.arange(qs[r], qs[r + 1]) for r in np.nonzero(served)[0]])
+    rows = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi, strict=True)])
     err = rel_l2(out[rows], ref[rows])
     nans = int(np.isnan(out[rows]).sum())
     log(
@@ -57,9 +56,50 @@ def check_case(name, lens, ctx, *, heads, head_size, page, bs, seed=0):
     return {"case": name, "rel_l2": err, "nan": nans, "ok": bool(err < 1e-2 and nans == 0)}
 
 
+def diagnose(log=log):
+    """Where NaN or error shows on a ragged batch: per tile, per row half, per head; with the
+    cache's NaN replaced by zeros; with the tail zeroing off; with a deeper ring."""
+    B = kernel_mgpu.MgpuBlockSizes
+    batch = make_ragged_batch(0, query_lens=[300, 1, 128, 140, 5, 1000], context_lens=[100, 50, 0, 37, 3, 20],
+                              num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=jnp.bfloat16,
+                              extra_blocks=3)  # fmt: skip
+    q, k, v, cache, qsl, seq, bt, slots = batch.op_args
+    cache = write_to_kv_cache(batch.kv_cache, k, v, slots)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    ref, _ = reference.ragged_paged_attention(f32(q), None, None, f32(cache), qsl, seq, bt, slots, sm_scale=0.0884)
+    ref = np.asarray(ref)
+    finite = jnp.nan_to_num(cache)
+    out = {}
+    for label, c, bs, zt in (("nan", cache, B(64, 128, 2), True), ("finite", finite, B(64, 128, 2), True),
+                             ("finite_no_zero", finite, B(64, 128, 2), False), ("nan_ring3", cache, B(64, 128, 3), True),
+                             ("nan_kv64", cache, B(64, 64, 2), True)):  # fmt: skip
+        sched, (lo, hi) = kernel_mgpu.mgpu_schedule(np.asarray(qsl), np.asarray(seq), num_tokens=q.shape[0],
+                                                  tile=bs.tile, xp=np)  # fmt: skip
+        res = []
+        for rep in range(2):
+            o = np.asarray(kernel_mgpu.prefill_attention(q, c, jnp.asarray(sched), bt, sm_scale=0.0884,
+                                                         block_sizes=bs, zero_tail=zt), np.float32)  # fmt: skip
+            for req, tok, pos, kv_len in sched.T:
+                if kv_len == 0:
+                    continue
+                for half in (0, 1):
+                    rows = slice(tok + 64 * half, tok + 64 * half + 64)
+                    nan = np.isnan(o[rows])
+                    err = rel_l2(np.nan_to_num(o[rows]), ref[rows])
+                    if nan.any() or err > 1e-2:
+                        res.append(dict(rep=rep, req=int(req), pos=int(pos), kv_len=int(kv_len), half=half,
+                                        nan=int(nan.sum()), err=err, heads=np.nonzero(nan.any((0, 2)))[0].tolist(),
+                                        rows=np.nonzero(nan.any((1, 2)))[0].tolist()[:20],
+                                        dims=int(nan.any((0, 1)).sum())))  # fmt: skip
+        log(f"diag {label}: {len(res)} bad (tile, half) pairs; {res[:6]}")
+        out[label] = res
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
+    p.add_argument("--only", default="", help="diag: only the NaN / error diagnosis")
     p.add_argument("--skip", default="", help="comma list of: checks, write")
     args = p.parse_args(argv)
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
@@ -81,6 +121,12 @@ def main(argv=None):
         ("d128_p256_kv128", dict(heads=(4, 2), head_size=128, page=256, bs=B(64, 128, 2))),
     ]
     lens, ctx = [300, 1, 128, 140, 5, 1000], [100, 50, 0, 37, 3, 20]
+    if "diag" in args.only:
+        res["diag"] = diagnose()
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1, default=float)
+        return 0
     if "checks" not in args.skip:
         for name, kw in cases:
             res["checks"].append(attempt(name, functools.partial(check_case, name, lens, ctx, **kw)))

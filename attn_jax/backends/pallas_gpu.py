@@ -70,8 +70,8 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
     bucket's shapes and the mode, so a bucket compiles at most three times.
 
     On Hopper GPUs (``config.mgpu_prefill_available``), a batch that is not decode-only and
-    has a request of at least ``2 * block_q`` new tokens (host metadata; traced metadata:
-    any non-decode bucket) also gets the Mosaic GPU prefill split (``kernel_gpu.split_schedules``):
+    has a request with at least ``2 * block_q`` 8-aligned new tokens (host metadata; traced
+    metadata: any non-decode bucket) also gets the Mosaic GPU prefill split (``kernel_gpu.split_schedules``):
     the kernel runs those requests in ``kernel_mgpu`` when the layer's configuration allows
     (``kernel_mgpu.unsupported_reason``) and everything in the Triton kernel otherwise. Whether
     the split is there is part of the jit key: such a bucket compiles once more.
@@ -115,12 +115,11 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         split = {}
         mgpu_bs = kernel_mgpu.MgpuBlockSizes()
         if mgpu_prefill_available(self.device_kind) and mode != "decode":
-            long = (np.diff(np.asarray(base.query_start_loc)) >= mgpu_bs.tile).any() if concrete else True
-            if long:
-                mgpu, rest = kernel_gpu.split_schedules(
-                    xp.asarray(base.query_start_loc), xp.asarray(base.seq_lens), num_tokens=num_tokens,
-                    block_q=bs.block_q, tile=mgpu_bs.tile, xp=xp,
-                )  # fmt: skip
+            mgpu, rest = kernel_gpu.split_schedules(
+                xp.asarray(base.query_start_loc), xp.asarray(base.seq_lens), num_tokens=num_tokens,
+                block_q=bs.block_q, tile=mgpu_bs.tile, xp=xp,
+            )  # fmt: skip
+            if not concrete or (mgpu[3] > 0).any():  # host metadata: only when some request is served
                 split = dict(mgpu_schedule=mgpu, rest_schedule=rest, mgpu_block_sizes=mgpu_bs)
         return PallasGPUAttentionMetadata(
             query_start_loc=base.query_start_loc, seq_lens=base.seq_lens, block_tables=base.block_tables,

@@ -53,14 +53,14 @@ def test_split_schedules_cover_every_row_once_and_agree_traced():
     for req, tok, pos, kv_len in mgpu.T:
         if kv_len == 0:
             continue
-        assert qlens[req] >= TILE and qsl[req] <= tok and tok + TILE <= qsl[req + 1]
+        assert qsl[req] <= tok and tok + TILE <= qsl[req + 1] and tok % 8 == 0
         assert pos == seq[req] - qlens[req] + (tok - qsl[req]) and kv_len == seq[req]
         covered[tok : tok + TILE] = 1  # overlapping tiles write the same rows
     for s, e in zip(rest[1], rest[2], strict=True):
         covered[s:e] += 1
     assert (covered == 1).all(), "each row is served by exactly one kernel"
-    served = qlens >= TILE
-    assert served.sum() == 4 and (mgpu[3] > 0).sum() == 3 + 1 + 2 + 3  # 300, 128, 140, 260 tokens
+    # 8-aligned spans: [0, 296) 3 tiles; [304, 424) is under a tile (Triton); [432, 568) 2; [576, 832) 2.
+    assert (mgpu[3] > 0).sum() == 3 + 2 + 2
     assert mgpu.shape[1] == kernel_mgpu.max_num_tiles(880, 7, TILE)
     lasts = mgpu[2] + TILE * (mgpu[3] > 0)
     assert (np.diff(lasts) <= 0).all(), "longest KV extent first"

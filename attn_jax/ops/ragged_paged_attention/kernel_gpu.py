@@ -60,7 +60,7 @@ def max_num_q_blocks(num_tokens: int, num_reqs: int, block_q: int) -> int:
     return -(-num_tokens // block_q) + num_reqs + 1
 
 
-def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp=jnp, skip=None):
+def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp=jnp, segments=None):
     """i32[5, NB]: per q-block (request, first token, end token, first position, kv length).
 
     Runs on the host with ``xp=numpy`` (the metadata builder) or traced with ``xp=jax.numpy``
@@ -68,24 +68,30 @@ def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp
     to ``num_tokens``) get blocks of a pseudo-request with no keys, so the kernel writes
     zeros there; blocks past the last one are empty (no rows, no keys). Blocks are ordered
     by decreasing KV extent (the grid runs roughly in order: the longest go first).
-    ``skip`` (bool[R] or None) marks requests another kernel serves (the Mosaic GPU prefill,
-    ``kernel_mgpu``): they get no q-blocks here.
+
+    ``segments`` (i32[N] request (R = padding), i32[N] first token, i32[N] end token) or
+    None (each request's tokens, then the padding rows): the token ranges to cut into
+    q-blocks. ``split_schedules`` passes the ranges the Mosaic GPU prefill leaves over.
+    NB is ``cdiv(num_tokens, block_q) + N``.
     """
     num_reqs = seq_lens.shape[0]
-    nb = max_num_q_blocks(num_tokens, num_reqs, block_q)
     qsl = xp.concatenate([query_start_loc.astype(np.int32), xp.full((1,), num_tokens, np.int32)])
     qlens = qsl[1:] - qsl[:-1]  # i32[R + 1]: the last entry is the padding rows
-    nblk = (qlens + block_q - 1) // block_q
-    if skip is not None:
-        nblk = xp.where(xp.concatenate([skip, xp.zeros((1,), bool)]), 0, nblk)
+    if segments is None:
+        segments = (xp.arange(num_reqs + 1, dtype=np.int32), qsl[:-1], qsl[1:])
+    seg_req, seg_lo, seg_hi = segments
+    num_segments = seg_req.shape[0]
+    nb = -(-num_tokens // block_q) + num_segments
+    nblk = (seg_hi - seg_lo + block_q - 1) // block_q
     cum = xp.cumsum(nblk)
     b = xp.arange(nb, dtype=np.int32)
-    req = xp.searchsorted(cum, b, side="right").astype(np.int32)  # == R + 1: unused block
-    used = req <= num_reqs
-    req = xp.minimum(req, num_reqs)
-    first = (cum[req] - nblk[req]).astype(np.int32)
-    tok_start = qsl[req] + (b - first) * block_q
-    tok_end = xp.minimum(tok_start + block_q, qsl[req + 1])
+    seg = xp.searchsorted(cum, b, side="right").astype(np.int32)  # == N: unused block
+    used = seg < num_segments
+    seg = xp.minimum(seg, num_segments - 1)
+    req = seg_req[seg]
+    first = (cum[seg] - nblk[seg]).astype(np.int32)
+    tok_start = seg_lo[seg] + (b - first) * block_q
+    tok_end = xp.minimum(tok_start + block_q, seg_hi[seg])
     is_real = req < num_reqs
     kv_len = xp.where(is_real, seq_lens[xp.minimum(req, num_reqs - 1)], 0)
     pos_start = kv_len - qlens[req] + (tok_start - qsl[req])
@@ -311,8 +317,6 @@ def ragged_paged_attention(
     )  # fmt: skip
     out_init = None
     if use_mgpu:
-        if tuple(rest_schedule.shape) != expected:
-            raise ValueError(f"rest_schedule.shape={tuple(rest_schedule.shape)} must be {expected}, as schedule's")
         schedule = rest_schedule
         out_init = kernel_mgpu.prefill_attention(
             q, kv_cache, jnp.asarray(mgpu_schedule, jnp.int32), jnp.asarray(block_tables),
@@ -329,9 +333,18 @@ def ragged_paged_attention(
 
 def split_schedules(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, tile: int, xp=jnp):
     """(mgpu_schedule, rest_schedule): the Mosaic GPU prefill's q-tiles (requests of at least
-    ``tile`` new tokens) and this kernel's q-blocks for every other request and the padding."""
-    mgpu, served = kernel_mgpu.mgpu_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, tile=tile, xp=xp)
-    rest = gpu_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, block_q=block_q, xp=xp, skip=served)
+    ``tile`` 8-aligned new tokens) and this kernel's q-blocks for every other row: other
+    requests, the unaligned rows at either end of a served request, and the padding."""
+    mgpu, (lo, hi) = kernel_mgpu.mgpu_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, tile=tile, xp=xp)
+    num_reqs = seq_lens.shape[0]
+    qsl = query_start_loc.astype(np.int32)
+    reqs = xp.arange(num_reqs, dtype=np.int32)
+    segments = (  # each request's rows before and after the Mosaic GPU span [lo, hi), then the padding
+        xp.concatenate([reqs, reqs, xp.full((1,), num_reqs, np.int32)]),
+        xp.concatenate([qsl[:-1], hi, qsl[-1:]]),
+        xp.concatenate([lo, qsl[1:], xp.full((1,), num_tokens, np.int32)]),
+    )
+    rest = gpu_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, block_q=block_q, xp=xp, segments=segments)
     return mgpu, rest
 
 

@@ -9,10 +9,12 @@ Structure (JAX's ``attention_mgpu.py``, FlashAttention-3 style, adapted to pages
 - A CTA is one q-tile of ``2 * block_q`` query tokens of one request, for one query
   head (``grid = (Hq, num_tiles)``; heads vary fastest, so the ``G`` heads of a KV
   head run side by side and share K/V pages through L2). Which request, which tokens
-  and which positions is the host schedule ``mgpu_schedule``; the last tile of a
-  request is shifted back to end at the request's last token (it overlaps the tile
+  and which positions is the host schedule ``mgpu_schedule``. A request is served on
+  its 8-aligned token span (TMA boxes of q and out rows start on 8-row tiles); the
+  last tile of the span is shifted back to end at the span's end (it overlaps the tile
   before it, and both write identical rows), so every row of every tile is a real row
-  and the output stores are whole TMA tiles.
+  and the output stores are whole TMA tiles. The few rows outside the span, and the
+  requests too short to fill a tile, are the Triton kernel's.
 - Three warpgroups: two compute warpgroups (``block_q`` rows each; QK^T and PV on
   ``wgmma``, online softmax in registers with exp2, ping-ponged by a schedule barrier so
   one warpgroup's softmax overlaps the other's matmuls) and one memory warpgroup that
@@ -105,29 +107,36 @@ def max_num_tiles(num_tokens: int, num_reqs: int, tile: int) -> int:
 
 
 def mgpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, tile: int, xp=jnp):
-    """(i32[4, NT] tiles, bool[R] served): per tile (request, first token, first position, kv length).
+    """(i32[4, NT] tiles, (i32[R] lo, i32[R] hi)): per tile (request, first token, first
+    position, kv length), and the token span ``[lo, hi)`` of each request served here.
 
-    A request is served here when it brings at least ``tile`` new tokens; its tiles start
-    every ``tile`` tokens, the last shifted back to end at its last token. Unused tiles
-    have kv length 0 (the kernel skips them). Tiles are ordered by decreasing last
-    position (longest KV extent first). Host (``xp=numpy``) or traced (``xp=jnp``).
+    A TMA box of q or out rows must start at a multiple of 8 tokens (the 8-row tiles of
+    the swizzled shared-memory layout), so a request is served on its 8-aligned span
+    ``[ceil8(start), floor8(end))`` when that span holds at least ``tile`` tokens; the
+    rows outside it (at most 7 at either end) and every other request are the Triton
+    kernel's (``lo == hi`` for a request not served). Tiles start every ``tile`` tokens,
+    the last shifted back to end at the span's end. Unused tiles have kv length 0 (the
+    kernel skips them). Tiles are ordered by decreasing last position (longest KV extent
+    first). Host (``xp=numpy``) or traced (``xp=jnp``).
     """
     num_reqs = seq_lens.shape[0]
     nt = max_num_tiles(num_tokens, num_reqs, tile)
     qsl = query_start_loc.astype(np.int32)
-    qlens = qsl[1:] - qsl[:-1]
-    served = qlens >= tile
-    ntiles = xp.where(served, (qlens + tile - 1) // tile, 0)
+    start, end = qsl[:-1], qsl[1:]
+    lo, hi = (start + 7) // 8 * 8, end // 8 * 8
+    served = hi - lo >= tile
+    lo, hi = xp.where(served, lo, end), xp.where(served, hi, end)
+    span = hi - lo
+    ntiles = (span + tile - 1) // tile
     cum = xp.cumsum(ntiles)
     b = xp.arange(nt, dtype=np.int32)
     req = xp.searchsorted(cum, b, side="right").astype(np.int32)
     used = req < num_reqs
     req = xp.minimum(req, num_reqs - 1)
     first = (cum[req] - ntiles[req]).astype(np.int32)
-    offset = xp.minimum((b - first) * tile, qlens[req] - tile)
-    tok = qsl[req] + offset
+    tok = lo[req] + xp.minimum((b - first) * tile, span[req] - tile)
     kv_len = seq_lens[req]
-    pos = kv_len - qlens[req] + offset
+    pos = kv_len - (end[req] - start[req]) + (tok - start[req])
     zero = xp.zeros_like(b)
     rows = (
         xp.where(used, req, zero),
@@ -136,11 +145,11 @@ def mgpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, tile: int, xp=j
         xp.where(used, kv_len, zero),
     )
     order = xp.argsort(-(rows[2] + tile * used), stable=True)
-    return xp.stack(rows)[:, order].astype(np.int32), served
+    return xp.stack(rows)[:, order].astype(np.int32), (lo.astype(np.int32), hi.astype(np.int32))
 
 
 def _kernel(sched_ref, bt_ref, q_ref, kv_ref, out_ref, scoped, *, bs: MgpuBlockSizes, page_size: int,
-            group: int, sm_scale: float, num_slots: int):  # fmt: skip
+            group: int, sm_scale: float, num_slots: int, zero_tail: bool = True):  # fmt: skip
     block_q, block_kv, steps = bs.block_q, bs.block_kv, bs.steps_in_flight
     head_dim = q_ref.shape[-1]
     dtype = q_ref.dtype
@@ -208,12 +217,12 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, out_ref, scoped, *, bs: MgpuBlockS
             plgpu.barrier_wait(schedule_barrier)
             if head_dim > 128:
                 l_i += p.sum(axis=1)
-            if masked:
+            if masked and zero_tail:
                 # Keys from kv_len on (the last page's tail, unnamed pages) may hold NaN: zero their V rows.
                 @pl.when((step + 1) * block_kv > kv_len)
                 def _zero_tail():
                     v_tile = v_smem.at[slot]
-                    vv = plgpu.load(v_tile, (), layout=plgpu.Layout.WGMMA)
+                    vv = plgpu.load(v_tile, layout=plgpu.Layout.WGMMA)
                     rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=plgpu.Layout.WGMMA)
                     v_tile[...] = jnp.where(rows + step * block_kv < kv_len, vv, jnp.zeros_like(vv))
                     plgpu.commit_smem()
@@ -289,17 +298,21 @@ def prefill_attention(
     sm_scale: float,
     block_sizes: MgpuBlockSizes = MgpuBlockSizes(),
     interpret=False,
+    zero_tail: bool = True,
 ):
     """f[T, Hq, D]: causal attention for the rows of the schedule's tiles; other rows are undefined.
 
     The caller fills the rest (``kernel_gpu.ragged_paged_attention`` passes this output to
     the Triton kernel, which writes the other rows in place).
     """
-    return _prefill(q, kv_cache, schedule, block_tables, sm_scale=float(sm_scale), bs=block_sizes, interpret=interpret)
+    return _prefill(
+        q, kv_cache, schedule, block_tables, sm_scale=float(sm_scale), bs=block_sizes, interpret=interpret,
+        zero_tail=zero_tail,
+    )  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "bs", "interpret"))
-def _prefill(q, kv_cache, schedule, block_tables, *, sm_scale, bs, interpret):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "bs", "interpret", "zero_tail"))
+def _prefill(q, kv_cache, schedule, block_tables, *, sm_scale, bs, interpret, zero_tail):
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_blocks, page_size, num_kv_heads, _ = kv_cache.shape
     num_slots = num_blocks * page_size
@@ -320,7 +333,7 @@ def _prefill(q, kv_cache, schedule, block_tables, *, sm_scale, bs, interpret):
         )
         body = functools.partial(
             _kernel, sched_ref, bt_ref, q_ref, kv_ref, out_ref, bs=bs, page_size=page_size,
-            group=num_q_heads // num_kv_heads, sm_scale=sm_scale, num_slots=num_slots,
+            group=num_q_heads // num_kv_heads, sm_scale=sm_scale, num_slots=num_slots, zero_tail=zero_tail,
         )  # fmt: skip
         pl.run_scoped(
             lambda *args: body(args),
