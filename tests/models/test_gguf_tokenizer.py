@@ -208,3 +208,51 @@ def test_main_job_imports_neither_torch_nor_transformers(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "--- 'The capital of France is'" in result.stdout
     assert "transformers" not in result.stderr.lower() and "pytorch" not in result.stderr.lower()
+
+
+def _write_llama3_style_gguf(path) -> None:
+    """A tiny byte-level BPE GGUF as Llama 3 files are: "llama-bpe" split, BOS added, a user-defined token."""
+    import gguf
+    import numpy as np
+
+    from attn_jax.models.gguf_tokenizer import _byte_spelling
+
+    spell = _byte_spelling()
+    tokens = ["<|begin_of_text|>", "<|end_of_text|>", "<think>"] + [spell[b] for b in range(256)]
+    pairs = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("1", "2"), ("12", "3")]
+    tokens += [a + b for a, b in pairs]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 4] + [1] * (len(tokens) - 3))
+    writer.add_token_merges([f"{a} {b}" for a, b in pairs])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(
+        "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    )
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_llama3_style_file_matches_transformers(tmp_path):
+    """A split regex, BOS added by __call__ but not twice in chat prompts, a user-defined token kept whole."""
+    pytest.importorskip("torch", reason="transformers' GGUF conversion needs torch (the test extra)")
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "llama3-style.gguf"
+    _write_llama3_style_gguf(path)
+    ours = GGUFTokenizer.from_gguf(gguf_loader._reader(path))
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ["the cat in the hat 12345 <think>x</think>", "  héllo\n\n world 😀", "<|begin_of_text|>hi"]:
+        ids = ours(text)["input_ids"]
+        assert ids == theirs(text)["input_ids"] and ids[0] == ours.bos_token_id == 0
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+    chat = [{"role": "user", "content": "the 123"}]
+    assert ours.apply_chat_template(chat) == theirs.apply_chat_template(chat, tokenize=True)["input_ids"]
+    assert ours.apply_chat_template(chat, tokenize=False) == "<|begin_of_text|><user>the 123<|end_of_text|>"
