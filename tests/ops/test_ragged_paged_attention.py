@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from attn_jax.kv_cache import write_to_kv_cache
+from attn_jax.ops.ragged_paged_attention import dense, kernel_gpu, kernel_tpu, reference
 from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
 from attn_jax.testing.workloads import make_ragged_batch
 from tests.ops.ragged_checks import (
@@ -245,3 +246,25 @@ def test_numpy_scalars_are_accepted_as_options():
     batch = make_ragged_batch(0, **_MIXED)
     options = make_options(batch, sm_scale=np.float32(0.25), sliding_window=np.int64(3), logits_soft_cap=np.float64(2))
     check(batch, options, use_jit=False)
+
+
+@pytest.mark.parametrize("module", ["reference", "dense", "kernel_gpu", "kernel_tpu"])
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (dict(sm_scale=float("inf")), "sm_scale=inf must be a finite number > 0"),
+        (dict(sm_scale=None), "sm_scale=None must be a finite number > 0"),
+        (dict(logits_soft_cap=0.0), "logits_soft_cap=0.0 must be None (no cap) or a finite number > 0"),
+        (dict(sliding_window=np.float32(3)), "sliding_window=np.float32(3.0) must be None (no window)"),
+    ],
+    ids=["scale_inf", "scale_none", "soft_cap_0", "window_float"],
+)
+def test_every_implementation_refuses_bad_options_before_computing(module, option, message):
+    """One shared static check (validate.py): the same error from each op, raised before any work."""
+    batch = make_ragged_batch(0, [1, 3], [4, 0], num_q_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    q, k, v, cache, *rest = batch.op_args
+    if module == "kernel_tpu":
+        cache = kernel_tpu.from_reference_layout(cache)
+    op = {"reference": reference, "dense": dense, "kernel_gpu": kernel_gpu, "kernel_tpu": kernel_tpu}[module]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        op.ragged_paged_attention(q, k, v, cache, *rest, **{"sm_scale": 0.125, **option})
