@@ -164,8 +164,13 @@ class ShardedStep:
             "w_up": col if mlp else P(),
             "w_down": row if mlp else P(),
         }
-        # Each layer's [2, P, S, Hkv, D]: pages over data, KV heads over model when attention is split.
-        self.cache_spec = P(None, DATA, None, MODEL if attn else None, None)
+        # Each layer's cache in its backend's layout ([2, P, S, Hkv, D] for XLA and PALLAS_GPU,
+        # [P, Hkv, S, 2D] for PALLAS_TPU): pages over data, KV heads over model when attention is split.
+        self.page_axis, self.head_axis = _cache_axes(model)
+        spec = [None] * len(model.kv_cache_shape(1))
+        spec[self.page_axis] = DATA
+        spec[self.head_axis] = MODEL if attn else None
+        self.cache_spec = P(*spec)
 
     def param_specs(self, params) -> dict:
         specs = {k: P() for k in params if k != "layers"}
@@ -177,36 +182,42 @@ class ShardedStep:
         return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(self.mesh, s)), params, specs)
 
     def init_kv_caches(self, num_blocks_per_shard: int) -> list:
-        """Zero caches, one per layer: ``[2, data * num_blocks_per_shard, S, Hkv, D]``, sharded."""
+        """Zero caches, one per layer, ``data * num_blocks_per_shard`` pages, sharded."""
         shape = list(self.model.kv_cache_shape(num_blocks_per_shard))
-        shape[1] *= self.data_size
+        shape[self.page_axis] *= self.data_size
         if self.model.attn_sharded:
-            shape[3] *= self.mesh.shape[MODEL]
+            shape[self.head_axis] *= self.mesh.shape[MODEL]
         dtype = self.model.attn.attn_backend.kv_cache_dtype_for(self.model.attn.kv_cache_dtype, self.model.dtype)
         sharding = NamedSharding(self.mesh, self.cache_spec)
         zeros = jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)
         return [zeros() for _ in range(self.model.config.num_layers)]
 
     def zeros_per_shard(self, n: int) -> jax.Array:
-        """i32[data, n] zeros, one row per data shard (the engine's sampled-token buffer)."""
-        sharding = NamedSharding(self.mesh, P(DATA))
-        return jax.jit(lambda: jax.numpy.zeros((self.data_size, n), jax.numpy.int32), out_shardings=sharding)()
+        """i32[data, n] zeros, replicated (the engine's sampled-token buffer: each data shard
+        reads its own row)."""
+        replicated = NamedSharding(self.mesh, P())
+        return jax.jit(lambda: jax.numpy.zeros((self.data_size, n), jax.numpy.int32), out_shardings=replicated)()
 
     def jit(self, device_step):
         """``device_step(params, caches, last_tokens, packed, layout, num_candidates)`` (one
-        shard's arrays; the last two static) jitted over the mesh, caches donated."""
+        shard's arrays; the last two static) jitted over the mesh, caches donated.
+
+        The only collectives beside the model's own (one ``psum`` per split attention and
+        MLP) gather the data shards' sampled tokens: the result is replicated, so every
+        process of a multi-process run reads all of them."""
         mesh, cache_spec = self.mesh, self.cache_spec
 
         def step(params, caches, last_tokens, packed, layout, num_candidates):
             def body(params, caches, last_tokens, packed):
-                tokens, caches = device_step(params, caches, last_tokens[0], packed[0], layout, num_candidates)
-                return tokens[None], caches
+                own = last_tokens[jax.lax.axis_index(DATA)]
+                tokens, caches = device_step(params, caches, own, packed[0], layout, num_candidates)
+                return jax.lax.all_gather(tokens, DATA), caches
 
             fn = jax.shard_map(
                 body,
                 mesh=mesh,
-                in_specs=(self.param_specs(params), [cache_spec] * len(caches), P(DATA), P(DATA)),
-                out_specs=(P(DATA), [cache_spec] * len(caches)),
+                in_specs=(self.param_specs(params), [cache_spec] * len(caches), P(), P(DATA)),
+                out_specs=(P(), [cache_spec] * len(caches)),
                 check_vma=False,
             )
             return fn(params, caches, last_tokens, packed)
@@ -215,11 +226,30 @@ class ShardedStep:
 
     def run(self, jit_step, params, caches, last_tokens, packed, num_candidates: int):
         """Stacks each data shard's packed inputs (``step_inputs.pack`` results, which must
-        share one layout) on a leading axis and runs ``jit_step``.
+        share one layout) on a leading "data" axis and runs ``jit_step``. Every process
+        builds the same inputs; each uploads only the rows of its own devices.
 
-        Returns (i32[data, R_max] sampled tokens, caches)."""
+        Returns (i32[data, R_max] sampled tokens, replicated; caches)."""
         layouts = {layout for _, layout in packed}
         if len(layouts) != 1:
             raise ValueError(f"data shards built inputs of different structures: {layouts}")
         buffers = np.stack([buffer for buffer, _ in packed])
+        sharding = NamedSharding(self.mesh, P(DATA))
+        buffers = jax.make_array_from_callback(buffers.shape, sharding, lambda index: buffers[index])
         return jit_step(params, caches, last_tokens, buffers, layouts.pop(), num_candidates)
+
+
+def _cache_axes(model) -> tuple[int, int]:
+    """The page and KV-head axes of ``model``'s cache layout, read off its backend's shapes."""
+    attn = model.attn
+    backend, spec = attn.attn_backend, (model.block_size, model.num_kv_heads, model.config.head_dim)
+
+    def shape(pages: int, heads: int) -> tuple[int, ...]:
+        return backend.get_kv_cache_shape(pages, spec[0], heads, spec[2], attn.kv_cache_dtype)
+
+    base = shape(1, spec[1])
+
+    def changed(other: tuple[int, ...]) -> int:
+        return next(i for i, (a, b) in enumerate(zip(base, other, strict=True)) if a != b)
+
+    return changed(shape(2, spec[1])), changed(shape(1, 2 * spec[1]))

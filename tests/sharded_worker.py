@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -18,6 +19,7 @@ import numpy as np  # noqa: E402
 
 from attn_jax.metadata import MetadataBuckets  # noqa: E402
 from attn_jax.models.llama import LlamaConfig, LlamaModel, init_params  # noqa: E402
+from attn_jax.registry import AttentionBackendEnum  # noqa: E402
 from attn_jax.serving import Engine, SamplingParams  # noqa: E402
 from attn_jax.sharding import local_model_kwargs, make_mesh  # noqa: E402
 
@@ -57,6 +59,54 @@ def tiny() -> dict:
     return out
 
 
+def collectives(engine: Engine, prompts: list[list[int]]) -> dict[str, int]:
+    """Collective ops in the compiled HLO of the engine's decode step (``generate``, then
+    the last step's arguments lowered again)."""
+    calls = []
+    jit_step = engine._jit_step
+
+    def recording(*args):
+        calls.append(args)
+        return jit_step(*args)
+
+    engine._jit_step = recording
+    engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    args = calls[-1]
+    hlo = jit_step.lower(*args).compile().as_text()
+    ops = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+    return {op: len(re.findall(rf"= [^=]*\b{op}(-start)?\(", hlo)) for op in ops}
+
+
+def agreement() -> dict:
+    """Data shards agree on static structure for every backend: one request (idle shards),
+    uneven requests; tokens equal one device's. Plus the collectives of a TP and a DP step."""
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64
+    )
+    params = init_params(config, seed=1)
+    rng = np.random.default_rng(1)
+    cases = {
+        "one": [rng.integers(0, 128, 6).tolist()],
+        "uneven": [rng.integers(0, 128, n).tolist() for n in (3, 21, 2)],
+    }
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    out = {}
+    for backend, device_counts in (("XLA", (2, 4)), ("PALLAS_GPU", (2,)), ("PALLAS_TPU", (2,))):
+        cls = AttentionBackendEnum[backend].get_class()
+        for case, prompts in cases.items():
+            single = small_engine(LlamaModel(config, attn_backend=cls), params).generate(prompts, sp)
+            for devices in device_counts:
+                mesh = make_mesh(devices, model_parallel=1)
+                model = LlamaModel(config, attn_backend=cls, **local_model_kwargs(config, mesh))
+                got = small_engine(model, params, mesh=mesh).generate(prompts, sp)
+                out[f"{backend}/{case}/{devices}"] = [c.output_ids for c in got] == [c.output_ids for c in single]
+    for name, (data, model_axis) in {"dp": (4, 1), "tp": (1, 2)}.items():
+        mesh = make_mesh(data * model_axis, model_parallel=model_axis, num_kv_heads=config.num_kv_heads)
+        engine = small_engine(LlamaModel(config, **local_model_kwargs(config, mesh)), params, mesh=mesh)
+        out[f"collectives/{name}"] = collectives(engine, cases["uneven"])
+    return out
+
+
 def smollm2(prompts: list[str], new_tokens: int) -> dict:
     """SmolLM2's 3 KV heads: devices 2 (data 2) and 4 (data 2 x model 2, KV heads replicated)."""
     from attn_jax.models.gguf_loader import load_gguf, load_tokenizer
@@ -80,7 +130,7 @@ def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     handler = Collect()
     logging.getLogger("attn_jax").addHandler(handler)
-    result = {"tiny": tiny(), "smollm2": smollm2(spec["prompts"], spec["new_tokens"])}
+    result = {"tiny": tiny(), "agreement": agreement(), "smollm2": smollm2(spec["prompts"], spec["new_tokens"])}
     result["warnings"] = handler.messages
     print("RESULT " + json.dumps(result))
 

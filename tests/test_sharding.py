@@ -45,6 +45,23 @@ def test_tensor_parallel_heads_match_one_device(sharded):
     assert tiny["2x2"] == tiny["single"]
 
 
+def test_data_shards_agree_for_every_backend(sharded):
+    """One request (the other shards idle) and uneven requests, on 2 and 4 data shards:
+    the shards build one static structure and the tokens equal one device's."""
+    runs = {k: v for k, v in sharded["agreement"].items() if not k.startswith("collectives/")}
+    assert set(runs) >= {"XLA/one/4", "PALLAS_GPU/one/2", "PALLAS_TPU/uneven/2"}
+    assert all(runs.values()), runs
+
+
+def test_only_the_needed_collectives_cross_devices(sharded):
+    """Data parallel: one all-gather of the sampled tokens and nothing else. Tensor parallel
+    (one layer): one all-reduce after the attention output projection, one after the MLP,
+    and the tokens' all-gather; no weights, caches or activations gathered."""
+    none = {"all-reduce": 0, "all-gather": 0, "reduce-scatter": 0, "all-to-all": 0, "collective-permute": 0}
+    assert sharded["agreement"]["collectives/dp"] == none | {"all-gather": 1}
+    assert sharded["agreement"]["collectives/tp"] == none | {"all-reduce": 2, "all-gather": 1}
+
+
 @pytest.fixture(scope="module")
 def expected(hf_smollm2):
     return hf_greedy_batch(*hf_smollm2, PROMPTS[:3], NEW_TOKENS)
