@@ -103,6 +103,33 @@ def _sync(engine) -> None:
         engine.synchronize()
 
 
+def device_only_step_ms(engine, steps: int) -> float:
+    """The device's time per step with no host work between steps: the engine's last
+    jitted call repeated ``steps`` times back to back (the caches fed back as donated)."""
+    calls = []
+    jit_step = engine._jit_step
+
+    def recording(*args):
+        calls.append(args)
+        return jit_step(*args)
+
+    engine._jit_step = recording
+    engine.step()
+    _sync(engine)
+    engine._jit_step = jit_step
+    params, caches, last_tokens, *rest = calls[-1]
+    caches = engine.kv_caches
+    tokens, caches = jit_step(params, caches, last_tokens, *rest)
+    jax.block_until_ready(tokens)
+    t = time.perf_counter()
+    for _ in range(steps):
+        tokens, caches = jit_step(params, caches, last_tokens, *rest)
+    jax.block_until_ready(tokens)
+    elapsed = time.perf_counter() - t
+    engine.kv_caches = caches
+    return 1e3 * elapsed / steps
+
+
 def profile_batch(config, params, batch: int, args, backend) -> dict:
     model = LlamaModel(config, block_size=args.block_size, attn_backend=backend, dtype=args.dtype)
     engine = Engine(
@@ -132,6 +159,7 @@ def profile_batch(config, params, batch: int, args, backend) -> dict:
     _sync(engine)
     untraced = time.perf_counter() - t
     stats = engine.stats[first:]
+    device_ms = device_only_step_ms(engine, args.steps)
     return {
         "batch": batch,
         "backend": model.attn_backend.get_name(),
@@ -139,6 +167,8 @@ def profile_batch(config, params, batch: int, args, backend) -> dict:
         "step_ms": 1e3 * untraced / args.steps,
         "tokens_per_s": batch * args.steps / untraced,
         "host_ms_median": 1e3 * float(np.median([s.host_seconds for s in stats])),
+        "dispatch_ms_median": 1e3 * float(np.median([s.dispatch_seconds for s in stats])),
+        "device_only_step_ms": device_ms,
         "compilations_while_profiled": engine.num_compilations - compiles,
         "device": device,
     }
@@ -168,7 +198,8 @@ def main() -> None:
         d = r["device"]
         print(
             f"batch {batch} [{r['backend']}]: step {r['step_ms']:.3f} ms ({r['tokens_per_s']:.0f} tok/s), "
-            f"host {r['host_ms_median']:.3f} ms, device busy {d.get('busy_us_per_step', 0):.0f} us, "
+            f"host {r['host_ms_median']:.3f} ms, dispatch {r['dispatch_ms_median']:.3f} ms, "
+            f"device-only step {r['device_only_step_ms']:.3f} ms, device busy {d.get('busy_us_per_step', 0):.0f} us, "
             f"span {d.get('span_us_per_step', 0):.0f} us, gaps {d.get('gap_us_per_step', 0):.0f} us",
             flush=True,
         )

@@ -93,6 +93,7 @@ class StepStats:
     num_sampled: int
     token_bucket: int
     host_seconds: float  # scheduling + metadata + packing before the device call
+    dispatch_seconds: float  # the jitted call's return (enqueueing the step, not running it)
     seconds: float  # the whole ``step`` call (with asynchronous scheduling: the device's step time)
     compiled: bool  # the step traced and compiled a new bucket
 
@@ -536,6 +537,7 @@ class Engine:
             tokens, self.kv_caches = self._sharded.run(
                 self._jit_step, self.params, self.kv_caches, self._last_tokens, packed, num_candidates
             )
+        dispatched_at = time.perf_counter()
         tokens.copy_to_host_async()
         self._last_tokens = tokens
         dispatched = self._account(batches, tokens)
@@ -554,6 +556,7 @@ class Engine:
                 num_sampled=len(dispatched.sampled),
                 token_bucket=inputs[0]["token_ids"].shape[0],
                 host_seconds=host_done - start,
+                dispatch_seconds=dispatched_at - host_done,
                 seconds=time.perf_counter() - start,
                 compiled=self.num_compilations > compilations,
             )
