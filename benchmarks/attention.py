@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_jax.backends.pallas_gpu import mgpu_split
 from attn_jax.kv_cache import write_to_kv_cache
 from attn_jax.ops.ragged_paged_attention import kernel_gpu, kernel_mgpu, kv_write, reference
 from attn_jax.ops.ragged_paged_attention.config import (
@@ -144,17 +145,15 @@ def measure_ceilings() -> dict[str, float]:
 
 # --------------------------------------------------------------------------- implementations
 def schedules(b: DeviceBatch, block_sizes: GpuBlockSizes, mgpu: bool) -> dict:
-    """The kernel's schedule arguments, as the metadata builder makes them on this device;
-    ``mgpu=False`` leaves the Mosaic GPU prefill split out (the Triton kernel serves all)."""
+    """The kernel's schedule arguments, as the metadata builder makes them on this device
+    (the Mosaic GPU split for prefill batches on Hopper); ``mgpu=False`` leaves the split
+    out (the Triton kernel serves all), ``mgpu="force"`` makes it for any batch."""
     qsl, seq = np.asarray(b.query_start_loc), np.asarray(b.seq_lens)
     out = {"schedule": jnp.asarray(kernel_gpu.gpu_schedule(qsl, seq, num_tokens=b.num_tokens,
                                                             block_q=block_sizes.block_q, xp=np))}  # fmt: skip
-    mbs = kernel_mgpu.MgpuBlockSizes()
-    use = mgpu and mgpu_prefill_available(jax.devices()[0].device_kind) and (b.query_lens >= mbs.tile).any()
-    if use:
-        m, rest = kernel_gpu.split_schedules(qsl, seq, num_tokens=b.num_tokens, block_q=block_sizes.block_q,
-                                             tile=mbs.tile, xp=np)  # fmt: skip
-        out.update(mgpu_schedule=jnp.asarray(m), rest_schedule=jnp.asarray(rest), mgpu_block_sizes=mbs)
+    hopper = mgpu_prefill_available(jax.devices()[0].device_kind)
+    if hopper and (mgpu == "force" or (mgpu and gpu_batch_mode(b.query_lens) == "prefill")):
+        out.update(mgpu_split(qsl, seq, num_tokens=b.num_tokens, block_q=block_sizes.block_q))
     return out
 
 
@@ -186,16 +185,13 @@ def split_part_times(b: DeviceBatch, bs: GpuBlockSizes, sched: dict) -> dict[str
         block_sizes=bs, interpret=False,
     )  # fmt: skip
 
-    return {
-        "part_mgpu_prefill": time_jax(mgpu, b.q, b.kv_cache, sched["mgpu_schedule"], b.block_tables),
-        "part_triton_rest": time_jax(
+    times = {"part_mgpu_prefill": time_jax(mgpu, b.q, b.kv_cache, sched["mgpu_schedule"], b.block_tables)}
+    if sched["rest_schedule"] is not None:
+        times["part_triton_rest"] = time_jax(
             lambda q, c, sc, bt: rest(q, c, sc, bt, None, None, None, None, None),
-            b.q,
-            b.kv_cache,
-            sched["rest_schedule"],
-            b.block_tables,
-        ),
-    }
+            b.q, b.kv_cache, sched["rest_schedule"], b.block_tables,
+        )  # fmt: skip
+    return times
 
 
 def with_write_ms(b: DeviceBatch, reps: int = 30, inner: int = 5) -> dict[str, float]:
@@ -487,11 +483,14 @@ def main(argv=None) -> int:
                 fn = pallas_gpu_fn(b, bs)
                 extra = {"block_sizes": dataclasses.asdict(bs)}
                 record("pallas_gpu", time_jax(fn, *op_args), rel_l2(fn(*op_args), ref), extra)
-                sched = schedules(b, bs, True)
-                if "mgpu_schedule" in sched:  # the same batch on the Triton kernel alone, and each part alone
-                    fn = pallas_gpu_fn(b, bs, mgpu=False)
-                    record("pallas_gpu_triton_only", time_jax(fn, *op_args), rel_l2(fn(*op_args), ref), extra)
-                    for part, t in split_part_times(b, bs, sched).items():
+                forced = schedules(b, bs, "force")
+                if "mgpu_schedule" in forced:  # the other choice of kernels for this batch, and each launch alone
+                    if "mgpu_schedule" in schedules(b, bs, True):
+                        impl, fn = "pallas_gpu_triton_only", pallas_gpu_fn(b, bs, mgpu=False)
+                    else:
+                        impl, fn = "pallas_gpu_mgpu_split", pallas_gpu_fn(b, bs, mgpu="force")
+                    record(impl, time_jax(fn, *op_args), rel_l2(fn(*op_args), ref), extra)
+                    for part, t in split_part_times(b, bs, forced).items():
                         record(
                             part, t, float("nan"), {"note": "one of the two launches alone; rows of the other unset"}
                         )

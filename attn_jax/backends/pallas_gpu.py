@@ -53,11 +53,26 @@ class PallasGPUAttentionMetadata:
     slot_mapping: Array  # i32[T]
     schedule: Array  # i32[5, NB]: per q-block request, token range, first position, kv length
     block_sizes: GpuBlockSizes = dataclasses.field(metadata=dict(static=True))
-    # The Mosaic GPU prefill split (Hopper, batches with a request of >= 2 * block_q new
-    # tokens), else None: its q-tiles, and ``schedule`` without the requests it serves.
+    # The Mosaic GPU prefill split (``mgpu_split``), else None: its q-tiles, and the q-blocks
+    # of the rows it leaves over (None: it serves every row).
     mgpu_schedule: Array | None = None  # i32[4, NT]
     rest_schedule: Array | None = None  # i32[5, NB]
     mgpu_block_sizes: kernel_mgpu.MgpuBlockSizes | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+
+def mgpu_split(query_start_loc, seq_lens, *, num_tokens: int, block_q: int) -> dict:
+    """Host metadata's Mosaic GPU prefill split as metadata fields, or {} when no request is
+    long enough: ``mgpu_schedule``, ``rest_schedule`` (None when the Mosaic GPU kernel
+    serves every row) and ``mgpu_block_sizes``."""
+    bs = kernel_mgpu.MgpuBlockSizes()
+    mgpu, rest = kernel_gpu.split_schedules(
+        np.asarray(query_start_loc), np.asarray(seq_lens), num_tokens=num_tokens, block_q=block_q, tile=bs.tile,
+        xp=np,
+    )  # fmt: skip
+    if not (mgpu[3] > 0).any():
+        return {}
+    rest_empty = not (rest[2] > rest[1]).any()
+    return dict(mgpu_schedule=mgpu, rest_schedule=None if rest_empty else rest, mgpu_block_sizes=bs)
 
 
 class PallasGPUMetadataBuilder(XLAMetadataBuilder):
@@ -69,12 +84,14 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
     the schedule with jnp and uses the "mixed" block sizes. Block sizes depend only on the
     bucket's shapes and the mode, so a bucket compiles at most three times.
 
-    On Hopper GPUs (``config.mgpu_prefill_available``), a batch that is not decode-only and
-    has a request with at least ``2 * block_q`` 8-aligned new tokens (host metadata; traced
-    metadata: any non-decode bucket) also gets the Mosaic GPU prefill split (``kernel_gpu.split_schedules``):
-    the kernel runs those requests in ``kernel_mgpu`` when the layer's configuration allows
-    (``kernel_mgpu.unsupported_reason``) and everything in the Triton kernel otherwise. Whether
-    the split is there is part of the jit key: such a bucket compiles once more.
+    On Hopper GPUs (``config.mgpu_prefill_available``), host metadata of a prefill batch
+    (no decodes) gets the Mosaic GPU split (``mgpu_split``): the kernel then runs the long
+    requests in ``kernel_mgpu`` when the layer's configuration allows it
+    (``kernel_mgpu.unsupported_reason``) and everything in the Triton kernel otherwise.
+    Mixed batches stay on the Triton kernel alone: on the H100, DESIGN.md's M1 (4 chunks of
+    512 + 60 decodes) took 0.369 ms there against 0.388 ms split in two launches
+    (BENCHMARKS.md), its time being the decodes' KV reads. Whether the split is there is
+    part of the jit key: a prefill bucket compiles once more.
     """
 
     def __init__(self, kv_cache_spec, device_kind: str | None = None) -> None:
@@ -113,14 +130,8 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
             block_q=bs.block_q, xp=xp,
         )  # fmt: skip
         split = {}
-        mgpu_bs = kernel_mgpu.MgpuBlockSizes()
-        if mgpu_prefill_available(self.device_kind) and mode != "decode":
-            mgpu, rest = kernel_gpu.split_schedules(
-                xp.asarray(base.query_start_loc), xp.asarray(base.seq_lens), num_tokens=num_tokens,
-                block_q=bs.block_q, tile=mgpu_bs.tile, xp=xp,
-            )  # fmt: skip
-            if not concrete or (mgpu[3] > 0).any():  # host metadata: only when some request is served
-                split = dict(mgpu_schedule=mgpu, rest_schedule=rest, mgpu_block_sizes=mgpu_bs)
+        if concrete and mode == "prefill" and mgpu_prefill_available(self.device_kind):
+            split = mgpu_split(base.query_start_loc, base.seq_lens, num_tokens=num_tokens, block_q=bs.block_q)
         return PallasGPUAttentionMetadata(
             query_start_loc=base.query_start_loc, seq_lens=base.seq_lens, block_tables=base.block_tables,
             slot_mapping=base.slot_mapping, schedule=schedule, block_sizes=bs, **split,
@@ -175,6 +186,36 @@ class PallasGPUAttentionBackend(XLAAttentionBackend):
     @classmethod
     def get_supported_block_sizes(cls) -> tuple[int, ...]:
         return kernel_gpu.SUPPORTED_PAGE_SIZES
+
+    @classmethod
+    def kernel_plan(
+        cls, head_size: int, dtype, kv_cache_dtype, block_size: int, device_kind: str | None, *, causal: bool = True,
+        sliding_window=None, logits_soft_cap=None, has_alibi: bool = False, has_sink: bool = False,
+    ) -> list[str]:  # fmt: skip
+        """Which kernel serves which batches for this layer configuration, in words (for ``attn-stack info``)."""
+        lines = [
+            "decode and mixed batches: one Triton-lowered Pallas launch (kernel_gpu)",
+            "k/v write: a Pallas kernel storing whole token rows in place (kv_write)",
+        ]
+        if not mgpu_prefill_available(device_kind):
+            lines.append(
+                f"prefill batches: the Triton kernel (Mosaic GPU prefill needs Hopper; device {device_kind!r})"
+            )
+            return lines
+        reason = kernel_mgpu.unsupported_reason(
+            head_size=head_size, page_size=block_size, dtype=dtype, cache_dtype=kv_cache_dtype, causal=causal,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            alibi_slopes=True if has_alibi else None, sinks=True if has_sink else None,
+        )  # fmt: skip
+        tile = kernel_mgpu.MgpuBlockSizes().tile
+        if reason is None:
+            lines.append(
+                f"prefill batches: requests with >= {tile} 8-aligned new tokens on the Mosaic GPU kernel "
+                "(kernel_mgpu: TMA per page, wgmma), the other rows on the Triton kernel"
+            )
+        else:
+            lines.append(f"prefill batches: the Triton kernel ({reason})")
+        return lines
 
     @classmethod
     def unavailable_reason(cls, platform: Platform) -> str | None:

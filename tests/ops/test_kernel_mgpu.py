@@ -98,13 +98,34 @@ def test_builder_splits_long_prefills_on_hopper_only():
 
     spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=np.dtype(jnp.bfloat16), num_q_heads=4)
     tables = np.arange(40, dtype=np.int32).reshape(2, 20)
+    prefill = build_common_attn_metadata([200, 130], [200, 130], tables, block_size=16)
     mixed = build_common_attn_metadata([200, 1], [200, 30], tables, block_size=16)
     decode = build_common_attn_metadata([1, 1], [20, 30], tables, block_size=16)
     hopper = PallasGPUMetadataBuilder(spec, device_kind="NVIDIA H100 80GB HBM3")
-    md = hopper.build(0, mixed)
+    md = hopper.build(0, prefill)
     assert md.mgpu_schedule is not None and md.mgpu_block_sizes == kernel_mgpu.MgpuBlockSizes()
+    assert md.rest_schedule is not None  # 130 tokens from row 200: rows 200..207 and the padding
+    assert hopper.build(0, mixed).mgpu_schedule is None, "mixed batches stay on the Triton kernel"
     assert hopper.build(0, decode).mgpu_schedule is None
-    assert PallasGPUMetadataBuilder(spec, device_kind="NVIDIA A100-SXM4-80GB").build(0, mixed).mgpu_schedule is None
+    assert PallasGPUMetadataBuilder(spec, device_kind="NVIDIA A100-SXM4-80GB").build(0, prefill).mgpu_schedule is None
+
+
+def test_kernel_plan_names_the_kernel_per_batch_kind():
+    from attn_jax.backends.pallas_gpu import PallasGPUAttentionBackend as B
+
+    h100 = "NVIDIA H100 80GB HBM3"
+    plan = B.kernel_plan(128, jnp.bfloat16, jnp.bfloat16, 16, h100)
+    assert "decode and mixed batches: one Triton" in plan[0] and "Mosaic GPU kernel" in plan[-1]
+    assert "no sinks" in B.kernel_plan(128, jnp.bfloat16, jnp.bfloat16, 16, h100, has_sink=True)[-1]
+    assert "needs Hopper" in B.kernel_plan(128, jnp.bfloat16, jnp.bfloat16, 16, "NVIDIA A100-SXM4-80GB")[-1]
+
+
+def test_mgpu_split_leaves_no_rest_when_every_row_is_served():
+    from attn_jax.backends.pallas_gpu import mgpu_split
+
+    split = mgpu_split(np.array([0, 256, 384]), np.array([256, 200]), num_tokens=384, block_q=8)
+    assert split["rest_schedule"] is None and (split["mgpu_schedule"][3] > 0).sum() == 3
+    assert mgpu_split(np.array([0, 100]), np.array([100]), num_tokens=100, block_q=8) == {}
 
 
 def test_op_with_split_schedules_matches_oracle_interpret():
@@ -155,6 +176,21 @@ GPU_CASES = {
     "head128_page256": (dict(num_q_heads=4, num_kv_heads=2, head_size=128, block_size=256), (64, 128, 2)),
     "float16": (dict(num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=jnp.float16), (64, 128, 2)),
 }
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_mgpu_alone_matches_oracle_compiled():
+    """Every row served by the Mosaic GPU kernel (rest_schedule None: one launch)."""
+    from attn_jax.backends.pallas_gpu import mgpu_split
+
+    batch = make_ragged_batch(3, query_lens=[256, 128], context_lens=[0, 72], num_q_heads=8, num_kv_heads=2,
+                              head_size=128, block_size=16, dtype=jnp.bfloat16, extra_blocks=2)  # fmt: skip
+    bs = GpuBlockSizes(block_q=16, pages_per_tile=4)
+    split = mgpu_split(batch.query_start_loc, batch.seq_lens, num_tokens=384, block_q=16)
+    assert split["rest_schedule"] is None
+    op = functools.partial(kernel_gpu.ragged_paged_attention, block_sizes=bs, **split)
+    check(batch, make_options(batch), use_jit=True, op=op)
 
 
 @pytest.mark.gpu

@@ -240,7 +240,7 @@ def ragged_paged_attention(
     block_sizes: GpuBlockSizes | None = None,
     schedule=None,  # i32[5, NB] from gpu_schedule (the builder's); derived here when None
     mgpu_schedule=None,  # i32[4, NT] from kernel_mgpu.mgpu_schedule, or None: no Mosaic GPU prefill
-    rest_schedule=None,  # i32[5, NB]: gpu_schedule without the requests mgpu_schedule serves
+    rest_schedule=None,  # i32[5, NB]: the rows mgpu_schedule leaves over; None: it serves every row
     mgpu_block_sizes: kernel_mgpu.MgpuBlockSizes | None = None,
 ):
     """The reference op's contract (``reference.ragged_paged_attention``) as a Pallas GPU kernel.
@@ -250,11 +250,12 @@ def ragged_paged_attention(
     ``config.gpu_block_sizes`` for the shapes; ``schedule`` must have been built with
     the same ``block_q``.
 
-    With ``mgpu_schedule`` and ``rest_schedule`` (``split_schedules``; the metadata builder
-    makes them on Hopper GPUs) and a configuration ``kernel_mgpu.unsupported_reason``
+    With ``mgpu_schedule`` (``split_schedules``; the metadata builder makes it for
+    prefill batches on Hopper GPUs) and a configuration ``kernel_mgpu.unsupported_reason``
     accepts, the long prefill requests run in the Mosaic GPU kernel and the rest of the
-    rows (decodes, short chunks, padding) in this kernel, writing into the same output;
-    otherwise everything runs here on ``schedule``. Compiled, new keys and values are
+    rows (short requests, the unaligned ends, padding: ``rest_schedule``, None when there
+    are none) in this kernel, writing into the same output; otherwise everything runs
+    here on ``schedule``. Compiled, new keys and values are
     written by ``kv_write.write_kv`` (a Pallas kernel, in place under donation); in the
     interpreter by ``write_to_kv_cache``.
 
@@ -307,7 +308,7 @@ def ragged_paged_attention(
         )
     mgpu_bs = mgpu_block_sizes or kernel_mgpu.MgpuBlockSizes()
     use_mgpu = (
-        mgpu_schedule is not None and rest_schedule is not None and not interpret
+        mgpu_schedule is not None and not interpret
         and block_sizes.num_kv_splits == 1
         and kernel_mgpu.unsupported_reason(
             head_size=head_size, page_size=page_size, dtype=q.dtype, cache_dtype=kv_cache.dtype, causal=causal,
@@ -322,6 +323,8 @@ def ragged_paged_attention(
             q, kv_cache, jnp.asarray(mgpu_schedule, jnp.int32), jnp.asarray(block_tables),
             sm_scale=sm_scale, block_sizes=mgpu_bs,
         )  # fmt: skip
+        if rest_schedule is None:  # every row is the Mosaic GPU kernel's: no second launch
+            return out_init, kv_cache
     out = _attend(
         q, kv_cache, jnp.asarray(schedule, jnp.int32), jnp.asarray(block_tables),
         alibi_slopes, sinks, k_scale, v_scale, out_init,
