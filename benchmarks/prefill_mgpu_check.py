@@ -70,8 +70,10 @@ def diagnose(log=log):
     ref = np.asarray(ref)
     finite = jnp.nan_to_num(cache)
     out = {}
-    for label, c, bs, zt in (("nan", cache, B(64, 128, 2), True), ("finite", finite, B(64, 128, 2), True),
-                             ("finite_no_zero", finite, B(64, 128, 2), False), ("nan_ring3", cache, B(64, 128, 3), True),
+    for label, c, bs, zt in (("nan", cache, B(64, 128, 2), True),
+                             ("finite", finite, B(64, 128, 2), True),
+                             ("finite_no_zero", finite, B(64, 128, 2), False),
+                             ("nan_ring3", cache, B(64, 128, 3), True),
                              ("nan_kv64", cache, B(64, 64, 2), True)):  # fmt: skip
         sched, (lo, hi) = kernel_mgpu.mgpu_schedule(np.asarray(qsl), np.asarray(seq), num_tokens=q.shape[0],
                                                   tile=bs.tile, xp=np)  # fmt: skip

@@ -32,6 +32,7 @@ from attn_jax.ops.ragged_paged_attention.config import (
     GpuBlockSizes,
     gpu_batch_mode,
     gpu_block_sizes,
+    mgpu_block_sizes,
     mgpu_prefill_available,
 )
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
@@ -60,11 +61,13 @@ class PallasGPUAttentionMetadata:
     mgpu_block_sizes: kernel_mgpu.MgpuBlockSizes | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
-def mgpu_split(query_start_loc, seq_lens, *, num_tokens: int, block_q: int) -> dict:
+def mgpu_split(
+    query_start_loc, seq_lens, *, num_tokens: int, block_q: int, mgpu_bs: kernel_mgpu.MgpuBlockSizes | None = None
+) -> dict:
     """Host metadata's Mosaic GPU prefill split as metadata fields, or {} when no request is
     long enough: ``mgpu_schedule``, ``rest_schedule`` (None when the Mosaic GPU kernel
     serves every row) and ``mgpu_block_sizes``."""
-    bs = kernel_mgpu.MgpuBlockSizes()
+    bs = mgpu_bs or kernel_mgpu.MgpuBlockSizes()
     mgpu, rest = kernel_gpu.split_schedules(
         np.asarray(query_start_loc), np.asarray(seq_lens), num_tokens=num_tokens, block_q=block_q, tile=bs.tile,
         xp=np,
@@ -131,7 +134,10 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         )  # fmt: skip
         split = {}
         if concrete and mode == "prefill" and mgpu_prefill_available(self.device_kind):
-            split = mgpu_split(base.query_start_loc, base.seq_lens, num_tokens=num_tokens, block_q=bs.block_q)
+            mbs = mgpu_block_sizes(head_size=spec.head_size, device_kind=self.device_kind)
+            split = mgpu_split(
+                base.query_start_loc, base.seq_lens, num_tokens=num_tokens, block_q=bs.block_q, mgpu_bs=mbs
+            )
         return PallasGPUAttentionMetadata(
             query_start_loc=base.query_start_loc, seq_lens=base.seq_lens, block_tables=base.block_tables,
             slot_mapping=base.slot_mapping, schedule=schedule, block_sizes=bs, **split,

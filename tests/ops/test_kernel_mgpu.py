@@ -110,6 +110,20 @@ def test_builder_splits_long_prefills_on_hopper_only():
     assert PallasGPUMetadataBuilder(spec, device_kind="NVIDIA A100-SXM4-80GB").build(0, prefill).mgpu_schedule is None
 
 
+def test_mgpu_block_sizes_come_from_the_tuned_table_and_validate():
+    from attn_jax.ops.ragged_paged_attention import config
+
+    for name in config.tuned_tables("gpu_"):
+        for entry in config.load_tuned_table(name).get("mgpu_entries", []):
+            config.mgpu_entry_block_sizes(entry)
+    assert config.mgpu_block_sizes(head_size=128, device_kind="NVIDIA H100 80GB HBM3").block_kv == 128
+    assert config.mgpu_block_sizes(head_size=64, device_kind=None) == kernel_mgpu.MgpuBlockSizes()
+    with pytest.raises(ValueError, match="unknown keys"):
+        config.mgpu_entry_block_sizes({"head_size": 128, "block_m": 64})
+    with pytest.raises(ValueError, match="block_kv=96 must be 64, 128 or 256"):
+        kernel_mgpu.MgpuBlockSizes(block_kv=96)
+
+
 def test_kernel_plan_names_the_kernel_per_batch_kind():
     from attn_jax.backends.pallas_gpu import PallasGPUAttentionBackend as B
 

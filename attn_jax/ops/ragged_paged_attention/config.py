@@ -166,6 +166,55 @@ def gpu_block_sizes(
     return bs
 
 
+@dataclasses.dataclass(frozen=True)
+class MgpuBlockSizes:
+    """Static tiling of the Mosaic GPU prefill kernel (``kernel_mgpu``).
+
+    block_q: query rows per compute warpgroup (a CTA's q-tile is ``2 * block_q`` tokens);
+    block_kv: keys per K/V block (a multiple of the page size, or a divisor of it);
+    steps_in_flight: K/V blocks in the shared-memory ring (>= 2).
+    """
+
+    block_q: int = 64
+    block_kv: int = 128
+    steps_in_flight: int = 2
+
+    def __post_init__(self):
+        if self.block_q != 64:
+            raise ValueError(f"Mosaic GPU block sizes: block_q={self.block_q} must be 64 (one wgmma row tile)")
+        if self.block_kv not in (64, 128, 256):
+            raise ValueError(f"Mosaic GPU block sizes: block_kv={self.block_kv} must be 64, 128 or 256")
+        if not isinstance(self.steps_in_flight, int) or self.steps_in_flight < 2:
+            raise ValueError(f"Mosaic GPU block sizes: steps_in_flight={self.steps_in_flight!r} must be >= 2")
+
+    @property
+    def tile(self) -> int:
+        return 2 * self.block_q
+
+
+MGPU_MATCH_KEYS = ("head_size",)
+"""What an ``mgpu_entries`` item of a GPU table matches on."""
+
+
+def mgpu_block_sizes(*, head_size: int, device_kind: str | None = None) -> MgpuBlockSizes:
+    """The Mosaic GPU prefill tiling: the device table's ``mgpu_entries`` item for this head
+    size, else ``MgpuBlockSizes()`` (64 rows per warpgroup, 128-key blocks, a 2-deep ring)."""
+    table = tuned_table_for("gpu_", device_kind)
+    for entry in (table or {}).get("mgpu_entries", []):
+        if entry.get("head_size") == head_size:
+            return mgpu_entry_block_sizes(entry)
+    return MgpuBlockSizes()
+
+
+def mgpu_entry_block_sizes(entry: dict[str, Any]) -> MgpuBlockSizes:
+    """The block sizes of one ``mgpu_entries`` item; ValueError names unknown keys or bad values."""
+    known = {f.name for f in dataclasses.fields(MgpuBlockSizes)}
+    unknown = set(entry) - known - set(MGPU_MATCH_KEYS) - {"note"}
+    if unknown:
+        raise ValueError(f"tuned Mosaic GPU entry {entry} has unknown keys {sorted(unknown)}; valid: {sorted(known)}")
+    return MgpuBlockSizes(**{k: v for k, v in entry.items() if k in known})
+
+
 MGPU_DEVICE_KINDS = ("H100", "H200", "H800", "H20", "GH200")
 """Hopper parts (``jax.Device.device_kind`` contains one of these): where the Mosaic GPU
 prefill kernel (``kernel_mgpu``: TMA and warpgroup MMA, sm_90a) is compiled."""

@@ -44,7 +44,6 @@ scale folded into one multiply), which ``common.online_softmax_update``'s ``jnp`
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -55,33 +54,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from attn_jax.ops.ragged_paged_attention.config import MgpuBlockSizes
+
 SUPPORTED_HEAD_SIZES = (64, 128)
 SUPPORTED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
-
-@dataclasses.dataclass(frozen=True)
-class MgpuBlockSizes:
-    """Static tiling of the Mosaic GPU prefill kernel.
-
-    block_q: query rows per compute warpgroup (a CTA's q-tile is ``2 * block_q`` tokens);
-    block_kv: keys per K/V block (a multiple of the page size, or a divisor of it);
-    steps_in_flight: K/V blocks in the shared-memory ring (>= 2).
-    """
-
-    block_q: int = 64
-    block_kv: int = 128
-    steps_in_flight: int = 2
-
-    @property
-    def tile(self) -> int:
-        return 2 * self.block_q
+__all__ = ["MgpuBlockSizes", "max_num_tiles", "mgpu_schedule", "prefill_attention", "unsupported_reason"]
 
 
 def unsupported_reason(
     *, head_size: int, page_size: int, dtype, cache_dtype, causal: bool, sliding_window=None,
-    logits_soft_cap=None, alibi_slopes=None, sinks=None, block_sizes: MgpuBlockSizes = MgpuBlockSizes(),
+    logits_soft_cap=None, alibi_slopes=None, sinks=None, block_sizes: MgpuBlockSizes | None = None,
 ) -> str | None:  # fmt: skip
     """Why this kernel cannot serve the configuration, or None when it can."""
+    block_sizes = block_sizes or MgpuBlockSizes()
     if not causal:
         return "the Mosaic GPU prefill kernel is causal only"
     for name, value in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap),
@@ -296,7 +282,7 @@ def prefill_attention(
     block_tables,  # i32[R, pages_per_req]
     *,
     sm_scale: float,
-    block_sizes: MgpuBlockSizes = MgpuBlockSizes(),
+    block_sizes: MgpuBlockSizes | None = None,
     interpret=False,
     zero_tail: bool = True,
 ):
@@ -306,7 +292,8 @@ def prefill_attention(
     the Triton kernel, which writes the other rows in place).
     """
     return _prefill(
-        q, kv_cache, schedule, block_tables, sm_scale=float(sm_scale), bs=block_sizes, interpret=interpret,
+        q, kv_cache, schedule, block_tables, sm_scale=float(sm_scale), bs=block_sizes or MgpuBlockSizes(),
+        interpret=interpret,
         zero_tail=zero_tail,
     )  # fmt: skip
 
