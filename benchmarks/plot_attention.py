@@ -55,12 +55,13 @@ def roofline(data: dict, out: pathlib.Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     x = np.logspace(-1, 4, 200)
     ax.loglog(x, np.minimum(peak, x * bw) / 1e12, "k-", lw=1, label="measured roof (copy BW, bf16 matmul)")
-    markers = {"pallas_gpu": "o", "pallas_gpu_tuned": "*", "xla": "x", "jax_pallas_paged_attention": "s",
-               "cudnn_dense": "^", "torch_sdpa_dense": "v"}  # fmt: skip
+    markers = {"pallas_gpu": "o", "pallas_gpu_tuned": "*", "pallas_gpu_with_write": "D",
+               "pallas_gpu_triton_only": "P", "pallas_gpu_mgpu_split": "X", "xla": "x",
+               "jax_pallas_paged_attention": "s", "cudnn_dense": "^", "torch_sdpa_dense": "v"}  # fmt: skip
     intensity = workload_intensity(results)
     colors = dict(zip(intensity, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     for r in results:
-        if "ms" not in r:
+        if "ms" not in r or r["impl"].startswith("part_"):  # one launch of a split batch: not the workload
             continue
         nbytes, flops = intensity[r["workload"]]
         ax.scatter(flops / nbytes, r["tflop_per_s"], marker=markers.get(r["impl"], "."), color=colors[r["workload"]],
