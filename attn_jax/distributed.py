@@ -1,0 +1,58 @@
+"""Several processes, one engine: JAX's multi-controller runtime (``jax.distributed``).
+
+Each process runs the same program (the same requests, in the same order: the engine's
+scheduling is deterministic) and owns some devices; ``jax.distributed.initialize``
+joins them into one set of global devices, so a ``make_mesh`` over ``jax.devices()``
+spans every process and ``Engine(mesh=...)`` shards over all of them. This is the path
+to multi-host TPU pods and GPU clusters; there is no other transport.
+
+``python -m attn_jax.launch`` starts the processes on one host and tells each its place
+through the environment; the program calls ``initialize_from_env()`` first (the
+``attn-stack`` CLI does)::
+
+    python -m attn_jax.launch --num-processes 2 -- attn-stack generate --devices 2
+
+On several hosts, start one process per host (or per GPU) yourself with the same three
+variables, or call ``jax.distributed.initialize()`` directly where the cluster
+environment (SLURM, TPU pods) already tells JAX.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+COORDINATOR = "ATTN_STACK_COORDINATOR"  # host:port of process 0's coordination service
+NUM_PROCESSES = "ATTN_STACK_NUM_PROCESSES"
+PROCESS_ID = "ATTN_STACK_PROCESS_ID"
+
+
+def initialize_from_env(environ: Mapping[str, str] = os.environ) -> bool:
+    """Joins the processes named by the environment (``COORDINATOR``, ``NUM_PROCESSES``,
+    ``PROCESS_ID``, as ``attn_jax.launch`` sets them) with ``jax.distributed.initialize``;
+    returns False, doing nothing, when they are not set. Call it before any other JAX
+    work. ValueError names a malformed variable."""
+    if COORDINATOR not in environ:
+        return False
+    values = {}
+    for name in (NUM_PROCESSES, PROCESS_ID):
+        raw = environ.get(name)
+        if raw is None or not raw.isdigit():
+            raise ValueError(f"{name}={raw!r} must be a non-negative integer (set with {COORDINATOR})")
+        values[name] = int(raw)
+    num_processes, process_id = values[NUM_PROCESSES], values[PROCESS_ID]
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"{PROCESS_ID}={process_id} must be in [0, {NUM_PROCESSES}={num_processes})")
+    import jax
+
+    jax.distributed.initialize(
+        coordinator_address=environ[COORDINATOR], num_processes=num_processes, process_id=process_id
+    )
+    return True
+
+
+def is_main_process() -> bool:
+    """Whether this process prints (process 0, or the only one)."""
+    import jax
+
+    return jax.process_index() == 0

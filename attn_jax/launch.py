@@ -1,0 +1,83 @@
+"""Starts one program as N processes on this host, joined by ``jax.distributed``.
+
+    python -m attn_jax.launch --num-processes 2 -- attn-stack generate --devices 2
+    python -m attn_jax.launch -n 2 --devices-per-process 1 -- python my_serving_loop.py
+
+Each process gets ``ATTN_STACK_COORDINATOR`` / ``_NUM_PROCESSES`` / ``_PROCESS_ID``
+(``attn_jax.distributed.initialize_from_env`` reads them) and its own devices:
+``CUDA_VISIBLE_DEVICES`` set to its slice of the host's GPUs, and on a CPU-only host
+``--devices-per-process`` forced host devices. Process 0's output is shown; the others'
+only when they fail (or with ``--all-output``). The exit code is the first nonzero one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from attn_jax.distributed import COORDINATOR, NUM_PROCESSES, PROCESS_ID
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_env(base: dict[str, str], *, process_id: int, num_processes: int, port: int, devices: int) -> dict:
+    """The environment of process ``process_id``: its rank, the coordinator, its devices."""
+    env = dict(base)
+    env[COORDINATOR] = f"127.0.0.1:{port}"
+    env[NUM_PROCESSES] = str(num_processes)
+    env[PROCESS_ID] = str(process_id)
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(process_id * devices + i) for i in range(devices))
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+    return env
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m attn_jax.launch", description=__doc__.splitlines()[0])
+    parser.add_argument("-n", "--num-processes", type=int, required=True, help="processes to start (>= 1)")
+    parser.add_argument("--devices-per-process", type=int, default=1, help="GPUs (or CPU devices) each (default 1)")
+    parser.add_argument("--all-output", action="store_true", help="show every process's output, not only process 0's")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the program and its arguments")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the program to run after --, e.g. -- attn-stack generate --devices 2")
+    for name in ("num_processes", "devices_per_process"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    port = _free_port()
+    procs = []
+    for rank in range(args.num_processes):
+        env = process_env(
+            dict(os.environ), process_id=rank, num_processes=args.num_processes, port=port,
+            devices=args.devices_per_process,
+        )  # fmt: skip
+        quiet = rank > 0 and not args.all_output
+        procs.append(
+            subprocess.Popen(
+                command,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE if quiet else None,
+                stderr=subprocess.STDOUT if quiet else None,
+            )  # fmt: skip
+        )
+    code = 0
+    for rank, proc in enumerate(procs):
+        out, _ = proc.communicate()
+        if proc.returncode and out:
+            sys.stderr.write(f"--- process {rank} (exit code {proc.returncode}) ---\n{out}")
+        code = code or proc.returncode
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Several processes, one engine: two CPU processes joined by jax.distributed (started by
+``python -m attn_jax.launch``) serve over a 2-way data axis and give one process's tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from attn_jax.distributed import COORDINATOR, NUM_PROCESSES, PROCESS_ID, initialize_from_env
+from attn_jax.launch import process_env
+from tests.multiprocess_case import generate
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_two_processes_serve_like_one():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "attn_jax.launch", "-n", "2", "--", sys.executable, "-m", "tests.multiprocess_worker"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-2000:]
+    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT "))
+    assert result["processes"] == 2 and result["mesh"] == {"data": 2, "model": 1}
+    assert result["tokens"] == generate()
+
+
+def test_process_env_gives_each_process_its_rank_and_devices():
+    env = process_env({"XLA_FLAGS": "--xla_foo --xla_force_host_platform_device_count=8"}, process_id=1,
+                      num_processes=2, port=1234, devices=2)  # fmt: skip
+    assert env[COORDINATOR] == "127.0.0.1:1234" and env[NUM_PROCESSES] == "2" and env[PROCESS_ID] == "1"
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["XLA_FLAGS"] == "--xla_foo --xla_force_host_platform_device_count=2"
+
+
+@pytest.mark.parametrize(
+    ("environ", "match"),
+    [
+        ({COORDINATOR: "h:1", NUM_PROCESSES: "two", PROCESS_ID: "0"}, "ATTN_STACK_NUM_PROCESSES='two' must be"),
+        ({COORDINATOR: "h:1", NUM_PROCESSES: "2"}, "ATTN_STACK_PROCESS_ID=None must be"),
+        ({COORDINATOR: "h:1", NUM_PROCESSES: "2", PROCESS_ID: "2"}, r"ATTN_STACK_PROCESS_ID=2 must be in \[0, "),
+    ],
+)
+def test_bad_environment(environ, match):
+    with pytest.raises(ValueError, match=match):
+        initialize_from_env(environ)
+    assert initialize_from_env({}) is False
+
+
+def test_launch_needs_a_command():
+    proc = subprocess.run([sys.executable, "-m", "attn_jax.launch", "-n", "2"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "give the program to run after --" in proc.stderr
