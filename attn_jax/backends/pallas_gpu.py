@@ -19,6 +19,7 @@ unchanged.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, ClassVar
 
 import jax
@@ -78,6 +79,13 @@ def mgpu_split(
     return dict(mgpu_schedule=mgpu, rest_schedule=None if rest_empty else rest, mgpu_block_sizes=bs)
 
 
+MGPU_PREFILL_ENV = "ATTN_STACK_MGPU_PREFILL"
+"""``1`` turns the Mosaic GPU prefill split on in ``PallasGPUMetadataBuilder`` (read when a
+builder is made); off by default: XLA's command buffers (CUDA graphs) fail on the Mosaic GPU
+custom call inside a larger jitted step (seen in the serving engine's step on the H100,
+2026-11-24; not yet diagnosed). Direct calls that pass ``mgpu_schedule`` are not affected."""
+
+
 class PallasGPUMetadataBuilder(XLAMetadataBuilder):
     """Builds ``PallasGPUAttentionMetadata``: the XLA builder's arrays (virtual batches for
     chunked local attention included) plus block sizes and the schedule.
@@ -87,8 +95,9 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
     the schedule with jnp and uses the "mixed" block sizes. Block sizes depend only on the
     bucket's shapes and the mode, so a bucket compiles at most three times.
 
-    On Hopper GPUs (``config.mgpu_prefill_available``), host metadata of a prefill batch
-    (no decodes) gets the Mosaic GPU split (``mgpu_split``): the kernel then runs the long
+    With ``mgpu_prefill`` (the argument, else ``ATTN_STACK_MGPU_PREFILL=1``; off by default,
+    see ``MGPU_PREFILL_ENV``) on Hopper GPUs (``config.mgpu_prefill_available``), host
+    metadata of a prefill batch (no decodes) gets the Mosaic GPU split (``mgpu_split``): the kernel then runs the long
     requests in ``kernel_mgpu`` when the layer's configuration allows it
     (``kernel_mgpu.unsupported_reason``) and everything in the Triton kernel otherwise.
     Mixed batches stay on the Triton kernel alone: on the H100, DESIGN.md's M1 (4 chunks of
@@ -97,12 +106,15 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
     part of the jit key: a prefill bucket compiles once more.
     """
 
-    def __init__(self, kv_cache_spec, device_kind: str | None = None) -> None:
+    def __init__(self, kv_cache_spec, device_kind: str | None = None, mgpu_prefill: bool | None = None) -> None:
         super().__init__(kv_cache_spec)
         if device_kind is None:
             platform = current_platform()
             device_kind = platform.device_kind if platform.kind == "gpu" else None
         self.device_kind = device_kind
+        if mgpu_prefill is None:  # read once, here at the edge (never under ops/)
+            mgpu_prefill = os.environ.get(MGPU_PREFILL_ENV, "0") == "1"
+        self.mgpu_prefill = mgpu_prefill and mgpu_prefill_available(device_kind)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         return self._build(common_attn_metadata)
@@ -133,7 +145,7 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
             block_q=bs.block_q, xp=xp,
         )  # fmt: skip
         split = {}
-        if concrete and mode == "prefill" and mgpu_prefill_available(self.device_kind):
+        if concrete and mode == "prefill" and self.mgpu_prefill:
             mbs = mgpu_block_sizes(head_size=spec.head_size, device_kind=self.device_kind)
             split = mgpu_split(
                 base.query_start_loc, base.seq_lens, num_tokens=num_tokens, block_q=bs.block_q, mgpu_bs=mbs
@@ -207,6 +219,9 @@ class PallasGPUAttentionBackend(XLAAttentionBackend):
             lines.append(
                 f"prefill batches: the Triton kernel (Mosaic GPU prefill needs Hopper; device {device_kind!r})"
             )
+            return lines
+        if os.environ.get(MGPU_PREFILL_ENV, "0") != "1":
+            lines.append(f"prefill batches: the Triton kernel (Mosaic GPU prefill is opt-in: {MGPU_PREFILL_ENV}=1)")
             return lines
         reason = kernel_mgpu.unsupported_reason(
             head_size=head_size, page_size=block_size, dtype=dtype, cache_dtype=kv_cache_dtype, causal=causal,

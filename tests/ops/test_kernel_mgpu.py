@@ -101,13 +101,25 @@ def test_builder_splits_long_prefills_on_hopper_only():
     prefill = build_common_attn_metadata([200, 130], [200, 130], tables, block_size=16)
     mixed = build_common_attn_metadata([200, 1], [200, 30], tables, block_size=16)
     decode = build_common_attn_metadata([1, 1], [20, 30], tables, block_size=16)
-    hopper = PallasGPUMetadataBuilder(spec, device_kind="NVIDIA H100 80GB HBM3")
+    hopper = PallasGPUMetadataBuilder(spec, device_kind="NVIDIA H100 80GB HBM3", mgpu_prefill=True)
     md = hopper.build(0, prefill)
     assert md.mgpu_schedule is not None and md.mgpu_block_sizes == kernel_mgpu.MgpuBlockSizes()
     assert md.rest_schedule is not None  # 130 tokens from row 200: rows 200..207 and the padding
     assert hopper.build(0, mixed).mgpu_schedule is None, "mixed batches stay on the Triton kernel"
     assert hopper.build(0, decode).mgpu_schedule is None
-    assert PallasGPUMetadataBuilder(spec, device_kind="NVIDIA A100-SXM4-80GB").build(0, prefill).mgpu_schedule is None
+    a100 = PallasGPUMetadataBuilder(spec, device_kind="NVIDIA A100-SXM4-80GB", mgpu_prefill=True)
+    assert a100.build(0, prefill).mgpu_schedule is None
+
+
+def test_mgpu_prefill_is_opt_in(monkeypatch):
+    from attn_jax.backends.base import AttentionSpec
+    from attn_jax.backends.pallas_gpu import MGPU_PREFILL_ENV, PallasGPUMetadataBuilder
+
+    spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=np.dtype(jnp.bfloat16), num_q_heads=4)
+    monkeypatch.delenv(MGPU_PREFILL_ENV, raising=False)
+    assert not PallasGPUMetadataBuilder(spec, device_kind="NVIDIA H100 80GB HBM3").mgpu_prefill
+    monkeypatch.setenv(MGPU_PREFILL_ENV, "1")
+    assert PallasGPUMetadataBuilder(spec, device_kind="NVIDIA H100 80GB HBM3").mgpu_prefill
 
 
 def test_mgpu_block_sizes_come_from_the_tuned_table_and_validate():
@@ -124,9 +136,13 @@ def test_mgpu_block_sizes_come_from_the_tuned_table_and_validate():
         kernel_mgpu.MgpuBlockSizes(block_kv=96)
 
 
-def test_kernel_plan_names_the_kernel_per_batch_kind():
+def test_kernel_plan_names_the_kernel_per_batch_kind(monkeypatch):
+    from attn_jax.backends.pallas_gpu import MGPU_PREFILL_ENV
     from attn_jax.backends.pallas_gpu import PallasGPUAttentionBackend as B
 
+    monkeypatch.delenv(MGPU_PREFILL_ENV, raising=False)
+    assert "opt-in" in B.kernel_plan(128, jnp.bfloat16, jnp.bfloat16, 16, "NVIDIA H100 80GB HBM3")[-1]
+    monkeypatch.setenv(MGPU_PREFILL_ENV, "1")
     h100 = "NVIDIA H100 80GB HBM3"
     plan = B.kernel_plan(128, jnp.bfloat16, jnp.bfloat16, 16, h100)
     assert "decode and mixed batches: one Triton" in plan[0] and "Mosaic GPU kernel" in plan[-1]
