@@ -1,7 +1,7 @@
 """The Pallas GPU backend: ragged paged attention as Pallas kernels (kernel_gpu.py, kernel_mgpu.py).
 
-One Triton-lowered kernel serves every batch; on Hopper GPUs the long prefill requests of a
-batch run in a Mosaic GPU kernel instead (TMA, warpgroup MMA; ``kernel_mgpu``) when the
+One Triton-lowered kernel serves every batch; on Hopper GPUs, opt-in (``MGPU_PREFILL_ENV``),
+the long prefill requests of a batch run in a Mosaic GPU kernel instead (TMA, warpgroup MMA; ``kernel_mgpu``) when the
 layer's configuration allows it (causal, no window / soft cap / ALiBi / sinks, 16-bit
 activations and cache, head size 64 or 128), and new keys and values are written by a
 Pallas kernel (``kv_write``).

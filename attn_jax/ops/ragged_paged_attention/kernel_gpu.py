@@ -255,13 +255,13 @@ def ragged_paged_attention(
     the same ``block_q``.
 
     With ``mgpu_schedule`` (``split_schedules``; the metadata builder makes it for
-    prefill batches on Hopper GPUs) and a configuration ``kernel_mgpu.unsupported_reason``
-    accepts, the long prefill requests run in the Mosaic GPU kernel and the rest of the
-    rows (short requests, the unaligned ends, padding: ``rest_schedule``, None when there
-    are none) in this kernel, writing into the same output; otherwise everything runs
-    here on ``schedule``. Compiled, new keys and values are
-    written by ``kv_write.write_kv`` (a Pallas kernel, in place under donation); in the
-    interpreter by ``write_to_kv_cache``.
+    prefill batches on Hopper GPUs when ``ATTN_STACK_MGPU_PREFILL=1``) and a
+    configuration ``kernel_mgpu.unsupported_reason`` accepts, the long prefill requests
+    run in the Mosaic GPU kernel and the rest of the rows (short requests, the unaligned
+    ends, padding: ``rest_schedule``, None when there are none) in this kernel, writing
+    into the same output; otherwise everything runs here on ``schedule``. Compiled, new
+    keys and values are written by ``kv_write.write_kv`` (a Pallas kernel, in place under
+    donation); in the interpreter by ``write_to_kv_cache``.
 
     Example::
 
