@@ -11,9 +11,9 @@ bucket up, then traces ``--steps`` decode steps and reads the trace back with
 - host: ``StepStats`` (scheduling + metadata before the device call, and the whole step).
 
     python benchmarks/engine_step_profile.py --batch 1 64 --dtype bfloat16
-    python benchmarks/engine_step_profile.py --model llama3-8b-8l --batch 1 --out results/x.json
+    python benchmarks/engine_step_profile.py --model llama3-8b-8l --batch 1 --out /tmp/x.json
 
-Writes JSON only with ``--out``; prints a table.
+Writes JSON only with ``--write`` (the committed file) or ``--out PATH``; prints a table.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import argparse
 import collections
 import glob
 import json
-import pathlib
 import re
 import tempfile
 import time
@@ -30,14 +29,17 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
 from attn_jax.models.llama import LlamaModel
 from attn_jax.registry import AttentionBackendEnum
 from attn_jax.serving import Engine, SamplingParams
+from attn_jax.sharding import local_model_kwargs
 from attn_jax.testing.models import MODEL_SHAPES, random_params, weight_bytes
 
 # Kernel name -> category, first match wins (XLA fusion names, cuBLAS/cuDNN, Triton).
 CATEGORIES = (
+    ("collective", re.compile(r"nccl|all.?reduce|all.?gather|reduce.?scatter|collective", re.I)),
     ("attention", re.compile(r"ragged|paged|attention|mosaic", re.I)),
     ("kv write", re.compile(r"scatter|dynamic.update|kv_write", re.I)),
     ("sampling", re.compile(r"sort|argmax|top_?k|categorical|cub::|radix|threefry|random|gumbel", re.I)),
@@ -55,7 +57,7 @@ def category(name: str) -> str:
 
 
 def summarise_trace(log_dir: str, num_steps: int) -> dict:
-    """Device-side totals of a jax.profiler trace, per step."""
+    """Device-side totals of a jax.profiler trace, per step and GPU (the span: per step)."""
     from jax.profiler import ProfileData
 
     files = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
@@ -66,9 +68,9 @@ def summarise_trace(log_dir: str, num_steps: int) -> dict:
     per_kernel = collections.Counter()
     count_cat = collections.Counter()
     starts, ends, memcpy = [], [], collections.Counter()
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
+    planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
+    num_steps *= max(len(planes), 1)  # per step and device
+    for plane in planes:
         for line in plane.lines:
             if not line.name.startswith("Stream"):
                 continue
@@ -90,8 +92,8 @@ def summarise_trace(log_dir: str, num_steps: int) -> dict:
         "per_step_us": {c: per_cat[c] / 1e3 / num_steps for c in sorted(per_cat)},
         "kernels_per_step": {c: count_cat[c] / num_steps for c in sorted(count_cat)},
         "busy_us_per_step": busy / 1e3 / num_steps,
-        "span_us_per_step": span / 1e3 / num_steps,
-        "gap_us_per_step": (span - busy) / 1e3 / num_steps,
+        "span_us_per_step": span / 1e3 / num_steps * max(len(planes), 1),
+        "gap_us_per_step": span / 1e3 / num_steps * max(len(planes), 1) - busy / 1e3 / num_steps,
         "memcpy_events_per_step": {k: v / num_steps for k, v in memcpy.items()},
         "top_kernels_us_per_step": {k: v / 1e3 / num_steps for k, v in per_kernel.most_common(25)},
     }
@@ -130,10 +132,11 @@ def device_only_step_ms(engine, steps: int) -> float:
     return 1e3 * elapsed / steps
 
 
-def profile_batch(config, params, batch: int, args, backend) -> dict:
-    model = LlamaModel(config, block_size=args.block_size, attn_backend=backend, dtype=args.dtype)
+def profile_batch(config, params, batch: int, args, backend, mesh=None) -> dict:
+    local = {} if mesh is None else local_model_kwargs(config, mesh)
+    model = LlamaModel(config, block_size=args.block_size, attn_backend=backend, dtype=args.dtype, **local)
     engine = Engine(
-        model, params, max_num_seqs=batch, max_num_batched_tokens=max(args.prompt_len * batch, 16),
+        model, params, mesh=mesh, max_num_seqs=batch, max_num_batched_tokens=max(args.prompt_len * batch, 16),
         max_model_len=args.prompt_len + args.warmup_steps + 2 * args.steps + 8, kv_cache_bytes=args.kv_cache_gib << 30,
     )  # fmt: skip
     rng = np.random.default_rng(batch)
@@ -153,6 +156,7 @@ def profile_batch(config, params, batch: int, args, backend) -> dict:
             wall = time.perf_counter() - t
         device = summarise_trace(log_dir, args.steps)
     # Untraced timing of the same number of steps (the profiler adds its own overhead).
+    first = len(engine.stats)
     t = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
@@ -185,7 +189,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--backend", default=None, help="force a backend (XLA, PALLAS_GPU); default: selected")
     parser.add_argument("--kv-cache-gib", type=int, default=4)
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="write the JSON here")
+    add_output_args(parser, "engine_step_profile_{model}.json")
     args = parser.parse_args()
     args.dtype = jnp.dtype(args.dtype)
     config = MODEL_SHAPES[args.model]()
@@ -214,10 +218,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "runs": runs,
     }
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}")
+    write_json(output_path(args), result)
 
 
 if __name__ == "__main__":

@@ -9,28 +9,28 @@ With ``--peers`` (and torch + transformers importable) the same run also times
 transformers' ``generate`` on the same architecture, shapes and dtype: eager, and with
 its static cache and ``torch.compile`` (the same-run peer).
 
-    python benchmarks/generate_gpu.py --dtype bfloat16 --peers --out benchmarks/results/generate_gpu.json
+    python benchmarks/generate_gpu.py --dtype bfloat16 --peers --write
     python benchmarks/generate_gpu.py --model llama3-8b-8l --batch 1 16
 
-Writes JSON only with ``--out``.
+Writes JSON only with ``--write`` (the committed file) or ``--out PATH``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import pathlib
 import platform
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
 from attn_jax.models.llama import LlamaModel
 from attn_jax.registry import AttentionBackendEnum
 from attn_jax.serving import Engine, SamplingParams
+from attn_jax.sharding import local_model_kwargs
 from attn_jax.testing.models import MODEL_SHAPES, random_params, weight_bytes
 
 
@@ -52,10 +52,12 @@ def prompts_for(config, batch: int, prompt_len: int) -> list[list[int]]:
     return [rng.integers(3, config.vocab_size, prompt_len).tolist() for _ in range(batch)]
 
 
-def run_engine(config, params, batch: int, args, backend) -> dict:
-    model = LlamaModel(config, block_size=args.block_size, attn_backend=backend, dtype=args.dtype)
+def run_engine(config, params, batch: int, args, backend, mesh=None) -> dict:
+    """The engine's tokens/s on ``prompts_for(config, batch)`` (``mesh``: sharded)."""
+    local = {} if mesh is None else local_model_kwargs(config, mesh)
+    model = LlamaModel(config, block_size=args.block_size, attn_backend=backend, dtype=args.dtype, **local)
     engine = Engine(
-        model, params, max_num_seqs=batch, max_num_batched_tokens=args.max_num_batched_tokens,
+        model, params, mesh=mesh, max_num_seqs=batch, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.prompt_len + args.new_tokens, kv_cache_bytes=args.kv_cache_gib << 30,
     )  # fmt: skip
     prompts = prompts_for(config, batch, args.prompt_len)
@@ -146,7 +148,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-gib", type=int, default=4)
     parser.add_argument("--peers", action="store_true", help="also time transformers (needs torch + transformers)")
     parser.add_argument("--peer-batch", type=int, nargs="+", default=None, help="batches for peers (default: --batch)")
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="write the JSON here")
+    add_output_args(parser, "generate_gpu.json")
     args = parser.parse_args()
     args.dtype = jnp.dtype(args.dtype)
 
@@ -202,10 +204,7 @@ def main() -> None:
         },
         "models": models,
     }
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    write_json(output_path(args), result)
 
 
 if __name__ == "__main__":
