@@ -289,7 +289,11 @@ def prefill_attention(
     """f[T, Hq, D]: causal attention for the rows of the schedule's tiles; other rows are undefined.
 
     The caller fills the rest (``kernel_gpu.ragged_paged_attention`` passes this output to
-    the Triton kernel, which writes the other rows in place).
+    the Triton kernel, which writes the other rows in place). Compiled on Hopper only (no
+    interpreter runs it in jax 0.11.2). ``zero_tail=False`` skips zeroing the V rows past
+    a request's ``seq_len`` in its last K/V block: a diagnosis knob
+    (``benchmarks/prefill_mgpu_check.py --only diag``), right only when those cache slots
+    hold finite values.
     """
     return _prefill(
         q, kv_cache, schedule, block_tables, sm_scale=float(sm_scale), bs=block_sizes or MgpuBlockSizes(),
