@@ -1,8 +1,11 @@
 """Causal prefill over the paged cache as a Mosaic GPU kernel (``plgpu.kernel``, Hopper).
 
-The prefill half of a batch (every request with at least ``2 * block_q`` new tokens)
-runs here; decodes, short chunks and padding rows stay with the Triton kernel
-(``kernel_gpu.py``), which writes its rows into the same output buffer afterwards.
+The long requests of a prefill batch (each request's 8-aligned span of new tokens, when
+it holds at least ``2 * block_q`` of them) run here; short requests, the unaligned rows
+at a span's ends and padding rows stay with the Triton kernel (``kernel_gpu.py``), which
+writes its rows into the same output buffer afterwards. The metadata builder schedules it
+on Hopper when ``ATTN_STACK_MGPU_PREFILL=1`` (``backends/pallas_gpu.py`` says why it is
+opt-in).
 
 Structure (JAX's ``attention_mgpu.py``, FlashAttention-3 style, adapted to pages):
 
@@ -36,10 +39,17 @@ What it lacks, each named by ``unsupported_reason`` so the caller keeps those ba
 the Triton kernel: non-causal attention, sliding window, soft cap, ALiBi, sinks, fp8
 caches, float32 activations, head sizes other than 64 and 128, pages that do not tile a
 KV block (``block_kv % page_size`` or ``page_size % 8``). ``common.py``'s per-tile
-functions are not used here: the softmax is written against ``plgpu.Layout.WGMMA``
-register layouts (row statistics in ``WGMMA.reduce(1)``, base-2 exponentials with the
-scale folded into one multiply), which ``common.online_softmax_update``'s ``jnp`` form
-(natural exp, ``dot`` for PV) does not lower to under Mosaic GPU.
+functions are not used here: the kernel keeps ``attention_mgpu``'s softmax, written
+against ``plgpu.Layout.WGMMA`` register layouts (row statistics in ``WGMMA.reduce(1)``,
+base-2 exponentials with the scale folded into one multiply, the PV ``wgmma`` fed from
+registers between schedule barriers), an ordering that ``common.online_softmax_update``
+(one function from scores to the new state, with ``jnp.dot`` for PV) cannot express;
+whether common's masks and transforms would lower here was not tried.
+
+Lowering semantics: ``Lane`` (the ``attention_mgpu`` style). Under the default
+``Warpgroup`` semantics, Mosaic GPU's layout inference rejects a TMA copy whose GMEM
+row index it cannot prove a multiple of the shared-memory tile (8 rows), and the row of
+a page or of a ragged request start is a run-time value.
 """
 
 from __future__ import annotations
