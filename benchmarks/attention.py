@@ -6,8 +6,13 @@ query head, over the measured bf16 matmul rate); then, for each implementation, 
 median time, achieved GB/s and TFLOP/s, the percentage of the binding floor and the
 relative L2 error against a float32 reference on the same inputs.
 
-Implementations: PALLAS_GPU (this project's kernel, default or tuned block sizes), XLA
-(the jnp reference), and peers: jax's Pallas ``paged_attention`` (decode), cuDNN through
+Implementations: PALLAS_GPU (this project's kernels, default or tuned block sizes; on
+Hopper, prefill batches with the Mosaic GPU split as the opt-in builder makes it, beside
+``pallas_gpu_triton_only``, or mixed batches forced through the split as
+``pallas_gpu_mgpu_split``, and each launch of a split alone as ``part_*`` rows;
+``pallas_gpu_with_write``: write + attend in one donated jit, with the device time of each
+kernel class from a CUPTI trace and the write alone by the Pallas kernel and by XLA's
+scatter), XLA (the jnp reference), and peers: jax's Pallas ``paged_attention`` (decode), cuDNN through
 ``jax.nn.dot_product_attention`` on the dense equivalent, torch SDPA on the dense
 equivalent (when torch with CUDA is there).
 
@@ -235,11 +240,64 @@ def with_write_ms(b: DeviceBatch, reps: int = 30, inner: int = 5) -> dict[str, f
         jax.block_until_ready((out, cache))
         times.append((time.perf_counter() - t0) / inner)
     out_ms["write_and_attend_ms"] = statistics.median(times) * 1e3
-    del cache, out
+    state = {"cache": cache}
+    del cache
+
+    def one_step():
+        out, new_cache = full(b.q, k, k, state["cache"], *rest)
+        state["cache"] = new_cache
+        return out, new_cache
+
+    try:  # per-kernel device times of the same step (CUPTI through jax.profiler)
+        out_ms["device_us_per_step"] = device_kernel_us(one_step)
+    except Exception as e:  # noqa: BLE001 - a profiler that cannot run here must not lose the timings
+        out_ms["device_us_per_step"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    state.clear()
+    del out
     for name, f in (("pallas_write_ms", kv_write.write_kv), ("xla_scatter_write_ms", write_to_kv_cache)):
         fn = jax.jit(lambda c, f=f: f(c, k, k, b.slot_mapping), donate_argnums=0)
         out_ms[name] = chain(fn, lambda c: (c,))
     return out_ms
+
+
+KERNEL_CLASSES = (
+    ("attention_mosaic_gpu", "ragged_paged_prefill_mgpu"),
+    ("attention_triton", "ragged_paged_attention_gpu"),
+    ("kv_write_pallas", "kv_write_gpu"),
+    ("kv_write_xla_scatter", "scatter"),
+)
+"""(class, substring of the kernel name) for ``device_kernel_us``; first match wins, the rest is "other"."""
+
+
+def device_kernel_us(call, steps: int = 20) -> dict[str, float]:
+    """Device microseconds per step of each kernel class in ``KERNEL_CLASSES``, from a
+    jax.profiler (CUPTI) trace of ``steps`` calls of ``call()`` (which returns what to wait on).
+    Empty on a platform whose trace has no GPU stream events."""
+    import collections
+    import glob
+    import tempfile
+
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(call())
+    totals = collections.Counter()
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            for _ in range(steps):
+                out = call()
+            jax.block_until_ready(out)
+        files = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
+        data = ProfileData.from_file(files[0])
+        for plane in data.planes:
+            if not plane.name.startswith("/device:GPU"):
+                continue
+            for line in plane.lines:
+                if not line.name.startswith("Stream"):
+                    continue
+                for ev in line.events:
+                    cls = next((c for c, sub in KERNEL_CLASSES if sub in ev.name.lower()), "other")
+                    totals[cls] += ev.duration_ns
+    return {c: totals[c] / 1e3 / steps for c in sorted(totals)}
 
 
 def default_block_sizes(b: DeviceBatch) -> GpuBlockSizes:
@@ -509,6 +567,10 @@ def main(argv=None) -> int:
                 row = with_write_ms(b)
                 record("pallas_gpu_with_write", row["write_and_attend_ms"] / 1e3, float("nan"), {**row, "note":
                        "write + attend in one donated jit, timed in a chain of steps (host clock)"})  # fmt: skip
+                log(
+                    f"    device us per step (CUPTI): {row['device_us_per_step']}; write alone: Pallas "
+                    f"{row['pallas_write_ms'] * 1e3:.0f} us, XLA scatter {row['xla_scatter_write_ms'] * 1e3:.0f} us"
+                )
 
             attempt("pallas_gpu_with_write", write)
         if "xla" in impls:
