@@ -165,7 +165,7 @@ def _check_sampling_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _warm_up(engine, prompts: list[str], args: argparse.Namespace) -> None:
+def _warm_up(engine, prompt_ids: list[list[int]], args: argparse.Namespace) -> None:
     """Compiles the step for this run's shapes with a throwaway generation of at most
     ``WARMUP_TOKENS`` tokens per prompt (each prompt cut to one step's token budget), so the
     user's generation runs once, warm. Steps of it that still compile (a longer context's
@@ -176,8 +176,8 @@ def _warm_up(engine, prompts: list[str], args: argparse.Namespace) -> None:
         max_new_tokens=min(WARMUP_TOKENS, args.max_new_tokens), temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=0, ignore_eos=True,
     )  # fmt: skip
-    for prompt in prompts:
-        engine.add_request(engine.encode(prompt, chat=args.chat)[: args.max_num_batched_tokens], warm)
+    for ids in prompt_ids:
+        engine.add_request(ids[: args.max_num_batched_tokens], warm)
     for _ in engine.stream():
         pass
 
@@ -296,10 +296,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 report = explain_attn_backend_selection(
                     engine.model.config.head_dim, engine.model.dtype, block_size=engine.block_size
                 )
+                prompt_ids = [engine.encode(p, chat=args.chat) for p in prompts]
+                for i, p_ids in enumerate(prompt_ids):  # before compiling anything
+                    if len(p_ids) + args.max_new_tokens > MAX_MODEL_LEN:
+                        raise ValueError(
+                            f"--prompt number {i + 1} has {len(p_ids)} tokens: with --max-new-tokens "
+                            f"{args.max_new_tokens} that exceeds max_model_len={MAX_MODEL_LEN}"
+                        )
                 progress.add_task(f"compiling the step (a {WARMUP_TOKENS}-token warm-up generation)", total=None)
-                _warm_up(engine, prompts, args)
+                _warm_up(engine, prompt_ids, args)
             compilations, warm_steps = engine.num_compilations, len(engine.stats)
-            ids = [engine.add_request(p, sp, chat=args.chat) for p, sp in zip(prompts, params, strict=True)]
+            ids = [engine.add_request(p_ids, sp) for p_ids, sp in zip(prompt_ids, params, strict=True)]
             start = time.perf_counter()
             if stream:
                 _run_streaming(engine, ids, prompts, args)

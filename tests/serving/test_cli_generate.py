@@ -31,7 +31,7 @@ def test_generate_json_matches_transformers(capsys, hf_smollm2, monkeypatch):
     prompt = "The capital of France is"
     assert main([*ARGS, "--json"]) == 0
     assert [n for _, n in added] == [2, 6]  # warm-up, then the user's request once
-    assert added[1][0] == prompt
+    assert added[0][0] == added[1][0] == [504, 3575, 282, 4649, 314]  # "The capital of France is"
     out = json.loads(capsys.readouterr().out)
     (result,) = out["results"]
     assert result["token_ids"] == hf_greedy(*hf_smollm2, prompt, 6)
@@ -119,3 +119,13 @@ def test_text_is_streamed_on_a_terminal(monkeypatch):
     assert "generating: 3/3 tokens" in out  # the live region (cleared at the end)
     assert "[1] The capital of France is Paris" in out
     assert "--- 'The capital of France is' (5 prompt tokens, 3 new, length)" in out
+
+
+def test_too_long_prompt_is_refused_before_compiling(capsys, monkeypatch):
+    import attn_jax.cli
+
+    monkeypatch.setattr(attn_jax.cli, "_warm_up", lambda *a: pytest.fail("compiled before checking the prompt"))
+    argv = ["generate", "--prompt", "Hi", "--prompt", "word " * 1500, "--max-new-tokens", "1000"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: --prompt number 2 has 1501 tokens: with --max-new-tokens 1000 that exceeds max_model_len=2048" in err
