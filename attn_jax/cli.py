@@ -192,17 +192,22 @@ def _run_streaming(engine, ids: list[str], prompts: list[str], args: argparse.Na
     shown = {i: ("" if args.chat else p) for i, p in zip(ids, prompts, strict=True)}
     done = dict.fromkeys(ids, 0)
     start = time.perf_counter()
+    console = Console()
 
     def render():
         lines = []
         for n, i in enumerate(ids):
+            label = f"[{n + 1}] "
             last = shown[i].rstrip("\n").rsplit("\n", 1)[-1]
-            lines.append(Text.assemble((f"[{n + 1}] ", "bold"), last, no_wrap=True, overflow="ellipsis"))
+            room = max(console.width - len(label) - 1, 8)
+            if len(last) > room:  # the newest text, not the line's start
+                last = "…" + last[-(room - 1) :]
+            lines.append(Text.assemble((label, "bold"), last, no_wrap=True, overflow="crop"))
         total = len(ids) * args.max_new_tokens
         status = f"generating: {sum(done.values())}/{total} tokens, {time.perf_counter() - start:.1f} s"
         return Group(*lines, Text(status, style="dim"))
 
-    with Live(get_renderable=render, console=Console(), refresh_per_second=10, transient=True):
+    with Live(get_renderable=render, console=console, refresh_per_second=10, transient=True):
         for event in engine.stream():
             shown[event.request_id] += event.text
             done[event.request_id] = args.max_new_tokens if event.finished else done[event.request_id] + 1
