@@ -105,9 +105,13 @@ def _sync(engine) -> None:
         engine.synchronize()
 
 
-def device_only_step_ms(engine, steps: int) -> float:
-    """The device's time per step with no host work between steps: the engine's last
-    jitted call repeated ``steps`` times back to back (the caches fed back as donated)."""
+def device_only_step_ms(engine, steps: int) -> dict[str, float]:
+    """The time per step with no scheduling between steps: the engine's last jitted call
+    repeated ``steps`` times back to back (the caches fed back as donated), as is
+    ("same_inputs"), then adding one by one what the engine does between steps: the
+    last step's tokens as the next input ("chained_tokens"), an asynchronous copy of
+    them to the host ("copy_to_host_async"), and reading the previous step's tokens
+    ("read_previous")."""
     calls = []
     jit_step = engine._jit_step
 
@@ -119,17 +123,26 @@ def device_only_step_ms(engine, steps: int) -> float:
     engine.step()
     _sync(engine)
     engine._jit_step = jit_step
-    params, caches, last_tokens, *rest = calls[-1]
+    params, _, last_tokens, *rest = calls[-1]
     caches = engine.kv_caches
-    tokens, caches = jit_step(params, caches, last_tokens, *rest)
-    jax.block_until_ready(tokens)
-    t = time.perf_counter()
-    for _ in range(steps):
+    out = {}
+    for variant in ("same_inputs", "chained_tokens", "copy_to_host_async", "read_previous"):
         tokens, caches = jit_step(params, caches, last_tokens, *rest)
-    jax.block_until_ready(tokens)
-    elapsed = time.perf_counter() - t
+        jax.block_until_ready(tokens)
+        t = time.perf_counter()
+        previous = tokens
+        for _ in range(steps):
+            feed = last_tokens if variant == "same_inputs" else tokens
+            tokens, caches = jit_step(params, caches, feed, *rest)
+            if variant in ("copy_to_host_async", "read_previous"):
+                tokens.copy_to_host_async()
+            if variant == "read_previous":
+                np.asarray(previous)
+            previous = tokens
+        jax.block_until_ready(tokens)
+        out[variant] = 1e3 * (time.perf_counter() - t) / steps
     engine.kv_caches = caches
-    return 1e3 * elapsed / steps
+    return out
 
 
 def profile_batch(config, params, batch: int, args, backend, mesh=None) -> dict:
@@ -203,7 +216,7 @@ def main() -> None:
         print(
             f"batch {batch} [{r['backend']}]: step {r['step_ms']:.3f} ms ({r['tokens_per_s']:.0f} tok/s), "
             f"host {r['host_ms_median']:.3f} ms, dispatch {r['dispatch_ms_median']:.3f} ms, "
-            f"device-only step {r['device_only_step_ms']:.3f} ms, device busy {d.get('busy_us_per_step', 0):.0f} us, "
+            f"back-to-back steps {r['device_only_step_ms']} ms, device busy {d.get('busy_us_per_step', 0):.0f} us, "
             f"span {d.get('span_us_per_step', 0):.0f} us, gaps {d.get('gap_us_per_step', 0):.0f} us",
             flush=True,
         )

@@ -120,6 +120,17 @@ def _powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
     return (*out, limit)
 
 
+def _scatter_rows(out: np.ndarray, offsets: np.ndarray, rows: Sequence[Sequence[int]]) -> None:
+    """Writes each list ``rows[i]`` into the flat view of ``out`` from ``offsets[i]`` on,
+    with one NumPy call for all of them."""
+    lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+    total = int(lengths.sum())
+    if total:
+        flat = np.fromiter(itertools.chain.from_iterable(rows), np.int32, total)
+        within = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        out.reshape(-1)[np.repeat(offsets, lengths) + within] = flat
+
+
 def _token_ids(prompt) -> list[int]:
     """A prompt given as token ids: integers only (no bools, floats, strings or bytes)."""
     if isinstance(prompt, (bytes, bytearray)):
@@ -417,8 +428,9 @@ class Engine:
     @staticmethod
     def _request_row(request: Request, num_new: int, rows_of_pending: dict[int, int]) -> tuple:
         """One request's part of the step: (known input token ids, the row of its pending
-        token in the previous step's output or -1, sampling values). Raises for a request
-        whose values do not fit the step's arrays (a seed outside [0, 2**32), say)."""
+        token in the previous step's output or -1, (temperature, top_p, top_k, seed,
+        tokens generated)). Raises for a request whose values do not fit the step's arrays
+        (a seed outside [0, 2**32), say)."""
         known = request.known_ids(request.num_computed, request.num_computed + num_new)
         src = -1
         if len(known) < num_new:  # the last token is the previous step's, still on the device
@@ -426,47 +438,50 @@ class Engine:
                 raise RuntimeError("its last token is pending but in no dispatched step")
             src = rows_of_pending[id(request)]
         p = request.params
-        sampling = (
-            np.float32(p.temperature), np.float32(p.top_p), np.int32(p.top_k), np.uint32(request.seed),
-            np.int32(request.num_generated),
-        )  # fmt: skip
-        return known, src, sampling
+        for name, value, limit in (("seed", request.seed, 2**32), ("top_k", p.top_k, 2**31)):
+            if not 0 <= value < limit:
+                raise OverflowError(f"{name}={value} does not fit the step's arrays: it must be in [0, {limit})")
+        return known, src, (p.temperature, p.top_p, p.top_k, request.seed, request.num_generated)
 
     def _host_inputs(self, batch: ScheduledBatch, rows: dict[int, tuple], buckets, step_query_lens) -> dict:
         """One shard's batch as a tree of NumPy arrays, padded to ``buckets`` (tokens,
-        requests, pages per request); ``rows`` holds each request's ``_request_row``."""
+        requests, pages per request); ``rows`` holds each request's ``_request_row``.
+        Built column by column (one NumPy call per array, not per request)."""
         token_bucket, req_bucket, page_bucket = buckets
-        reqs, num_new = batch.requests, batch.num_new
+        reqs = batch.requests
         n = len(reqs)
-        query_lens = np.asarray(num_new, np.int32)
+        known, src, values = zip(*(rows[id(r)] for r in reqs), strict=True) if n else ((), (), ())
+        query_lens = np.asarray(batch.num_new, np.int32)
         starts = np.fromiter((r.num_computed for r in reqs), np.int32, n)
+        ends = np.cumsum(query_lens, dtype=np.int32)
+        num_tokens = int(ends[-1]) if n else 0
+
         block_table = np.zeros((n, page_bucket), np.int32)
+        _scatter_rows(block_table, np.arange(n) * page_bucket, [r.blocks for r in reqs])
         token_ids = np.zeros(token_bucket, np.int32)
+        _scatter_rows(token_ids, ends - query_lens, known)
         token_src = np.full(token_bucket, -1, np.int32)
-        sampling = np.zeros((5, req_bucket), np.int32)  # temperature, top_p, top_k, seed, counter (by bits)
-        sampling[1] = np.float32(1.0).view(np.int32)
-        offset = 0
-        for i, (r, q) in enumerate(zip(reqs, num_new, strict=True)):
-            known, src, values = rows[id(r)]
-            block_table[i, : len(r.blocks)] = r.blocks
-            token_ids[offset : offset + len(known)] = known
-            token_src[offset + q - 1] = src
-            sampling[:, i] = [v.view(np.int32) for v in values]
-            offset += q
+        src = np.asarray(src, np.int32)
+        token_src[ends[src >= 0] - 1] = src[src >= 0]
+        positions = np.zeros(token_bucket, np.int32)
+        positions[:num_tokens] = np.arange(num_tokens, dtype=np.int32) - np.repeat(
+            ends - query_lens - starts, query_lens
+        )
+        logits_rows = np.zeros(req_bucket, np.int32)
+        logits_rows[:n] = ends - 1
+        columns = np.zeros((5, req_bucket), np.float64)  # exact for every value in range
+        columns[1] = 1.0
+        columns[:, :n] = np.asarray(values, np.float64).reshape(n, 5).T
         md = build_common_attn_metadata(
             query_lens, starts + query_lens, block_table, self.block_size, MetadataBuckets(*((b,) for b in buckets))
         )  # fmt: skip
         md = self.model.attn.metadata_builder.build_for_jit(md, step_query_lens=step_query_lens)
-        positions = np.zeros(token_bucket, np.int32)
-        ends = np.cumsum(query_lens)
-        positions[:offset] = np.arange(offset, dtype=np.int32) - np.repeat(ends - query_lens - starts, query_lens)
-        logits_rows = np.zeros(req_bucket, np.int32)
-        logits_rows[:n] = ends - 1
         return dict(
             token_ids=token_ids, token_src=token_src, positions=positions, md=md, logits_rows=logits_rows,
             sampling=dict(
-                temperature=sampling[0].view(np.float32), top_p=sampling[1].view(np.float32), top_k=sampling[2],
-                seeds=sampling[3].view(np.uint32), counters=sampling[4],
+                temperature=columns[0].astype(np.float32), top_p=columns[1].astype(np.float32),
+                top_k=columns[2].astype(np.int32), seeds=columns[3].astype(np.uint32),
+                counters=columns[4].astype(np.int32),
             ),
         )  # fmt: skip
 
