@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from attn_jax import Attention, build_common_attn_metadata
+from attn_jax.backends import xla
 from attn_jax.ops.ragged_paged_attention import dense, reference
 from attn_jax.testing.workloads import make_ragged_batch
 from tests.ops.ragged_checks import (
@@ -98,11 +99,16 @@ def test_schedule_buckets_and_errors():
         dense.ragged_paged_attention(*batch.op_args, **kwargs, prefill_reqs=np.array([1], np.int32))
 
 
-def test_xla_build_for_jit_takes_the_dense_path_with_the_same_result():
+def test_xla_build_for_jit_takes_the_dense_path_with_the_same_result(monkeypatch):
     layer = Attention(num_heads=8, head_size=16, scale=0.25, num_kv_heads=2, block_size=4)
     md = build_common_attn_metadata([1, 5, 0], [11, 5, 0], [[3, 7, 9], [4, 1, 0], [0, 0, 0]], block_size=4)
-    fast = layer.metadata_builder.build_for_jit(md)
+    small = layer.metadata_builder.build_for_jit(md)  # a small group: the whole bucket, one shape per bucket
+    assert small.q_block == md.num_tokens and small.prefill_reqs.tolist() == [1] + [md.num_reqs] * (md.num_reqs - 1)
+    monkeypatch.setattr(xla, "FIXED_PREFILL_SCORES", 0)
+    fast = layer.metadata_builder.build_for_jit(md)  # powers of two >= the prefill count and longest prefill
     assert fast.q_block == 8 and fast.prefill_reqs.tolist() == [1]
+    step_wide = layer.metadata_builder.build_for_jit(md, step_query_lens=np.array([1, 5, 3, 9, 2]))
+    assert step_wide.q_block == 16 and step_wide.prefill_reqs.tolist() == [1] + [md.num_reqs] * 3
     assert layer.metadata_builder.build(0, md).q_block is None  # build keeps the reference path
     rng = np.random.default_rng(0)
     q = rng.standard_normal((md.num_tokens, 8 * 16), dtype=np.float32)
