@@ -66,7 +66,7 @@ class Attention(nn.Module):
     ``attention_chunk_size``. ``prefix`` names the layer for ``bind_kv_cache`` and
     per-layer metadata; an empty prefix gets a unique generated name. The eager (DLPack)
     path needs a backend with the NHD cache layout ``[2, P, S, Hkv, D]`` (XLA, PALLAS_GPU);
-    others (PALLAS_TPU) raise NotImplementedError there and run through ``bridge.xla``.
+    others (PALLAS_TPU) raise NotImplementedError there and run through ``attn_torch.torchax``.
     """
 
     def __init__(
@@ -206,7 +206,7 @@ class Attention(nn.Module):
         v = None if value is None else self._heads("value", value, self.num_kv_heads)
         if query.device.type in _DIRECT_CALL_DEVICES and not torch.compiler.is_compiling():
             out = self.attend(q, k, v)  # eager: the op's implementation minus the dispatcher (vLLM's direct call)
-        else:  # one opaque node under torch.compile; torchax (bridge.xla) and meta tensors dispatch the op too
+        else:  # one opaque node under torch.compile; torchax (attn_torch.torchax) and meta tensors dispatch the op too
             out = torch.ops.attn_stack.unified_attention(q, k, v, self.layer_name)
         if output_shape is None:
             output_shape = (num_tokens, self.num_heads * self.head_size)
@@ -239,7 +239,7 @@ class Attention(nn.Module):
             raise NotImplementedError(
                 f"attn_torch writes new k/v with torch into the NHD layout {NHD_LAYOUT}, but backend "
                 f"{self.attn_backend.get_name()} keeps its cache as {self.kv_cache_shape(1)} (for 1 block); run a "
-                "PyTorch model on that backend through bridge.xla (torchax) instead"
+                "PyTorch model on that backend through attn_torch.torchax instead"
             )
         self._check_inputs(query, key, value, kv_cache)
         jax_cache = self._jax_cache(kv_cache)

@@ -151,9 +151,10 @@ class Engine:
     Args:
       model: the model (its attention layer fixes backend, block size and cache dtype).
       params: the model's weights (NumPy or jax arrays).
-      tokenizer: a tokenizer for text prompts and streamed text (optional when prompts
-        are token ids): ``tokenizer(text)["input_ids"]``, ``decode(ids,
-        skip_special_tokens=True)``, ``apply_chat_template`` and ``eos_token_id``.
+      tokenizer: for text prompts and streamed text (optional when prompts are token
+        ids): ``load_tokenizer``'s ``GGUFTokenizer`` or a transformers tokenizer, anything
+        with ``tokenizer(text)["input_ids"]``, ``decode(ids, skip_special_tokens=True)``,
+        ``apply_chat_template`` and ``eos_token_id``.
       num_blocks: KV cache pages (per data shard); default: every request of
         ``max_num_seqs`` at ``max_model_len``, capped at ``kv_cache_bytes``.
       max_num_seqs: most requests per step (per data shard).
