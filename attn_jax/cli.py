@@ -10,8 +10,10 @@ backend would or would not serve a request (default: head_size 128, bfloat16).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -67,6 +69,15 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(report.format())
     if report.chosen is None:
         return _error(args, "no attention backend can serve this configuration (reasons above)")
+    kernel_plan = getattr(report.chosen.get_class(), "kernel_plan", None)
+    if kernel_plan is not None:  # backends with several kernels say which serves which batches
+        print()
+        print(f"{report.chosen.name} kernels on this device:")
+        for line in kernel_plan(
+            args.head_size, args.dtype, args.kv_cache_dtype, args.block_size, platform.device_kind,
+            causal=AttentionType(args.attn_type).is_causal, has_sink=args.has_sink,
+        ):  # fmt: skip
+            print(f"  {line}")
     return 0
 
 
@@ -252,8 +263,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _error(args, e)
 
-    import contextlib
-
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -414,6 +423,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    from attn_jax.distributed import initialize_from_env, is_main_process
+
+    try:  # one of several processes started by `python -m attn_jax.launch`: join the others first
+        joined = initialize_from_env()
+    except ValueError as e:
+        return _error(args, e)
+    if joined and not is_main_process():  # every process runs the work; process 0 prints it
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+            return args.func(args)
     return args.func(args)
 
 

@@ -35,6 +35,15 @@ def test_info_cpu_chooses_xla(capsys):
     assert "chosen:     XLA (attn_jax.backends.xla.XLAAttentionBackend)" in capsys.readouterr().out
 
 
+def test_info_says_which_kernel_serves_which_batches(capsys, monkeypatch):
+    monkeypatch.setenv("ATTN_STACK_BACKEND", "pallas_gpu")  # any case, as --backend takes it
+    assert main(["info", "--head-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "PALLAS_GPU kernels on this device:" in out
+    assert "decode and mixed batches: one Triton-lowered Pallas launch (kernel_gpu)" in out
+    assert "prefill batches: the Triton kernel" in out
+
+
 def test_info_other_request(capsys):
     argv = ["info", "--head-size", "64", "--dtype", "float16", "--kv-cache-dtype", "fp8_e5m2",
             "--block-size", "32", "--attn-type", "encoder_only", "--has-sink"]  # fmt: skip

@@ -56,3 +56,13 @@ def test_launch_needs_a_command():
     proc = subprocess.run([sys.executable, "-m", "attn_jax.launch", "-n", "2"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 2 and "give the program to run after --" in proc.stderr
+
+
+def test_the_cli_joins_and_only_process_0_prints():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "attn_jax.launch", "-n", "2", "--", sys.executable, "-m", "attn_jax", "info"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("platform: cpu, device kind 'cpu', 2 device(s)") == 1, proc.stdout
