@@ -35,6 +35,7 @@ from attn_jax.models.llama import LlamaModel
 from attn_jax.registry import AttentionBackendEnum
 from attn_jax.serving import Engine, SamplingParams
 from attn_jax.sharding import local_model_kwargs
+from attn_jax.testing.engine_probes import record_step_call
 from attn_jax.testing.models import MODEL_SHAPES, random_params, weight_bytes
 
 # Kernel name -> category, first match wins (XLA fusion names, cuBLAS/cuDNN, Triton).
@@ -112,18 +113,12 @@ def device_only_step_ms(engine, steps: int) -> dict[str, float]:
     last step's tokens as the next input ("chained_tokens"), an asynchronous copy of
     them to the host ("copy_to_host_async"), and reading the previous step's tokens
     ("read_previous")."""
-    calls = []
-    jit_step = engine._jit_step
 
-    def recording(*args):
-        calls.append(args)
-        return jit_step(*args)
+    def one_step() -> None:
+        engine.step()
+        _sync(engine)
 
-    engine._jit_step = recording
-    engine.step()
-    _sync(engine)
-    engine._jit_step = jit_step
-    params, _, last_tokens, *rest = calls[-1]
+    jit_step, (params, _, last_tokens, *rest) = record_step_call(engine, one_step)
     caches = engine.kv_caches
     out = {}
     for variant in ("same_inputs", "chained_tokens", "copy_to_host_async", "read_previous"):

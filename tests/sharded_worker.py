@@ -22,6 +22,7 @@ from attn_jax.models.llama import LlamaConfig, LlamaModel, init_params  # noqa: 
 from attn_jax.registry import AttentionBackendEnum  # noqa: E402
 from attn_jax.serving import Engine, SamplingParams  # noqa: E402
 from attn_jax.sharding import local_model_kwargs, make_mesh  # noqa: E402
+from attn_jax.testing.engine_probes import record_step_call  # noqa: E402
 
 
 class Collect(logging.Handler):
@@ -62,16 +63,8 @@ def tiny() -> dict:
 def collectives(engine: Engine, prompts: list[list[int]]) -> dict[str, int]:
     """Collective ops in the compiled HLO of the engine's decode step (``generate``, then
     the last step's arguments lowered again)."""
-    calls = []
-    jit_step = engine._jit_step
-
-    def recording(*args):
-        calls.append(args)
-        return jit_step(*args)
-
-    engine._jit_step = recording
-    engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
-    args = calls[-1]
+    sp = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    jit_step, args = record_step_call(engine, lambda: engine.generate(prompts, sp))
     hlo = jit_step.lower(*args).compile().as_text()
     ops = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
     return {op: len(re.findall(rf"= [^=]*\b{op}(-start)?\(", hlo)) for op in ops}
