@@ -19,7 +19,9 @@ environment (SLURM, TPU pods) already tells JAX.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from collections.abc import Mapping
 
 COORDINATOR = "ATTN_STACK_COORDINATOR"  # host:port of process 0's coordination service
@@ -45,10 +47,28 @@ def initialize_from_env(environ: Mapping[str, str] = os.environ) -> bool:
         raise ValueError(f"{PROCESS_ID}={process_id} must be in [0, {NUM_PROCESSES}={num_processes})")
     import jax
 
-    jax.distributed.initialize(
-        coordinator_address=environ[COORDINATOR], num_processes=num_processes, process_id=process_id
-    )
+    with _stdout_to_stderr():  # the runtime's own connection messages are not the program's output
+        jax.distributed.initialize(
+            coordinator_address=environ[COORDINATOR], num_processes=num_processes, process_id=process_id
+        )
+        from jax.experimental.multihost_utils import sync_global_devices
+
+        sync_global_devices("attn_jax.distributed")  # a first collective: the processes connect here
     return True
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Sends what C++ libraries print to file descriptor 1 to stderr for a while."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def is_main_process() -> bool:

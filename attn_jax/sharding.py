@@ -179,7 +179,7 @@ class ShardedStep:
 
     def put_params(self, params):
         specs = self.param_specs(params)
-        return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(self.mesh, s)), params, specs)
+        return jax.tree.map(lambda x, s: put_global(x, NamedSharding(self.mesh, s)), params, specs)
 
     def init_kv_caches(self, num_blocks_per_shard: int) -> list:
         """Zero caches, one per layer, ``data * num_blocks_per_shard`` pages, sharded."""
@@ -235,8 +235,17 @@ class ShardedStep:
             raise ValueError(f"data shards built inputs of different structures: {layouts}")
         buffers = np.stack([buffer for buffer, _ in packed])
         sharding = NamedSharding(self.mesh, P(DATA))
-        buffers = jax.make_array_from_callback(buffers.shape, sharding, lambda index: buffers[index])
+        buffers = put_global(buffers, sharding)
         return jit_step(params, caches, last_tokens, buffers, layouts.pop(), num_candidates)
+
+
+def put_global(x, sharding: NamedSharding) -> jax.Array:
+    """``x`` (the same value in every process) placed with ``sharding``: ``device_put`` where
+    this process holds every device, else each process uploads the shards of its own."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _cache_axes(model) -> tuple[int, int]:

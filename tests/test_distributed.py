@@ -58,11 +58,27 @@ def test_launch_needs_a_command():
     assert proc.returncode == 2 and "give the program to run after --" in proc.stderr
 
 
-def test_the_cli_joins_and_only_process_0_prints():
+def _cli(*args: str, processes: int = 1) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    launch = [sys.executable, "-m", "attn_jax.launch", "-n", str(processes), "--"] if processes > 1 else []
     proc = subprocess.run(
-        [sys.executable, "-m", "attn_jax.launch", "-n", "2", "--", sys.executable, "-m", "attn_jax", "info"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [*launch, sys.executable, "-m", "attn_jax", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("platform: cpu, device kind 'cpu', 2 device(s)") == 1, proc.stdout
+    return proc
+
+
+def test_the_cli_joins_and_only_process_0_prints():
+    out = _cli("info", processes=2).stdout
+    assert out.count("platform: cpu, device kind 'cpu', 2 device(s)") == 1, out
+
+
+def test_generate_on_two_processes_gives_one_process_tokens(smollm2_gguf):
+    """The README's command: its --json output is the program's alone (the runtime's own
+    connection messages go to stderr), and the tokens are one process's."""
+    args = ("generate", "--max-new-tokens", "6", "--json", "--prompt", "The capital of France is", "--prompt", "Hi")
+    two = json.loads(_cli(*args, "--devices", "2", processes=2).stdout)
+    one = json.loads(_cli(*args).stdout)
+    assert two["devices"] == 2
+    assert [r["token_ids"] for r in two["results"]] == [r["token_ids"] for r in one["results"]]
