@@ -21,6 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+ALIGNMENT = 64
+"""Each leaf starts on a multiple of 64 int32 (256 bytes) of the buffer: XLA may hand a
+slice of it to a kernel as is, and some kernels (Mosaic GPU's) need 256-byte aligned
+operands."""
+
 _PACKABLE = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.float32))
 
 
@@ -31,10 +36,6 @@ class PackedLayout:
 
     treedef: Any
     leaves: tuple[tuple[tuple[int, ...], str], ...]
-
-    @property
-    def size(self) -> int:
-        return sum(int(np.prod(shape)) for shape, _ in self.leaves)
 
 
 def pack(tree) -> tuple[np.ndarray, PackedLayout]:
@@ -48,7 +49,8 @@ def pack(tree) -> tuple[np.ndarray, PackedLayout]:
             raise TypeError(
                 f"leaf {i} of the step inputs has dtype {arr.dtype}; packable: {[str(d) for d in _PACKABLE]}"
             )
-        parts.append(np.ascontiguousarray(arr).reshape(-1).view(np.int32))
+        flat = np.ascontiguousarray(arr).reshape(-1).view(np.int32)
+        parts += [flat, np.zeros(-flat.size % ALIGNMENT, np.int32)]
         specs.append((arr.shape, arr.dtype.name))
     buffer = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     return buffer, PackedLayout(treedef, tuple(specs))
@@ -63,6 +65,6 @@ def unpack(buffer, layout: PackedLayout):
             leaves.append(jnp.zeros(shape, dtype))
             continue
         part = buffer[offset : offset + n].reshape(shape)
-        offset += n
+        offset += n + (-n % ALIGNMENT)
         leaves.append(part if dtype == "int32" else jax.lax.bitcast_convert_type(part, jnp.dtype(dtype)))
     return jax.tree.unflatten(layout.treedef, leaves)
