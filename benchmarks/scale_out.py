@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--backend", default=None, help="force a backend (XLA, PALLAS_GPU); default: selected")
     parser.add_argument("--kv-cache-gib", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=10, help="decode steps traced per mesh")
+    parser.add_argument("--steps", type=int, default=10, help="decode steps traced per mesh (0: no profile)")
     parser.add_argument("--warmup-steps", type=int, default=4)
     parser.add_argument("--check-tokens", action="store_true", help="float32 greedy tokens of each mesh vs one device")
     add_output_args(parser, "scale_out.json")
@@ -86,10 +86,11 @@ def main() -> None:
                 f"{r['decode_step_ms_median']:.3f} ms, host {r['host_ms_per_step_median']:.3f} ms",
                 flush=True,
             )
-        profile = profile_batch(config, params, args.batch[0], args, backend, mesh=mesh)
-        entry["profile"] = profile
-        per_step = profile["device"].get("per_step_us", {})
-        print(f"{name} batch {args.batch[0]} profile (us per step and device): {per_step}", flush=True)
+        if args.steps:
+            profile = profile_batch(config, params, args.batch[0], args, backend, mesh=mesh)
+            entry["profile"] = profile
+            per_step = profile["device"].get("per_step_us", {})
+            print(f"{name} batch {args.batch[0]} profile (us per step and device): {per_step}", flush=True)
         if args.check_tokens:
             f32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
             tokens = greedy_tokens(config, f32, mesh, args)
