@@ -81,9 +81,10 @@ def mgpu_split(
 
 MGPU_PREFILL_ENV = "ATTN_STACK_MGPU_PREFILL"
 """``1`` turns the Mosaic GPU prefill split on in ``PallasGPUMetadataBuilder`` (read when a
-builder is made); off by default: XLA's command buffers (CUDA graphs) fail on the Mosaic GPU
-custom call inside a larger jitted step (seen in the serving engine's step on the H100,
-2026-11-24; not yet diagnosed). Direct calls that pass ``mgpu_schedule`` are not affected."""
+builder is made). Off by default: inside the serving engine's step it ran (once the step's
+packed inputs were 256-byte aligned, which the Mosaic GPU custom call needs) but was not
+faster than the Triton kernel there, and its greedy tokens in bf16 agreed 72 % with the
+Triton run's on random weights, not yet explained (BENCHMARKS.md, 2026-11-24)."""
 
 
 class PallasGPUMetadataBuilder(XLAMetadataBuilder):
