@@ -312,7 +312,7 @@ class Engine:
             return [int(i) for i in ids]
         return [int(i) for i in self.tokenizer(prompt)["input_ids"]]
 
-    def _prepare(self, prompt, params, request_id, chat: bool, taken: set[str]) -> _Prepared:
+    def _prepare(self, prompt, params, request_id, chat: bool) -> _Prepared:
         """Checks one request without queueing it (ValueError / TypeError naming the value)."""
         if params is None:
             params = SamplingParams()
@@ -349,7 +349,7 @@ class Engine:
             )
         if request_id is not None:
             request_id = str(request_id)
-            if request_id in self._requests or request_id in taken:
+            if request_id in self._requests:
                 raise ValueError(f"request_id={request_id!r} is already in use")
         return _Prepared(ids, params, request_id)
 
@@ -379,7 +379,7 @@ class Engine:
         an empty prompt, token ids that are not integers or lie outside the vocabulary,
         params that are not a ``SamplingParams``, a prompt longer than ``max_model_len``
         with its new tokens, a duplicate id, or a request that cannot fit in the cache."""
-        return self._queue(self._prepare(prompt, params, request_id, chat, set()))
+        return self._queue(self._prepare(prompt, params, request_id, chat))
 
     def abort_request(self, request_id: str) -> None:
         """Cancels a request (waiting or running) and frees its pages; it finishes with
@@ -663,8 +663,7 @@ class Engine:
         elif not isinstance(params, Sequence) or len(params) != len(prompts):
             got = f"{len(params)} params" if isinstance(params, Sequence) else f"params={params!r}"
             raise ValueError(f"{got} for {len(prompts)} prompts: give one SamplingParams for all, or one per prompt")
-        taken: set[str] = set()
-        prepared = [self._prepare(p, sp, None, chat, taken) for p, sp in zip(prompts, params, strict=True)]
+        prepared = [self._prepare(p, sp, None, chat) for p, sp in zip(prompts, params, strict=True)]
         ids = [self._queue(x) for x in prepared]
         for _ in self.stream():
             pass
