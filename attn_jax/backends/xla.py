@@ -112,10 +112,7 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
             width, q_block = num_reqs, md.num_tokens
         else:
             width, q_block = min(next_pow2(prefills.size), num_reqs), next_pow2(int(prefills.max()))
-        own, _ = dense.dense_schedule(qsl, num_reqs, q_block)  # this batch's prefills (none in an idle shard)
-        prefill_reqs = np.full(width, num_reqs, np.int32)
-        own = own[own < num_reqs]
-        prefill_reqs[: own.size] = own
+        prefill_reqs, q_block = dense.dense_schedule(qsl, num_reqs, q_block, num_slots=width)
         return dataclasses.replace(built, prefill_reqs=prefill_reqs, q_block=q_block)
 
     def _build_local(self, md: CommonAttentionMetadata, chunk: int) -> XLAAttentionMetadata:

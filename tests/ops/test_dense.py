@@ -89,6 +89,12 @@ def test_schedule_buckets_and_errors():
     assert dense.dense_schedule(np.array([0, 1, 2], np.int32)) == (pytest.approx(np.zeros(0)), 0)
     with pytest.raises(ValueError, match="q_block=4 is less than the longest prefill's query length 5"):
         dense.dense_schedule(qsl, q_block=4)
+    reqs, q_block = dense.dense_schedule(qsl, q_block=16, num_slots=4)  # a step's fixed width
+    assert reqs.tolist() == [1, 3, 4, 4] and q_block == 16
+    reqs, q_block = dense.dense_schedule(np.array([0, 1, 2], np.int32), q_block=16, num_slots=2)  # an idle shard
+    assert reqs.tolist() == [2, 2] and q_block == 16
+    with pytest.raises(ValueError, match="num_slots=1 is less than the 2 requests with more than one new token"):
+        dense.dense_schedule(qsl, num_slots=1)
     batch = make_ragged_batch(0, [1, 5], [3, 0], num_q_heads=2, num_kv_heads=1, head_size=8, block_size=4)
     kwargs = dict(sm_scale=0.3)
     with pytest.raises(ValueError, match=r"request 1 has query_len=5 > 1 but is not in prefill_reqs=\[2\]"):

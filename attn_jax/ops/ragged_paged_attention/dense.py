@@ -25,6 +25,7 @@ import numpy as np
 
 from attn_jax.kv_cache import dequantize_from_cache, write_to_kv_cache
 from attn_jax.ops.ragged_paged_attention.common import normalize, route_nonfinite_values
+from attn_jax.ops.ragged_paged_attention.config import next_pow2
 from attn_jax.ops.ragged_paged_attention.validate import (
     dynamic_validate_inputs,
     is_concrete,
@@ -34,11 +35,9 @@ from attn_jax.ops.ragged_paged_attention.validate import (
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def dense_schedule(query_start_loc, num_reqs: int | None = None, q_block: int | None = None) -> tuple[np.ndarray, int]:
+def dense_schedule(
+    query_start_loc, num_reqs: int | None = None, q_block: int | None = None, num_slots: int | None = None
+) -> tuple[np.ndarray, int]:
     """Host-side schedule of the prefill group: ``(prefill_reqs, q_block)``.
 
     Args:
@@ -46,10 +45,14 @@ def dense_schedule(query_start_loc, num_reqs: int | None = None, q_block: int | 
       num_reqs: R (default: ``len(query_start_loc) - 1``).
       q_block: the prefill group's rows per request; default the power of two >= the
         longest prefill. A fixed value (e.g. the token bucket) means fewer compilations.
+      num_slots: the group's length; default the power of two >= the prefill count. A
+        fixed value gives batches with other prefill counts (e.g. a step's data shards)
+        one shape.
 
-    Returns ``prefill_reqs`` i32[Rp], the requests with more than one new token padded
-    with R (= none) to a power of two (Rp = 0 when there are none), and ``q_block``
-    (0 when there are no prefills). ValueError if a given q_block is too small.
+    Returns ``prefill_reqs`` i32[num_slots], the requests with more than one new token
+    padded with R (= none) (num_slots = 0 by default when there are none), and ``q_block``
+    (the given one, else 0 when there are no prefills). ValueError if a given q_block or
+    num_slots is too small.
 
     >>> dense_schedule(np.array([0, 1, 6, 7, 10], np.int32))
     (array([1, 3], dtype=int32), 8)
@@ -58,13 +61,15 @@ def dense_schedule(query_start_loc, num_reqs: int | None = None, q_block: int | 
     num_reqs = qsl.shape[0] - 1 if num_reqs is None else num_reqs
     query_lens = np.diff(qsl)[:num_reqs]
     prefills = np.flatnonzero(query_lens > 1).astype(np.int32)
-    if prefills.size == 0:
-        return np.zeros(0, np.int32), 0
-    padded = np.full(_next_pow2(prefills.size), num_reqs, np.int32)
+    if num_slots is None:
+        num_slots = next_pow2(prefills.size) if prefills.size else 0
+    if num_slots < prefills.size:
+        raise ValueError(f"{num_slots=} is less than the {prefills.size} requests with more than one new token")
+    padded = np.full(num_slots, num_reqs, np.int32)
     padded[: prefills.size] = prefills
-    longest = int(query_lens[prefills].max())
+    longest = int(query_lens[prefills].max(initial=0))
     if q_block is None:
-        return padded, _next_pow2(longest)
+        return padded, next_pow2(longest) if prefills.size else 0
     if q_block < longest:
         raise ValueError(f"{q_block=} is less than the longest prefill's query length {longest}")
     return padded, int(q_block)
