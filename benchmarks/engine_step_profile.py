@@ -27,12 +27,11 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from engine_args import add_engine_args, parse_engine_args  # benchmarks/, the script's folder
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
 from attn_jax.models.llama import LlamaModel
-from attn_jax.registry import AttentionBackendEnum
 from attn_jax.serving import Engine, SamplingParams
 from attn_jax.sharding import local_model_kwargs
 from attn_jax.testing.engine_probes import record_step_call
@@ -190,19 +189,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODEL_SHAPES))
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup-steps", type=int, default=8)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--backend", default=None, help="force a backend (XLA, PALLAS_GPU); default: selected")
-    parser.add_argument("--kv-cache-gib", type=int, default=4)
+    add_engine_args(parser, prompt_len=128, kv_cache_gib=4)
     add_output_args(parser, "engine_step_profile_{model}.json")
-    args = parser.parse_args()
-    args.dtype = jnp.dtype(args.dtype)
+    args = parse_engine_args(parser)
     config = MODEL_SHAPES[args.model]()
     params = random_params(config, args.dtype)
-    backend = None if args.backend is None else AttentionBackendEnum[args.backend.upper()].get_class()
+    backend = args.attn_backend
     runs = []
     for batch in args.batch:
         r = profile_batch(config, params, batch, args, backend)

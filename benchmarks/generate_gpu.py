@@ -25,10 +25,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from engine_args import add_engine_args, parse_engine_args  # benchmarks/, the script's folder
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
 from attn_jax.models.llama import LlamaModel
-from attn_jax.registry import AttentionBackendEnum
 from attn_jax.serving import Engine, SamplingParams
 from attn_jax.sharding import local_model_kwargs
 from attn_jax.testing.models import MODEL_SHAPES, random_params, weight_bytes
@@ -139,23 +139,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", nargs="+", default=["smollm2-135m"], choices=sorted(MODEL_SHAPES))
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--backend", default=None, help="force a backend (XLA, PALLAS_GPU); default: selected")
-    parser.add_argument("--kv-cache-gib", type=int, default=4)
     parser.add_argument("--peers", action="store_true", help="also time transformers (needs torch + transformers)")
     parser.add_argument("--peer-batch", type=int, nargs="+", default=None, help="batches for peers (default: --batch)")
+    add_engine_args(parser, prompt_len=128, kv_cache_gib=4)
     add_output_args(parser, "generate_gpu.json")
-    args = parser.parse_args()
-    args.dtype = jnp.dtype(args.dtype)
+    args = parse_engine_args(parser)
 
     device = jax.devices()[0]
     bandwidth = copy_bandwidth()
     print(f"{device.device_kind}: measured copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    backend = None if args.backend is None else AttentionBackendEnum[args.backend.upper()].get_class()
+    backend = args.attn_backend
     models = []
     for name in args.model:
         config = MODEL_SHAPES[name]()

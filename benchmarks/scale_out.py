@@ -26,11 +26,11 @@ import platform
 import jax
 import jax.numpy as jnp
 import numpy as np
+from engine_args import add_engine_args, parse_engine_args  # benchmarks/, the script's folder
 from engine_step_profile import profile_batch  # benchmarks/, the script's folder
 from generate_gpu import run_engine
 from results_io import add_output_args, output_path, write_json
 
-from attn_jax.registry import AttentionBackendEnum
 from attn_jax.serving import Engine, SamplingParams
 from attn_jax.sharding import local_model_kwargs, make_mesh
 from attn_jax.testing.models import MODEL_SHAPES, random_params
@@ -54,23 +54,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama3-8b-8l", choices=sorted(MODEL_SHAPES))
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--backend", default=None, help="force a backend (XLA, PALLAS_GPU); default: selected")
-    parser.add_argument("--kv-cache-gib", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10, help="decode steps traced per mesh (0: no profile)")
     parser.add_argument("--warmup-steps", type=int, default=4)
     parser.add_argument("--check-tokens", action="store_true", help="float32 greedy tokens of each mesh vs one device")
+    add_engine_args(parser, prompt_len=256, kv_cache_gib=8)
     add_output_args(parser, "scale_out.json")
-    args = parser.parse_args()
-    args.dtype = jnp.dtype(args.dtype)
+    args = parse_engine_args(parser)
 
     config = MODEL_SHAPES[args.model]()
     params = random_params(config, args.dtype)
-    backend = None if args.backend is None else AttentionBackendEnum[args.backend.upper()].get_class()
+    backend = args.attn_backend
     results, single_tokens = [], None
     for name, (data, model_axis) in MESHES.items():
         if data * model_axis > jax.device_count():
