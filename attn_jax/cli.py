@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 
 from attn_jax import __version__
-from attn_jax.types import ACTIVATION_DTYPES, CACHE_DTYPES, AttentionType
+from attn_jax.types import ACTIVATION_DTYPES, CACHE_DTYPES, SEED_LIMIT, AttentionType
 
 
 def _add_selection_args(parser: argparse.ArgumentParser) -> None:
@@ -91,9 +91,6 @@ DEFAULT_PROMPTS = (
 
 MAX_MODEL_LEN = 2048
 """Prompt + new tokens per request in ``attn-stack generate``."""
-
-SEED_LIMIT = 2**32
-"""Seeds are in [0, 2**32) (the engine packs them as uint32)."""
 
 WARMUP_TOKENS = 2
 """New tokens per request of the warm-up generation: a prefill step and a decode step."""

@@ -64,6 +64,10 @@ _STORAGE_DTYPES = {
 ACTIVATION_DTYPES: tuple[np.dtype, ...] = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
+SEED_LIMIT = 2**32
+"""Sampling seeds are in [0, SEED_LIMIT): the engine's step packs them as uint32."""
+
+
 def validate_positive_int(name: str, value) -> int:
     """Returns ``int(value)`` if it is a positive integer (any ``numbers.Integral``: Python or
     NumPy; bool excluded), else ValueError."""

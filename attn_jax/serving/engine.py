@@ -46,7 +46,7 @@ from attn_jax.serving.sampling import num_candidates_for, sample_tokens
 from attn_jax.serving.scheduler import Request, RequestStatus, SamplingParams, ScheduledBatch, Scheduler
 from attn_jax.serving.step_inputs import PackedLayout, pack, unpack
 from attn_jax.sharding import ShardedStep, check_num_devices, local_model_kwargs, make_mesh
-from attn_jax.types import validate_positive_int
+from attn_jax.types import SEED_LIMIT, validate_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class Engine:
                 f"max_model_len={self.max_model_len} exceeds the model's context length "
                 f"{config.max_position_embeddings}"
             )
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**32:
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < SEED_LIMIT:
             raise ValueError(f"seed={seed!r} must be an integer in [0, 2**32)")
         max_pages = -(-self.max_model_len // self.block_size)
         if num_blocks is None:
@@ -439,7 +439,7 @@ class Engine:
                 raise RuntimeError("its last token is pending but in no dispatched step")
             src = rows_of_pending[id(request)]
         p = request.params
-        for name, value, limit in (("seed", request.seed, 2**32), ("top_k", p.top_k, 2**31)):
+        for name, value, limit in (("seed", request.seed, SEED_LIMIT), ("top_k", p.top_k, 2**31)):
             if not 0 <= value < limit:
                 raise OverflowError(f"{name}={value} does not fit the step's arrays: it must be in [0, {limit})")
         return known, src, (p.temperature, p.top_p, p.top_k, request.seed, request.num_generated)
@@ -605,7 +605,7 @@ class Engine:
             request.num_pending -= 1
             try:
                 events.append(self._append_token(shard, request, int(tokens[shard, row])))
-            except Exception as e:  # noqa: BLE001 - e.g. the tokenizer fails on this request alone
+            except Exception as e:  # e.g. the tokenizer fails on this request alone
                 events.append(self._fail(shard, request, e))
         return events
 

@@ -19,12 +19,9 @@ import numbers
 from collections import deque
 
 from attn_jax.serving.block_allocator import BlockAllocator
-from attn_jax.types import validate_positive_int
+from attn_jax.types import SEED_LIMIT, validate_positive_int
 
 logger = logging.getLogger(__name__)
-
-SEED_LIMIT = 2**32
-"""Seeds are in [0, SEED_LIMIT): the sampler packs them as uint32."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +92,6 @@ class Request:
     # Tokens sampled on the device but not read back yet (asynchronous scheduling: at most
     # one, the last token; the next step takes its value from the device).
     num_pending: int = 0
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
 
     @property
     def num_tokens(self) -> int:
