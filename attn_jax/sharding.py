@@ -193,50 +193,54 @@ class ShardedStep:
         return [zeros() for _ in range(self.model.config.num_layers)]
 
     def zeros_per_shard(self, n: int) -> jax.Array:
-        """i32[data, n] zeros, replicated (the engine's sampled-token buffer: each data shard
-        reads its own row)."""
-        replicated = NamedSharding(self.mesh, P())
-        return jax.jit(lambda: jax.numpy.zeros((self.data_size, n), jax.numpy.int32), out_shardings=replicated)()
+        """i32[data, n] zeros, a row per data shard (the engine's last sampled tokens: each
+        data shard holds and reads its own row)."""
+        rows = NamedSharding(self.mesh, P(DATA))
+        return jax.jit(lambda: jax.numpy.zeros((self.data_size, n), jax.numpy.int32), out_shardings=rows)()
 
     def jit(self, device_step):
-        """``device_step(params, caches, last_tokens, packed, layout, num_candidates)`` (one
-        shard's arrays; the last two static) jitted over the mesh, caches donated.
+        """``device_step(params, caches, last_tokens, packed, layout, num_candidates,
+        num_steps)`` (one shard's arrays; the last three static; it returns sampled tokens,
+        last tokens and caches) jitted over the mesh, caches donated.
 
-        The only collectives beside the model's own (one ``psum`` per split attention and
-        MLP) gather the data shards' sampled tokens: the result is replicated, so every
-        process of a multi-process run reads all of them."""
+        The only collective beside the model's own (one ``psum`` per split attention and
+        MLP) gathers the data shards' sampled tokens, once per call: the result is
+        replicated, so every process of a multi-process run reads all of them. The last
+        tokens stay on their shard (i32[data, R_max], split over "data")."""
         mesh, cache_spec = self.mesh, self.cache_spec
 
-        def step(params, caches, last_tokens, packed, layout, num_candidates):
+        def step(params, caches, last_tokens, packed, layout, num_candidates, num_steps):
             def body(params, caches, last_tokens, packed):
-                own = last_tokens[jax.lax.axis_index(DATA)]
-                tokens, caches = device_step(params, caches, own, packed[0], layout, num_candidates)
-                return jax.lax.all_gather(tokens, DATA), caches
+                tokens, last, caches = device_step(
+                    params, caches, last_tokens[0], packed[0], layout, num_candidates, num_steps
+                )
+                return jax.lax.all_gather(tokens, DATA), last[None], caches
 
             fn = jax.shard_map(
                 body,
                 mesh=mesh,
-                in_specs=(self.param_specs(params), [cache_spec] * len(caches), P(), P(DATA)),
-                out_specs=(P(), [cache_spec] * len(caches)),
+                in_specs=(self.param_specs(params), [cache_spec] * len(caches), P(DATA), P(DATA)),
+                out_specs=(P(), P(DATA), [cache_spec] * len(caches)),
                 check_vma=False,
             )
             return fn(params, caches, last_tokens, packed)
 
-        return jax.jit(step, donate_argnums=1, static_argnums=(4, 5))
+        return jax.jit(step, donate_argnums=1, static_argnums=(4, 5, 6))
 
-    def run(self, jit_step, params, caches, last_tokens, packed, num_candidates: int):
+    def run(self, jit_step, params, caches, last_tokens, packed, num_candidates: int, num_steps: int):
         """Stacks each data shard's packed inputs (``step_inputs.pack`` results, which must
         share one layout) on a leading "data" axis and runs ``jit_step``. Every process
         builds the same inputs; each uploads only the rows of its own devices.
 
-        Returns (i32[data, R_max] sampled tokens, replicated; caches)."""
+        Returns (i32[data, num_steps, R_max] sampled tokens, replicated; i32[data, R_max]
+        last tokens, split over "data"; caches)."""
         layouts = {layout for _, layout in packed}
         if len(layouts) != 1:
             raise ValueError(f"data shards built inputs of different structures: {layouts}")
         buffers = np.stack([buffer for buffer, _ in packed])
         sharding = NamedSharding(self.mesh, P(DATA))
         buffers = put_global(buffers, sharding)
-        return jit_step(params, caches, last_tokens, buffers, layouts.pop(), num_candidates)
+        return jit_step(params, caches, last_tokens, buffers, layouts.pop(), num_candidates, num_steps)
 
 
 def put_global(x, sharding: NamedSharding) -> jax.Array:

@@ -8,12 +8,16 @@ import argparse
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, prompt_len: int, kv_cache_gib: int) -> None:
-    """``--prompt-len``, ``--block-size``, ``--dtype``, ``--backend`` and ``--kv-cache-gib``."""
+    """``--prompt-len``, ``--block-size``, ``--dtype``, ``--backend``, ``--kv-cache-gib`` and
+    ``--num-scheduler-steps``."""
     parser.add_argument("--prompt-len", type=int, default=prompt_len)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--backend", default=None, help="force a backend (XLA, PALLAS_GPU); default: selected")
     parser.add_argument("--kv-cache-gib", type=int, default=kv_cache_gib)
+    parser.add_argument(
+        "--num-scheduler-steps", type=int, default=1, help="decode steps per engine call (multi-step decoding)"
+    )
 
 
 def parse_engine_args(parser: argparse.ArgumentParser) -> argparse.Namespace:

@@ -121,20 +121,20 @@ def device_only_step_ms(engine, steps: int) -> dict[str, float]:
     caches = engine.kv_caches
     out = {}
     for variant in ("same_inputs", "chained_tokens", "copy_to_host_async", "read_previous"):
-        tokens, caches = jit_step(params, caches, last_tokens, *rest)
+        tokens, last, caches = jit_step(params, caches, last_tokens, *rest)
         jax.block_until_ready(tokens)
         t = time.perf_counter()
         previous = tokens
         for _ in range(steps):
-            feed = last_tokens if variant == "same_inputs" else tokens
-            tokens, caches = jit_step(params, caches, feed, *rest)
+            feed = last_tokens if variant == "same_inputs" else last
+            tokens, last, caches = jit_step(params, caches, feed, *rest)
             if variant in ("copy_to_host_async", "read_previous"):
                 tokens.copy_to_host_async()
             if variant == "read_previous":
                 np.asarray(previous)
             previous = tokens
         jax.block_until_ready(tokens)
-        out[variant] = 1e3 * (time.perf_counter() - t) / steps
+        out[variant] = 1e3 * (time.perf_counter() - t) / (steps * engine.num_scheduler_steps)  # per decode step
     engine.kv_caches = caches
     return out
 
@@ -142,12 +142,14 @@ def device_only_step_ms(engine, steps: int) -> dict[str, float]:
 def profile_batch(config, params, batch: int, args, backend, mesh=None) -> dict:
     local = {} if mesh is None else local_model_kwargs(config, mesh)
     model = LlamaModel(config, block_size=args.block_size, attn_backend=backend, dtype=args.dtype, **local)
+    k = args.num_scheduler_steps  # decode steps per engine call
+    new_tokens = k * (args.warmup_steps + 3 * args.steps) + 4  # warm-up, traced, untraced, device-only
     engine = Engine(
         model, params, mesh=mesh, max_num_seqs=batch, max_num_batched_tokens=max(args.prompt_len * batch, 16),
-        max_model_len=args.prompt_len + args.warmup_steps + 2 * args.steps + 8, kv_cache_bytes=args.kv_cache_gib << 30,
+        max_model_len=args.prompt_len + new_tokens + 8, kv_cache_bytes=args.kv_cache_gib << 30, num_scheduler_steps=k,
     )  # fmt: skip
     rng = np.random.default_rng(batch)
-    sp = SamplingParams(max_new_tokens=args.warmup_steps + 2 * args.steps + 4, ignore_eos=True)  # traced + untraced
+    sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(rng.integers(3, config.vocab_size, args.prompt_len).tolist(), sp)
     for _ in range(args.warmup_steps):
@@ -161,7 +163,7 @@ def profile_batch(config, params, batch: int, args, backend, mesh=None) -> dict:
                 engine.step()
             _sync(engine)
             wall = time.perf_counter() - t
-        device = summarise_trace(log_dir, args.steps)
+        device = summarise_trace(log_dir, args.steps * k)  # per decode step
     # Untraced timing of the same number of steps (the profiler adds its own overhead).
     first = len(engine.stats)
     t = time.perf_counter()
@@ -174,9 +176,10 @@ def profile_batch(config, params, batch: int, args, backend, mesh=None) -> dict:
     return {
         "batch": batch,
         "backend": model.attn_backend.get_name(),
-        "step_ms_traced": 1e3 * wall / args.steps,
-        "step_ms": 1e3 * untraced / args.steps,
-        "tokens_per_s": batch * args.steps / untraced,
+        "num_scheduler_steps": k,
+        "step_ms_traced": 1e3 * wall / (args.steps * k),  # per decode step
+        "step_ms": 1e3 * untraced / (args.steps * k),
+        "tokens_per_s": batch * args.steps * k / untraced,
         "host_ms_median": 1e3 * float(np.median([s.host_seconds for s in stats])),
         "dispatch_ms_median": 1e3 * float(np.median([s.dispatch_seconds for s in stats])),
         "device_only_step_ms": device_ms,

@@ -34,10 +34,10 @@ class Collect(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def small_engine(model, params, tokenizer=None, mesh=None) -> Engine:
+def small_engine(model, params, tokenizer=None, mesh=None, **kwargs) -> Engine:
     return Engine(
         model, params, tokenizer, mesh=mesh, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
-        num_blocks=16, buckets=MetadataBuckets((32,), (4,), (4,)),
+        num_blocks=16, buckets=MetadataBuckets((32,), (4,), (4,)), **kwargs,
     )  # fmt: skip
 
 
@@ -57,13 +57,17 @@ def tiny() -> dict:
         engine = small_engine(model, params, mesh=mesh)
         out[f"{data}x{model_axis}"] = [c.output_ids for c in engine.generate(prompts, sp)]
         out[f"{data}x{model_axis}_attn_sharded"] = model.attn_sharded
+        engine = small_engine(model, params, mesh=mesh, num_scheduler_steps=4)
+        out[f"{data}x{model_axis}_multistep"] = [c.output_ids for c in engine.generate(prompts, sp)]
+        out[f"{data}x{model_axis}_multistep_calls"] = sorted({s.num_steps for s in engine.stats})
     return out
 
 
 def collectives(engine: Engine, prompts: list[list[int]]) -> dict[str, int]:
     """Collective ops in the compiled HLO of the engine's decode step (``generate``, then
-    the last step's arguments lowered again)."""
-    sp = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    the last step's arguments lowered again); a multi-step engine's last call is a
+    multi-step decode (its loop body's ops counted once)."""
+    sp = SamplingParams(max_new_tokens=1 + 2 * engine.num_scheduler_steps, ignore_eos=True)
     jit_step, args = record_step_call(engine, lambda: engine.generate(prompts, sp))
     hlo = jit_step.lower(*args).compile().as_text()
     ops = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -95,8 +99,10 @@ def agreement() -> dict:
                 out[f"{backend}/{case}/{devices}"] = [c.output_ids for c in got] == [c.output_ids for c in single]
     for name, (data, model_axis) in {"dp": (4, 1), "tp": (1, 2)}.items():
         mesh = make_mesh(data * model_axis, model_parallel=model_axis, num_kv_heads=config.num_kv_heads)
-        engine = small_engine(LlamaModel(config, **local_model_kwargs(config, mesh)), params, mesh=mesh)
-        out[f"collectives/{name}"] = collectives(engine, cases["uneven"])
+        for steps, suffix in ((1, ""), (3, "_multistep")):
+            model = LlamaModel(config, **local_model_kwargs(config, mesh))
+            engine = small_engine(model, params, mesh=mesh, num_scheduler_steps=steps)
+            out[f"collectives/{name}{suffix}"] = collectives(engine, cases["uneven"])
     return out
 
 

@@ -45,6 +45,13 @@ def test_tensor_parallel_heads_match_one_device(sharded):
     assert tiny["2x2"] == tiny["single"]
 
 
+def test_multi_step_decoding_on_a_mesh_matches_one_device(sharded):
+    """Four decode steps per call on a 2 x 2 mesh: the same tokens as one device, one step at a time."""
+    tiny = sharded["tiny"]
+    assert tiny["2x2_multistep_calls"] == [1, 4]  # prefill calls of one step, decode calls of four
+    assert tiny["2x2_multistep"] == tiny["single"]
+
+
 def test_data_shards_agree_for_every_backend(sharded):
     """One request (the other shards idle) and uneven requests, on 2 and 4 data shards:
     the shards build one static structure and the tokens equal one device's."""
@@ -54,12 +61,17 @@ def test_data_shards_agree_for_every_backend(sharded):
 
 
 def test_only_the_needed_collectives_cross_devices(sharded):
-    """Data parallel: one all-gather of the sampled tokens and nothing else. Tensor parallel
+    """Data parallel: one all-gather of the sampled tokens and nothing else, also when a call
+    runs several decode steps. Tensor parallel
     (one layer): one all-reduce after the attention output projection, one after the MLP,
     and the tokens' all-gather; no weights, caches or activations gathered."""
     none = {"all-reduce": 0, "all-gather": 0, "reduce-scatter": 0, "all-to-all": 0, "collective-permute": 0}
     assert sharded["agreement"]["collectives/dp"] == none | {"all-gather": 1}
     assert sharded["agreement"]["collectives/tp"] == none | {"all-reduce": 2, "all-gather": 1}
+    # A multi-step decode: the first step, then the loop body's (counted once in the HLO);
+    # the tokens of every step are gathered once, after the loop.
+    assert sharded["agreement"]["collectives/dp_multistep"] == none | {"all-gather": 1}
+    assert sharded["agreement"]["collectives/tp_multistep"] == none | {"all-reduce": 4, "all-gather": 1}
 
 
 @pytest.fixture(scope="module")

@@ -235,6 +235,22 @@ class AttentionMetadataBuilder[M](abc.ABC):
         """
         return self.build(common_prefix_len=0, common_attn_metadata=common_attn_metadata)
 
+    @property
+    def supports_decode_advance(self) -> bool:
+        """Whether ``advance_decode`` serves this builder's metadata (the engine's multi-step
+        decoding); a builder that says True implements ``advance_decode``."""
+        return False
+
+    def advance_decode(self, metadata: M, steps, active) -> M:
+        """A decode batch's metadata ``steps`` tokens later, traced (multi-step decoding).
+
+        ``metadata`` (``build_for_jit``'s) describes one new token per request: token row
+        r is request r, rows past the requests are padding. ``steps`` i32[R]: tokens each
+        request has advanced since (its block table already holds their pages); ``active``
+        bool[R]: requests whose new token is written (the others' rows get slot -1).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not support multi-step decoding")
+
     def use_cascade_attention(
         self,
         common_prefix_len: int,

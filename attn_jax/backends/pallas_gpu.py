@@ -123,6 +123,14 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
     def build_for_jit(self, common_attn_metadata, step_query_lens=None):
         return self._build(common_attn_metadata, step_query_lens)
 
+    def advance_decode(self, metadata, steps, active):
+        """The XLA builder's move, plus each real q-block's first position and KV length
+        (a decode batch's q-block holds one request's token)."""
+        out = super().advance_decode(metadata, steps, active)
+        schedule = jnp.asarray(metadata.schedule)
+        delta = jnp.where(schedule[4] > 0, steps[schedule[0]], 0).astype(schedule.dtype)
+        return dataclasses.replace(out, schedule=schedule.at[3].add(delta).at[4].add(delta))
+
     def _build(self, common_attn_metadata, step_query_lens=None) -> PallasGPUAttentionMetadata:
         base = super().build(0, common_attn_metadata)
         spec = self.kv_cache_spec

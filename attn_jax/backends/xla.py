@@ -115,6 +115,24 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
         prefill_reqs, q_block = dense.dense_schedule(qsl, num_reqs, q_block, num_slots=width)
         return dataclasses.replace(built, prefill_reqs=prefill_reqs, q_block=q_block)
 
+    @property
+    def supports_decode_advance(self) -> bool:  # chunked local attention's virtual batches do not advance
+        return self.kv_cache_spec.attention_chunk_size is None
+
+    def advance_decode(self, metadata, steps, active):
+        """Moves ``seq_lens`` and ``slot_mapping`` (the base class says what it takes); the
+        dense path's prefill group is empty in a decode batch."""
+        seq_lens = metadata.seq_lens + steps
+        num_reqs, num_tokens = seq_lens.shape[0], metadata.slot_mapping.shape[0]
+        rows = jnp.arange(num_tokens)
+        req = jnp.minimum(rows, num_reqs - 1)
+        position = jnp.maximum(seq_lens[req] - 1, 0)
+        block_size = self.kv_cache_spec.block_size
+        page = jnp.take_along_axis(metadata.block_tables[req], (position // block_size)[:, None], axis=1)[:, 0]
+        write = (rows < num_reqs) & active[req] & (metadata.slot_mapping >= 0)
+        slot_mapping = jnp.where(write, page * block_size + position % block_size, -1).astype(jnp.int32)
+        return dataclasses.replace(metadata, seq_lens=seq_lens.astype(jnp.int32), slot_mapping=slot_mapping)
+
     def _build_local(self, md: CommonAttentionMetadata, chunk: int) -> XLAAttentionMetadata:
         host = (md.query_start_loc_cpu, md.seq_lens_cpu, md.block_table_tensor)
         if not is_concrete(*host):

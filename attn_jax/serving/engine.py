@@ -16,6 +16,13 @@ reach the caller one ``step`` late. Stop tokens and max lengths still end reques
 exactly: a request whose last token is pending is not scheduled again, and a token
 computed after its request stopped at EOS is dropped.
 
+Multi-step decoding (``num_scheduler_steps`` K > 1, vLLM's multi-step scheduling): when a
+step holds decodes only and no request waits to be admitted, one call runs K decode steps
+on the device (a ``lax.scan``; each step's metadata is the first's moved on by the
+backend's ``advance_decode``), so the host's scheduling and the call's dispatch are paid
+once per K tokens. A request with fewer than K tokens left stops writing after its last;
+tokens after EOS are dropped; tokens reach the caller K at a time.
+
 Example::
 
     engine = Engine.from_gguf()                       # the embedded SmolLM2-135M-Instruct
@@ -91,6 +98,7 @@ class StepStats:
     num_prefill_tokens: int  # tokens of requests with more than one new token
     num_decode_tokens: int
     num_sampled: int
+    num_steps: int  # decode steps the call ran (``num_scheduler_steps`` in a multi-step decode, else 1)
     token_bucket: int
     host_seconds: float  # scheduling + metadata + packing before the device call
     dispatch_seconds: float  # the jitted call's return (enqueueing the step, not running it)
@@ -102,8 +110,8 @@ class StepStats:
 class _InFlight:
     """A dispatched step whose sampled tokens are not read back yet."""
 
-    tokens: jax.Array  # i32[R_max] (or [data, R_max]): each request row's sampled token
-    sampled: list[tuple[int, int, Request]]  # (data shard, row, request) of each sampled token
+    tokens: jax.Array  # i32[K, R_max] (or [data, K, R_max]): each step's and request row's sampled token
+    sampled: list[tuple[int, int, int, Request]]  # (data shard, step, row, request) of each sampled token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +179,9 @@ class Engine:
         shard); requests beyond it wait, are preempted, or are refused when alone too big.
       async_scheduling: dispatch each step before reading back the last one's tokens
         (the module docstring says how); False: each ``step`` returns its own tokens.
+      num_scheduler_steps: decode steps per call when a step holds decodes only (the
+        module docstring says when); 1: one step per call. Backends whose metadata cannot
+        advance on the device (``supports_decode_advance``) run one.
     """
 
     def __init__(
@@ -188,6 +199,7 @@ class Engine:
         buckets: MetadataBuckets | None = None,
         kv_cache_bytes: int = 256 << 20,
         async_scheduling: bool = True,
+        num_scheduler_steps: int = 1,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -225,6 +237,7 @@ class Engine:
                 raise ValueError(f"buckets.{name} ends at {largest}, below the engine's limit {limit}")
         self.buckets = buckets
         self.async_scheduling = bool(async_scheduling)
+        self.num_scheduler_steps = validate_positive_int("num_scheduler_steps", num_scheduler_steps)
         self.eos_token_ids = set(config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
@@ -239,7 +252,7 @@ class Engine:
         if self._sharded is None:
             self.params = jax.device_put(params)
             self.kv_caches = model.init_kv_caches(self.num_blocks)
-            self._jit_step = jax.jit(self._device_step, donate_argnums=1, static_argnums=(4, 5))
+            self._jit_step = jax.jit(self._device_step, donate_argnums=1, static_argnums=(4, 5, 6))
             self._last_tokens = jnp.zeros(self._max_rows, jnp.int32)
         else:
             self.params = self._sharded.put_params(params)
@@ -410,21 +423,52 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
 
-    def _device_step(self, params, kv_caches, last_tokens, packed, layout: PackedLayout, num_candidates: int):
-        """Traced once per (bucket, sampling mode): forward, then sampling.
+    def _device_step(
+        self, params, kv_caches, last_tokens, packed, layout: PackedLayout, num_candidates: int, num_steps: int
+    ):
+        """Traced once per (bucket, sampling mode, steps): forward and sampling, ``num_steps``
+        times (the later steps decodes only, each request's input its previous token).
 
-        ``last_tokens`` i32[R_max] are the previous step's sampled tokens (still on the
+        ``last_tokens`` i32[R_max] are the previous call's last sampled tokens (still on the
         device); rows whose ``token_src`` is >= 0 take their input token from there.
-        Returns (i32[R_max] sampled tokens, caches)."""
+        Returns (i32[num_steps, R_max] sampled tokens, i32[R_max] each row's last sampled
+        token, caches)."""
         self.num_compilations += 1
         x = unpack(packed, layout)
+        s, md = x["sampling"], x["md"]
+        num_rows = x["logits_rows"].shape[0]
+
+        def forward(kv_caches, token_ids, positions, md, counters):
+            logits, kv_caches = self.model.step(params, kv_caches, token_ids, positions, md, x["logits_rows"])
+            tokens = sample_tokens(
+                logits, s["temperature"], s["top_p"], s["top_k"], s["seeds"], counters, num_candidates=num_candidates
+            )
+            return jnp.pad(tokens, (0, self._max_rows - num_rows)), kv_caches
+
         token_ids = jnp.where(x["token_src"] >= 0, last_tokens[jnp.maximum(x["token_src"], 0)], x["token_ids"])
-        logits, kv_caches = self.model.step(params, kv_caches, token_ids, x["positions"], x["md"], x["logits_rows"])
-        s = x["sampling"]
-        tokens = sample_tokens(
-            logits, s["temperature"], s["top_p"], s["top_k"], s["seeds"], s["counters"], num_candidates=num_candidates
-        )
-        return jnp.pad(tokens, (0, self._max_rows - tokens.shape[0])), kv_caches
+        tokens, kv_caches = forward(kv_caches, token_ids, x["positions"], md, s["counters"])
+        if num_steps == 1:
+            return tokens[None], tokens, kv_caches
+
+        limits = x["decode_steps"]  # i32[R]: steps each request takes (0 for padding rows)
+        token_rows = jnp.arange(token_ids.shape[0])
+        token_req = jnp.minimum(token_rows, num_rows - 1)  # a decode batch's token r is request r's
+        builder = self.model.attn.metadata_builder
+
+        def decode(carry, step):
+            kv_caches, last = carry
+            steps = jnp.clip(jnp.minimum(step, limits - 1), 0)
+            active = step < limits
+            token_ids = last[jnp.minimum(token_rows, self._max_rows - 1)]
+            positions = x["positions"] + jnp.where(token_rows < num_rows, steps[token_req], 0)
+            new, kv_caches = forward(
+                kv_caches, token_ids, positions, builder.advance_decode(md, steps, active), s["counters"] + steps
+            )
+            last = jnp.where(jnp.pad(active, (0, self._max_rows - num_rows)), new, last)
+            return (kv_caches, last), new
+
+        (kv_caches, last), later = jax.lax.scan(decode, (kv_caches, tokens), jnp.arange(1, num_steps))
+        return jnp.concatenate([tokens[None], later]), last, kv_caches
 
     @staticmethod
     def _request_row(request: Request, num_new: int, rows_of_pending: dict[int, int]) -> tuple:
@@ -444,10 +488,13 @@ class Engine:
                 raise OverflowError(f"{name}={value} does not fit the step's arrays: it must be in [0, {limit})")
         return known, src, (p.temperature, p.top_p, p.top_k, request.seed, request.num_generated)
 
-    def _host_inputs(self, batch: ScheduledBatch, rows: dict[int, tuple], buckets, step_query_lens) -> dict:
+    def _host_inputs(
+        self, batch: ScheduledBatch, rows: dict[int, tuple], buckets, step_query_lens, decode_steps: list[int]
+    ) -> dict:
         """One shard's batch as a tree of NumPy arrays, padded to ``buckets`` (tokens,
-        requests, pages per request); ``rows`` holds each request's ``_request_row``.
-        Built column by column (one NumPy call per array, not per request)."""
+        requests, pages per request); ``rows`` holds each request's ``_request_row`` and
+        ``decode_steps`` its steps in this call. Built column by column (one NumPy call per
+        array, not per request)."""
         token_bucket, req_bucket, page_bucket = buckets
         reqs = batch.requests
         n = len(reqs)
@@ -470,6 +517,8 @@ class Engine:
         )
         logits_rows = np.zeros(req_bucket, np.int32)
         logits_rows[:n] = ends - 1
+        steps = np.zeros(req_bucket, np.int32)
+        steps[:n] = decode_steps
         columns = np.zeros((5, req_bucket), np.float64)  # exact for every value in range
         columns[1] = 1.0
         columns[:, :n] = np.asarray(values, np.float64).reshape(n, 5).T
@@ -479,6 +528,7 @@ class Engine:
         md = self.model.attn.metadata_builder.build_for_jit(md, step_query_lens=step_query_lens)
         return dict(
             token_ids=token_ids, token_src=token_src, positions=positions, md=md, logits_rows=logits_rows,
+            decode_steps=steps,
             sampling=dict(
                 temperature=columns[0].astype(np.float32), top_p=columns[1].astype(np.float32),
                 top_k=columns[2].astype(np.int32), seeds=columns[3].astype(np.uint32),
@@ -494,15 +544,16 @@ class Engine:
         self.schedulers[shard].finish(request, "error", message)
         return TokenEvent(request.request_id, -1, "", True, "error", message)
 
-    def _schedule(self, events: list[TokenEvent]) -> tuple[list[ScheduledBatch], list] | None:
-        """Each shard's next batch and its host inputs (a request whose inputs cannot be
-        built fails alone, with an event in ``events``); None when there is no work."""
+    def _schedule(self, events: list[TokenEvent]) -> tuple[list[ScheduledBatch], list, list, int] | None:
+        """Each shard's next batch, its host inputs and its requests' decode steps, and the
+        call's step count (a request whose inputs cannot be built fails alone, with an
+        event in ``events``); None when there is no work."""
         batches = [s.schedule() for s in self.schedulers]
         if not any(b.requests for b in batches):
             return None
         rows_of_pending = {}
         if self._in_flight is not None:
-            rows_of_pending = {id(r): row for _, row, r in self._in_flight.sampled}
+            rows_of_pending = {id(r): row for _, _, row, r in self._in_flight.sampled}
         rows = {}
         for shard, batch in enumerate(batches):
             for i in reversed(range(len(batch.requests))):
@@ -514,6 +565,7 @@ class Engine:
                     del batch.requests[i], batch.num_new[i]
         if not any(b.requests for b in batches):
             return None
+        steps, num_steps = self._decode_steps(batches)
         fits = MetadataBuckets.fit
         token_bucket = fits(self.buckets.token_buckets, max(b.num_tokens for b in batches), "num_tokens")
         req_bucket = fits(self.buckets.request_buckets, max(len(b.requests) for b in batches), "num_reqs")
@@ -521,8 +573,31 @@ class Engine:
         page_bucket = fits(self.buckets.blocks_per_request_buckets, pages, "blocks per request")
         step_query_lens = np.concatenate([np.asarray(b.num_new, np.int32) for b in batches])
         buckets = (token_bucket, req_bucket, page_bucket)
-        inputs = [self._host_inputs(b, rows, buckets, step_query_lens) for b in batches]
-        return batches, inputs
+        inputs = [self._host_inputs(b, rows, buckets, step_query_lens, s) for b, s in zip(batches, steps, strict=True)]
+        return batches, inputs, steps, num_steps
+
+    def _decode_steps(self, batches: list[ScheduledBatch]) -> tuple[list[list[int]], int]:
+        """Each request's steps in this call and the call's step count: a multi-step decode
+        (``reserve_decode_steps``) when every shard's batch holds decodes only, no request
+        could be admitted instead, the backend advances its metadata, and the pages are
+        free; else one step (0 for a prefill chunk that samples nothing)."""
+        k = self.num_scheduler_steps
+        multi = (
+            k > 1
+            and self.model.attn.metadata_builder.supports_decode_advance
+            and all(
+                n == 1 and r.num_computed + 1 == r.num_tokens
+                for b in batches
+                for r, n in zip(b.requests, b.num_new, strict=True)
+            )
+            and all(not s.waiting or len(s.running) >= s.max_num_seqs for s in self.schedulers)
+        )
+        if multi:
+            steps = [s.reserve_decode_steps(b, k) for s, b in zip(self.schedulers, batches, strict=True)]
+            if all(x is not None for x in steps):
+                return steps, k
+        one = [[int(r.num_computed + n == r.num_tokens) for r, n in zip(b.requests, b.num_new, strict=True)] for b in batches]
+        return one, 1
 
     def step(self) -> list[TokenEvent]:
         """Schedules and dispatches one batch and returns the tokens that have become
@@ -536,7 +611,7 @@ class Engine:
             events += self._resolve(self._in_flight)
             self._in_flight = None
             return events
-        batches, inputs = scheduled
+        batches, inputs, steps, num_steps = scheduled
         compilations = self.num_compilations
         packed = [pack(x) for x in inputs]
         layout = packed[0][1]
@@ -546,30 +621,30 @@ class Engine:
         num_candidates = num_candidates_for(temps, top_p, top_k, self.model.config.vocab_size)
         host_done = time.perf_counter()
         if self._sharded is None:
-            tokens, self.kv_caches = self._jit_step(
-                self.params, self.kv_caches, self._last_tokens, packed[0][0], layout, num_candidates
+            tokens, self._last_tokens, self.kv_caches = self._jit_step(
+                self.params, self.kv_caches, self._last_tokens, packed[0][0], layout, num_candidates, num_steps
             )
         else:
-            tokens, self.kv_caches = self._sharded.run(
-                self._jit_step, self.params, self.kv_caches, self._last_tokens, packed, num_candidates
+            tokens, self._last_tokens, self.kv_caches = self._sharded.run(
+                self._jit_step, self.params, self.kv_caches, self._last_tokens, packed, num_candidates, num_steps
             )
         dispatched_at = time.perf_counter()
         tokens.copy_to_host_async()
-        self._last_tokens = tokens
-        dispatched = self._account(batches, tokens)
+        dispatched = self._account(batches, steps, tokens)
         if self.async_scheduling:
             events += self._resolve(self._in_flight)
             self._in_flight = dispatched
         else:
             events += self._resolve(dispatched)
         num_prefill = sum(n for b in batches for n in b.num_new if n > 1)
-        num_decode = sum(n for b in batches for n in b.num_new if n == 1)
+        num_decode = sum(k for b, ks in zip(batches, steps, strict=True) for n, k in zip(b.num_new, ks) if n == 1)
         self.stats.append(
             StepStats(
                 num_requests=sum(len(b.requests) for b in batches),
                 num_prefill_tokens=num_prefill,
                 num_decode_tokens=num_decode,
                 num_sampled=len(dispatched.sampled),
+                num_steps=num_steps,
                 token_bucket=inputs[0]["token_ids"].shape[0],
                 host_seconds=host_done - start,
                 dispatch_seconds=dispatched_at - host_done,
@@ -579,32 +654,31 @@ class Engine:
         )
         return events
 
-    def _account(self, batches: list[ScheduledBatch], tokens) -> _InFlight:
-        """Advances the host's view of a dispatched step: computed tokens, and a pending
-        token for each request that samples in it."""
+    def _account(self, batches: list[ScheduledBatch], steps: list[list[int]], tokens) -> _InFlight:
+        """Advances the host's view of a dispatched call: computed tokens, and a pending
+        token for each token a request samples in it (``steps``: each request's count)."""
         sampled = []
-        for shard, batch in enumerate(batches):
-            for row, (request, n) in enumerate(zip(batch.requests, batch.num_new, strict=True)):
-                request.num_computed += n
-                if request.num_computed == request.num_tokens:  # not a prefill chunk with more to come
-                    request.num_pending += 1
-                    sampled.append((shard, row, request))
+        for shard, (batch, counts) in enumerate(zip(batches, steps, strict=True)):
+            for row, (request, n, k) in enumerate(zip(batch.requests, batch.num_new, counts, strict=True)):
+                request.num_computed += n + max(k - 1, 0)  # a multi-step decode computes k tokens
+                request.num_pending += k
+                sampled += [(shard, step, row, request) for step in range(k)]
         return _InFlight(tokens, sampled)
 
     def _resolve(self, step: _InFlight | None) -> list[TokenEvent]:
-        """Reads a dispatched step's tokens back and appends them (EOS and length end
+        """Reads a dispatched call's tokens back and appends them (EOS and length end
         requests); tokens of requests that ended meanwhile are dropped."""
         if step is None or not step.sampled:
             return []
         tokens = np.asarray(step.tokens)
-        tokens = tokens[None] if tokens.ndim == 1 else tokens
+        tokens = tokens[None] if tokens.ndim == 2 else tokens
         events = []
-        for shard, row, request in step.sampled:
+        for shard, k, row, request in step.sampled:
             if request.status is RequestStatus.FINISHED:
-                continue  # stopped (EOS), aborted or failed after this step was dispatched
+                continue  # stopped (EOS), aborted or failed after this call was dispatched
             request.num_pending -= 1
             try:
-                events.append(self._append_token(shard, request, int(tokens[shard, row])))
+                events.append(self._append_token(shard, request, int(tokens[shard, k, row])))
             except Exception as e:  # e.g. the tokenizer fails on this request alone
                 events.append(self._fail(shard, request, e))
         return events

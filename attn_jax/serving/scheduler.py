@@ -89,8 +89,9 @@ class Request:
     finish_reason: str | None = None  # "stop" (EOS) | "length" (max_new_tokens) | "abort" | "error"
     error: str | None = None  # why the request failed (finish_reason "error")
     num_preemptions: int = 0
-    # Tokens sampled on the device but not read back yet (asynchronous scheduling: at most
-    # one, the last token; the next step takes its value from the device).
+    # Tokens sampled on the device but not read back yet (asynchronous scheduling: the last
+    # call's, one or a multi-step decode's; the next step takes the last one's value from
+    # the device).
     num_pending: int = 0
 
     @property
@@ -236,6 +237,18 @@ class Scheduler:
             num_new.append(n)
             budget -= n
         return ScheduledBatch(scheduled, num_new, preempted)
+
+    def reserve_decode_steps(self, batch: ScheduledBatch, num_steps: int) -> list[int] | None:
+        """Pages for a multi-step decode of ``batch`` (decodes only): each request's steps
+        (``num_steps``, or fewer when it has fewer tokens left), with the pages for them
+        allocated; None, with nothing allocated, when the free pages do not suffice."""
+        steps = [min(num_steps, r.params.max_new_tokens - r.num_generated) for r in batch.requests]
+        needs = [self._pages_needed(r, n) for r, n in zip(batch.requests, steps, strict=True)]
+        if not self.allocator.can_allocate(sum(needs)):
+            return None
+        for request, need in zip(batch.requests, needs, strict=True):
+            request.blocks += self.allocator.allocate(need)
+        return steps
 
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:
         """Marks ``request`` (running or waiting) finished and frees its pages."""

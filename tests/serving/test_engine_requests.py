@@ -42,6 +42,9 @@ def reference() -> list[list[int]]:
         dict(max_num_seqs=1, max_num_batched_tokens=24),
         dict(max_num_seqs=3, max_num_batched_tokens=24, num_blocks=10),  # preempts
         dict(max_num_seqs=5, max_num_batched_tokens=7, num_blocks=10, async_scheduling=False),
+        dict(max_num_seqs=8, max_num_batched_tokens=64, num_scheduler_steps=4),  # multi-step decoding
+        dict(max_num_seqs=3, max_num_batched_tokens=24, num_blocks=10, num_scheduler_steps=4),
+        dict(max_num_seqs=5, max_num_batched_tokens=7, num_scheduler_steps=5, async_scheduling=False),
     ],
     ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()),
 )
@@ -53,12 +56,15 @@ def test_greedy_tokens_do_not_depend_on_the_limits(reference, limits):
 
 def test_asynchronous_steps_stop_at_eos_exactly():
     """A request that samples EOS stops there, though the next step was dispatched before
-    the token was read: the extra token is dropped and its pages freed."""
+    the token was read (or a multi-step decode ran on past it): the extra tokens are
+    dropped and its pages freed."""
     engine = _engine(max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=False)
     free_running = engine.generate(PROMPTS[:3], GREEDY)
     eos = free_running[1].output_ids[2]  # make the second request's third token its EOS
-    for async_scheduling in (False, True):
-        engine = _engine(max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=async_scheduling)
+    for async_scheduling, steps in ((False, 1), (True, 1), (True, 4)):
+        engine = _engine(
+            max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=async_scheduling, num_scheduler_steps=steps
+        )
         engine.eos_token_ids = {eos}
         got = engine.generate(PROMPTS[:3], SamplingParams(max_new_tokens=6))
         want = free_running[1].output_ids[: free_running[1].output_ids.index(eos) + 1]
