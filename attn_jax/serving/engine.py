@@ -596,8 +596,11 @@ class Engine:
             steps = [s.reserve_decode_steps(b, k) for s, b in zip(self.schedulers, batches, strict=True)]
             if all(x is not None for x in steps):
                 return steps, k
-        one = [[int(r.num_computed + n == r.num_tokens) for r, n in zip(b.requests, b.num_new, strict=True)] for b in batches]
-        return one, 1
+        samples = [
+            [int(r.num_computed + n == r.num_tokens) for r, n in zip(b.requests, b.num_new, strict=True)]
+            for b in batches
+        ]
+        return samples, 1
 
     def step(self) -> list[TokenEvent]:
         """Schedules and dispatches one batch and returns the tokens that have become
@@ -637,7 +640,9 @@ class Engine:
         else:
             events += self._resolve(dispatched)
         num_prefill = sum(n for b in batches for n in b.num_new if n > 1)
-        num_decode = sum(k for b, ks in zip(batches, steps, strict=True) for n, k in zip(b.num_new, ks) if n == 1)
+        num_decode = sum(
+            k for b, ks in zip(batches, steps, strict=True) for n, k in zip(b.num_new, ks, strict=True) if n == 1
+        )
         self.stats.append(
             StepStats(
                 num_requests=sum(len(b.requests) for b in batches),

@@ -31,7 +31,9 @@ def _decode_metadata(builder, seq_lens, block_table):
     """``build_for_jit`` of a decode batch (one new token per request), bucket-padded."""
     n = len(seq_lens)
     buckets = MetadataBuckets((16,), (4,), (block_table.shape[1],))
-    md = build_common_attn_metadata(np.ones(n, np.int32), np.asarray(seq_lens, np.int32), block_table, BLOCK_SIZE, buckets)
+    md = build_common_attn_metadata(
+        np.ones(n, np.int32), np.asarray(seq_lens, np.int32), block_table, BLOCK_SIZE, buckets
+    )
     return builder.build_for_jit(md)
 
 
@@ -43,7 +45,9 @@ def test_advance_decode_equals_building_the_later_batch(backend):
     seq_lens = np.array([5, 17, 33])
     steps, active = np.array([3, 0, 2]), np.array([True, False, True])
     moved = builder.advance_decode(
-        _decode_metadata(builder, seq_lens, block_table), jnp.asarray(np.pad(steps, (0, 1))), jnp.asarray(np.pad(active, (0, 1)))
+        _decode_metadata(builder, seq_lens, block_table),
+        jnp.asarray(np.pad(steps, (0, 1))),
+        jnp.asarray(np.pad(active, (0, 1))),
     )
     fresh = _decode_metadata(builder, seq_lens + steps, block_table)
     np.testing.assert_array_equal(moved.seq_lens, fresh.seq_lens)
@@ -52,6 +56,7 @@ def test_advance_decode_equals_building_the_later_batch(backend):
     want_slots = np.where(np.arange(16) == 1, -1, np.asarray(fresh.slot_mapping))  # request 1 writes nothing
     np.testing.assert_array_equal(moved.slot_mapping, want_slots)
     if hasattr(fresh, "schedule"):  # the GPU schedule's q-blocks may come in another order
+
         def columns(schedule):
             return sorted(map(tuple, np.asarray(schedule).reshape(-1, np.shape(schedule)[-1]).T.tolist()))
 
@@ -73,7 +78,12 @@ def test_tokens_do_not_depend_on_the_steps_per_call(backend):
     runs = {}
     for steps in (1, 3):
         engine = Engine(
-            _model(backend), params, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=48, num_scheduler_steps=steps
+            _model(backend),
+            params,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            max_model_len=48,
+            num_scheduler_steps=steps,
         )
         runs[steps] = [c.output_ids for c in engine.generate(prompts, sps)]
         decode_calls = {s.num_steps for s in engine.stats if not s.num_prefill_tokens}
