@@ -95,6 +95,10 @@ MAX_MODEL_LEN = 2048
 WARMUP_TOKENS = 2
 """New tokens per request of the warm-up generation: a prefill step and a decode step."""
 
+NUM_SCHEDULER_STEPS = 8
+"""Decode steps per device call in ``attn-stack generate`` (the engine's multi-step
+decoding): on an H100 it took SmolLM2 at batch 1 from 635 to 1093 tokens/s (BENCHMARKS.md)."""
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -135,6 +139,10 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens", type=_positive_int, default=256,
         help="token budget per step; longer prompts are prefilled in chunks (default: 256)",
     )  # fmt: skip
+    parser.add_argument(
+        "--num-scheduler-steps", type=_positive_int, default=NUM_SCHEDULER_STEPS,
+        help=f"decode steps per device call once every request decodes (default: {NUM_SCHEDULER_STEPS})",
+    )  # fmt: skip
 
 
 def _throughput(stats) -> dict:
@@ -151,7 +159,6 @@ def _throughput(stats) -> dict:
         "prefill_tokens": sum(s.num_prefill_tokens for s in stats),
         "prefill_tokens_per_s": sum(s.num_prefill_tokens for s in prefill) / prefill_s if prefill_s else None,
         "decode_tokens_per_s": sum(s.num_decode_tokens for s in decode) / decode_s if decode_s else None,
-        "generated_tokens": sum(s.num_sampled for s in stats),
         "steps": len(stats),
         "mean_host_ms_per_step": 1e3 * sum(s.host_seconds for s in stats) / len(stats) if stats else None,
     }
@@ -302,7 +309,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 engine = Engine.from_gguf(
                     args.model, devices=args.devices if args.devices > 1 else None, progress=on_load,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_model_len=MAX_MODEL_LEN, seed=args.seed,
+                    max_model_len=MAX_MODEL_LEN, seed=args.seed, num_scheduler_steps=args.num_scheduler_steps,
                 )  # fmt: skip
                 report = explain_attn_backend_selection(
                     engine.model.config.head_dim, engine.model.dtype, block_size=engine.block_size
@@ -330,6 +337,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     completions = [engine.completion(i) for i in ids]
     stats = _throughput(engine.stats[warm_steps:])
+    stats["generated_tokens"] = sum(len(c.output_ids) for c in completions)  # not those computed past EOS
     stats["wall_seconds"] = wall
     stats["compilations_in_warmup"] = compilations
     stats["compilations_after_warmup"] = engine.num_compilations - compilations
