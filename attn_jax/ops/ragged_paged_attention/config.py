@@ -139,8 +139,9 @@ def gpu_block_sizes(
     The heuristic packs 16 rows per q-block for decode (one token times the head group,
     padded to a power of two) and 64 for mixed batches, with tiles of 64 keys. A decode
     bucket whose ``num_reqs * num_kv_heads`` programs would not fill ``2 * num_sms`` splits
-    the KV range (flash-decoding) as long as each split keeps at least 4 tiles. A tuned
-    entry may set any field, ``num_kv_splits`` included.
+    the KV range (flash-decoding) as long as each split keeps at least 4 tiles; an
+    unsplit decode program gets 8 warps, every other 4. A tuned entry may set any field,
+    ``num_kv_splits`` and ``num_warps`` included.
     """
     if mode not in GPU_MODES:
         raise ValueError(f"mode={mode!r} is not one of {list(GPU_MODES)}")
@@ -148,7 +149,6 @@ def gpu_block_sizes(
     fields: dict[str, int] = {
         "block_q": max((16 if decode_only else 64) // next_pow2(group), 1),
         "pages_per_tile": max(64 // page_size, 1),
-        "num_warps": 4,
         "num_stages": 2,
     }
     table = tuned_table_for("gpu_", device_kind)
@@ -161,6 +161,8 @@ def gpu_block_sizes(
         max_tiles = -(-pages_per_req * page_size // (fields["pages_per_tile"] * page_size))
         programs = num_reqs * num_kv_heads
         fields["num_kv_splits"] = max(1, min((2 * num_sms) // programs, max_tiles // 4)) if decode_only else 1
+    if "num_warps" not in fields:  # an unsplit decode program streams a whole KV range: more loads in flight
+        fields["num_warps"] = 8 if decode_only and fields["num_kv_splits"] == 1 else 4
     bs = GpuBlockSizes(**fields)
     check_block_sizes(bs, group=group, page_size=page_size)
     return bs
