@@ -16,8 +16,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, prompt_len: int, kv_cach
     parser.add_argument("--backend", default=None, help="force a backend (XLA, PALLAS_GPU); default: selected")
     parser.add_argument("--kv-cache-gib", type=int, default=kv_cache_gib)
     parser.add_argument(
-        "--num-scheduler-steps", type=int, default=1, help="decode steps per engine call (multi-step decoding)"
-    )
+        "--num-scheduler-steps", type=int, nargs="+", default=[1],
+        help="decode steps per engine call (multi-step decoding); several values: a run for each",
+    )  # fmt: skip
 
 
 def parse_engine_args(parser: argparse.ArgumentParser) -> argparse.Namespace:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import itertools
 import json
 import re
 import tempfile
@@ -139,10 +140,10 @@ def device_only_step_ms(engine, steps: int) -> dict[str, float]:
     return out
 
 
-def profile_batch(config, params, batch: int, args, backend, mesh=None) -> dict:
+def profile_batch(config, params, batch: int, args, backend, mesh=None, num_scheduler_steps: int = 1) -> dict:
     local = {} if mesh is None else local_model_kwargs(config, mesh)
     model = LlamaModel(config, block_size=args.block_size, attn_backend=backend, dtype=args.dtype, **local)
-    k = args.num_scheduler_steps  # decode steps per engine call
+    k = num_scheduler_steps  # decode steps per engine call
     new_tokens = k * (args.warmup_steps + 3 * args.steps) + 4  # warm-up, traced, untraced, device-only
     engine = Engine(
         model, params, mesh=mesh, max_num_seqs=batch, max_num_batched_tokens=max(args.prompt_len * batch, 16),
@@ -201,12 +202,13 @@ def main() -> None:
     params = random_params(config, args.dtype)
     backend = args.attn_backend
     runs = []
-    for batch in args.batch:
-        r = profile_batch(config, params, batch, args, backend)
+    for batch, k in itertools.product(args.batch, args.num_scheduler_steps):
+        r = profile_batch(config, params, batch, args, backend, num_scheduler_steps=k)
         runs.append(r)
         d = r["device"]
         print(
-            f"batch {batch} [{r['backend']}]: step {r['step_ms']:.3f} ms ({r['tokens_per_s']:.0f} tok/s), "
+            f"batch {batch} [{r['backend']}, {k} steps/call]: step {r['step_ms']:.3f} ms "
+            f"({r['tokens_per_s']:.0f} tok/s), "
             f"host {r['host_ms_median']:.3f} ms, dispatch {r['dispatch_ms_median']:.3f} ms, "
             f"back-to-back steps {r['device_only_step_ms']} ms, device busy {d.get('busy_us_per_step', 0):.0f} us, "
             f"span {d.get('span_us_per_step', 0):.0f} us, gaps {d.get('gap_us_per_step', 0):.0f} us",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import platform
 import time
 
@@ -52,14 +53,15 @@ def prompts_for(config, batch: int, prompt_len: int) -> list[list[int]]:
     return [rng.integers(3, config.vocab_size, prompt_len).tolist() for _ in range(batch)]
 
 
-def run_engine(config, params, batch: int, args, backend, mesh=None) -> dict:
-    """The engine's tokens/s on ``prompts_for(config, batch)`` (``mesh``: sharded)."""
+def run_engine(config, params, batch: int, args, backend, mesh=None, num_scheduler_steps: int = 1) -> dict:
+    """The engine's tokens/s on ``prompts_for(config, batch)`` (``mesh``: sharded), with
+    ``num_scheduler_steps`` decode steps per call."""
     local = {} if mesh is None else local_model_kwargs(config, mesh)
     model = LlamaModel(config, block_size=args.block_size, attn_backend=backend, dtype=args.dtype, **local)
     engine = Engine(
         model, params, mesh=mesh, max_num_seqs=batch, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.prompt_len + args.new_tokens, kv_cache_bytes=args.kv_cache_gib << 30,
-        num_scheduler_steps=args.num_scheduler_steps,
+        num_scheduler_steps=num_scheduler_steps,
     )  # fmt: skip
     prompts = prompts_for(config, batch, args.prompt_len)
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -80,7 +82,7 @@ def run_engine(config, params, batch: int, args, backend, mesh=None) -> dict:
         "seconds": wall,
         "tokens_per_s": tokens / wall,
         "decode_tokens_per_s": sum(s.num_decode_tokens for s in decode) / sum(s.seconds for s in decode),
-        "num_scheduler_steps": args.num_scheduler_steps,
+        "num_scheduler_steps": num_scheduler_steps,
         "steps": len(stats),
         "host_ms_per_step_median": 1e3 * float(np.median([s.host_seconds for s in stats])),
         # per decode step: a multi-step call's time over its steps
@@ -160,11 +162,11 @@ def main() -> None:
         params = random_params(config, args.dtype)
         floor_ms = 1e3 * weight_bytes(params) / bandwidth
         runs = []
-        for batch in args.batch:
-            r = run_engine(config, params, batch, args, backend)
+        for batch, k in itertools.product(args.batch, args.num_scheduler_steps):
+            r = run_engine(config, params, batch, args, backend, num_scheduler_steps=k)
             runs.append(r)
             print(
-                f"{name} batch {batch:3d} [{r['backend']}]: {r['tokens_per_s']:9.1f} tokens/s "
+                f"{name} batch {batch:3d} [{r['backend']}, {k} steps/call]: {r['tokens_per_s']:9.1f} tokens/s "
                 f"(decode {r['decode_tokens_per_s']:9.1f}), decode step {r['decode_step_ms_median']:.3f} ms "
                 f"(weight-read floor {floor_ms:.3f} ms), host {r['host_ms_per_step_median']:.3f} ms/step, "
                 f"{r['compilations_after_warmup']} compilations after warm-up",

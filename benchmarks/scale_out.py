@@ -5,12 +5,15 @@ The 8-layer Llama-3-8B shape (``--model``) on random weights, ``--prompt-len`` p
 ``--new-tokens`` greedy tokens (EOS ignored), through the public serving API
 (``make_mesh`` + ``Engine(mesh=...)``). For each mesh that fits the devices present:
 
-- tokens/s and the decode step at each batch (``generate_gpu.run_engine``);
-- a CUPTI trace of decode steps at the first batch (``engine_step_profile``): kernel time
-  per category per device, collectives included, and the launch gaps;
-- with ``--check-tokens``, the greedy tokens of each mesh against one device's in float32.
+- tokens/s and the decode step at each batch and each ``--num-scheduler-steps`` value
+  (``generate_gpu.run_engine``);
+- a CUPTI trace of decode steps at the first batch with the last steps value
+  (``engine_step_profile``): kernel time per category per device, collectives included,
+  and the launch gaps;
+- with ``--check-tokens``, the greedy tokens of each mesh against one device's in float32
+  (the last steps value).
 
-    python benchmarks/scale_out.py --write                 # 2 GPUs: 1 GPU, TP=2, DP=2
+    python benchmarks/scale_out.py --num-scheduler-steps 1 8 --check-tokens --write   # 2 GPUs: 1 GPU, TP=2, DP=2
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/scale_out.py \\
         --model smollm2-135m --batch 1 --new-tokens 4 --prompt-len 8 --dtype float32
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import platform
 
 import jax
@@ -39,12 +43,16 @@ MESHES = {"1 device": (1, 1), "TP=2": (1, 2), "DP=2": (2, 1)}  # (data, model)
 
 
 def greedy_tokens(config, params, mesh, args) -> list[list[int]]:
-    """Greedy tokens of a few prompts in float32 on ``mesh`` (None: one device)."""
+    """Greedy tokens of a few prompts in float32 on ``mesh`` (None: one device), with the
+    last ``--num-scheduler-steps``."""
     from attn_jax.models.llama import LlamaModel
 
     local = {} if mesh is None else local_model_kwargs(config, mesh)
     model = LlamaModel(config, block_size=args.block_size, dtype=jnp.float32, **local)
-    engine = Engine(model, params, mesh=mesh, max_num_seqs=4, max_model_len=args.prompt_len + 32)
+    engine = Engine(
+        model, params, mesh=mesh, max_num_seqs=4, max_model_len=args.prompt_len + 32,
+        num_scheduler_steps=args.num_scheduler_steps[-1],
+    )  # fmt: skip
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, config.vocab_size, args.prompt_len).tolist() for _ in range(4)]
     return [c.output_ids for c in engine.generate(prompts, SamplingParams(max_new_tokens=32, ignore_eos=True))]
@@ -73,16 +81,17 @@ def main() -> None:
             continue
         mesh = None if data * model_axis == 1 else make_mesh(data * model_axis, model_parallel=model_axis)
         entry = {"mesh": name, "data": data, "model": model_axis, "runs": []}
-        for batch in args.batch:
-            r = run_engine(config, params, batch, args, backend, mesh=mesh)
+        for batch, k in itertools.product(args.batch, args.num_scheduler_steps):
+            r = run_engine(config, params, batch, args, backend, mesh=mesh, num_scheduler_steps=k)
             entry["runs"].append(r)
             print(
-                f"{name} batch {batch:3d}: {r['tokens_per_s']:9.1f} tokens/s, decode step "
+                f"{name} batch {batch:3d}, {k} steps/call: {r['tokens_per_s']:9.1f} tokens/s, decode step "
                 f"{r['decode_step_ms_median']:.3f} ms, host {r['host_ms_per_step_median']:.3f} ms",
                 flush=True,
             )
         if args.steps:
-            profile = profile_batch(config, params, args.batch[0], args, backend, mesh=mesh)
+            k = args.num_scheduler_steps[-1]
+            profile = profile_batch(config, params, args.batch[0], args, backend, mesh=mesh, num_scheduler_steps=k)
             entry["profile"] = profile
             per_step = profile["device"].get("per_step_us", {})
             print(f"{name} batch {args.batch[0]} profile (us per step and device): {per_step}", flush=True)
