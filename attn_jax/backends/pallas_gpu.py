@@ -1,10 +1,10 @@
 """The Pallas GPU backend: ragged paged attention as Pallas kernels (kernel_gpu.py, kernel_mgpu.py).
 
-One Triton-lowered kernel serves every batch; on Hopper GPUs, opt-in (``MGPU_PREFILL_ENV``),
-the long prefill requests of a batch run in a Mosaic GPU kernel instead (TMA, warpgroup MMA; ``kernel_mgpu``) when the
-layer's configuration allows it (causal, no window / soft cap / ALiBi / sinks, 16-bit
-activations and cache, head size 64 or 128), and new keys and values are written by a
-Pallas kernel (``kv_write``).
+One Triton-lowered kernel serves every batch; on Hopper GPUs (unless ``MGPU_PREFILL_ENV``
+is 0) the long prefill requests of a batch run in a Mosaic GPU kernel instead (TMA,
+warpgroup MMA; ``kernel_mgpu``) when the layer's configuration allows it (causal, no
+window / soft cap / ALiBi / sinks, 16-bit activations and cache, head size 64 or 128),
+and new keys and values are written by a Pallas kernel (``kv_write``).
 
 The default on GPU platforms. Forced where no GPU exists (``global_force_attn_backend``
 or ``ATTN_STACK_BACKEND=PALLAS_GPU``), it runs the same kernel in the Pallas interpreter
@@ -80,11 +80,12 @@ def mgpu_split(
 
 
 MGPU_PREFILL_ENV = "ATTN_STACK_MGPU_PREFILL"
-"""``1`` turns the Mosaic GPU prefill split on in ``PallasGPUMetadataBuilder`` (read when a
-builder is made). Off by default: inside the serving engine's step it ran (once the step's
-packed inputs were 256-byte aligned, which the Mosaic GPU custom call needs) but was not
-faster than the Triton kernel there, and its greedy tokens in bf16 agreed 72 % with the
-Triton run's on random weights, not yet explained (BENCHMARKS.md, 2026-11-24)."""
+"""``0`` turns the Mosaic GPU prefill split off in ``PallasGPUMetadataBuilder`` (read when a
+builder is made); on by default on Hopper. On the H100 it took P1's attention from 1.81
+to 1.03 ms, and whole prefill steps in the serving engine were as fast or faster (up to
+3x for one 8000-token SmolLM2 prompt; level, within one run's noise, at 4 x 4096 on the
+Llama-3-8B shape); with the real SmolLM2 weights its greedy tokens equal the Triton
+path's in bf16 up to the near-ties bf16 flips on any path (BENCHMARKS.md, 2026-11-24)."""
 
 
 class PallasGPUMetadataBuilder(XLAMetadataBuilder):
@@ -96,8 +97,8 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
     the schedule with jnp and uses the "mixed" block sizes. Block sizes depend only on the
     bucket's shapes and the mode, so a bucket compiles at most three times.
 
-    With ``mgpu_prefill`` (the argument, else ``ATTN_STACK_MGPU_PREFILL=1``; off by default,
-    see ``MGPU_PREFILL_ENV``) on Hopper GPUs (``config.mgpu_prefill_available``), host
+    With ``mgpu_prefill`` (the argument, else on unless ``ATTN_STACK_MGPU_PREFILL=0``, see
+    ``MGPU_PREFILL_ENV``) on Hopper GPUs (``config.mgpu_prefill_available``), host
     metadata of a prefill batch (no decodes) gets the Mosaic GPU split (``mgpu_split``): the kernel then runs the long
     requests in ``kernel_mgpu`` when the layer's configuration allows it
     (``kernel_mgpu.unsupported_reason``) and everything in the Triton kernel otherwise.
@@ -114,7 +115,7 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
             device_kind = platform.device_kind if platform.kind == "gpu" else None
         self.device_kind = device_kind
         if mgpu_prefill is None:  # read once, here at the edge (never under ops/)
-            mgpu_prefill = os.environ.get(MGPU_PREFILL_ENV, "0") == "1"
+            mgpu_prefill = os.environ.get(MGPU_PREFILL_ENV, "1") != "0"
         self.mgpu_prefill = mgpu_prefill and mgpu_prefill_available(device_kind)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
@@ -229,8 +230,8 @@ class PallasGPUAttentionBackend(XLAAttentionBackend):
                 f"prefill batches: the Triton kernel (Mosaic GPU prefill needs Hopper; device {device_kind!r})"
             )
             return lines
-        if os.environ.get(MGPU_PREFILL_ENV, "0") != "1":
-            lines.append(f"prefill batches: the Triton kernel (Mosaic GPU prefill is opt-in: {MGPU_PREFILL_ENV}=1)")
+        if os.environ.get(MGPU_PREFILL_ENV, "1") == "0":
+            lines.append(f"prefill batches: the Triton kernel (Mosaic GPU prefill turned off: {MGPU_PREFILL_ENV}=0)")
             return lines
         reason = kernel_mgpu.unsupported_reason(
             head_size=head_size, page_size=block_size, dtype=dtype, cache_dtype=kv_cache_dtype, causal=causal,

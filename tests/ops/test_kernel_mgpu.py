@@ -111,15 +111,16 @@ def test_builder_splits_long_prefills_on_hopper_only():
     assert a100.build(0, prefill).mgpu_schedule is None
 
 
-def test_mgpu_prefill_is_opt_in(monkeypatch):
+def test_mgpu_prefill_is_on_for_hopper_unless_turned_off(monkeypatch):
     from attn_jax.backends.base import AttentionSpec
     from attn_jax.backends.pallas_gpu import MGPU_PREFILL_ENV, PallasGPUMetadataBuilder
 
     spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=np.dtype(jnp.bfloat16), num_q_heads=4)
     monkeypatch.delenv(MGPU_PREFILL_ENV, raising=False)
-    assert not PallasGPUMetadataBuilder(spec, device_kind="NVIDIA H100 80GB HBM3").mgpu_prefill
-    monkeypatch.setenv(MGPU_PREFILL_ENV, "1")
     assert PallasGPUMetadataBuilder(spec, device_kind="NVIDIA H100 80GB HBM3").mgpu_prefill
+    assert not PallasGPUMetadataBuilder(spec, device_kind="NVIDIA A100-SXM4-80GB").mgpu_prefill
+    monkeypatch.setenv(MGPU_PREFILL_ENV, "0")
+    assert not PallasGPUMetadataBuilder(spec, device_kind="NVIDIA H100 80GB HBM3").mgpu_prefill
 
 
 def test_mgpu_block_sizes_come_from_the_tuned_table_and_validate():
@@ -140,9 +141,9 @@ def test_kernel_plan_names_the_kernel_per_batch_kind(monkeypatch):
     from attn_jax.backends.pallas_gpu import MGPU_PREFILL_ENV
     from attn_jax.backends.pallas_gpu import PallasGPUAttentionBackend as B
 
-    monkeypatch.delenv(MGPU_PREFILL_ENV, raising=False)
-    assert "opt-in" in B.kernel_plan(128, jnp.bfloat16, jnp.bfloat16, 16, "NVIDIA H100 80GB HBM3")[-1]
-    monkeypatch.setenv(MGPU_PREFILL_ENV, "1")
+    monkeypatch.setenv(MGPU_PREFILL_ENV, "0")
+    assert "turned off" in B.kernel_plan(128, jnp.bfloat16, jnp.bfloat16, 16, "NVIDIA H100 80GB HBM3")[-1]
+    monkeypatch.delenv(MGPU_PREFILL_ENV)
     h100 = "NVIDIA H100 80GB HBM3"
     plan = B.kernel_plan(128, jnp.bfloat16, jnp.bfloat16, 16, h100)
     assert "decode and mixed batches: one Triton" in plan[0] and "Mosaic GPU kernel" in plan[-1]

@@ -255,7 +255,7 @@ def ragged_paged_attention(
     the same ``block_q``.
 
     With ``mgpu_schedule`` (``split_schedules``; the metadata builder makes it for
-    prefill batches on Hopper GPUs when ``ATTN_STACK_MGPU_PREFILL=1``) and a
+    prefill batches on Hopper GPUs unless ``ATTN_STACK_MGPU_PREFILL=0``) and a
     configuration ``kernel_mgpu.unsupported_reason`` accepts, the long prefill requests
     run in the Mosaic GPU kernel and the rest of the rows (short requests, the unaligned
     ends, padding: ``rest_schedule``, None when there are none) in this kernel, writing

@@ -4,8 +4,8 @@ The long requests of a prefill batch (each request's 8-aligned span of new token
 it holds at least ``2 * block_q`` of them) run here; short requests, the unaligned rows
 at a span's ends and padding rows stay with the Triton kernel (``kernel_gpu.py``), which
 writes its rows into the same output buffer afterwards. The metadata builder schedules it
-on Hopper when ``ATTN_STACK_MGPU_PREFILL=1`` (``backends/pallas_gpu.py`` says why it is
-opt-in).
+on Hopper unless ``ATTN_STACK_MGPU_PREFILL=0`` (``backends/pallas_gpu.py`` says what was
+measured).
 
 Structure (JAX's ``attention_mgpu.py``, FlashAttention-3 style, adapted to pages):
 
