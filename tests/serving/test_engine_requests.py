@@ -86,11 +86,14 @@ def test_a_failing_request_fails_alone(reference):
     assert engine.schedulers[0].allocator.num_free == engine.num_blocks
 
 
-def test_abort_frees_the_pages_and_the_others_go_on(reference):
-    engine = _engine(max_num_seqs=8, max_num_batched_tokens=64)
+@pytest.mark.parametrize("steps", [1, 3])
+def test_abort_frees_the_pages_and_the_others_go_on(reference, steps):
+    """Aborted while its step is in flight (with 3 steps per call: inside a multi-step decode)."""
+    engine = _engine(max_num_seqs=8, max_num_batched_tokens=64, num_scheduler_steps=steps)
     ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
     engine.step()
     engine.step()
+    assert engine.stats[-1].num_steps == steps
     engine.abort_request(ids[3])
     engine.abort_request(ids[3])  # a finished request: nothing to do
     list(engine.stream())
