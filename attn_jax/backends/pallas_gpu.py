@@ -63,16 +63,27 @@ class PallasGPUAttentionMetadata:
 
 
 def mgpu_split(
-    query_start_loc, seq_lens, *, num_tokens: int, block_q: int, mgpu_bs: kernel_mgpu.MgpuBlockSizes | None = None
-) -> dict:
+    query_start_loc, seq_lens, *, num_tokens: int, block_q: int, mgpu_bs: kernel_mgpu.MgpuBlockSizes | None = None,
+    step_query_lens=None,
+) -> dict:  # fmt: skip
     """Host metadata's Mosaic GPU prefill split as metadata fields, or {} when no request is
     long enough: ``mgpu_schedule``, ``rest_schedule`` (None when the Mosaic GPU kernel
-    serves every row) and ``mgpu_block_sizes``."""
+    serves every row) and ``mgpu_block_sizes``.
+
+    With ``step_query_lens`` (i32[N], the whole step's query lengths when data shards build
+    their metadata separately) the fields follow the step, so every shard has the same
+    structure: present when a request of the step has at least ``tile + 14`` new tokens
+    (an 8-aligned span of a whole tile wherever it starts), with ``rest_schedule`` always
+    there; a shard with no such request gets tiles that are all empty (skipped)."""
     bs = mgpu_bs or kernel_mgpu.MgpuBlockSizes()
+    if step_query_lens is not None and not (np.asarray(step_query_lens) >= bs.tile + 14).any():
+        return {}
     mgpu, rest = kernel_gpu.split_schedules(
         np.asarray(query_start_loc), np.asarray(seq_lens), num_tokens=num_tokens, block_q=block_q, tile=bs.tile,
         xp=np,
     )  # fmt: skip
+    if step_query_lens is not None:
+        return dict(mgpu_schedule=mgpu, rest_schedule=rest, mgpu_block_sizes=bs)
     if not (mgpu[3] > 0).any():
         return {}
     rest_empty = not (rest[2] > rest[1]).any()
@@ -158,8 +169,9 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         if concrete and mode == "prefill" and self.mgpu_prefill:
             mbs = mgpu_block_sizes(head_size=spec.head_size, device_kind=self.device_kind)
             split = mgpu_split(
-                base.query_start_loc, base.seq_lens, num_tokens=num_tokens, block_q=bs.block_q, mgpu_bs=mbs
-            )
+                base.query_start_loc, base.seq_lens, num_tokens=num_tokens, block_q=bs.block_q, mgpu_bs=mbs,
+                step_query_lens=step_query_lens,
+            )  # fmt: skip
         return PallasGPUAttentionMetadata(
             query_start_loc=base.query_start_loc, seq_lens=base.seq_lens, block_tables=base.block_tables,
             slot_mapping=base.slot_mapping, schedule=schedule, block_sizes=bs, **split,

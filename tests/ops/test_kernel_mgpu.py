@@ -111,6 +111,37 @@ def test_builder_splits_long_prefills_on_hopper_only():
     assert a100.build(0, prefill).mgpu_schedule is None
 
 
+def test_data_shards_build_one_split_structure():
+    """A sharded step's shards build their metadata apart: one with a long prompt, one with
+    short ones, one idle. The split follows the whole step, so all three share a structure
+    (a shard without a long request gets empty tiles), and a step without a long request
+    has no split anywhere."""
+    import jax
+
+    from attn_jax.backends.base import AttentionSpec
+    from attn_jax.backends.pallas_gpu import PallasGPUMetadataBuilder
+    from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
+
+    spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=np.dtype(jnp.bfloat16), num_q_heads=4)
+    hopper = PallasGPUMetadataBuilder(spec, device_kind="NVIDIA H100 80GB HBM3", mgpu_prefill=True)
+    buckets = MetadataBuckets((512,), (2,), (32,))
+    tables = np.arange(64, dtype=np.int32).reshape(2, 32)
+    shards = {"long": ([300, 20], [300, 20]), "short": ([40, 9], [40, 9]), "idle": ([], [])}
+
+    def build(query_lens, seq_lens, step):
+        md = build_common_attn_metadata(query_lens, seq_lens, tables[: len(query_lens)], 16, buckets)
+        return hopper.build_for_jit(md, step_query_lens=np.asarray(step, np.int32))
+
+    step = [n for q, _ in shards.values() for n in q]
+    built = {name: build(q, s, step) for name, (q, s) in shards.items()}
+    structures = {name: jax.tree.structure(md) for name, md in built.items()}
+    assert len(set(structures.values())) == 1, structures
+    assert built["long"].mgpu_schedule is not None and (built["long"].mgpu_schedule[3] > 0).any()
+    assert not (built["short"].mgpu_schedule[3] > 0).any(), "no long request here: every tile is empty"
+    short_step = [n for name, (q, _) in shards.items() if name != "long" for n in q]
+    assert build(*shards["short"], short_step).mgpu_schedule is None
+
+
 def test_mgpu_prefill_is_on_for_hopper_unless_turned_off(monkeypatch):
     from attn_jax.backends.base import AttentionSpec
     from attn_jax.backends.pallas_gpu import MGPU_PREFILL_ENV, PallasGPUMetadataBuilder
