@@ -46,7 +46,10 @@ CATEGORIES = (
     ("sampling", re.compile(r"sort|argmax|top_?k|categorical|cub::|radix|threefry|random|gumbel", re.I)),
     ("matmul", re.compile(r"gemm|matmul|dot|cublas|cutlass|nvjet|xmma|wgmma|sm90", re.I)),
     ("memcpy", re.compile(r"memcpy|memset", re.I)),
-    ("elementwise", re.compile(r"fusion|loop|reduce|convert|copy|transpose|broadcast|concatenate|slice", re.I)),
+    # XLA's reduction fusions: norms and softmax rows, but at batch 1 also a matrix-vector
+    # product it emits as a reduction (the LM head: a weight read, not elementwise work).
+    ("reduction", re.compile(r"reduce", re.I)),
+    ("elementwise", re.compile(r"fusion|loop|convert|copy|transpose|broadcast|concatenate|slice", re.I)),
 )
 
 
