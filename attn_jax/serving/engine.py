@@ -128,6 +128,12 @@ def _powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
     return (*out, limit)
 
 
+def _computed_tokens(num_new: int, steps: int) -> int:
+    """Tokens a request computes in a call: its new tokens, plus the later steps of a
+    multi-step decode (``steps`` sampled tokens; 0 for a prefill chunk that samples none)."""
+    return num_new + max(steps - 1, 0)
+
+
 def _scatter_rows(out: np.ndarray, offsets: np.ndarray, rows: Sequence[Sequence[int]]) -> None:
     """Writes each list ``rows[i]`` into the flat view of ``out`` from ``offsets[i]`` on,
     with one NumPy call for all of them."""
@@ -641,7 +647,10 @@ class Engine:
             events += self._resolve(dispatched)
         num_prefill = sum(n for b in batches for n in b.num_new if n > 1)
         num_decode = sum(
-            k for b, ks in zip(batches, steps, strict=True) for n, k in zip(b.num_new, ks, strict=True) if n == 1
+            _computed_tokens(n, k)
+            for b, ks in zip(batches, steps, strict=True)
+            for n, k in zip(b.num_new, ks, strict=True)
+            if n == 1
         )
         self.stats.append(
             StepStats(
@@ -665,7 +674,7 @@ class Engine:
         sampled = []
         for shard, (batch, counts) in enumerate(zip(batches, steps, strict=True)):
             for row, (request, n, k) in enumerate(zip(batch.requests, batch.num_new, counts, strict=True)):
-                request.num_computed += n + max(k - 1, 0)  # a multi-step decode computes k tokens
+                request.num_computed += _computed_tokens(n, k)
                 request.num_pending += k
                 sampled += [(shard, step, row, request) for step in range(k)]
         return _InFlight(tokens, sampled)
