@@ -56,13 +56,17 @@ VARIANTS = (
 
 
 def generate(config, params, prompts, backend: str, dtype: str, mgpu: bool, steps: int) -> list[list[int]]:
-    os.environ[MGPU_PREFILL_ENV] = "1" if mgpu else "0"
+    before = os.environ.get(MGPU_PREFILL_ENV)
+    os.environ[MGPU_PREFILL_ENV] = "1" if mgpu else "0"  # read once, when the model's builder is made
     try:
         model = LlamaModel(
             config, block_size=16, attn_backend=AttentionBackendEnum[backend].get_class(), dtype=jnp.dtype(dtype)
         )
     finally:
-        os.environ.pop(MGPU_PREFILL_ENV)
+        if before is None:
+            os.environ.pop(MGPU_PREFILL_ENV)
+        else:
+            os.environ[MGPU_PREFILL_ENV] = before
     longest = max(map(len, prompts))
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)  # the weights in the model's dtype
     engine = Engine(
