@@ -92,9 +92,7 @@ def allocate_kv_cache(
     block_size = validate_positive_int("block_size", block_size)
     num_kv_heads = validate_positive_int("num_kv_heads", num_kv_heads)
     head_size = validate_positive_int("head_size", head_size)
-    shape = backend_cls.get_kv_cache_shape(
-        num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str
-    )
+    shape = backend_cls.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str)
     dtype = backend_cls.kv_cache_dtype_for(cache_dtype_str, model_dtype)
     return jnp.full(shape, fill, dtype=dtype)
 
@@ -142,16 +140,13 @@ def dequantize_from_cache(x: jax.Array, scale=None, dtype=jnp.float32) -> jax.Ar
 def _check_write_inputs(kv_cache, key, value, slot_mapping) -> None:
     if kv_cache.ndim != 5 or kv_cache.shape[0] != 2:
         raise ValueError(
-            f"kv_cache must have shape [2, num_blocks, block_size, num_kv_heads, head_size], "
-            f"got {kv_cache.shape}"
+            f"kv_cache must have shape [2, num_blocks, block_size, num_kv_heads, head_size], got {kv_cache.shape}"
         )
     if np.dtype(kv_cache.dtype) not in CACHE_STORAGE_DTYPES:
         valid = ", ".join(str(d) for d in CACHE_STORAGE_DTYPES)
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} is not a cache dtype; valid: {valid}")
     if key.ndim != 3:
-        raise ValueError(
-            f"key must have shape [num_tokens, num_kv_heads, head_size], got {key.shape}"
-        )
+        raise ValueError(f"key must have shape [num_tokens, num_kv_heads, head_size], got {key.shape}")
     if value.shape != key.shape:
         raise ValueError(f"value shape {value.shape} must equal key shape {key.shape}")
     if key.shape[1:] != kv_cache.shape[3:]:

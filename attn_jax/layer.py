@@ -197,8 +197,22 @@ class Attention:
             sliding_window=sliding_window,
             attention_chunk_size=attention_chunk_size,
             num_q_heads=num_heads,
+            cache_dtype=attn_backend.kv_cache_dtype_for(kv_cache_dtype, self.dtype),
         )
         self.metadata_builder = attn_backend.get_builder_cls()(self.kv_cache_spec)
+
+    def prepare(self, attn_metadata: CommonAttentionMetadata):
+        """The backend's metadata for one batch, built on the host from concrete (NumPy)
+        ``CommonAttentionMetadata``: what the engine passes into its jitted step.
+
+        Passing ``CommonAttentionMetadata`` into ``jax.jit(layer.__call__)`` builds it
+        traced instead, from shapes alone (PALLAS_GPU: batch mode and Mosaic GPU split
+        chosen from the bucket, BENCHMARKS.md measures both ways); one host build serves
+        every layer of a step that shares this layer's configuration.
+        """
+        if not isinstance(attn_metadata, CommonAttentionMetadata):
+            raise TypeError(f"prepare takes CommonAttentionMetadata, not {type(attn_metadata).__name__}")
+        return self.metadata_builder.build(0, attn_metadata)
 
     def init_kv_cache(self, num_blocks: int, fill: float = 0.0) -> jax.Array:
         """A zero-filled cache of the backend's shape and dtype for ``num_blocks`` pages."""

@@ -46,9 +46,7 @@ class Platform:
 
     def __post_init__(self) -> None:
         if self.kind not in PLATFORM_KINDS:
-            raise ValueError(
-                f"Unknown platform kind={self.kind!r}. Valid options are: {', '.join(PLATFORM_KINDS)}"
-            )
+            raise ValueError(f"Unknown platform kind={self.kind!r}. Valid options are: {', '.join(PLATFORM_KINDS)}")
         n = self.num_devices
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"num_devices={self.num_devices!r} must be a positive integer")
@@ -69,15 +67,12 @@ def detect_platform(devices: Sequence[Any] | None = None) -> Platform:
         raise ValueError("detect_platform needs at least one device; got devices=[]")
     jax_platforms = sorted({d.platform for d in devices})
     if len(jax_platforms) > 1:
-        raise ValueError(
-            f"devices span several platforms {jax_platforms}; pass the devices of one backend"
-        )
+        raise ValueError(f"devices span several platforms {jax_platforms}; pass the devices of one backend")
     jax_platform = jax_platforms[0]
     kind = _JAX_PLATFORM_TO_KIND.get(jax_platform)
     if kind is None:
         raise ValueError(
-            f"Unsupported JAX platform={jax_platform!r}. "
-            f"Valid options are: {', '.join(_JAX_PLATFORM_TO_KIND)}"
+            f"Unsupported JAX platform={jax_platform!r}. Valid options are: {', '.join(_JAX_PLATFORM_TO_KIND)}"
         )
     return Platform(kind=kind, device_kind=devices[0].device_kind, num_devices=len(devices))
 

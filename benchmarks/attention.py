@@ -44,7 +44,7 @@ import numpy as np
 
 from attn_jax.backends.pallas_gpu import mgpu_split
 from attn_jax.kv_cache import write_to_kv_cache
-from attn_jax.ops.ragged_paged_attention import kernel_gpu, kernel_mgpu, kv_write, reference
+from attn_jax.ops.ragged_paged_attention import kv_write, pallas_mosaic_gpu, pallas_triton, reference
 from attn_jax.ops.ragged_paged_attention.config import (
     GPU_MATCH_KEYS,
     TUNED_DIR,
@@ -154,7 +154,7 @@ def schedules(b: DeviceBatch, block_sizes: GpuBlockSizes, mgpu: bool) -> dict:
     (the Mosaic GPU split for prefill batches on Hopper); ``mgpu=False`` leaves the split
     out (the Triton kernel serves all), ``mgpu="force"`` makes it for any batch."""
     qsl, seq = np.asarray(b.query_start_loc), np.asarray(b.seq_lens)
-    out = {"schedule": jnp.asarray(kernel_gpu.gpu_schedule(qsl, seq, num_tokens=b.num_tokens,
+    out = {"schedule": jnp.asarray(pallas_triton.gpu_schedule(qsl, seq, num_tokens=b.num_tokens,
                                                             block_q=block_sizes.block_q, xp=np))}  # fmt: skip
     hopper = mgpu_prefill_available(jax.devices()[0].device_kind)
     if hopper and (mgpu == "force" or (mgpu and gpu_batch_mode(b.query_lens) == "prefill")):
@@ -170,7 +170,7 @@ def pallas_gpu_fn(b: DeviceBatch, block_sizes: GpuBlockSizes | None, mgpu: bool 
 
     @jax.jit
     def run(q, kv_cache, qsl, seq_lens, tables, slots):
-        out, _ = kernel_gpu.ragged_paged_attention(
+        out, _ = pallas_triton.ragged_paged_attention(
             q, None, None, kv_cache, qsl, seq_lens, tables, slots, sm_scale=s.head_size**-0.5,
             interpret=False, block_sizes=block_sizes, **sched,
         )  # fmt: skip
@@ -182,11 +182,11 @@ def pallas_gpu_fn(b: DeviceBatch, block_sizes: GpuBlockSizes | None, mgpu: bool 
 def split_part_times(b: DeviceBatch, bs: GpuBlockSizes, sched: dict) -> dict[str, float]:
     """Seconds of the Mosaic GPU prefill launch alone and of the Triton launch on the rest alone."""
     s = b.spec
-    mgpu = jax.jit(functools.partial(kernel_mgpu.prefill_attention, sm_scale=s.head_size**-0.5,
+    mgpu = jax.jit(functools.partial(pallas_mosaic_gpu.prefill_attention, sm_scale=s.head_size**-0.5,
                                      block_sizes=sched["mgpu_block_sizes"]))  # fmt: skip
 
     rest = functools.partial(
-        kernel_gpu._attend, sm_scale=s.head_size**-0.5, causal=True, sliding_window=None, soft_cap=None,
+        pallas_triton._attend, sm_scale=s.head_size**-0.5, causal=True, sliding_window=None, soft_cap=None,
         block_sizes=bs, interpret=False,
     )  # fmt: skip
 
@@ -209,7 +209,7 @@ def with_write_ms(b: DeviceBatch, reps: int = 30, inner: int = 5) -> dict[str, f
     rest = (b.query_start_loc, b.seq_lens, b.block_tables, b.slot_mapping)
 
     def step(q, k, v, kv_cache, *rest):
-        return kernel_gpu.ragged_paged_attention(
+        return pallas_triton.ragged_paged_attention(
             q, k, v, kv_cache, *rest, sm_scale=s.head_size**-0.5, interpret=False, block_sizes=bs, **sched
         )
 

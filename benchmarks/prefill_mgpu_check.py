@@ -1,6 +1,6 @@
 """On a Hopper GPU: the Mosaic GPU prefill kernel and the Pallas k/v write, checked and timed in one run.
 
-1. ``kernel_mgpu.prefill_attention`` against the float32 jnp reference on ragged batches
+1. ``pallas_mosaic_gpu.prefill_attention`` against the float32 jnp reference on ragged batches
    (NaN in every cache slot no request uses), for several head sizes, page sizes and
    block sizes: relative L2 error and NaN count on the rows it serves.
 2. P1 (4 x 4096 causal, DESIGN.md) with the kernel alone for a few block sizes, beside
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_jax.kv_cache import write_to_kv_cache
-from attn_jax.ops.ragged_paged_attention import kernel_mgpu, kv_write, reference
+from attn_jax.ops.ragged_paged_attention import kv_write, pallas_mosaic_gpu, reference
 from attn_jax.testing.workloads import WORKLOADS, make_ragged_batch
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
@@ -42,9 +42,9 @@ def check_case(name, lens, ctx, *, heads, head_size, page, bs, seed=0):
     cache = write_to_kv_cache(batch.kv_cache, k, v, slots)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     ref, _ = reference.ragged_paged_attention(f32(q), None, None, f32(cache), qsl, seq, bt, slots, sm_scale=scale)
-    sched, (lo, hi) = kernel_mgpu.mgpu_schedule(np.asarray(qsl), np.asarray(seq), num_tokens=q.shape[0],
+    sched, (lo, hi) = pallas_mosaic_gpu.mgpu_schedule(np.asarray(qsl), np.asarray(seq), num_tokens=q.shape[0],
                                               tile=bs.tile, xp=np)  # fmt: skip
-    out = kernel_mgpu.prefill_attention(q, cache, jnp.asarray(sched), bt, sm_scale=scale, block_sizes=bs)
+    out = pallas_mosaic_gpu.prefill_attention(q, cache, jnp.asarray(sched), bt, sm_scale=scale, block_sizes=bs)
     out, ref = np.asarray(out, np.float32), np.asarray(ref)
     rows = np.concatenate([np.arange(a, b) for a, b in zip(lo, hi, strict=True)])
     err = rel_l2(out[rows], ref[rows])
@@ -59,7 +59,7 @@ def check_case(name, lens, ctx, *, heads, head_size, page, bs, seed=0):
 def diagnose(log=log):
     """Where NaN or error shows on a ragged batch: per tile, per row half, per head; with the
     cache's NaN replaced by zeros; with the tail zeroing off; with a deeper ring."""
-    B = kernel_mgpu.MgpuBlockSizes
+    B = pallas_mosaic_gpu.MgpuBlockSizes
     batch = make_ragged_batch(0, query_lens=[300, 1, 128, 140, 5, 1000], context_lens=[100, 50, 0, 37, 3, 20],
                               num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=jnp.bfloat16,
                               extra_blocks=3)  # fmt: skip
@@ -75,11 +75,11 @@ def diagnose(log=log):
                              ("finite_no_zero", finite, B(64, 128, 2), False),
                              ("nan_ring3", cache, B(64, 128, 3), True),
                              ("nan_kv64", cache, B(64, 64, 2), True)):  # fmt: skip
-        sched, (lo, hi) = kernel_mgpu.mgpu_schedule(np.asarray(qsl), np.asarray(seq), num_tokens=q.shape[0],
+        sched, (lo, hi) = pallas_mosaic_gpu.mgpu_schedule(np.asarray(qsl), np.asarray(seq), num_tokens=q.shape[0],
                                                   tile=bs.tile, xp=np)  # fmt: skip
         res = []
         for rep in range(2):
-            o = np.asarray(kernel_mgpu.prefill_attention(q, c, jnp.asarray(sched), bt, sm_scale=0.0884,
+            o = np.asarray(pallas_mosaic_gpu.prefill_attention(q, c, jnp.asarray(sched), bt, sm_scale=0.0884,
                                                          block_sizes=bs, zero_tail=zt), np.float32)  # fmt: skip
             for req, tok, pos, kv_len in sched.T:
                 if kv_len == 0:
@@ -106,7 +106,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
            "checks": [], "p1": [], "write": []}  # fmt: skip
-    B = kernel_mgpu.MgpuBlockSizes
+    B = pallas_mosaic_gpu.MgpuBlockSizes
 
     def attempt(label, fn):
         try:
@@ -143,8 +143,8 @@ def main(argv=None):
     _, flops = floors(b)
     qsl, seq = np.asarray(b.query_start_loc), np.asarray(b.seq_lens)
     for bs in (B(64, 128, 2), B(64, 64, 3), B(64, 64, 4), B(64, 128, 3)):
-        sched = jnp.asarray(kernel_mgpu.mgpu_schedule(qsl, seq, num_tokens=b.num_tokens, tile=bs.tile, xp=np)[0])
-        fn = jax.jit(functools.partial(kernel_mgpu.prefill_attention, sm_scale=128**-0.5, block_sizes=bs))
+        sched = jnp.asarray(pallas_mosaic_gpu.mgpu_schedule(qsl, seq, num_tokens=b.num_tokens, tile=bs.tile, xp=np)[0])
+        fn = jax.jit(functools.partial(pallas_mosaic_gpu.prefill_attention, sm_scale=128**-0.5, block_sizes=bs))
 
         def run(fn=fn, sched=sched, bs=bs):
             t = time_jax(fn, b.q, b.kv_cache, sched, b.block_tables)

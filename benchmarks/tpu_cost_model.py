@@ -2,7 +2,7 @@
 that takes at each TPU generation's peak HBM bandwidth and bf16 matmul rate.
 
 A model, not a measurement: no TPU is lent to this project. Bytes and FLOPs come from
-``kernel_tpu.workload_cost`` (the kernel's own schedule walked on the host: the KV pages
+``pallas_mosaic_tpu.workload_cost`` (the kernel's own schedule walked on the host: the KV pages
 each q-block DMAs, whole pages; the rows x keys its matmuls execute), with the block
 sizes the kernel would pick on that generation (``config.tpu_block_sizes``: the tuned
 table, decode block sizes for decode-only batches). Peaks are per TensorCore, from
@@ -19,7 +19,7 @@ import numpy as np
 from jax._src.tpu_info import ChipVersion, get_tpu_info_for_chip
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
-from attn_jax.ops.ragged_paged_attention import kernel_tpu
+from attn_jax.ops.ragged_paged_attention import pallas_mosaic_tpu
 from attn_jax.ops.ragged_paged_attention.config import next_pow2, tpu_block_sizes
 from attn_jax.testing.workloads import WORKLOADS
 
@@ -47,7 +47,7 @@ def main() -> None:
                 max_query_len=int(q.max()),
                 device_kind=device_kind,
             )  # fmt: skip
-            cost = kernel_tpu.workload_cost(
+            cost = pallas_mosaic_tpu.workload_cost(
                 q, c, num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads, head_size=d, page_size=page,
                 q_itemsize=2, kv_itemsize=2, block_sizes=bs,
             )  # fmt: skip

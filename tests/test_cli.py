@@ -40,7 +40,7 @@ def test_info_says_which_kernel_serves_which_batches(capsys, monkeypatch):
     assert main(["info", "--head-size", "64"]) == 0
     out = capsys.readouterr().out
     assert "PALLAS_GPU kernels on this device:" in out
-    assert "decode and mixed batches: one Triton-lowered Pallas launch (kernel_gpu)" in out
+    assert "decode and mixed batches: one Triton-lowered Pallas launch (pallas_triton)" in out
     assert "prefill batches: the Triton kernel" in out
 
 

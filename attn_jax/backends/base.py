@@ -40,6 +40,14 @@ def validate_kv_cache_dims(num_blocks, block_size, num_kv_heads, head_size, cach
     validate_cache_dtype(cache_dtype_str)
 
 
+def describe_sizes(sizes) -> str:
+    """``[64, 128]``, or "multiples of 8 up to 256" for a long run of multiples of its first."""
+    sizes = list(sizes)
+    if len(sizes) > 4 and sizes == list(range(sizes[0], sizes[-1] + 1, sizes[0])):
+        return f"multiples of {sizes[0]} up to {sizes[-1]}"
+    return str(sizes)
+
+
 class AttentionBackend(abc.ABC):
     """Abstract attention backend: a bundle of impl, metadata and builder classes."""
 
@@ -141,7 +149,7 @@ class AttentionBackend(abc.ABC):
             reasons.append(why)
         head_sizes = cls.get_supported_head_sizes()
         if head_sizes is not None and head_size not in head_sizes:
-            reasons.append(f"head_size={head_size} is not supported; supported: {list(head_sizes)}")
+            reasons.append(f"head_size={head_size} is not supported; supported: {describe_sizes(head_sizes)}")
         block_sizes = cls.get_supported_block_sizes()
         if block_sizes is not None and block_size not in block_sizes:
             reasons.append(f"block_size={block_size} is not supported; supported: {list(block_sizes)}")
@@ -208,6 +216,7 @@ class AttentionSpec:
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
     num_q_heads: int | None = None  # lets a builder size q-blocks for the head group; None: unknown
+    cache_dtype: Any = None  # what the cache stores (fp8 for a quantized cache); None: ``dtype``
 
 
 class AttentionMetadataBuilder[M](abc.ABC):

@@ -1,7 +1,7 @@
 """What the Pallas backends share: an impl that hands its builder's metadata to a kernel module.
 
 ``PallasKernelImpl`` keeps the layer's hyperparameters as the XLA impl does and calls
-``kernel.ragged_paged_attention`` with them, the metadata's index arrays, schedule and
+its ``op`` (a kernel module's ``ragged_paged_attention``) with them, the metadata's index arrays, schedule and
 block sizes. Where its platform is absent it runs the kernel in the Pallas interpreter
 (with a logged warning, once per impl).
 """
@@ -9,7 +9,7 @@ block sizes. Where its platform is absent it runs the kernel in the Pallas inter
 from __future__ import annotations
 
 import logging
-from types import ModuleType
+from collections.abc import Callable
 from typing import ClassVar
 
 from attn_jax.backends.xla import XLAAttentionImpl
@@ -27,7 +27,7 @@ class PallasKernelImpl(XLAAttentionImpl):
     backend_name: ClassVar[str]  # "PALLAS_GPU"
     platform_kind: ClassVar[str]  # the platform the kernel compiles for: "gpu" | "tpu"
     interpreter: ClassVar[str]  # how the fallback is named in the warning
-    kernel: ClassVar[ModuleType]  # exposes ragged_paged_attention(..., interpret, block_sizes, schedule)
+    op: ClassVar[Callable]  # a kernel module's ragged_paged_attention(..., interpret, block_sizes, schedule)
     metadata_cls: ClassVar[type]  # what the backend's builder makes
 
     def __init__(self, *args, interpret: bool | None = None, **kwargs) -> None:
@@ -52,7 +52,7 @@ class PallasKernelImpl(XLAAttentionImpl):
                 f"attn_metadata is {type(md).__name__}; {self.backend_name} needs {name} from "
                 f"{builder}MetadataBuilder.build (the Attention layer builds it from CommonAttentionMetadata)"
             )
-        return self.kernel.ragged_paged_attention(
+        return self.op(
             query, key, value, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.slot_mapping,
             sm_scale=self.scale, causal=self.attn_type.is_causal, sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap, alibi_slopes=self.alibi_slopes, sinks=self.sinks,

@@ -1,10 +1,11 @@
-"""The Pallas GPU backend: ragged paged attention as Pallas kernels (kernel_gpu.py, kernel_mgpu.py).
+"""The Pallas GPU backend: ragged paged attention as Pallas kernels (pallas_triton.py, pallas_mosaic_gpu.py).
 
 One Triton-lowered kernel serves every batch; on Hopper GPUs (unless ``MGPU_PREFILL_ENV``
 is 0) the long prefill requests of a batch run in a Mosaic GPU kernel instead (TMA,
-warpgroup MMA; ``kernel_mgpu``) when the layer's configuration allows it (causal, no
-window / soft cap / ALiBi / sinks, 16-bit activations and cache, head size 64 or 128),
-and new keys and values are written by a Pallas kernel (``kv_write``).
+warpgroup MMA; ``pallas_mosaic_gpu``) when the layer's configuration allows it (causal, no
+window / soft cap / ALiBi / sinks, 16-bit activations and cache, head size 64, 128 or
+256), and new keys and values are written by a Pallas kernel (``kv_write``). The dispatch
+between the two lowerings is ``ragged_paged_attention`` here.
 
 The default on GPU platforms. Forced where no GPU exists (``global_force_attn_backend``
 or ``ATTN_STACK_BACKEND=PALLAS_GPU``), it runs the same kernel in the Pallas interpreter
@@ -19,6 +20,7 @@ unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, ClassVar
 
@@ -28,11 +30,12 @@ import numpy as np
 
 from attn_jax.backends.pallas import PallasKernelImpl
 from attn_jax.backends.xla import XLAAttentionBackend, XLAMetadataBuilder
-from attn_jax.ops.ragged_paged_attention import kernel_gpu, kernel_mgpu
+from attn_jax.ops.ragged_paged_attention import pallas_mosaic_gpu, pallas_triton
 from attn_jax.ops.ragged_paged_attention.config import (
     GpuBlockSizes,
+    MgpuBlockSizes,
     gpu_batch_mode,
-    gpu_block_sizes,
+    gpu_block_choice,
     mgpu_block_sizes,
     mgpu_prefill_available,
 )
@@ -46,7 +49,7 @@ Array = Any
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class PallasGPUAttentionMetadata:
     """What the GPU kernel needs for one batch: the index arrays, the q-block schedule
-    (``kernel_gpu.gpu_schedule``, on the host when the metadata is concrete) and the
+    (``pallas_triton.gpu_schedule``, on the host when the metadata is concrete) and the
     bucket's block sizes (static: part of the jit key)."""
 
     query_start_loc: Array  # i32[R + 1]
@@ -59,26 +62,53 @@ class PallasGPUAttentionMetadata:
     # of the rows it leaves over (None: it serves every row).
     mgpu_schedule: Array | None = None  # i32[4, NT]
     rest_schedule: Array | None = None  # i32[5, NB]
-    mgpu_block_sizes: kernel_mgpu.MgpuBlockSizes | None = dataclasses.field(default=None, metadata=dict(static=True))
+    mgpu_block_sizes: MgpuBlockSizes | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+
+def split_schedules(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, tile: int, xp=jnp):
+    """(mgpu_schedule, rest_schedule): the Mosaic GPU prefill's q-tiles (requests of at least
+    ``tile`` 8-aligned new tokens) and the Triton kernel's q-blocks for every other row:
+    other requests, the unaligned rows at either end of a served request, and the padding."""
+    mgpu, (lo, hi) = pallas_mosaic_gpu.mgpu_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, tile=tile, xp=xp)
+    num_reqs = seq_lens.shape[0]
+    qsl = query_start_loc.astype(np.int32)
+    reqs = xp.arange(num_reqs, dtype=np.int32)
+    segments = (  # each request's rows before and after the Mosaic GPU span [lo, hi), then the padding
+        xp.concatenate([reqs, reqs, xp.full((1,), num_reqs, np.int32)]),
+        xp.concatenate([qsl[:-1], hi, qsl[-1:]]),
+        xp.concatenate([lo, qsl[1:], xp.full((1,), num_tokens, np.int32)]),
+    )
+    rest = pallas_triton.gpu_schedule(
+        query_start_loc, seq_lens, num_tokens=num_tokens, block_q=block_q, xp=xp, segments=segments
+    )
+    return mgpu, rest
 
 
 def mgpu_split(
-    query_start_loc, seq_lens, *, num_tokens: int, block_q: int, mgpu_bs: kernel_mgpu.MgpuBlockSizes | None = None,
+    query_start_loc, seq_lens, *, num_tokens: int, block_q: int, mgpu_bs: MgpuBlockSizes | None = None,
     step_query_lens=None,
 ) -> dict:  # fmt: skip
-    """Host metadata's Mosaic GPU prefill split as metadata fields, or {} when no request is
-    long enough: ``mgpu_schedule``, ``rest_schedule`` (None when the Mosaic GPU kernel
-    serves every row) and ``mgpu_block_sizes``.
+    """The Mosaic GPU prefill split as metadata fields, or {} when no request is long
+    enough: ``mgpu_schedule``, ``rest_schedule`` (None when the Mosaic GPU kernel serves
+    every row) and ``mgpu_block_sizes``.
 
     With ``step_query_lens`` (i32[N], the whole step's query lengths when data shards build
     their metadata separately) the fields follow the step, so every shard has the same
     structure: present when a request of the step has at least ``tile + 14`` new tokens
     (an 8-aligned span of a whole tile wherever it starts), with ``rest_schedule`` always
-    there; a shard with no such request gets tiles that are all empty (skipped)."""
-    bs = mgpu_bs or kernel_mgpu.MgpuBlockSizes()
+    there; a shard with no such request gets tiles that are all empty (skipped).
+
+    Traced metadata (``jnp`` arrays under ``jit``) always gets the structure, computed with
+    jnp: which requests are long is only known on the device."""
+    bs = mgpu_bs or MgpuBlockSizes()
+    if not is_concrete(query_start_loc, seq_lens):
+        mgpu, rest = split_schedules(
+            jnp.asarray(query_start_loc), jnp.asarray(seq_lens), num_tokens=num_tokens, block_q=block_q, tile=bs.tile
+        )
+        return dict(mgpu_schedule=mgpu, rest_schedule=rest, mgpu_block_sizes=bs)
     if step_query_lens is not None and not (np.asarray(step_query_lens) >= bs.tile + 14).any():
         return {}
-    mgpu, rest = kernel_gpu.split_schedules(
+    mgpu, rest = split_schedules(
         np.asarray(query_start_loc), np.asarray(seq_lens), num_tokens=num_tokens, block_q=block_q, tile=bs.tile,
         xp=np,
     )  # fmt: skip
@@ -88,6 +118,64 @@ def mgpu_split(
         return {}
     rest_empty = not (rest[2] > rest[1]).any()
     return dict(mgpu_schedule=mgpu, rest_schedule=None if rest_empty else rest, mgpu_block_sizes=bs)
+
+
+def ragged_paged_attention(
+    q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, *, sm_scale: float,
+    causal: bool = True, sliding_window=None, logits_soft_cap=None, alibi_slopes=None, sinks=None,
+    k_scale=None, v_scale=None, interpret: bool | None = None, block_sizes: GpuBlockSizes | None = None,
+    schedule=None, mgpu_schedule=None, rest_schedule=None,
+    mgpu_block_sizes: MgpuBlockSizes | None = None,
+):  # fmt: skip
+    """PALLAS_GPU's op: ``pallas_triton.ragged_paged_attention``'s contract, with a prefill
+    batch's long requests on the Mosaic GPU kernel.
+
+    With ``mgpu_schedule`` (``mgpu_split``: i32[4, NT] q-tiles, ``rest_schedule`` i32[5, NB]
+    the rows they leave over or None when they serve every row) compiled on a GPU, and a
+    configuration ``pallas_mosaic_gpu.unsupported_reason`` accepts, the new k/v are written,
+    the Mosaic GPU kernel computes its tiles and the Triton kernel the other rows into the
+    same buffer; otherwise the Triton kernel serves every row on ``schedule``.
+    """
+    kwargs = dict(
+        sm_scale=sm_scale, causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        alibi_slopes=alibi_slopes, sinks=sinks,
+    )  # fmt: skip
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    mgpu_bs = mgpu_block_sizes or MgpuBlockSizes()
+    use_mgpu = (
+        mgpu_schedule is not None and not interpret
+        and (block_sizes is None or block_sizes.num_kv_splits == 1)
+        and pallas_mosaic_gpu.unsupported_reason(
+            head_size=q.shape[-1], page_size=kv_cache.shape[2], dtype=q.dtype, cache_dtype=kv_cache.dtype,
+            causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            alibi_slopes=alibi_slopes, sinks=sinks, block_sizes=mgpu_bs,
+        ) is None
+    )  # fmt: skip
+    triton = functools.partial(
+        pallas_triton.ragged_paged_attention, query_start_loc=query_start_loc, seq_lens=seq_lens,
+        block_tables=block_tables, slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale,
+        interpret=interpret, block_sizes=block_sizes, **kwargs,
+    )  # fmt: skip
+    if not use_mgpu:
+        return triton(q, k, v, kv_cache, schedule=schedule)
+    pallas_triton.validate_inputs(
+        q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, block_sizes=block_sizes, **kwargs
+    )
+    kv_cache = pallas_triton.write_new_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale, interpret=False)
+    out = pallas_mosaic_gpu.prefill_attention(
+        q, kv_cache, jnp.asarray(mgpu_schedule, jnp.int32), jnp.asarray(block_tables), sm_scale=sm_scale,
+        block_sizes=mgpu_bs,
+    )  # fmt: skip
+    if rest_schedule is None:  # every row is the Mosaic GPU kernel's: no second launch
+        return out, kv_cache
+    return triton(q, None, None, kv_cache, schedule=rest_schedule, out_init=out)
+
+
+def mgpu_prefill_setting() -> bool:
+    """``ATTN_STACK_MGPU_PREFILL`` (``MGPU_PREFILL_ENV``): read by the builder when it is made
+    and by ``kernel_plan``, the backend's edge; nothing under ``ops/`` reads it."""
+    return os.environ.get(MGPU_PREFILL_ENV, "1") != "0"
 
 
 MGPU_PREFILL_ENV = "ATTN_STACK_MGPU_PREFILL"
@@ -104,15 +192,20 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
     chunked local attention included) plus block sizes and the schedule.
 
     With concrete (NumPy) metadata the batch mode (decode / prefill / mixed) and the
-    schedule are computed on the host; traced metadata (``build`` inside ``jit``) derives
-    the schedule with jnp and uses the "mixed" block sizes. Block sizes depend only on the
-    bucket's shapes and the mode, so a bucket compiles at most three times.
+    schedule are computed on the host. Traced metadata (``build`` inside ``jit``, as when
+    ``CommonAttentionMetadata`` is passed into ``jax.jit(layer.__call__)``) derives the
+    schedule with jnp and the mode from the bucket's shapes: "decode" when it has no more
+    tokens than requests, else "mixed", with the Mosaic GPU split (computed with jnp) when
+    the bucket averages a whole Mosaic tile per request. Block sizes depend only on the
+    bucket's shapes, the mode and the dtypes (``config.gpu_block_choice``: tuned entry or
+    heuristic, fitted to the device's shared memory), so a bucket compiles at most three
+    times.
 
     With ``mgpu_prefill`` (the argument, else on unless ``ATTN_STACK_MGPU_PREFILL=0``, see
     ``MGPU_PREFILL_ENV``) on Hopper GPUs (``config.mgpu_prefill_available``), host
     metadata of a prefill batch (no decodes) gets the Mosaic GPU split (``mgpu_split``): the kernel then runs the long
-    requests in ``kernel_mgpu`` when the layer's configuration allows it
-    (``kernel_mgpu.unsupported_reason``) and everything in the Triton kernel otherwise.
+    requests in ``pallas_mosaic_gpu`` when the layer's configuration allows it
+    (``pallas_mosaic_gpu.unsupported_reason``) and everything in the Triton kernel otherwise.
     Mixed batches stay on the Triton kernel alone: on the H100, DESIGN.md's M1 (4 chunks of
     512 + 60 decodes) took 0.369 ms there against 0.388 ms split in two launches
     (BENCHMARKS.md), its time being the decodes' KV reads. Whether the split is there is
@@ -126,7 +219,7 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
             device_kind = platform.device_kind if platform.kind == "gpu" else None
         self.device_kind = device_kind
         if mgpu_prefill is None:  # read once, here at the edge (never under ops/)
-            mgpu_prefill = os.environ.get(MGPU_PREFILL_ENV, "1") != "0"
+            mgpu_prefill = mgpu_prefill_setting()
         self.mgpu_prefill = mgpu_prefill and mgpu_prefill_available(device_kind)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
@@ -143,31 +236,40 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         delta = jnp.where(schedule[4] > 0, steps[schedule[0]], 0).astype(schedule.dtype)
         return dataclasses.replace(out, schedule=schedule.at[3].add(delta).at[4].add(delta))
 
+    def block_choice(self, *, num_reqs: int, pages_per_req: int, mode: str):
+        """``config.gpu_block_choice`` for this builder's layers, device and a bucket's shapes."""
+        spec = self.kv_cache_spec
+        num_q_heads = spec.num_q_heads or spec.num_kv_heads
+        return gpu_block_choice(
+            num_reqs=num_reqs, pages_per_req=pages_per_req, page_size=spec.block_size, head_size=spec.head_size,
+            num_kv_heads=spec.num_kv_heads, group=num_q_heads // spec.num_kv_heads, mode=mode,
+            q_dtype=spec.dtype, kv_dtype=spec.cache_dtype, device_kind=self.device_kind,
+        )  # fmt: skip
+
     def _build(self, common_attn_metadata, step_query_lens=None) -> PallasGPUAttentionMetadata:
         base = super().build(0, common_attn_metadata)
-        spec = self.kv_cache_spec
         num_tokens = base.slot_mapping.shape[0]
         num_reqs, pages_per_req = base.block_tables.shape
         concrete = is_concrete(base.query_start_loc, base.seq_lens)
+        tile = MgpuBlockSizes().tile
         if concrete:
             own = np.diff(np.asarray(base.query_start_loc))
             mode = gpu_batch_mode(own if step_query_lens is None else np.asarray(step_query_lens))
-        else:  # traced: only shapes are known; a bucket with no more tokens than requests is decode
+            split_here = mode == "prefill"
+        else:  # traced: only the bucket's shapes are known
             mode = "decode" if num_tokens <= num_reqs else "mixed"
-        num_q_heads = spec.num_q_heads or spec.num_kv_heads
-        bs = gpu_block_sizes(
-            num_reqs=num_reqs, pages_per_req=pages_per_req, page_size=spec.block_size, head_size=spec.head_size,
-            num_kv_heads=spec.num_kv_heads, group=num_q_heads // spec.num_kv_heads, mode=mode,
-            device_kind=self.device_kind,
-        )  # fmt: skip
+            # A bucket averaging a Mosaic tile per request is a long prefill's (P1: 4096),
+            # a mixed batch's is not (M1: 33), as host metadata would have it.
+            split_here = num_tokens >= tile * max(num_reqs, 1)
+        bs = self.block_choice(num_reqs=num_reqs, pages_per_req=pages_per_req, mode=mode).block_sizes
         xp = np if concrete else jnp
-        schedule = kernel_gpu.gpu_schedule(
+        schedule = pallas_triton.gpu_schedule(
             xp.asarray(base.query_start_loc), xp.asarray(base.seq_lens), num_tokens=num_tokens,
             block_q=bs.block_q, xp=xp,
         )  # fmt: skip
         split = {}
-        if concrete and mode == "prefill" and self.mgpu_prefill:
-            mbs = mgpu_block_sizes(head_size=spec.head_size, device_kind=self.device_kind)
+        if split_here and self.mgpu_prefill:
+            mbs = mgpu_block_sizes(head_size=self.kv_cache_spec.head_size, device_kind=self.device_kind)
             split = mgpu_split(
                 base.query_start_loc, base.seq_lens, num_tokens=num_tokens, block_q=bs.block_q, mgpu_bs=mbs,
                 step_query_lens=step_query_lens,
@@ -179,13 +281,14 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
 
 
 class PallasGPUAttentionImpl(PallasKernelImpl):
-    """Calls ``kernel_gpu.ragged_paged_attention`` with the layer's hyperparameters; compiled on
-    a GPU platform, the Pallas interpreter elsewhere (with a logged warning)."""
+    """Calls ``ragged_paged_attention`` (the Triton / Mosaic GPU dispatch) with the layer's
+    hyperparameters; compiled on a GPU platform, the Pallas interpreter elsewhere (with a
+    logged warning)."""
 
     backend_name = "PALLAS_GPU"
     platform_kind = "gpu"
     interpreter = "Pallas interpreter"
-    kernel = kernel_gpu
+    op = staticmethod(ragged_paged_attention)
     metadata_cls = PallasGPUAttentionMetadata
 
     def kernel_kwargs(self, md) -> dict:
@@ -221,40 +324,54 @@ class PallasGPUAttentionBackend(XLAAttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> tuple[int, ...]:
-        return kernel_gpu.SUPPORTED_HEAD_SIZES
+        return pallas_triton.SUPPORTED_HEAD_SIZES
 
     @classmethod
     def get_supported_block_sizes(cls) -> tuple[int, ...]:
-        return kernel_gpu.SUPPORTED_PAGE_SIZES
+        return pallas_triton.SUPPORTED_PAGE_SIZES
 
     @classmethod
     def kernel_plan(
         cls, head_size: int, dtype, kv_cache_dtype, block_size: int, device_kind: str | None, *, causal: bool = True,
         sliding_window=None, logits_soft_cap=None, has_alibi: bool = False, has_sink: bool = False,
+        num_kv_heads: int = 8, group: int = 4,
     ) -> list[str]:  # fmt: skip
-        """Which kernel serves which batches for this layer configuration, in words (for ``attn-stack info``)."""
+        """Which kernel serves which batches for this layer configuration, and the Triton
+        kernel's block sizes per batch mode with where they came from, in words (for
+        ``attn-stack info``; the blocks for a bucket of 64 requests of up to 4096 tokens)."""
+        cache_dtype = (
+            cls.kv_cache_dtype_for(kv_cache_dtype, dtype) if isinstance(kv_cache_dtype, str) else kv_cache_dtype
+        )
         lines = [
-            "decode and mixed batches: one Triton-lowered Pallas launch (kernel_gpu)",
+            "decode and mixed batches: one Triton-lowered Pallas launch (pallas_triton)",
             "k/v write: a Pallas kernel storing whole token rows in place (kv_write)",
         ]
+        for mode in ("decode", "mixed", "prefill"):
+            choice = gpu_block_choice(
+                num_reqs=64, pages_per_req=-(-4096 // block_size), page_size=block_size, head_size=head_size,
+                num_kv_heads=num_kv_heads, group=group, mode=mode, q_dtype=dtype, kv_dtype=cache_dtype,
+                device_kind=device_kind,
+            )  # fmt: skip
+            lines.append(f"Triton {mode} blocks (group {group}): {choice.block_sizes} from {choice.source}")
         if not mgpu_prefill_available(device_kind):
             lines.append(
                 f"prefill batches: the Triton kernel (Mosaic GPU prefill needs Hopper; device {device_kind!r})"
             )
             return lines
-        if os.environ.get(MGPU_PREFILL_ENV, "1") == "0":
+        if not mgpu_prefill_setting():
             lines.append(f"prefill batches: the Triton kernel (Mosaic GPU prefill turned off: {MGPU_PREFILL_ENV}=0)")
             return lines
-        reason = kernel_mgpu.unsupported_reason(
-            head_size=head_size, page_size=block_size, dtype=dtype, cache_dtype=kv_cache_dtype, causal=causal,
+        reason = pallas_mosaic_gpu.unsupported_reason(
+            head_size=head_size, page_size=block_size, dtype=dtype, cache_dtype=cache_dtype, causal=causal,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
             alibi_slopes=True if has_alibi else None, sinks=True if has_sink else None,
+            block_sizes=mgpu_block_sizes(head_size=head_size, device_kind=device_kind),
         )  # fmt: skip
-        tile = kernel_mgpu.MgpuBlockSizes().tile
+        tile = MgpuBlockSizes().tile
         if reason is None:
             lines.append(
                 f"prefill batches: requests with >= {tile} 8-aligned new tokens on the Mosaic GPU kernel "
-                "(kernel_mgpu: TMA per page, wgmma), the other rows on the Triton kernel"
+                "(pallas_mosaic_gpu: TMA per page, wgmma), the other rows on the Triton kernel"
             )
         else:
             lines.append(f"prefill batches: the Triton kernel ({reason})")

@@ -1,11 +1,11 @@
-"""The Pallas TPU backend: ragged paged attention as one Mosaic TPU kernel (kernel_tpu.py).
+"""The Pallas TPU backend: ragged paged attention as one Mosaic TPU kernel (pallas_mosaic_tpu.py).
 
 The default on TPU platforms. Forced where no TPU exists (``global_force_attn_backend``
 or ``ATTN_STACK_BACKEND=PALLAS_TPU``), it runs the same kernel in the TPU interpreter
 (``pltpu.InterpretParams()``): correct and slow, with a logged warning.
 
 Its KV cache is the kernel's layout ``[num_blocks, Hkv, block_size, 2 * D]`` (K and V
-interleaved on the last axis; see ``kernel_tpu``). ``write_to_kv_cache`` writes it (the
+interleaved on the last axis; see ``pallas_mosaic_tpu``). ``write_to_kv_cache`` writes it (the
 cross-attention path), ``to_reference_layout`` views it as the reference's
 ``[2, P, S, Hkv, D]`` for tests and notebooks.
 """
@@ -22,7 +22,7 @@ import numpy as np
 from attn_jax.backends.base import AttentionBackend, validate_kv_cache_dims
 from attn_jax.backends.pallas import PallasKernelImpl
 from attn_jax.backends.xla import XLAMetadataBuilder
-from attn_jax.ops.ragged_paged_attention import kernel_tpu
+from attn_jax.ops.ragged_paged_attention import pallas_mosaic_tpu
 from attn_jax.ops.ragged_paged_attention.config import TpuBlockSizes, tpu_block_sizes
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
 from attn_jax.platforms import Platform, current_platform
@@ -30,20 +30,20 @@ from attn_jax.types import AttentionType, is_quantized_kv_cache
 
 Array = Any
 
-to_reference_layout = kernel_tpu.to_reference_layout
-from_reference_layout = kernel_tpu.from_reference_layout
+to_reference_layout = pallas_mosaic_tpu.to_reference_layout
+from_reference_layout = pallas_mosaic_tpu.from_reference_layout
 
 
 def write_to_kv_cache(kv_cache, key, value, slot_mapping, k_scale=None, v_scale=None):
     """``kv_cache.write_to_kv_cache`` for the PALLAS_TPU layout ``[P, Hkv, S, 2D]``."""
-    return kernel_tpu.write_to_tpu_kv_cache(kv_cache, key, value, slot_mapping, k_scale, v_scale)
+    return pallas_mosaic_tpu.write_to_tpu_kv_cache(kv_cache, key, value, slot_mapping, k_scale, v_scale)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class PallasTPUAttentionMetadata:
     """What the TPU kernel needs for one batch: the index arrays, the q-block schedule
-    (``kernel_tpu.tpu_schedule``, computed on the host when the metadata is concrete) and
+    (``pallas_mosaic_tpu.tpu_schedule``, computed on the host when the metadata is concrete) and
     the bucket's block sizes (static: part of the jit key)."""
 
     query_start_loc: Array  # i32[R + 1]
@@ -101,13 +101,13 @@ class PallasTPUMetadataBuilder(XLAMetadataBuilder):
         bs = dataclasses.replace(bs, kv_heads_per_block=None)  # the kernel picks it for the real head group
         bq = bs.q_tokens_per_block
         padded = -(-num_tokens // bq) * bq
-        kernel_tpu.check_smem_capacity(
+        pallas_mosaic_tpu.check_smem_capacity(
             num_reqs=num_reqs, pages_per_req=pages_per_req, num_tokens=padded, q_tokens_per_block=bq
         )
         if concrete:
-            schedule = kernel_tpu.tpu_schedule(qsl.astype(np.int32), padded, bq, xp=np)
+            schedule = pallas_mosaic_tpu.tpu_schedule(qsl.astype(np.int32), padded, bq, xp=np)
         else:
-            schedule = kernel_tpu.tpu_schedule(jnp.asarray(qsl, jnp.int32), padded, bq)
+            schedule = pallas_mosaic_tpu.tpu_schedule(jnp.asarray(qsl, jnp.int32), padded, bq)
         return PallasTPUAttentionMetadata(
             query_start_loc=base.query_start_loc, seq_lens=base.seq_lens, block_tables=base.block_tables,
             slot_mapping=base.slot_mapping, schedule=schedule, block_sizes=bs,
@@ -115,18 +115,18 @@ class PallasTPUMetadataBuilder(XLAMetadataBuilder):
 
 
 class PallasTPUAttentionImpl(PallasKernelImpl):
-    """Calls ``kernel_tpu.ragged_paged_attention`` with the layer's hyperparameters; compiled on
+    """Calls ``pallas_mosaic_tpu.ragged_paged_attention`` with the layer's hyperparameters; compiled on
     a TPU platform, the TPU interpreter elsewhere (with a logged warning)."""
 
     backend_name = "PALLAS_TPU"
     platform_kind = "tpu"
     interpreter = "TPU interpreter"
-    kernel = kernel_tpu
+    op = staticmethod(pallas_mosaic_tpu.ragged_paged_attention)
     metadata_cls = PallasTPUAttentionMetadata
 
     def __init__(self, *args, interpret: bool | None = None, **kwargs) -> None:
         super().__init__(*args, interpret=interpret, **kwargs)
-        kernel_tpu.check_tpu_shapes(head_size=self.head_size)
+        pallas_mosaic_tpu.check_tpu_shapes(head_size=self.head_size)
 
 
 class PallasTPUAttentionBackend(AttentionBackend):
@@ -158,11 +158,11 @@ class PallasTPUAttentionBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> tuple[int, ...]:
-        return kernel_tpu.SUPPORTED_HEAD_SIZES
+        return pallas_mosaic_tpu.SUPPORTED_HEAD_SIZES
 
     @classmethod
     def get_supported_block_sizes(cls) -> tuple[int, ...]:
-        return kernel_tpu.SUPPORTED_PAGE_SIZES
+        return pallas_mosaic_tpu.SUPPORTED_PAGE_SIZES
 
     @staticmethod
     def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
@@ -172,7 +172,7 @@ class PallasTPUAttentionBackend(AttentionBackend):
         permuted by ``(1, 3, 2, 0, 4)`` with the last two axes merged.
         """
         validate_kv_cache_dims(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str)
-        return kernel_tpu.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+        return pallas_mosaic_tpu.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
 
     @staticmethod
     def get_kv_cache_stride_order() -> tuple[int, ...]:
@@ -191,10 +191,10 @@ class PallasTPUAttentionBackend(AttentionBackend):
             head_size, dtype, kv_cache_dtype, block_size, use_mla=use_mla, has_sink=has_sink,
             use_sparse=use_sparse, attn_type=attn_type, platform=platform,
         )  # fmt: skip
-        if is_quantized_kv_cache(kv_cache_dtype) and block_size < kernel_tpu.FP8_MIN_PAGE_SIZE:
+        if is_quantized_kv_cache(kv_cache_dtype) and block_size < pallas_mosaic_tpu.FP8_MIN_PAGE_SIZE:
             reasons.append(
                 f"kv_cache_dtype={kv_cache_dtype!r} with block_size={block_size}: fp8 pages need "
-                f"block_size >= {kernel_tpu.FP8_MIN_PAGE_SIZE} (fp8 packs {kernel_tpu.FP8_MIN_PAGE_SIZE} "
+                f"block_size >= {pallas_mosaic_tpu.FP8_MIN_PAGE_SIZE} (fp8 packs {pallas_mosaic_tpu.FP8_MIN_PAGE_SIZE} "
                 "rows per sublane tile)"
             )
         return reasons

@@ -152,8 +152,7 @@ def make_ragged_batch(
     context_lens = _check_lengths("context_lens", context_lens)
     if query_lens.shape != context_lens.shape:
         raise ValueError(
-            f"query_lens and context_lens must have the same length, got "
-            f"{query_lens.size} and {context_lens.size}"
+            f"query_lens and context_lens must have the same length, got {query_lens.size} and {context_lens.size}"
         )
     num_padding_requests = _check_int("num_padding_requests", num_padding_requests, 0)
     if query_lens.size + num_padding_requests == 0:

@@ -40,7 +40,7 @@ def test_selected_on_gpu_platforms_with_every_feature():
 @pytest.mark.parametrize(
     ("kwargs", "reason"),
     [
-        (dict(head_size=80), "head_size=80 is not supported; supported: [32, 64, 128, 256]"),
+        (dict(head_size=100), "head_size=100 is not supported; supported: multiples of 8 up to 256"),
         (dict(block_size=24), "block_size=24 is not supported; supported: [1, 2, 4, 8, 16, 32, 64, 128, 256]"),
         (dict(use_mla=True), "MLA is not supported"),
     ],

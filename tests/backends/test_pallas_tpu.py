@@ -44,8 +44,10 @@ def test_selected_on_tpu_platforms():
         (dict(block_size=8), "block_size=8 is not supported; supported: [16, 32, 64, 128, 256]"),
         (dict(dtype=jnp.float16), "dtype=float16 is not supported; supported: ['float32', 'bfloat16']"),
         (dict(kv_cache_dtype="float16"), "kv_cache_dtype='float16' is not supported"),
-        (dict(kv_cache_dtype="fp8_e4m3", block_size=16),
-         "kv_cache_dtype='fp8_e4m3' with block_size=16: fp8 pages need block_size >= 32"),
+        (
+            dict(kv_cache_dtype="fp8_e4m3", block_size=16),
+            "kv_cache_dtype='fp8_e4m3' with block_size=16: fp8 pages need block_size >= 32",
+        ),
     ],
 )
 def test_unsupported_configurations_are_reasons_and_forced_errors(kwargs, reason):
@@ -111,7 +113,7 @@ def test_builder_computes_schedule_and_block_sizes_on_the_host():
     assert isinstance(built.schedule, np.ndarray)  # host-side: no device work per step
     assert built.block_sizes.q_tokens_per_block == 16  # decode-only: one bf16 sublane tile of tokens
     bq = built.block_sizes.q_tokens_per_block
-    expected = pallas_tpu.kernel_tpu.tpu_schedule(md.query_start_loc, md.num_tokens, bq, xp=np)
+    expected = pallas_tpu.pallas_mosaic_tpu.tpu_schedule(md.query_start_loc, md.num_tokens, bq, xp=np)
     np.testing.assert_array_equal(built.schedule, expected)
     leaves, treedef = jax.tree_util.tree_flatten(built)
     assert len(leaves) == 5  # block sizes are static: part of the jit key, not a leaf

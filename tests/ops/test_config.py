@@ -25,14 +25,61 @@ def test_every_gpu_entry_validates(name):
         chosen = config.gpu_block_sizes(
             num_reqs=4, pages_per_req=64, page_size=entry["page_size"], head_size=entry["head_size"],
             num_kv_heads=8, group=entry["group"], mode=entry["mode"], device_kind=table["device_kind"],
+            q_dtype=entry["q_dtype"], kv_dtype=entry["kv_dtype"],
         )  # fmt: skip
         assert (chosen.block_q, chosen.pages_per_tile) == (bs.block_q, bs.pages_per_tile), "the entry is used"
+        assert chosen.num_stages == bs.num_stages, "a tuned entry fits the device's shared memory as it is"
 
 
 def test_a_miss_falls_back_to_the_heuristic():
     bs = config.gpu_block_sizes(num_reqs=64, pages_per_req=257, page_size=16, head_size=128, num_kv_heads=8,
-                                group=4, mode="decode", device_kind="some other GPU")  # fmt: skip
+                                group=4, mode="decode", q_dtype="bfloat16", device_kind="some other GPU")  # fmt: skip
     assert (bs.block_q, bs.pages_per_tile, bs.num_kv_splits) == (4, 4, 1)
+
+
+def test_tuned_entries_match_on_dtypes():
+    h100 = "NVIDIA H100 80GB HBM3"
+    shape = dict(num_reqs=64, pages_per_req=256, page_size=16, head_size=128, num_kv_heads=8, group=4, mode="decode")
+    bf16 = config.gpu_block_choice(**shape, q_dtype="bfloat16", device_kind=h100)
+    assert bf16.source.startswith("tuned entry") and bf16.block_sizes.pages_per_tile == 8
+    f32 = config.gpu_block_choice(**shape, q_dtype="float32", device_kind=h100)
+    assert f32.source.startswith("heuristic"), f32.source
+    fp8 = config.gpu_block_choice(**shape, q_dtype="bfloat16", kv_dtype="float8_e4m3fn", device_kind=h100)
+    assert fp8.source.startswith("heuristic"), fp8.source
+
+
+@pytest.mark.parametrize(
+    ("head_size", "q_dtype", "mode", "limit"),
+    [(128, "float32", "decode", 232448), (256, "float32", "mixed", 232448), (256, "float32", "prefill", 101376),
+     (256, "bfloat16", "mixed", 101376), (80, "float16", "decode", 101376)],
+)  # fmt: skip
+def test_block_sizes_step_down_to_fit_shared_memory(head_size, q_dtype, mode, limit):
+    """The failures the H100 showed (float32 at heads 128/256) and smaller GPUs' budgets:
+    the choice fits, with no more steps down than it needs."""
+    kind = {232448: "NVIDIA H100 80GB HBM3", 101376: "NVIDIA GeForce RTX 4090"}[limit]
+    group, page = 4, 16
+    choice = config.gpu_block_choice(num_reqs=8, pages_per_req=64, page_size=page, head_size=head_size,
+                                      num_kv_heads=2, group=group, mode=mode, q_dtype=q_dtype,
+                                      device_kind=kind)  # fmt: skip
+    bs = choice.block_sizes
+    dims = dict(group=group, page_size=page, head_size=head_size, q_dtype=q_dtype, kv_dtype=q_dtype)
+    assert config.triton_smem_bytes(bs, **dims) <= limit
+    config.check_block_sizes(bs, group=group, page_size=page)
+    if "stepped down" in choice.source:  # the step before did not fit
+        last = choice.source.split("; ")[-2] if choice.source.count("; ") > 1 else None
+        assert last is None or "stepped down" in last or last.startswith(("heuristic", "tuned"))
+
+
+def test_triton_smem_estimate_matches_what_the_h100_requested():
+    """The 'requested' figures of three H100 launch failures (issue 21: float32, page 16, 4 q
+    heads per kv head) against the estimate: exact at 2 stages, above at 3."""
+    f32 = dict(group=4, page_size=16, q_dtype="float32", kv_dtype="float32")
+    decode_128 = config.GpuBlockSizes(block_q=4, pages_per_tile=8, num_stages=3)
+    assert config.triton_smem_bytes(decode_128, head_size=128, **f32) >= 270848
+    decode_256 = config.GpuBlockSizes(block_q=4, pages_per_tile=4, num_stages=2)
+    assert config.triton_smem_bytes(decode_256, head_size=256, **f32) - 1024 == 278528
+    mixed_256 = config.GpuBlockSizes(block_q=16, pages_per_tile=4, num_stages=2)
+    assert config.triton_smem_bytes(mixed_256, head_size=256, **f32) - 1024 == 327680
 
 
 def test_bad_entries_and_modes_are_named(tmp_path):
@@ -49,7 +96,8 @@ def test_bad_entries_and_modes_are_named(tmp_path):
 
 
 def test_a_tuned_entry_that_does_not_fit_is_named(monkeypatch):
-    entry = {"mode": "decode", "head_size": 64, "group": 4, "page_size": 16, "block_q": 1, "pages_per_tile": 1}
+    entry = {"mode": "decode", "head_size": 64, "group": 4, "page_size": 16, "q_dtype": "float32",
+             "kv_dtype": "float32", "block_q": 1, "pages_per_tile": 1}  # fmt: skip
     table = {"device_kind": "X", "source": "test", "entries": [entry]}
     tables = {("gpu_", "X"): table}
     monkeypatch.setattr(config, "tuned_table_for", lambda prefix, kind: tables.get((prefix, kind)))

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from attn_jax.kv_cache import write_to_kv_cache
-from attn_jax.ops.ragged_paged_attention import dense, kernel_gpu, kernel_tpu, reference
+from attn_jax.ops.ragged_paged_attention import dense, pallas_mosaic_tpu, pallas_triton, reference
 from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
 from attn_jax.testing.workloads import make_ragged_batch
 from tests.ops.ragged_checks import (
@@ -248,7 +248,7 @@ def test_numpy_scalars_are_accepted_as_options():
     check(batch, options, use_jit=False)
 
 
-@pytest.mark.parametrize("module", ["reference", "dense", "kernel_gpu", "kernel_tpu"])
+@pytest.mark.parametrize("module", ["reference", "dense", "pallas_triton", "pallas_mosaic_tpu"])
 @pytest.mark.parametrize(
     ("option", "message"),
     [
@@ -263,8 +263,13 @@ def test_every_implementation_refuses_bad_options_before_computing(module, optio
     """One shared static check (validate.py): the same error from each op, raised before any work."""
     batch = make_ragged_batch(0, [1, 3], [4, 0], num_q_heads=4, num_kv_heads=2, head_size=64, block_size=16)
     q, k, v, cache, *rest = batch.op_args
-    if module == "kernel_tpu":
-        cache = kernel_tpu.from_reference_layout(cache)
-    op = {"reference": reference, "dense": dense, "kernel_gpu": kernel_gpu, "kernel_tpu": kernel_tpu}[module]
+    if module == "pallas_mosaic_tpu":
+        cache = pallas_mosaic_tpu.from_reference_layout(cache)
+    op = {
+        "reference": reference,
+        "dense": dense,
+        "pallas_triton": pallas_triton,
+        "pallas_mosaic_tpu": pallas_mosaic_tpu,
+    }[module]
     with pytest.raises(ValueError, match=re.escape(message)):
         op.ragged_paged_attention(q, k, v, cache, *rest, **{"sm_scale": 0.125, **option})

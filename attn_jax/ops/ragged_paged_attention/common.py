@@ -1,7 +1,7 @@
 """Per-tile math shared by the Pallas kernels: masks, score transforms, online softmax.
 
 Every function here is a pure function of jnp values (no refs, no Pallas primitives), so
-the same code lowers through Triton (``kernel_gpu.py``), Mosaic TPU (``kernel_tpu.py``)
+the same code lowers through Triton (``pallas_triton.py``), Mosaic TPU (``pallas_mosaic_tpu.py``)
 and runs eagerly in unit tests. A kernel tile is ``rows`` query rows (query tokens times
 the query heads of one KV head, packed) against ``cols`` cached key positions.
 

@@ -20,8 +20,9 @@ import numpy as np
 
 TUNED_DIR = pathlib.Path(__file__).parent / "tuned"
 
-GPU_MATCH_KEYS = ("mode", "head_size", "group", "page_size")
-"""What a GPU table entry matches on; ``mode`` is one of ``GPU_MODES``."""
+GPU_MATCH_KEYS = ("mode", "head_size", "group", "page_size", "q_dtype", "kv_dtype")
+"""What a GPU table entry matches on; ``mode`` is one of ``GPU_MODES``, the dtypes are NumPy
+names ("bfloat16", "float8_e4m3fn", ...): an entry tuned for 16-bit data never serves float32."""
 
 GPU_MODES = ("decode", "prefill", "mixed")
 """decode: every request has at most one new token; prefill: none has exactly one; mixed: both."""
@@ -56,6 +57,47 @@ class GpuBlockSizes:
 
 def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def head_tile(head_size: int) -> int:
+    """The power-of-two tile width the Triton kernel loads a head of ``head_size`` elements
+    into (>= 16: a dot's minimum); the columns past ``head_size`` are masked off."""
+    return max(16, next_pow2(head_size))
+
+
+GPU_SMEM_BYTES = {"H100": 232448, "H200": 232448, "H800": 232448, "H20": 232448, "GH200": 232448,
+                  "A100": 166912, "A800": 166912, "A30": 166912, "B200": 232448}  # fmt: skip
+"""Shared memory a block may opt into (bytes) by device family; the H100's figure is the one
+its runtime reports ("available: 232448")."""
+
+DEFAULT_GPU_SMEM_BYTES = 101376
+"""For GPUs not in ``GPU_SMEM_BYTES`` (and the interpreter): the 99 KiB of sm_86/sm_89, the
+smallest limit of the GPUs Triton serves."""
+
+
+def gpu_smem_limit(device_kind: str | None) -> int:
+    """The shared-memory budget of one program on ``device_kind`` (``jax.Device.device_kind``)."""
+    for family, limit in GPU_SMEM_BYTES.items():
+        if device_kind is not None and f" {family} " in f" {device_kind} ".replace("-", " "):
+            return limit
+    return DEFAULT_GPU_SMEM_BYTES
+
+
+def triton_smem_bytes(bs: GpuBlockSizes, *, group: int, page_size: int, head_size: int, q_dtype, kv_dtype) -> int:
+    """An upper estimate of the Triton kernel's shared memory for one program (bytes).
+
+    ``num_stages`` buffers of the K and V tiles (Triton's software pipeliner keeps up to
+    that many tiles in flight; a tile is ``pages_per_tile * page_size`` keys of
+    ``head_tile(D)`` columns, counted at the wider of the cache and query dtypes since the
+    dot consumes them converted) plus the q block (``block_q * next_pow2(G)`` rows), plus
+    1 KiB for the compiler's scratch. BENCHMARKS.md compares it with what the compiler
+    requested on the H100 (``benchmarks/gpu_launch_sweep.py --calibrate``): exact for
+    2-stage configs, over by up to half for 3-stage ones, never under.
+    """
+    rows, tile, width = bs.block_q * next_pow2(group), bs.pages_per_tile * page_size, head_tile(head_size)
+    q_bytes = np.dtype(q_dtype).itemsize
+    kv_bytes = max(np.dtype(kv_dtype).itemsize, q_bytes)
+    return bs.num_stages * 2 * tile * width * kv_bytes + rows * width * q_bytes + 1024
 
 
 def check_block_sizes(bs: GpuBlockSizes, *, group: int, page_size: int) -> None:
@@ -122,7 +164,47 @@ def gpu_entry_block_sizes(entry: dict[str, Any]) -> GpuBlockSizes:
     return GpuBlockSizes(**{k: v for k, v in entry.items() if k in known})
 
 
-def gpu_block_sizes(
+@dataclasses.dataclass(frozen=True)
+class GpuBlockChoice:
+    """Block sizes and where they came from, in words (``attn-stack info`` prints it)."""
+
+    block_sizes: GpuBlockSizes
+    source: str
+
+
+def gpu_block_sizes(**kwargs) -> GpuBlockSizes:
+    """``gpu_block_choice(...).block_sizes``."""
+    return gpu_block_choice(**kwargs).block_sizes
+
+
+def fit_smem(bs: GpuBlockSizes, *, group: int, page_size: int, limit: int, **dims) -> tuple[GpuBlockSizes, list[str]]:
+    """``bs`` stepped down until ``triton_smem_bytes`` fits ``limit``: fewer stages (down to 2),
+    then half the K/V tile (down to 16 keys), then half the q block (down to 16 rows).
+    Returns the block sizes and one line per step taken."""
+    steps = []
+
+    def size(b):
+        return triton_smem_bytes(b, group=group, page_size=page_size, **dims)
+
+    while size(bs) > limit:
+        before = size(bs)
+        if bs.num_stages > 2:
+            bs = dataclasses.replace(bs, num_stages=bs.num_stages - 1)
+        elif bs.pages_per_tile > 1 and bs.pages_per_tile * page_size > 16:
+            bs = dataclasses.replace(bs, pages_per_tile=bs.pages_per_tile // 2)
+        elif bs.block_q > 1 and bs.block_q * next_pow2(group) > 16:
+            bs = dataclasses.replace(bs, block_q=bs.block_q // 2)
+        else:
+            raise ValueError(
+                f"no Triton block sizes fit {limit} bytes of shared memory for head_size={dims['head_size']}, "
+                f"group={group}, page_size={page_size}, q_dtype={np.dtype(dims['q_dtype'])}, "
+                f"kv_dtype={np.dtype(dims['kv_dtype'])}: {bs} needs about {before}"
+            )
+        steps.append(f"{before} B > {limit} B of shared memory: stepped down to {bs}")
+    return bs, steps
+
+
+def gpu_block_choice(
     *,
     num_reqs: int,
     pages_per_req: int,
@@ -131,10 +213,14 @@ def gpu_block_sizes(
     num_kv_heads: int,
     group: int,
     mode: str,
+    q_dtype=np.float32,
+    kv_dtype=None,
     device_kind: str | None = None,
     num_sms: int = H100_NUM_SMS,
-) -> GpuBlockSizes:
-    """Block sizes for one bucket of the GPU kernel: the tuned entry, else the heuristic.
+) -> GpuBlockChoice:
+    """Block sizes for one bucket of the GPU kernel: the tuned entry, else the heuristic,
+    stepped down (``fit_smem``) until they fit the device's shared memory for these dtypes
+    (``kv_dtype`` None: the cache holds ``q_dtype``).
 
     The heuristic packs 16 rows per q-block for decode (one token times the head group,
     padded to a power of two) and 64 for mixed batches, with tiles of 64 keys. A decode
@@ -145,6 +231,9 @@ def gpu_block_sizes(
     """
     if mode not in GPU_MODES:
         raise ValueError(f"mode={mode!r} is not one of {list(GPU_MODES)}")
+    q_name = np.dtype(q_dtype).name
+    kv_name = np.dtype(q_dtype if kv_dtype is None else kv_dtype).name
+    source = "heuristic"
     decode_only = mode == "decode"
     fields: dict[str, int] = {
         "block_q": max((16 if decode_only else 64) // next_pow2(group), 1),
@@ -152,10 +241,13 @@ def gpu_block_sizes(
         "num_stages": 2,
     }
     table = tuned_table_for("gpu_", device_kind)
+    key = (mode, head_size, group, page_size, q_name, kv_name)
     for entry in (table or {}).get("entries", []):
-        if tuple(entry.get(k) for k in GPU_MATCH_KEYS) == (mode, head_size, group, page_size):
+        if tuple(entry.get(k) for k in GPU_MATCH_KEYS) == key:
             gpu_entry_block_sizes(entry)  # validates the entry
             fields.update({k: v for k, v in entry.items() if k not in GPU_MATCH_KEYS and k != "note"})
+            matched = ", ".join(f"{k}={v}" for k, v in zip(GPU_MATCH_KEYS, key, strict=True))
+            source = f"tuned entry of {table['device_kind']!r} ({matched})"
             break
     if "num_kv_splits" not in fields:
         max_tiles = -(-pages_per_req * page_size // (fields["pages_per_tile"] * page_size))
@@ -165,12 +257,16 @@ def gpu_block_sizes(
         fields["num_warps"] = 8 if decode_only and fields["num_kv_splits"] == 1 else 4
     bs = GpuBlockSizes(**fields)
     check_block_sizes(bs, group=group, page_size=page_size)
-    return bs
+    limit = gpu_smem_limit(device_kind)
+    bs, steps = fit_smem(
+        bs, group=group, page_size=page_size, limit=limit, head_size=head_size, q_dtype=q_dtype, kv_dtype=kv_name
+    )
+    return GpuBlockChoice(bs, "; ".join([source, *steps]))
 
 
 @dataclasses.dataclass(frozen=True)
 class MgpuBlockSizes:
-    """Static tiling of the Mosaic GPU prefill kernel (``kernel_mgpu``).
+    """Static tiling of the Mosaic GPU prefill kernel (``pallas_mosaic_gpu``).
 
     block_q: query rows per compute warpgroup (a CTA's q-tile is ``2 * block_q`` tokens);
     block_kv: keys per K/V block (a multiple of the page size, or a divisor of it);
@@ -193,6 +289,14 @@ class MgpuBlockSizes:
     def tile(self) -> int:
         return 2 * self.block_q
 
+    def smem_bytes(self, head_size: int, dtype) -> int:
+        """Shared memory of one CTA (bytes): two q/out tiles and the K and V rings, plus 1 KiB of barriers."""
+        rows = 2 * self.block_q + 2 * self.steps_in_flight * self.block_kv
+        return rows * head_size * np.dtype(dtype).itemsize + 1024
+
+
+MOSAIC_GPU_SMEM_BYTES = GPU_SMEM_BYTES["H100"]
+"""Hopper's budget: the Mosaic GPU kernel runs on Hopper only."""
 
 MGPU_MATCH_KEYS = ("head_size",)
 """What an ``mgpu_entries`` item of a GPU table matches on."""
@@ -200,12 +304,17 @@ MGPU_MATCH_KEYS = ("head_size",)
 
 def mgpu_block_sizes(*, head_size: int, device_kind: str | None = None) -> MgpuBlockSizes:
     """The Mosaic GPU prefill tiling: the device table's ``mgpu_entries`` item for this head
-    size, else ``MgpuBlockSizes()`` (64 rows per warpgroup, 128-key blocks, a 2-deep ring)."""
+    size, else ``MgpuBlockSizes()`` (64 rows per warpgroup, 128-key blocks, a 2-deep ring)
+    with the K/V blocks halved until 16-bit data fits Hopper's shared memory (64-key blocks
+    at head size 256)."""
     table = tuned_table_for("gpu_", device_kind)
     for entry in (table or {}).get("mgpu_entries", []):
         if entry.get("head_size") == head_size:
             return mgpu_entry_block_sizes(entry)
-    return MgpuBlockSizes()
+    bs = MgpuBlockSizes()
+    while bs.smem_bytes(head_size, np.float16) > MOSAIC_GPU_SMEM_BYTES and bs.block_kv > 64:
+        bs = dataclasses.replace(bs, block_kv=bs.block_kv // 2)
+    return bs
 
 
 def mgpu_entry_block_sizes(entry: dict[str, Any]) -> MgpuBlockSizes:
@@ -219,7 +328,7 @@ def mgpu_entry_block_sizes(entry: dict[str, Any]) -> MgpuBlockSizes:
 
 MGPU_DEVICE_KINDS = ("H100", "H200", "H800", "H20", "GH200")
 """Hopper parts (``jax.Device.device_kind`` contains one of these): where the Mosaic GPU
-prefill kernel (``kernel_mgpu``: TMA and warpgroup MMA, sm_90a) is compiled."""
+prefill kernel (``pallas_mosaic_gpu``: TMA and warpgroup MMA, sm_90a) is compiled."""
 
 
 def mgpu_prefill_available(device_kind: str | None) -> bool:
@@ -228,7 +337,7 @@ def mgpu_prefill_available(device_kind: str | None) -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# TPU (kernel_tpu.py)
+# TPU (pallas_mosaic_tpu.py)
 # --------------------------------------------------------------------------------------
 
 TPU_MATCH_KEYS = ("q_dtype", "kv_dtype", "head_size", "page_size", "max_num_tokens", "max_model_len")

@@ -1,4 +1,4 @@
-"""The Mosaic GPU prefill kernel (``kernel_mgpu``), its host schedule, and the Pallas k/v write.
+"""The Mosaic GPU prefill kernel (``pallas_mosaic_gpu``), its host schedule, and the Pallas k/v write.
 
 Mosaic GPU's interpreter in jax 0.11.2 does not run this kernel (it cannot evaluate the
 ``run_state`` around the PV matmul), so the kernel itself is checked against the float64
@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attn_jax.backends import pallas_gpu as pallas_gpu_backend
 from attn_jax.kv_cache import write_to_kv_cache
-from attn_jax.ops.ragged_paged_attention import kernel_gpu, kernel_mgpu, kv_write
-from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes, mgpu_prefill_available
+from attn_jax.ops.ragged_paged_attention import kv_write, pallas_mosaic_gpu
+from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes, mgpu_block_sizes, mgpu_prefill_available
 from attn_jax.testing.workloads import make_ragged_batch
 from tests.ops.ragged_checks import check, make_options
 
@@ -27,11 +28,11 @@ ON_GPU = jax.default_backend() == "gpu"
 ON_HOPPER = ON_GPU and mgpu_prefill_available(jax.devices()[0].device_kind)
 needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (H100/H200) for Mosaic GPU")
 
-TILE = kernel_mgpu.MgpuBlockSizes().tile  # 128
+TILE = pallas_mosaic_gpu.MgpuBlockSizes().tile  # 128
 
 
 def _split(batch, block_q, tile=TILE, xp=np):
-    return kernel_gpu.split_schedules(
+    return pallas_gpu_backend.split_schedules(
         xp.asarray(batch.query_start_loc), xp.asarray(batch.seq_lens), num_tokens=batch.q.shape[0],
         block_q=block_q, tile=tile, xp=xp,
     )  # fmt: skip
@@ -61,13 +62,13 @@ def test_split_schedules_cover_every_row_once_and_agree_traced():
     assert (covered == 1).all(), "each row is served by exactly one kernel"
     # 8-aligned spans: [0, 296) 3 tiles; [304, 424) is under a tile (Triton); [432, 568) 2; [576, 832) 2.
     assert (mgpu[3] > 0).sum() == 3 + 2 + 2
-    assert mgpu.shape[1] == kernel_mgpu.max_num_tiles(880, 7, TILE)
+    assert mgpu.shape[1] == pallas_mosaic_gpu.max_num_tiles(880, 7, TILE)
     lasts = mgpu[2] + TILE * (mgpu[3] > 0)
     assert (np.diff(lasts) <= 0).all(), "longest KV extent first"
 
 
 def _split_traced(qsl, seq, num_tokens):
-    return kernel_gpu.split_schedules(qsl, seq, num_tokens=num_tokens, block_q=8, tile=TILE, xp=jnp)
+    return pallas_gpu_backend.split_schedules(qsl, seq, num_tokens=num_tokens, block_q=8, tile=TILE, xp=jnp)
 
 
 @pytest.mark.parametrize(
@@ -80,15 +81,24 @@ def _split_traced(qsl, seq, num_tokens):
         (dict(sinks=np.ones(4)), "no sinks"),
         (dict(dtype=jnp.float32, cache_dtype=jnp.float32), "bfloat16/float16 activations, not float32"),
         (dict(cache_dtype=jnp.float8_e4m3fn), "cache in the activation dtype"),
-        (dict(head_size=256), r"head sizes \[64, 128\], not 256"),
+        (dict(head_size=96), r"head sizes \[64, 128, 256\], not 96"),
+        (dict(head_size=256), r"needs 328704 bytes of shared memory at head_size=256; Hopper has 232448"),
         (dict(page_size=4), "page_size=4 does not tile"),
     ],
 )
 def test_unsupported_configurations_are_named(kwargs, match):
     base = dict(head_size=128, page_size=16, dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16, causal=True)
-    assert kernel_mgpu.unsupported_reason(**base) is None
-    reason = kernel_mgpu.unsupported_reason(**{**base, **kwargs})
+    assert pallas_mosaic_gpu.unsupported_reason(**base) is None
+    reason = pallas_mosaic_gpu.unsupported_reason(**{**base, **kwargs})
     assert reason is not None and __import__("re").search(match, reason), reason
+
+
+def test_head_256_takes_64_key_blocks_that_fit_shared_memory():
+    bs = mgpu_block_sizes(head_size=256)
+    assert bs.block_kv == 64 and bs.smem_bytes(256, jnp.bfloat16) <= 232448
+    assert mgpu_block_sizes(head_size=128).block_kv == 128
+    base = dict(page_size=16, dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16, causal=True)
+    assert pallas_mosaic_gpu.unsupported_reason(head_size=256, block_sizes=bs, **base) is None
 
 
 def test_builder_splits_long_prefills_on_hopper_only():
@@ -103,7 +113,7 @@ def test_builder_splits_long_prefills_on_hopper_only():
     decode = build_common_attn_metadata([1, 1], [20, 30], tables, block_size=16)
     hopper = PallasGPUMetadataBuilder(spec, device_kind="NVIDIA H100 80GB HBM3", mgpu_prefill=True)
     md = hopper.build(0, prefill)
-    assert md.mgpu_schedule is not None and md.mgpu_block_sizes == kernel_mgpu.MgpuBlockSizes()
+    assert md.mgpu_schedule is not None and md.mgpu_block_sizes == pallas_mosaic_gpu.MgpuBlockSizes()
     assert md.rest_schedule is not None  # 130 tokens from row 200: rows 200..207 and the padding
     assert hopper.build(0, mixed).mgpu_schedule is None, "mixed batches stay on the Triton kernel"
     assert hopper.build(0, decode).mgpu_schedule is None
@@ -161,11 +171,11 @@ def test_mgpu_block_sizes_come_from_the_tuned_table_and_validate():
         for entry in config.load_tuned_table(name).get("mgpu_entries", []):
             config.mgpu_entry_block_sizes(entry)
     assert config.mgpu_block_sizes(head_size=128, device_kind="NVIDIA H100 80GB HBM3").block_kv == 128
-    assert config.mgpu_block_sizes(head_size=64, device_kind=None) == kernel_mgpu.MgpuBlockSizes()
+    assert config.mgpu_block_sizes(head_size=64, device_kind=None) == pallas_mosaic_gpu.MgpuBlockSizes()
     with pytest.raises(ValueError, match="unknown keys"):
         config.mgpu_entry_block_sizes({"head_size": 128, "block_m": 64})
     with pytest.raises(ValueError, match="block_kv=96 must be 64, 128 or 256"):
-        kernel_mgpu.MgpuBlockSizes(block_kv=96)
+        pallas_mosaic_gpu.MgpuBlockSizes(block_kv=96)
 
 
 def test_kernel_plan_names_the_kernel_per_batch_kind(monkeypatch):
@@ -196,7 +206,11 @@ def test_op_with_split_schedules_matches_oracle_interpret():
     bs = GpuBlockSizes(block_q=8, pages_per_tile=1)
     mgpu, rest = _split(batch, block_q=8)
     op = functools.partial(
-        kernel_gpu.ragged_paged_attention, block_sizes=bs, interpret=True, mgpu_schedule=mgpu, rest_schedule=rest
+        pallas_gpu_backend.ragged_paged_attention,
+        block_sizes=bs,
+        interpret=True,
+        mgpu_schedule=mgpu,
+        rest_schedule=rest,
     )
     check(batch, make_options(batch), use_jit=True, op=op)
 
@@ -251,7 +265,7 @@ def test_mgpu_alone_matches_oracle_compiled():
     bs = GpuBlockSizes(block_q=16, pages_per_tile=4)
     split = mgpu_split(batch.query_start_loc, batch.seq_lens, num_tokens=384, block_q=16)
     assert split["rest_schedule"] is None
-    op = functools.partial(kernel_gpu.ragged_paged_attention, block_sizes=bs, **split)
+    op = functools.partial(pallas_gpu_backend.ragged_paged_attention, block_sizes=bs, **split)
     check(batch, make_options(batch), use_jit=True, op=op)
 
 
@@ -263,8 +277,8 @@ def test_mgpu_split_matches_oracle_compiled(name):
     kwargs = {"dtype": jnp.bfloat16, **kwargs}
     batch = make_ragged_batch(0, **_LENS, **kwargs, num_tokens=880, num_padding_requests=1, extra_blocks=3)
     bs = GpuBlockSizes(block_q=16, pages_per_tile=max(64 // kwargs["block_size"], 1))
-    mgpu_bs = kernel_mgpu.MgpuBlockSizes(*mbs)
+    mgpu_bs = pallas_mosaic_gpu.MgpuBlockSizes(*mbs)
     mgpu, rest = _split(batch, block_q=16, tile=mgpu_bs.tile)
-    op = functools.partial(kernel_gpu.ragged_paged_attention, block_sizes=bs, mgpu_schedule=mgpu,
+    op = functools.partial(pallas_gpu_backend.ragged_paged_attention, block_sizes=bs, mgpu_schedule=mgpu,
                            rest_schedule=rest, mgpu_block_sizes=mgpu_bs)  # fmt: skip
     check(batch, make_options(batch), use_jit=True, op=op)

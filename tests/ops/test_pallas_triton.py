@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attn_jax.ops.ragged_paged_attention import kernel_gpu
+from attn_jax.ops.ragged_paged_attention import pallas_triton
 from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes, gpu_block_sizes
 from attn_jax.testing.workloads import make_ragged_batch
 from tests.ops.ragged_checks import (
@@ -65,11 +65,15 @@ CASES: dict[str, tuple[dict, dict, GpuBlockSizes]] = {
     "float16": (dict(_MIXED, dtype=jnp.float16), dict(alibi=True), ONE_PASS),
     "fp8_e4m3": (dict(_MIXED, cache_dtype_str="fp8_e4m3", extra_blocks=2), {}, ONE_PASS),
     "fp8_e5m2_bf16": (dict(_MIXED, dtype=jnp.bfloat16, cache_dtype_str="fp8_e5m2"), dict(sliding_window=9), SPLIT),
+    # Head sizes that are not powers of two: loaded into a power-of-two tile, the rest masked.
+    "head_80_mixed": (dict(_MIXED, head_size=80, extra_blocks=1), dict(sinks=True), ONE_PASS),
+    "head_96_decode_split_kv": (dict(query_lens=[1, 1], context_lens=[70, 3], **dict(_SHAPE, head_size=96)), {}, SPLIT),
+    "head_24_bf16_window": (dict(_MIXED, head_size=24, dtype=jnp.bfloat16), dict(sliding_window=5), ONE_PASS),
 }
 
 
 def _op(block_sizes, interpret):
-    return functools.partial(kernel_gpu.ragged_paged_attention, block_sizes=block_sizes, interpret=interpret)
+    return functools.partial(pallas_triton.ragged_paged_attention, block_sizes=block_sizes, interpret=interpret)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -104,7 +108,7 @@ def test_kv_sharing_writes_nothing_and_matches_reference():
 def test_jit_with_cache_donated_updates_in_place():
     batch = make_ragged_batch(2, **_MIXED)
     step = jax.jit(
-        functools.partial(kernel_gpu.ragged_paged_attention, sm_scale=0.2, block_sizes=ONE_PASS, interpret=True),
+        functools.partial(pallas_triton.ragged_paged_attention, sm_scale=0.2, block_sizes=ONE_PASS, interpret=True),
         donate_argnums=3,
     )
     q, k, v, cache, *rest = batch.op_args
@@ -150,7 +154,7 @@ def _specs(draw):
 def test_random_batches_match_oracle_interpret(spec):
     seed, batch_kwargs, options, bs = spec
     group = batch_kwargs["num_q_heads"] // batch_kwargs["num_kv_heads"]
-    bs = GpuBlockSizes(max(bs.block_q, 16 // kernel_gpu.next_pow2(group)), bs.pages_per_tile, bs.num_kv_splits)
+    bs = GpuBlockSizes(max(bs.block_q, 16 // pallas_triton.next_pow2(group)), bs.pages_per_tile, bs.num_kv_splits)
     batch = make_ragged_batch(seed, **batch_kwargs)
     check(batch, make_options(batch, **options), use_jit=True, op=_op(bs, True))
 
@@ -167,7 +171,7 @@ def test_default_block_sizes_run_and_split_long_decodes():
         batch,
         make_options(batch),
         use_jit=False,
-        op=functools.partial(kernel_gpu.ragged_paged_attention, interpret=True),
+        op=functools.partial(pallas_triton.ragged_paged_attention, interpret=True),
     )
 
 
@@ -187,7 +191,8 @@ def test_bad_block_sizes_are_named(bs, match):
 
 
 @pytest.mark.parametrize(("head_size", "block_size", "match"), [
-    (48, 16, r"head_size=48 is not supported by the Pallas GPU kernel; supported: \[32, 64, 128, 256\]"),
+    (100, 16, r"head_size=100 is not supported by the Pallas GPU kernel; supported: multiples of 8 up to 256"),
+    (264, 16, r"head_size=264 is not supported by the Pallas GPU kernel; supported: multiples of 8 up to 256"),
     (32, 12, r"page_size=12 is not supported by the Pallas GPU kernel; supported: \[1, 2, 4"),
 ])  # fmt: skip
 def test_unsupported_shapes_are_named(head_size, block_size, match):
@@ -199,7 +204,7 @@ def test_unsupported_shapes_are_named(head_size, block_size, match):
 
 def test_schedule_of_wrong_block_q_is_rejected():
     batch = make_ragged_batch(0, **_MIXED)
-    sched = kernel_gpu.gpu_schedule(np.asarray(batch.query_start_loc), np.asarray(batch.seq_lens),
+    sched = pallas_triton.gpu_schedule(np.asarray(batch.query_start_loc), np.asarray(batch.seq_lens),
                                     num_tokens=batch.q.shape[0], block_q=8, xp=np)  # fmt: skip
     with pytest.raises(ValueError, match=r"schedule.shape=.* must be .* block_q=4"):
         run_op(batch, make_options(batch), use_jit=False,
@@ -209,8 +214,8 @@ def test_schedule_of_wrong_block_q_is_rejected():
 def test_host_and_traced_schedules_agree():
     batch = make_ragged_batch(0, **dict(_MIXED, num_tokens=40, num_padding_requests=2))
     args = (np.asarray(batch.query_start_loc), np.asarray(batch.seq_lens))
-    host = kernel_gpu.gpu_schedule(*args, num_tokens=40, block_q=4, xp=np)
-    traced = jax.jit(lambda a, b: kernel_gpu.gpu_schedule(a, b, num_tokens=40, block_q=4))(*args)
+    host = pallas_triton.gpu_schedule(*args, num_tokens=40, block_q=4, xp=np)
+    traced = jax.jit(lambda a, b: pallas_triton.gpu_schedule(a, b, num_tokens=40, block_q=4))(*args)
     np.testing.assert_array_equal(host, np.asarray(traced))
     req, start, end = host[0], host[1], host[2]
     covered = np.zeros(40, int)
@@ -240,7 +245,7 @@ def test_realistic_sizes_match_reference_compiled(lens, cache_dtype):
     batch = make_ragged_batch(4, *lens, num_q_heads=32, num_kv_heads=8, head_size=128, block_size=16,
                               dtype=jnp.bfloat16, cache_dtype_str=cache_dtype, extra_blocks=4)  # fmt: skip
     options = make_options(batch, sinks=True, sliding_window=1024)
-    out, _ = run_op(batch, options, use_jit=True, op=functools.partial(kernel_gpu.ragged_paged_attention))
+    out, _ = run_op(batch, options, use_jit=True, op=functools.partial(pallas_triton.ragged_paged_attention))
     f32 = dataclasses_replace_f32(batch)
     ref, _ = run_op(f32, options, use_jit=True)
     n = batch.num_actual_tokens
@@ -261,7 +266,7 @@ def test_no_recompile_within_a_bucket():
     from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes as BS
 
     bs = BS(block_q=4, pages_per_tile=4)
-    step = jax.jit(functools.partial(kernel_gpu.ragged_paged_attention, sm_scale=0.1, block_sizes=bs))
+    step = jax.jit(functools.partial(pallas_triton.ragged_paged_attention, sm_scale=0.1, block_sizes=bs))
     for seed, lens in enumerate(([1, 7, 1], [3, 1, 5], [1, 1, 1])):
         batch = make_ragged_batch(seed, lens, [50, 9, 120], num_q_heads=8, num_kv_heads=2, head_size=64,
                                   block_size=16, num_tokens=16, extra_blocks=20 - 0)  # fmt: skip

@@ -21,9 +21,15 @@ kernel storing whole token rows, in place when the cache is donated: on an H100 
 P1's 16384 tokens in 59 us where XLA's two scatters took 436 us; BENCHMARKS.md); the
 interpreter keeps ``write_to_kv_cache``'s scatter.
 
-On Hopper GPUs a prefill batch's long requests can run in the Mosaic GPU kernel instead
-(``kernel_mgpu``, scheduled by ``split_schedules``); this kernel then serves the other
-rows, writing into the Mosaic kernel's output buffer (``input_output_aliases``).
+Head sizes are any multiple of 8 up to 256: Triton's tiles are powers of two, so a head
+of D elements is loaded into a ``next_pow2(D)``-wide tile (at least 16, a dot's minimum)
+with the columns past D masked off: no padded copy of q or the cache is made, and the
+masked columns cost no memory traffic.
+
+When the PALLAS_GPU backend runs a prefill batch's long requests in the Mosaic GPU kernel
+(``pallas_mosaic_gpu``; the dispatch is ``attn_jax.backends.pallas_gpu``), this kernel
+serves the other rows, writing into that kernel's output (``out_init``,
+``input_output_aliases``).
 """
 
 from __future__ import annotations
@@ -37,11 +43,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from attn_jax.kv_cache import write_to_kv_cache
-from attn_jax.ops.ragged_paged_attention import common, kernel_mgpu, kv_write
+from attn_jax.ops.ragged_paged_attention import common, kv_write
 from attn_jax.ops.ragged_paged_attention.config import (
     GpuBlockSizes,
     check_block_sizes,
     gpu_block_sizes,
+    head_tile,
     next_pow2,
 )
 from attn_jax.ops.ragged_paged_attention.validate import (
@@ -50,8 +57,10 @@ from attn_jax.ops.ragged_paged_attention.validate import (
     static_validate_inputs,
 )
 
-SUPPORTED_HEAD_SIZES = (32, 64, 128, 256)
-"""Triton tiles are powers of two and dots need every dimension >= 16."""
+SUPPORTED_HEAD_SIZES = tuple(range(8, 257, 8))
+"""Multiples of 8 up to 256 (vLLM's FlashAttention range): loaded into a power-of-two tile of
+``head_tile(D)`` columns with the rest masked off."""
+
 
 SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Powers of two: a K/V tile is a power-of-two number of pages of at least 16 keys."""
@@ -140,8 +149,15 @@ def _kernel(
     tok_c = jnp.minimum(tok, num_tokens - 1)
     head = jnp.minimum(kv_head * group + g, num_q_heads - 1)
     # Every index is an array (no ':'), which both the Triton lowering and the interpreter take.
-    d = jnp.arange(head_size, dtype=jnp.int32)[None, :]
-    q = plgpu.load(q_ref.at[tok_c[:, None], head[:, None], d], mask=row_valid[:, None], other=0.0)  # [rows, D]
+    # A head narrower than its power-of-two tile loads its D columns and masks the rest to 0.
+    head_pad = head_tile(head_size)
+    d = jnp.minimum(jnp.arange(head_pad, dtype=jnp.int32), head_size - 1)[None, :]  # i32[1, Dp]
+    d_valid = jnp.arange(head_pad)[None, :] < head_size if head_pad != head_size else True
+
+    def cols(mask):  # a row mask, narrowed to the head's real columns
+        return mask & d_valid
+
+    q = plgpu.load(q_ref.at[tok_c[:, None], head[:, None], d], mask=cols(row_valid[:, None]), other=0.0)  # [rows, Dp]
     q_pos = (pos_start + (tok - tok_start))[:, None]  # i32[rows, 1]
 
     # KV range of this q-block: [lo, hi) positions, then this split's share of its tiles.
@@ -162,7 +178,7 @@ def _kernel(
     if has_sinks:
         sinks = plgpu.load(sinks_ref.at[head], mask=row_valid, other=common.MASK_VALUE)
         sinks = jnp.where(split == 0, sinks, common.MASK_VALUE)  # the sink joins one split only
-    state = common.init_softmax_state(rows, head_size, sinks=sinks)
+    state = common.init_softmax_state(rows, head_pad, sinks=sinks)
     if has_sinks:  # splits other than 0 start empty: denom = 0
         state = (state[0], jnp.where(split == 0, state[1], 0.0), state[2])
 
@@ -175,8 +191,8 @@ def _kernel(
         page = plgpu.load(block_tables_ref.at[req, jnp.minimum(j // page_size, pages_per_req - 1)])
         offset = j % page_size
         page, offset = page[:, None], offset[:, None]
-        k = plgpu.load(kv_ref.at[0, page, offset, kv_head, d], mask=in_range[:, None], other=0.0)
-        v = plgpu.load(kv_ref.at[1, page, offset, kv_head, d], mask=in_range[:, None], other=0.0)
+        k = plgpu.load(kv_ref.at[0, page, offset, kv_head, d], mask=cols(in_range[:, None]), other=0.0)
+        v = plgpu.load(kv_ref.at[1, page, offset, kv_head, d], mask=cols(in_range[:, None]), other=0.0)
         k = common.dequantize(k, None, q.dtype)  # fp8 scales fold into sm_scale and the output
         v = common.dequantize(v, None, q.dtype)
         if masked:  # rows of a masked tile share p @ v: keep a value's NaN from rows that do not see it
@@ -210,14 +226,18 @@ def _kernel(
     # masked-off rows must not alias real ones: there they go to a spare token row.
     tok_s = jnp.where(row_valid, tok_c, num_tokens) if spare_row else tok_c
     head_s = jnp.where(row_valid, head, 0) if spare_row else head
+    # The interpreter's outputs are head_pad wide (sliced by the caller): no clamped column
+    # index aliases a real one there either.
+    d_s = jnp.arange(head_pad, dtype=jnp.int32)[None, :] if spare_row else d
+    store_mask = row_valid[:, None] if spare_row else cols(row_valid[:, None])
     m, denom, acc = state
     if num_kv_splits == 1:
         out_ref = rest[0]
         out = common.finalize_softmax_state(state) * v_scale
-        plgpu.store(out_ref.at[tok_s[:, None], head_s[:, None], d], out.astype(out_ref.dtype), mask=row_valid[:, None])
+        plgpu.store(out_ref.at[tok_s[:, None], head_s[:, None], d_s], out.astype(out_ref.dtype), mask=store_mask)
     else:
         acc_ref, m_ref, denom_ref = rest
-        plgpu.store(acc_ref.at[split, tok_s[:, None], head_s[:, None], d], acc * v_scale, mask=row_valid[:, None])
+        plgpu.store(acc_ref.at[split, tok_s[:, None], head_s[:, None], d_s], acc * v_scale, mask=store_mask)
         plgpu.store(m_ref.at[split, tok_s, head_s], m, mask=row_valid)
         plgpu.store(denom_ref.at[split, tok_s, head_s], denom, mask=row_valid)
 
@@ -243,9 +263,7 @@ def ragged_paged_attention(
     interpret: bool | None = None,
     block_sizes: GpuBlockSizes | None = None,
     schedule=None,  # i32[5, NB] from gpu_schedule (the builder's); derived here when None
-    mgpu_schedule=None,  # i32[4, NT] from kernel_mgpu.mgpu_schedule, or None: no Mosaic GPU prefill
-    rest_schedule=None,  # i32[5, NB]: the rows mgpu_schedule leaves over; None: it serves every row
-    mgpu_block_sizes: kernel_mgpu.MgpuBlockSizes | None = None,
+    out_init=None,  # f[T, Hq, D] | None: rows another kernel wrote; this launch writes only its schedule's rows
 ):
     """The reference op's contract (``reference.ragged_paged_attention``) as a Pallas GPU kernel.
 
@@ -254,14 +272,9 @@ def ragged_paged_attention(
     ``config.gpu_block_sizes`` for the shapes; ``schedule`` must have been built with
     the same ``block_q``.
 
-    With ``mgpu_schedule`` (``split_schedules``; the metadata builder makes it for
-    prefill batches on Hopper GPUs unless ``ATTN_STACK_MGPU_PREFILL=0``) and a
-    configuration ``kernel_mgpu.unsupported_reason`` accepts, the long prefill requests
-    run in the Mosaic GPU kernel and the rest of the rows (short requests, the unaligned
-    ends, padding: ``rest_schedule``, None when there are none) in this kernel, writing
-    into the same output; otherwise everything runs here on ``schedule``. Compiled, new
-    keys and values are written by ``kv_write.write_kv`` (a Pallas kernel, in place under
-    donation); in the interpreter by ``write_to_kv_cache``.
+    With ``out_init`` (the PALLAS_GPU backend passes the Mosaic GPU prefill's output, and a
+    ``schedule`` of the rows it left over) the kernel writes its rows into that buffer in
+    place. Compiled, new keys and values are written by ``write_new_kv``.
 
     Example::
 
@@ -269,6 +282,43 @@ def ragged_paged_attention(
             q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
             sm_scale=head_size**-0.5)
     """
+    num_tokens, num_q_heads, _ = q.shape
+    num_reqs = block_tables.shape[0]
+    block_sizes = validate_inputs(
+        q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, sm_scale=sm_scale, causal=causal,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks,
+        block_sizes=block_sizes,
+    )  # fmt: skip
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    kv_cache = write_new_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale, interpret=interpret)
+    if num_tokens == 0:  # nothing to attend; a zero-sized grid would not lower
+        return jnp.zeros_like(q), kv_cache
+    if schedule is None:
+        schedule = gpu_schedule(
+            jnp.asarray(query_start_loc), jnp.asarray(seq_lens), num_tokens=num_tokens, block_q=block_sizes.block_q
+        )
+    expected = (len(_SCHEDULE_FIELDS), max_num_q_blocks(num_tokens, num_reqs, block_sizes.block_q))
+    if tuple(schedule.shape) != expected:
+        raise ValueError(
+            f"schedule.shape={tuple(schedule.shape)} must be {expected} (gpu_schedule with "
+            f"block_q={block_sizes.block_q}, num_tokens={num_tokens}, num_reqs={num_reqs})"
+        )
+    out = _attend(
+        q, kv_cache, jnp.asarray(schedule, jnp.int32), jnp.asarray(block_tables),
+        alibi_slopes, sinks, k_scale, v_scale, out_init,
+        sm_scale=float(sm_scale), causal=causal, sliding_window=sliding_window,
+        soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret,
+    )  # fmt: skip
+    return out, kv_cache
+
+
+def validate_inputs(
+    q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, *, sm_scale, causal,
+    sliding_window, logits_soft_cap, alibi_slopes, sinks, block_sizes: GpuBlockSizes | None,
+) -> GpuBlockSizes:  # fmt: skip
+    """The op's static checks, its dynamic ones when the metadata is concrete, and the GPU
+    kernel's shape limits; returns ``block_sizes`` (or the defaults for these shapes) checked."""
     static_validate_inputs(
         q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
         sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
@@ -287,80 +337,27 @@ def ragged_paged_attention(
     if block_sizes is None:
         block_sizes = gpu_block_sizes(
             num_reqs=num_reqs, pages_per_req=pages_per_req, page_size=page_size, head_size=head_size,
-            num_kv_heads=num_kv_heads, group=group,
-            mode="decode" if num_tokens <= num_reqs else "mixed",
+            num_kv_heads=num_kv_heads, group=group, mode="decode" if num_tokens <= num_reqs else "mixed",
+            q_dtype=q.dtype, kv_dtype=kv_cache.dtype,
         )  # fmt: skip
     check_block_sizes(block_sizes, group=group, page_size=page_size)
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-
-    if k is not None and interpret:
-        kv_cache = write_to_kv_cache(kv_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
-    elif k is not None:
-        kv_cache = kv_write.write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale, interpret=False)
-    if num_tokens == 0:  # nothing to attend; a zero-sized grid would not lower
-        return jnp.zeros_like(q), kv_cache
-    if schedule is None:
-        schedule = gpu_schedule(
-            jnp.asarray(query_start_loc), jnp.asarray(seq_lens), num_tokens=num_tokens, block_q=block_sizes.block_q
-        )
-    expected = (len(_SCHEDULE_FIELDS), max_num_q_blocks(num_tokens, num_reqs, block_sizes.block_q))
-    if tuple(schedule.shape) != expected:
-        raise ValueError(
-            f"schedule.shape={tuple(schedule.shape)} must be {expected} (gpu_schedule with "
-            f"block_q={block_sizes.block_q}, num_tokens={num_tokens}, num_reqs={num_reqs})"
-        )
-    mgpu_bs = mgpu_block_sizes or kernel_mgpu.MgpuBlockSizes()
-    use_mgpu = (
-        mgpu_schedule is not None and not interpret
-        and block_sizes.num_kv_splits == 1
-        and kernel_mgpu.unsupported_reason(
-            head_size=head_size, page_size=page_size, dtype=q.dtype, cache_dtype=kv_cache.dtype, causal=causal,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
-            sinks=sinks, block_sizes=mgpu_bs,
-        ) is None
-    )  # fmt: skip
-    out_init = None
-    if use_mgpu:
-        schedule = rest_schedule
-        out_init = kernel_mgpu.prefill_attention(
-            q, kv_cache, jnp.asarray(mgpu_schedule, jnp.int32), jnp.asarray(block_tables),
-            sm_scale=sm_scale, block_sizes=mgpu_bs,
-        )  # fmt: skip
-        if rest_schedule is None:  # every row is the Mosaic GPU kernel's: no second launch
-            return out_init, kv_cache
-    out = _attend(
-        q, kv_cache, jnp.asarray(schedule, jnp.int32), jnp.asarray(block_tables),
-        alibi_slopes, sinks, k_scale, v_scale, out_init,
-        sm_scale=float(sm_scale), causal=causal, sliding_window=sliding_window,
-        soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret,
-    )  # fmt: skip
-    return out, kv_cache
+    return block_sizes
 
 
-def split_schedules(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, tile: int, xp=jnp):
-    """(mgpu_schedule, rest_schedule): the Mosaic GPU prefill's q-tiles (requests of at least
-    ``tile`` 8-aligned new tokens) and this kernel's q-blocks for every other row: other
-    requests, the unaligned rows at either end of a served request, and the padding."""
-    mgpu, (lo, hi) = kernel_mgpu.mgpu_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, tile=tile, xp=xp)
-    num_reqs = seq_lens.shape[0]
-    qsl = query_start_loc.astype(np.int32)
-    reqs = xp.arange(num_reqs, dtype=np.int32)
-    segments = (  # each request's rows before and after the Mosaic GPU span [lo, hi), then the padding
-        xp.concatenate([reqs, reqs, xp.full((1,), num_reqs, np.int32)]),
-        xp.concatenate([qsl[:-1], hi, qsl[-1:]]),
-        xp.concatenate([lo, qsl[1:], xp.full((1,), num_tokens, np.int32)]),
-    )
-    rest = gpu_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, block_q=block_q, xp=xp, segments=segments)
-    return mgpu, rest
+def write_new_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale, *, interpret: bool):
+    """The new k/v at slot_mapping (None: no write): compiled, ``kv_write.write_kv`` (a Pallas
+    kernel, in place under donation); in the interpreter ``write_to_kv_cache``'s scatter."""
+    if k is None:
+        return kv_cache
+    if interpret:
+        return write_to_kv_cache(kv_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    return kv_write.write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale, interpret=False)
 
 
 def check_gpu_shapes(*, head_size: int, page_size: int) -> None:
     """Raises ValueError when the GPU kernel cannot tile these shapes."""
     if head_size not in SUPPORTED_HEAD_SIZES:
-        raise ValueError(
-            f"{head_size=} is not supported by the Pallas GPU kernel; supported: {list(SUPPORTED_HEAD_SIZES)}"
-        )
+        raise ValueError(f"{head_size=} is not supported by the Pallas GPU kernel; supported: multiples of 8 up to 256")
     if page_size not in SUPPORTED_PAGE_SIZES:
         raise ValueError(
             f"{page_size=} is not supported by the Pallas GPU kernel; supported: {list(SUPPORTED_PAGE_SIZES)}"
@@ -387,15 +384,16 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
     if sinks is not None:
         inputs.append(jnp.asarray(sinks, jnp.float32))
     out_tokens = num_tokens + 1 if interpret else num_tokens  # the interpreter's spare row
+    out_cols = head_tile(head_size) if interpret else head_size  # and its full-width tiles
     aliases = {}
     if out_init is not None:  # rows another kernel wrote: this launch writes only its own rows
         aliases = {len(inputs): 0}
         inputs.append(out_init)
     if splits == 1:
-        out_shape = jax.ShapeDtypeStruct((out_tokens, num_q_heads, head_size), q.dtype)
+        out_shape = jax.ShapeDtypeStruct((out_tokens, num_q_heads, out_cols), q.dtype)
     else:
         out_shape = (
-            jax.ShapeDtypeStruct((splits, out_tokens, num_q_heads, head_size), jnp.float32),
+            jax.ShapeDtypeStruct((splits, out_tokens, num_q_heads, out_cols), jnp.float32),
             jax.ShapeDtypeStruct((splits, out_tokens, num_q_heads), jnp.float32),
             jax.ShapeDtypeStruct((splits, out_tokens, num_q_heads), jnp.float32),
         )
@@ -416,8 +414,8 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
         name="ragged_paged_attention_gpu",
     )(*inputs)
     if splits == 1:
-        return result[:num_tokens]
-    acc, m, denom = (x[:, :num_tokens] for x in result)
+        return result[:num_tokens, :, :head_size]
+    acc, m, denom = result[0][:, :num_tokens, :, :head_size], result[1][:, :num_tokens], result[2][:, :num_tokens]
     merged = common.merge_softmax_states(m, denom, acc)
     return (
         common.finalize_softmax_state((merged[0].reshape(-1), merged[1].reshape(-1), merged[2].reshape(-1, head_size)))

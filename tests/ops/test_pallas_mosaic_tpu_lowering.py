@@ -3,7 +3,7 @@ layout helpers, schedule, tuned tables and sharding.
 
 ``jax.export`` lowers the kernel for TPU at production shapes (Pallas -> Mosaic), so a
 kernel that cannot be lowered fails CI; the exported module must hold the Mosaic custom
-call. The interpreter runs against the oracle are in test_kernel_tpu.py.
+call. The interpreter runs against the oracle are in test_pallas_mosaic_tpu.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax.ops.ragged_paged_attention import common, kernel_tpu
+from attn_jax.ops.ragged_paged_attention import common, pallas_mosaic_tpu
 from attn_jax.ops.ragged_paged_attention.config import TpuBlockSizes, load_tuned_table, tuned_tables
 from attn_jax.testing.workloads import make_ragged_batch
 
@@ -41,7 +41,7 @@ def _export(*, num_tokens, num_reqs, pages_per_req, page_size, head_size, cache_
         sds((num_tokens, num_q_heads, head_size), dtype),
         sds((num_tokens, num_kv_heads, head_size), dtype),
         sds((num_tokens, num_kv_heads, head_size), dtype),
-        sds(kernel_tpu.kv_cache_shape(4096, page_size, num_kv_heads, head_size), cache_dtype),
+        sds(pallas_mosaic_tpu.kv_cache_shape(4096, page_size, num_kv_heads, head_size), cache_dtype),
         sds((num_reqs + 1,), jnp.int32),
         sds((num_reqs,), jnp.int32),
         sds((num_reqs, pages_per_req), jnp.int32),
@@ -51,7 +51,7 @@ def _export(*, num_tokens, num_reqs, pages_per_req, page_size, head_size, cache_
     scales = dict(k_scale=jnp.float32(0.5), v_scale=jnp.float32(0.25)) if fp8 else {}
 
     def step(*args):
-        return kernel_tpu.ragged_paged_attention(
+        return pallas_mosaic_tpu.ragged_paged_attention(
             *args, sm_scale=head_size**-0.5, interpret=False, block_sizes=block_sizes, **scales, **options
         )
 
@@ -103,7 +103,7 @@ def test_tuned_table_entries_export_for_tpu(table, index):
 
 def test_cost_estimate_is_attached():
     text = (
-        jax.jit(lambda *a: kernel_tpu.ragged_paged_attention(*a, sm_scale=0.1, interpret=False))
+        jax.jit(lambda *a: pallas_mosaic_tpu.ragged_paged_attention(*a, sm_scale=0.1, interpret=False))
         .trace(*_zeros(num_tokens=32, num_reqs=2, pages_per_req=4, page_size=16, head_size=128))
         .jaxpr.pretty_print()
     )
@@ -115,7 +115,7 @@ def _zeros(*, num_tokens, num_reqs, pages_per_req, page_size, head_size, num_blo
         jnp.zeros((num_tokens, 8, head_size), jnp.bfloat16),
         jnp.zeros((num_tokens, 2, head_size), jnp.bfloat16),
         jnp.zeros((num_tokens, 2, head_size), jnp.bfloat16),
-        jnp.zeros(kernel_tpu.kv_cache_shape(num_blocks, page_size, 2, head_size), jnp.bfloat16),
+        jnp.zeros(pallas_mosaic_tpu.kv_cache_shape(num_blocks, page_size, 2, head_size), jnp.bfloat16),
         jnp.zeros((num_reqs + 1,), jnp.int32),
         jnp.zeros((num_reqs,), jnp.int32),
         jnp.zeros((num_reqs, pages_per_req), jnp.int32),
@@ -137,13 +137,13 @@ def _common_calls(module) -> set[str]:
 
 
 def test_tpu_and_gpu_kernels_call_the_same_common_functions():
-    from attn_jax.ops.ragged_paged_attention import kernel_gpu
+    from attn_jax.ops.ragged_paged_attention import pallas_triton
 
-    assert kernel_tpu.common is common and kernel_gpu.common is common  # one module, not copies
-    tpu_calls, gpu_calls = _common_calls(kernel_tpu), _common_calls(kernel_gpu)
+    assert pallas_mosaic_tpu.common is common and pallas_triton.common is common  # one module, not copies
+    tpu_calls, gpu_calls = _common_calls(pallas_mosaic_tpu), _common_calls(pallas_triton)
     assert set(SHARED) <= tpu_calls, set(SHARED) - tpu_calls
     assert set(SHARED) <= gpu_calls, set(SHARED) - gpu_calls
-    for module in (kernel_tpu, kernel_gpu):  # and neither keeps a private copy of the math
+    for module in (pallas_mosaic_tpu, pallas_triton):  # and neither keeps a private copy of the math
         source = inspect.getsource(module)
         for name in SHARED:
             assert f"def {name}(" not in source, f"{module.__name__} defines its own {name}"
@@ -171,7 +171,7 @@ def _small_args(head_size=128, page_size=16, cache_dtype=jnp.float32, num_reqs=2
 )
 def test_unsupported_shapes_raise(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        kernel_tpu.ragged_paged_attention(*_small_args(**kwargs), sm_scale=0.1, interpret=True)
+        pallas_mosaic_tpu.ragged_paged_attention(*_small_args(**kwargs), sm_scale=0.1, interpret=True)
 
 
 @pytest.mark.parametrize(
@@ -189,18 +189,18 @@ def test_unsupported_shapes_raise(kwargs, message):
 )
 def test_bad_block_sizes_raise(block_sizes, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        kernel_tpu.ragged_paged_attention(*_small_args(), sm_scale=0.1, block_sizes=block_sizes, interpret=True)
+        pallas_mosaic_tpu.ragged_paged_attention(*_small_args(), sm_scale=0.1, block_sizes=block_sizes, interpret=True)
 
 
 def test_two_dimensional_q_is_named():
     q, *rest = _small_args()
     with pytest.raises(ValueError, match=re.escape("q.shape=(8, 1024) must be [num_tokens, num_q_heads, head_size]")):
-        kernel_tpu.ragged_paged_attention(q.reshape(q.shape[0], -1), *rest, sm_scale=0.1, interpret=True)
+        pallas_mosaic_tpu.ragged_paged_attention(q.reshape(q.shape[0], -1), *rest, sm_scale=0.1, interpret=True)
 
 
 def test_zero_tokens_give_an_empty_result_and_an_unchanged_cache():
     q, k, v, cache, *rest = _small_args(num_tokens=0)
-    out, new_cache = kernel_tpu.ragged_paged_attention(q, k, v, cache, *rest, sm_scale=0.1, interpret=True)
+    out, new_cache = pallas_mosaic_tpu.ragged_paged_attention(q, k, v, cache, *rest, sm_scale=0.1, interpret=True)
     assert out.shape == q.shape and out.dtype == q.dtype
     np.testing.assert_array_equal(np.asarray(new_cache), np.asarray(cache))
 
@@ -209,24 +209,26 @@ def test_reference_layout_cache_is_a_clear_error():
     batch = make_ragged_batch(0, [1, 2], [3, 0], **_G4, head_size=128, block_size=16)
     with pytest.raises(ValueError, match=re.escape("is not the PALLAS_TPU layout [num_blocks, num_kv_heads, "
                                                    "block_size, 2 * head_size=256]")) as e:  # fmt: skip
-        kernel_tpu.ragged_paged_attention(*batch.op_args, sm_scale=0.1)
+        pallas_mosaic_tpu.ragged_paged_attention(*batch.op_args, sm_scale=0.1)
     assert "convert it with from_reference_layout" in str(e.value)
-    cache = kernel_tpu.from_reference_layout(batch.kv_cache)
+    cache = pallas_mosaic_tpu.from_reference_layout(batch.kv_cache)
     q, k, v, _, *rest = batch.op_args
     with pytest.raises(ValueError, match=re.escape(f"kv_cache.shape={cache.shape[:3] + (128,)} is not the PALLAS_TPU")):
-        kernel_tpu.ragged_paged_attention(q, k, v, cache[..., :128], *rest, sm_scale=0.1)
+        pallas_mosaic_tpu.ragged_paged_attention(q, k, v, cache[..., :128], *rest, sm_scale=0.1)
 
 
 def test_metadata_over_smem_capacity_names_the_limit():
-    limit = kernel_tpu.SMEM_SCALAR_PREFETCH_LIMIT_BYTES
+    limit = pallas_mosaic_tpu.SMEM_SCALAR_PREFETCH_LIMIT_BYTES
     with pytest.raises(ValueError, match=f"SMEM_SCALAR_PREFETCH_LIMIT_BYTES={limit}") as e:
-        kernel_tpu.check_smem_capacity(num_reqs=1024, pages_per_req=2048, num_tokens=8192, q_tokens_per_block=32)
+        pallas_mosaic_tpu.check_smem_capacity(num_reqs=1024, pages_per_req=2048, num_tokens=8192, q_tokens_per_block=32)
     assert "num_reqs=1024, pages_per_req=2048" in str(e.value) and "block_tables=8388608 B" in str(e.value)
     # The op checks before tracing the kernel: a 256 x 512 block table is 512 KiB.
     args = _small_args(num_reqs=256, pages_per_req=512)
     with pytest.raises(ValueError, match="more than the TPU kernel's limit SMEM_SCALAR_PREFETCH_LIMIT_BYTES"):
-        kernel_tpu.ragged_paged_attention(*args, sm_scale=0.1, interpret=True, block_sizes=TpuBlockSizes(8, 1))
-    assert kernel_tpu.check_smem_capacity(num_reqs=256, pages_per_req=128, num_tokens=8192, q_tokens_per_block=32)
+        pallas_mosaic_tpu.ragged_paged_attention(*args, sm_scale=0.1, interpret=True, block_sizes=TpuBlockSizes(8, 1))
+    assert pallas_mosaic_tpu.check_smem_capacity(
+        num_reqs=256, pages_per_req=128, num_tokens=8192, q_tokens_per_block=32
+    )
 
 
 # --- layout and schedule -----------------------------------------------------------------------
@@ -237,13 +239,13 @@ def test_layout_round_trip_and_write_path_match_the_reference():
 
     batch = make_ragged_batch(4, **_MIXED, **_G4, head_size=64, block_size=16, cache_dtype_str="fp8_e5m2",
                               num_tokens=18)  # fmt: skip
-    tpu = kernel_tpu.from_reference_layout(batch.kv_cache)
-    assert tpu.shape == kernel_tpu.kv_cache_shape(batch.kv_cache.shape[1], 16, 2, 64)
+    tpu = pallas_mosaic_tpu.from_reference_layout(batch.kv_cache)
+    assert tpu.shape == pallas_mosaic_tpu.kv_cache_shape(batch.kv_cache.shape[1], 16, 2, 64)
     f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731  (NaN == NaN for assert_array_equal)
-    np.testing.assert_array_equal(f32(kernel_tpu.to_reference_layout(tpu)), f32(batch.kv_cache))
-    written = kernel_tpu.write_to_tpu_kv_cache(tpu, batch.k, batch.v, batch.slot_mapping, **batch.op_kwargs)
+    np.testing.assert_array_equal(f32(pallas_mosaic_tpu.to_reference_layout(tpu)), f32(batch.kv_cache))
+    written = pallas_mosaic_tpu.write_to_tpu_kv_cache(tpu, batch.k, batch.v, batch.slot_mapping, **batch.op_kwargs)
     expected = write_to_kv_cache(batch.kv_cache, batch.k, batch.v, batch.slot_mapping, **batch.op_kwargs)
-    np.testing.assert_array_equal(f32(kernel_tpu.to_reference_layout(written)), f32(expected))
+    np.testing.assert_array_equal(f32(pallas_mosaic_tpu.to_reference_layout(written)), f32(expected))
 
 
 def test_write_plan_copies_whole_pages_once():
@@ -251,14 +253,14 @@ def test_write_plan_copies_whole_pages_once():
     # one more token, padding, a full page (40-43), a slot past the cache, a lone token.
     slots = np.array([16, 17, 18, 19, 5, 6, 32, 33, 34, 35, 36, -1, 40, 41, 42, 43, 99, 20], np.int32)
     expected = [-6, -1, -1, -1, 5, 6, -10, -1, -1, -1, 36, -1, -12, -1, -1, -1, -1, 20]
-    assert kernel_tpu.write_plan(slots, 4, 12, xp=np).tolist() == expected
-    assert np.asarray(jax.jit(kernel_tpu.write_plan, static_argnums=(1, 2))(slots, 4, 12)).tolist() == expected
+    assert pallas_mosaic_tpu.write_plan(slots, 4, 12, xp=np).tolist() == expected
+    assert np.asarray(jax.jit(pallas_mosaic_tpu.write_plan, static_argnums=(1, 2))(slots, 4, 12)).tolist() == expected
 
 
 def test_schedule_on_host_and_traced_agree():
     qsl = np.array([0, 1, 1, 9, 10, 14, 14, 14], np.int32)  # an empty request inside, two padding ones at the end
-    host = kernel_tpu.tpu_schedule(qsl, 16, 4, xp=np)
-    traced = jax.jit(kernel_tpu.tpu_schedule, static_argnums=(1, 2))(jnp.asarray(qsl), 16, 4)
+    host = pallas_mosaic_tpu.tpu_schedule(qsl, 16, 4, xp=np)
+    traced = jax.jit(pallas_mosaic_tpu.tpu_schedule, static_argnums=(1, 2))(jnp.asarray(qsl), 16, 4)
     np.testing.assert_array_equal(host, np.asarray(traced))
     # Blocks [0,4) [4,8) [8,12) [12,16): first requests, then one past the last.
     assert host.tolist() == [0, 2, 2, 4] + [3, 3, 5, 5]
@@ -271,18 +273,18 @@ _SHARDED = textwrap.dedent(
     """
     import jax, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
-    from attn_jax.ops.ragged_paged_attention import kernel_tpu
+    from attn_jax.ops.ragged_paged_attention import pallas_mosaic_tpu
     from attn_jax.ops.ragged_paged_attention.config import TpuBlockSizes
     from attn_jax.testing.workloads import make_ragged_batch
 
     assert len(jax.devices()) == 4, jax.devices()
     batch = make_ragged_batch(0, [1, 5], [6, 10], num_q_heads=8, num_kv_heads=4, head_size=128, block_size=16)
     q, k, v, cache, *index = batch.op_args
-    cache = kernel_tpu.from_reference_layout(cache)
+    cache = pallas_mosaic_tpu.from_reference_layout(cache)
     sinks = np.linspace(-1, 1, 8).astype(np.float32)
 
     def step(q, k, v, cache, sinks, *index):
-        return kernel_tpu.ragged_paged_attention(q, k, v, cache, *index, sm_scale=0.1, sinks=sinks,
+        return pallas_mosaic_tpu.ragged_paged_attention(q, k, v, cache, *index, sm_scale=0.1, sinks=sinks,
                                                  block_sizes=TpuBlockSizes(8, 1))
 
     heads, cache_heads = P(None, "kv", None), P(None, "kv", None, None)
@@ -320,7 +322,7 @@ def test_every_tuned_tpu_table_entry_validates(name):
         key = tuple(entry[k] for k in TPU_MATCH_KEYS)
         assert key not in keys, f"duplicate entry {key}"
         keys.add(key)
-        kernel_tpu.check_tpu_shapes(head_size=entry["head_size"], page_size=entry["page_size"],
+        pallas_mosaic_tpu.check_tpu_shapes(head_size=entry["head_size"], page_size=entry["page_size"],
                                     kv_dtype=entry["kv_dtype"])  # fmt: skip
         for n in ("max_num_tokens", "max_model_len"):
             assert entry[n] & (entry[n] - 1) == 0, f"{n}={entry[n]} is not a power of two (lookups round up)"
@@ -366,19 +368,19 @@ def test_column_softmax_state_matches_row_state():
 
 def test_vmem_limit_is_raised_for_large_blocks_and_refused_past_v7x():
     shape = dict(group=4, head_size=128, page_size=16, q_itemsize=2, kv_itemsize=2, per_row_inputs=2)
-    assert kernel_tpu.vmem_limit_for(TpuBlockSizes(4, 16, 2), **shape) is None  # decode blocks: the default
-    estimate = kernel_tpu.vmem_bytes_estimate(TpuBlockSizes(256, 16, 2), **shape)  # long-prefill blocks
-    assert estimate > kernel_tpu.VMEM_DEFAULT_SCOPED_BYTES * 3 // 4
-    assert kernel_tpu.vmem_limit_for(TpuBlockSizes(256, 16, 2), **shape) == estimate * 3 // 2
-    with pytest.raises(ValueError, match=f"VMEM_MAX_BYTES={kernel_tpu.VMEM_MAX_BYTES}"):
-        kernel_tpu.vmem_limit_for(TpuBlockSizes(1024, 64, 2), **shape)
+    assert pallas_mosaic_tpu.vmem_limit_for(TpuBlockSizes(4, 16, 2), **shape) is None  # decode blocks: the default
+    estimate = pallas_mosaic_tpu.vmem_bytes_estimate(TpuBlockSizes(256, 16, 2), **shape)  # long-prefill blocks
+    assert estimate > pallas_mosaic_tpu.VMEM_DEFAULT_SCOPED_BYTES * 3 // 4
+    assert pallas_mosaic_tpu.vmem_limit_for(TpuBlockSizes(256, 16, 2), **shape) == estimate * 3 // 2
+    with pytest.raises(ValueError, match=f"VMEM_MAX_BYTES={pallas_mosaic_tpu.VMEM_MAX_BYTES}"):
+        pallas_mosaic_tpu.vmem_limit_for(TpuBlockSizes(1024, 64, 2), **shape)
     # The op passes it on: 4096 tokens take 256-token q-blocks; with ALiBi and sinks they need more.
     args = _zeros(num_tokens=4096, num_reqs=4, pages_per_req=256, page_size=16, head_size=128, num_blocks=1024)
     step = jax.jit(
-        lambda *a: kernel_tpu.ragged_paged_attention(
+        lambda *a: pallas_mosaic_tpu.ragged_paged_attention(
             *a, sm_scale=0.1, interpret=False, sinks=jnp.zeros(8, jnp.float32), alibi_slopes=jnp.ones(8, jnp.float32)
         )
     )
     jaxpr = step.trace(*args).jaxpr.pretty_print()
-    raised = kernel_tpu.vmem_limit_for(TpuBlockSizes(256, 16, 2), **shape)
+    raised = pallas_mosaic_tpu.vmem_limit_for(TpuBlockSizes(256, 16, 2), **shape)
     assert f"vmem_limit_bytes={raised}" in jaxpr

@@ -2,7 +2,7 @@
 
 The long requests of a prefill batch (each request's 8-aligned span of new tokens, when
 it holds at least ``2 * block_q`` of them) run here; short requests, the unaligned rows
-at a span's ends and padding rows stay with the Triton kernel (``kernel_gpu.py``), which
+at a span's ends and padding rows stay with the Triton kernel (``pallas_triton.py``), which
 writes its rows into the same output buffer afterwards. The metadata builder schedules it
 on Hopper unless ``ATTN_STACK_MGPU_PREFILL=0`` (``backends/pallas_gpu.py`` says what was
 measured).
@@ -37,7 +37,7 @@ Structure (JAX's ``attention_mgpu.py``, FlashAttention-3 style, adapted to pages
 
 What it lacks, each named by ``unsupported_reason`` so the caller keeps those batches on
 the Triton kernel: non-causal attention, sliding window, soft cap, ALiBi, sinks, fp8
-caches, float32 activations, head sizes other than 64 and 128, pages that do not tile a
+caches, float32 activations, head sizes other than 64, 128 and 256, pages that do not tile a
 KV block (``block_kv % page_size`` or ``page_size % 8``). ``common.py``'s per-tile
 functions are not used here: the kernel keeps ``attention_mgpu``'s softmax, written
 against ``plgpu.Layout.WGMMA`` register layouts (row statistics in ``WGMMA.reduce(1)``,
@@ -64,9 +64,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from attn_jax.ops.ragged_paged_attention.config import MgpuBlockSizes
+from attn_jax.ops.ragged_paged_attention.config import MOSAIC_GPU_SMEM_BYTES, MgpuBlockSizes
 
-SUPPORTED_HEAD_SIZES = (64, 128)
+SUPPORTED_HEAD_SIZES = (64, 128, 256)
+"""wgmma's K and N dimensions in whole 128-byte swizzle rows of 16-bit data; 256 with
+64-key K/V blocks (``config.mgpu_block_sizes``) to fit shared memory."""
 SUPPORTED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 __all__ = ["MgpuBlockSizes", "max_num_tiles", "mgpu_schedule", "prefill_attention", "unsupported_reason"]
@@ -90,6 +92,12 @@ def unsupported_reason(
         return f"the Mosaic GPU prefill kernel needs the cache in the activation dtype, not {np.dtype(cache_dtype)}"
     if head_size not in SUPPORTED_HEAD_SIZES:
         return f"the Mosaic GPU prefill kernel takes head sizes {list(SUPPORTED_HEAD_SIZES)}, not {head_size}"
+    smem = block_sizes.smem_bytes(head_size, dtype)
+    if smem > MOSAIC_GPU_SMEM_BYTES:
+        return (
+            f"the Mosaic GPU prefill kernel with {block_sizes} needs {smem} bytes of shared memory at "
+            f"head_size={head_size}; Hopper has {MOSAIC_GPU_SMEM_BYTES}"
+        )
     chunk = min(page_size, block_sizes.block_kv)
     if page_size % 8 or block_sizes.block_kv % chunk or (page_size > block_sizes.block_kv and page_size % chunk):
         return f"page_size={page_size} does not tile block_kv={block_sizes.block_kv} in rows of 8"
@@ -298,7 +306,7 @@ def prefill_attention(
 ):
     """f[T, Hq, D]: causal attention for the rows of the schedule's tiles; other rows are undefined.
 
-    The caller fills the rest (``kernel_gpu.ragged_paged_attention`` passes this output to
+    The caller fills the rest (``pallas_triton.ragged_paged_attention`` passes this output to
     the Triton kernel, which writes the other rows in place). Compiled on Hopper only (no
     interpreter runs it in jax 0.11.2). ``zero_tail=False`` skips zeroing the V rows past
     a request's ``seq_len`` in its last K/V block: a diagnosis knob

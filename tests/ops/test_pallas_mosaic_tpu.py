@@ -1,7 +1,7 @@
 """The Pallas TPU kernel against the float64 oracle in the TPU interpreter.
 
 No TPU here: the kernel runs in the TPU interpreter (``pltpu.InterpretParams()``) on tiny
-ragged batches (lowering for TPU, bad inputs, layout and tables: test_kernel_tpu_lowering.py).
+ragged batches (lowering for TPU, bad inputs, layout and tables: test_pallas_mosaic_tpu_lowering.py).
 Batches come from
 ``make_ragged_batch`` (unused cache slots hold NaN, padding rows large finite garbage);
 ``tpu_op`` converts their reference-layout cache to the TPU layout and back, so the shared
@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attn_jax.ops.ragged_paged_attention import kernel_tpu
+from attn_jax.ops.ragged_paged_attention import pallas_mosaic_tpu
 from attn_jax.ops.ragged_paged_attention.config import TpuBlockSizes
 from attn_jax.testing.workloads import make_ragged_batch
 from tests.ops.ragged_checks import (
@@ -39,10 +39,10 @@ def tpu_op(block_sizes: TpuBlockSizes | None = None):
     reference layout, converted to and from the TPU layout around the call."""
 
     def op(q, k, v, kv_cache, *rest, **kwargs):
-        out, cache = kernel_tpu.ragged_paged_attention(
-            q, k, v, kernel_tpu.from_reference_layout(kv_cache), *rest, block_sizes=block_sizes, **kwargs
+        out, cache = pallas_mosaic_tpu.ragged_paged_attention(
+            q, k, v, pallas_mosaic_tpu.from_reference_layout(kv_cache), *rest, block_sizes=block_sizes, **kwargs
         )
-        return out, kernel_tpu.to_reference_layout(cache)
+        return out, pallas_mosaic_tpu.to_reference_layout(cache)
 
     return op
 
@@ -129,23 +129,24 @@ def test_jit_with_donated_cache_updates_in_place():
     options = make_options(batch, alibi=True)
     static = {n: options.pop(n) for n in ("sm_scale", "causal", "sliding_window", "logits_soft_cap")}
     step = jax.jit(
-        lambda *args, **kw: kernel_tpu.ragged_paged_attention(*args, **static, block_sizes=SMALL, **kw),
+        lambda *args, **kw: pallas_mosaic_tpu.ragged_paged_attention(*args, **static, block_sizes=SMALL, **kw),
         donate_argnums=3,
     )
     q, k, v, cache, *rest = batch.op_args
-    cache = kernel_tpu.from_reference_layout(cache)
+    cache = pallas_mosaic_tpu.from_reference_layout(cache)
     out, new_cache = step(q, k, v, cache, *rest, **options)
     assert cache.is_deleted()  # donated: the kernel's aliased output reused the buffer
-    check_output(batch, {**static, **options}, out, kernel_tpu.to_reference_layout(new_cache))
+    check_output(batch, {**static, **options}, out, pallas_mosaic_tpu.to_reference_layout(new_cache))
 
 
 def test_kv_sharing_writes_nothing_eager_with_sinks():
     """k = v = None (a layer reading another layer's cache): the cache comes back unchanged.
     Called eagerly (concrete metadata: the host-side checks and schedule run)."""
     batch = make_ragged_batch(3, **_MIXED, **_G4, head_size=128, block_size=16, num_tokens=17)
-    filled = kernel_tpu.to_reference_layout(
-        kernel_tpu.write_to_tpu_kv_cache(kernel_tpu.from_reference_layout(batch.kv_cache), batch.k, batch.v,
-                                         batch.slot_mapping)
+    filled = pallas_mosaic_tpu.to_reference_layout(
+        pallas_mosaic_tpu.write_to_tpu_kv_cache(
+            pallas_mosaic_tpu.from_reference_layout(batch.kv_cache), batch.k, batch.v, batch.slot_mapping
+        )
     )  # fmt: skip
     batch = dataclasses.replace(batch, kv_cache=filled)
     options = make_options(batch, sinks=True)
