@@ -24,6 +24,7 @@ from attn_jax.kv_cache import allocate_kv_cache, calc_kv_scales
 from attn_jax.metadata import CommonAttentionMetadata
 from attn_jax.ops.ragged_paged_attention.validate import checkify_validate_inputs, is_concrete
 from attn_jax.platforms import current_platform
+from attn_jax.registry import AttentionBackendEnum
 from attn_jax.selector import get_attn_backend
 from attn_jax.types import (
     AttentionType,
@@ -175,6 +176,8 @@ class Attention:
                 has_sink=self.has_sink, use_sparse=use_sparse, attn_type=self.attn_type,
             )  # fmt: skip
         else:
+            if isinstance(attn_backend, AttentionBackendEnum):  # a registry name as well as its class
+                attn_backend = attn_backend.get_class()
             reasons = attn_backend.validate_configuration(
                 head_size, self.dtype, kv_cache_dtype, block_size, use_mla=use_mla,
                 has_sink=self.has_sink, use_sparse=use_sparse, attn_type=self.attn_type,

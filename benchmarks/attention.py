@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_jax import Attention, build_common_attn_metadata
+from attn_jax.backends import pallas_gpu as pallas_gpu_backend
 from attn_jax.backends.pallas_gpu import mgpu_split
 from attn_jax.kv_cache import write_to_kv_cache
 from attn_jax.ops.ragged_paged_attention import kv_write, pallas_mosaic_gpu, pallas_triton, reference
@@ -55,6 +57,7 @@ from attn_jax.ops.ragged_paged_attention.config import (
     mgpu_prefill_available,
     next_pow2,
 )
+from attn_jax.registry import AttentionBackendEnum
 from attn_jax.testing.workloads import WORKLOADS, WorkloadSpec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -170,7 +173,7 @@ def pallas_gpu_fn(b: DeviceBatch, block_sizes: GpuBlockSizes | None, mgpu: bool 
 
     @jax.jit
     def run(q, kv_cache, qsl, seq_lens, tables, slots):
-        out, _ = pallas_triton.ragged_paged_attention(
+        out, _ = pallas_gpu_backend.ragged_paged_attention(
             q, None, None, kv_cache, qsl, seq_lens, tables, slots, sm_scale=s.head_size**-0.5,
             interpret=False, block_sizes=block_sizes, **sched,
         )  # fmt: skip
@@ -209,7 +212,7 @@ def with_write_ms(b: DeviceBatch, reps: int = 30, inner: int = 5) -> dict[str, f
     rest = (b.query_start_loc, b.seq_lens, b.block_tables, b.slot_mapping)
 
     def step(q, k, v, kv_cache, *rest):
-        return pallas_triton.ragged_paged_attention(
+        return pallas_gpu_backend.ragged_paged_attention(
             q, k, v, kv_cache, *rest, sm_scale=s.head_size**-0.5, interpret=False, block_sizes=bs, **sched
         )
 
@@ -305,8 +308,37 @@ def default_block_sizes(b: DeviceBatch) -> GpuBlockSizes:
     return gpu_block_sizes(
         num_reqs=len(b.query_lens), pages_per_req=int(b.block_tables.shape[1]), page_size=s.block_size,
         head_size=s.head_size, num_kv_heads=s.num_kv_heads, group=s.num_q_heads // s.num_kv_heads,
-        mode=gpu_batch_mode(b.query_lens), device_kind=jax.devices()[0].device_kind,
+        mode=gpu_batch_mode(b.query_lens), q_dtype=s.dtype, kv_dtype=s.dtype, device_kind=jax.devices()[0].device_kind,
     )  # fmt: skip
+
+
+def layer_step_ms(b: DeviceBatch, traced: bool, reps: int = 30, inner: int = 5) -> float:
+    """Median ms per step of write + attend through the public ``Attention`` layer (PALLAS_GPU,
+    cache donated): ``traced`` passes ``CommonAttentionMetadata`` into ``jax.jit(layer.__call__)``
+    as the README's example does; else ``layer.prepare(md)`` builds the backend's metadata on
+    the host first, as the engine does."""
+    s = b.spec
+    layer = Attention(s.num_q_heads, s.head_size, s.head_size**-0.5, s.num_kv_heads, block_size=s.block_size,
+                      dtype=s.dtype, attn_backend=AttentionBackendEnum.PALLAS_GPU)  # fmt: skip
+    md = build_common_attn_metadata(b.query_lens, b.query_lens + b.context_lens, np.asarray(b.block_tables),
+                                    block_size=s.block_size)  # fmt: skip
+    T = md.num_tokens
+    q = jnp.zeros((T, s.num_q_heads * s.head_size), b.q.dtype).at[: b.num_tokens].set(b.q.reshape(b.num_tokens, -1))
+    k = jax.random.normal(jax.random.key(7), (T, s.num_kv_heads * s.head_size), b.q.dtype)
+    attn_md = md if traced else layer.prepare(md)
+    step = jax.jit(layer.__call__, donate_argnums=3)
+    state = {"cache": jnp.array(b.kv_cache)}
+    times = []
+    for i in range(reps + 1):
+        jax.block_until_ready(state["cache"])
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out, state["cache"] = step(q, k, k, state["cache"], attn_md)
+        jax.block_until_ready((out, state["cache"]))
+        if i:  # the first round compiles
+            times.append((time.perf_counter() - t0) / inner)
+    state.clear()
+    return statistics.median(times) * 1e3
 
 
 def xla_fn(b: DeviceBatch, dtype=None):
@@ -432,7 +464,8 @@ def rel_l2(x, ref) -> float:
 def tuned_match(b: DeviceBatch) -> dict:
     s = b.spec
     return {"mode": gpu_batch_mode(b.query_lens), "head_size": s.head_size,
-            "group": s.num_q_heads // s.num_kv_heads, "page_size": s.block_size}  # fmt: skip
+            "group": s.num_q_heads // s.num_kv_heads, "page_size": s.block_size,
+            "q_dtype": s.dtype, "kv_dtype": s.dtype}  # fmt: skip
 
 
 def tune_candidates(b: DeviceBatch) -> list[GpuBlockSizes]:
@@ -493,6 +526,7 @@ def main(argv=None) -> int:
     p.add_argument("--impls", default="pallas_gpu,xla,peer_paged,cudnn,torch_sdpa")
     p.add_argument("--tune", default="", help="workloads whose block sizes to sweep (e.g. M1,P1); writes a table")
     p.add_argument("--out", default=None)
+    p.add_argument("--head-sizes", default="", help="also run each workload at these head sizes (e.g. 80,96)")
     args = p.parse_args(argv)
     dev = jax.devices()[0]
     if dev.platform != "gpu":
@@ -508,8 +542,15 @@ def main(argv=None) -> int:
     results, tuned_entries = [], []
     meta = run_metadata(dev, ceilings)
     impls = args.impls.split(",")
-    for name in args.workloads.split(","):
-        b = make_device_batch(WORKLOADS[name])
+    base = [WORKLOADS[name] for name in args.workloads.split(",")]
+    specs = base + [
+        dataclasses.replace(s, name=f"{s.name}_h{h}", head_size=int(h))
+        for h in filter(None, args.head_sizes.split(","))
+        for s in base
+    ]
+    for spec in specs:
+        name = spec.name
+        b = make_device_batch(spec)
         nbytes, flops = floors(b)
         floor_s = max(nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["matmul_flops_per_s"])
         t_bytes, t_flops = nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["matmul_flops_per_s"]
@@ -573,6 +614,15 @@ def main(argv=None) -> int:
                 )
 
             attempt("pallas_gpu_with_write", write)
+        if "layer" in impls:  # the public layer: host-built metadata vs metadata traced under jit
+
+            def layer(b=b, record=record):
+                for traced in (False, True):
+                    impl = "layer_traced_metadata" if traced else "layer_host_metadata"
+                    note = "write + attend through Attention.__call__ in a donated jit, host clock"
+                    record(impl, layer_step_ms(b, traced) / 1e3, float("nan"), {"note": note})
+
+            attempt("layer", layer)
         if "xla" in impls:
             attempt(
                 "xla",

@@ -26,6 +26,7 @@ import numpy as np
 
 from attn_jax.backends.xla import XLAAttentionBackend
 from attn_jax.kv_cache import DEFAULT_K_RANGE, DEFAULT_V_RANGE, MIN_SCALE, is_fp8_dtype
+from attn_jax.metadata import CommonAttentionMetadata
 from attn_jax.types import is_quantized_kv_cache, validate_activation_dtype
 
 __all__ = ["WORKLOADS", "RaggedBatch", "WorkloadSpec", "make_ragged_batch"]
@@ -84,6 +85,16 @@ class RaggedBatch:
         if self.k_scale is None:
             return {}
         return {"k_scale": jnp.float32(self.k_scale), "v_scale": jnp.float32(self.v_scale)}
+
+    def common_metadata(self) -> CommonAttentionMetadata:
+        """This batch as ``CommonAttentionMetadata`` (host copies included), for the layers."""
+        qsl, seq_lens = np.asarray(self.query_start_loc), np.asarray(self.seq_lens)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens, seq_lens_cpu=seq_lens,
+            num_computed_tokens_cpu=seq_lens - self.query_lens, num_reqs=len(seq_lens),
+            num_actual_tokens=self.num_actual_tokens, max_query_len=int(self.query_lens.max(initial=0)),
+            block_table_tensor=np.asarray(self.block_tables), slot_mapping=np.asarray(self.slot_mapping),
+        )  # fmt: skip
 
 
 def _check_int(name: str, value, minimum: int) -> int:
