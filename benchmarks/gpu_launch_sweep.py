@@ -222,11 +222,16 @@ def calibrate() -> list[dict]:
 
 
 # --------------------------------------------------------------------------- driver
-def _worker(names: list[str], interpret: bool) -> list[dict]:
+def _worker(names: list[str], interpret: bool, partial: str | None = None) -> list[dict]:
+    """Runs ``names`` in order; each configuration's rows are also appended to ``partial``
+    (JSON lines) as they finish, so a run cut short keeps what it measured."""
     by_name = {c.name: c for c in sweep_configs()}
     out = []
     for name in names:
         rows = run_config(by_name[name], interpret)
+        if partial:
+            with open(partial, "a") as f:
+                f.writelines(json.dumps({k: v for k, v in r.items() if k != "traceback"}) + "\n" for r in rows)
         for r in rows:
             print(f"{r['config']:<40} {r.get('metadata', '-'):<6} {r['status']:<8} {r.get('kernel', '')} "
                   f"{r.get('error', '')}", flush=True)  # fmt: skip
@@ -241,11 +246,21 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="a regex on configuration names")
     p.add_argument("--interpret", action="store_true", help="the Pallas interpreter (CPU smoke runs)")
     p.add_argument("--calibrate", action="store_true")
+    p.add_argument(
+        "--skip-ok", default=None, help="a JSON-lines file of an earlier run: skip its passing configurations"
+    )
+    p.add_argument("--risky-first", action="store_true", help="float32 and large pages/heads first (a run cut short)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.workers > 1:  # several processes share the GPU: none may take most of its memory
         os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     configs = [c for c in sweep_configs() if re.search(args.only, c.name)]
+    if args.skip_ok:
+        rows = [json.loads(line) for line in open(args.skip_ok)]
+        done = {r["config"] for r in rows if r["status"] == "ok"} - {r["config"] for r in rows if r["status"] != "ok"}
+        configs = [c for c in configs if c.name not in done]
+    if args.risky_first:
+        configs.sort(key=lambda c: (c.dtype != "float32", -c.page_size * c.head_size))
     if args.limit:
         configs = configs[: args.limit]
     import jax
@@ -256,13 +271,15 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     calibration = calibrate() if args.calibrate else []
     names = [c.name for c in configs]
+    partial = f"{args.out}.partial.jsonl" if args.out else None
     if args.workers > 1:
         chunks = [names[i :: args.workers] for i in range(args.workers)]
         ctx = __import__("multiprocessing").get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=ctx) as pool:
-            results = [r for rows in pool.map(_worker, chunks, [args.interpret] * len(chunks)) for r in rows]
+            runs = pool.map(_worker, chunks, [args.interpret] * len(chunks), [partial] * len(chunks))
+            results = [r for rows in runs for r in rows]
     else:
-        results = _worker(names, args.interpret)
+        results = _worker(names, args.interpret, partial)
     meta["seconds"] = round(time.perf_counter() - t0, 1)
     ran = [r for r in results if r["status"] != "rejected"]
     bad = [r for r in ran if r["status"] != "ok"]

@@ -68,6 +68,11 @@ CASES: dict[str, tuple[dict, dict, GpuBlockSizes]] = {
     # Head sizes that are not powers of two: loaded into a power-of-two tile, the rest masked.
     "head_80_mixed": (dict(_MIXED, head_size=80, extra_blocks=1), dict(sinks=True), ONE_PASS),
     "head_96_decode_split_kv": (dict(query_lens=[1, 1], context_lens=[70, 3], **dict(_SHAPE, head_size=96)), {}, SPLIT),
+    "sub_page_tiles_split_kv": (
+        dict(_MIXED, block_size=64, extra_blocks=1),
+        dict(sliding_window=30),
+        GpuBlockSizes(block_q=4, pages_per_tile=1, num_kv_splits=2, keys_per_tile=16),
+    ),
     "head_24_bf16_window": (dict(_MIXED, head_size=24, dtype=jnp.bfloat16), dict(sliding_window=5), ONE_PASS),
 }
 

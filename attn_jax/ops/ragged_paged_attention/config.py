@@ -44,6 +44,8 @@ class GpuBlockSizes:
 
     block_q: query tokens per q-block; ``block_q * next_pow2(G)`` rows, at least 16.
     pages_per_tile: pages per K/V tile (tile = pages_per_tile * page_size keys, >= 16).
+    keys_per_tile: a K/V tile of part of a page (a power of two below the page size, >= 16;
+    ``pages_per_tile`` must then be 1), for pages too large for shared memory; None: whole pages.
     num_kv_splits: flash-decoding splits of each q-block's KV range (1 = one pass).
     num_warps, num_stages: Triton's warps per program and software-pipelining depth.
     """
@@ -53,6 +55,11 @@ class GpuBlockSizes:
     num_kv_splits: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    keys_per_tile: int | None = None
+
+    def tile(self, page_size: int) -> int:
+        """Keys per K/V tile."""
+        return self.keys_per_tile or self.pages_per_tile * page_size
 
 
 def next_pow2(n: int) -> int:
@@ -84,25 +91,32 @@ def gpu_smem_limit(device_kind: str | None) -> int:
 
 
 def triton_smem_bytes(bs: GpuBlockSizes, *, group: int, page_size: int, head_size: int, q_dtype, kv_dtype) -> int:
-    """An upper estimate of the Triton kernel's shared memory for one program (bytes).
-
-    ``num_stages`` buffers of the K and V tiles (Triton's software pipeliner keeps up to
-    that many tiles in flight; a tile is ``pages_per_tile * page_size`` keys of
-    ``head_tile(D)`` columns, counted at the wider of the cache and query dtypes since the
-    dot consumes them converted) plus the q block (``block_q * next_pow2(G)`` rows), plus
-    1 KiB for the compiler's scratch. BENCHMARKS.md compares it with what the compiler
-    requested on the H100 (``benchmarks/gpu_launch_sweep.py --calibrate``): exact for
-    2-stage configs, over by up to half for 3-stage ones, never under.
+    """An estimate of the Triton kernel's shared memory for one program (bytes), fitted to
+    what the H100's compiler requested (``benchmarks/gpu_launch_sweep.py --calibrate``,
+    BENCHMARKS.md): the K and V tiles (``tile`` keys of ``head_tile(D)`` columns, at the
+    wider of the cache and query dtypes, as the dot consumes them) held twice for 32-bit
+    data (FMA dots: what the compiler asked for at 2, 3 and 4 stages alike, within 256
+    bytes) and once for 16-bit data (MMA dots: 256-key tiles at 3 stages launched, which
+    twice would not), plus the q block (``block_q * next_pow2(G)`` rows), plus 1 KiB.
     """
-    rows, tile, width = bs.block_q * next_pow2(group), bs.pages_per_tile * page_size, head_tile(head_size)
+    rows, tile, width = bs.block_q * next_pow2(group), bs.tile(page_size), head_tile(head_size)
     q_bytes = np.dtype(q_dtype).itemsize
     kv_bytes = max(np.dtype(kv_dtype).itemsize, q_bytes)
-    return bs.num_stages * 2 * tile * width * kv_bytes + rows * width * q_bytes + 1024
+    copies = 2 if kv_bytes >= 4 else 1
+    return copies * 2 * tile * width * kv_bytes + rows * width * q_bytes + 1024
 
 
 def check_block_sizes(bs: GpuBlockSizes, *, group: int, page_size: int) -> None:
     """Raises ValueError naming the field when ``bs`` cannot tile this configuration."""
-    rows, tile = bs.block_q * next_pow2(group), bs.pages_per_tile * page_size
+    rows, tile = bs.block_q * next_pow2(group), bs.tile(page_size)
+    if bs.keys_per_tile is not None:
+        k = bs.keys_per_tile
+        if isinstance(k, bool) or not isinstance(k, int) or k < 16 or k & (k - 1) or k >= page_size:
+            raise ValueError(
+                f"block sizes: keys_per_tile={k!r} must be a power of two >= 16 below page_size={page_size}"
+            )
+        if bs.pages_per_tile != 1:
+            raise ValueError(f"block sizes: keys_per_tile={k} needs pages_per_tile=1, not {bs.pages_per_tile}")
     for name in ("block_q", "pages_per_tile", "num_kv_splits", "num_warps", "num_stages"):
         value = getattr(bs, name)
         if not isinstance(value, int) or value < 1:
@@ -178,8 +192,8 @@ def gpu_block_sizes(**kwargs) -> GpuBlockSizes:
 
 
 def fit_smem(bs: GpuBlockSizes, *, group: int, page_size: int, limit: int, **dims) -> tuple[GpuBlockSizes, list[str]]:
-    """``bs`` stepped down until ``triton_smem_bytes`` fits ``limit``: fewer stages (down to 2),
-    then half the K/V tile (down to 16 keys), then half the q block (down to 16 rows).
+    """``bs`` stepped down until ``triton_smem_bytes`` fits ``limit``: half the K/V tile (fewer
+    pages, then part of a page, down to 16 keys), then half the q block (down to 16 rows).
     Returns the block sizes and one line per step taken."""
     steps = []
 
@@ -188,10 +202,10 @@ def fit_smem(bs: GpuBlockSizes, *, group: int, page_size: int, limit: int, **dim
 
     while size(bs) > limit:
         before = size(bs)
-        if bs.num_stages > 2:
-            bs = dataclasses.replace(bs, num_stages=bs.num_stages - 1)
-        elif bs.pages_per_tile > 1 and bs.pages_per_tile * page_size > 16:
+        if bs.pages_per_tile > 1 and bs.tile(page_size) > 16:
             bs = dataclasses.replace(bs, pages_per_tile=bs.pages_per_tile // 2)
+        elif bs.tile(page_size) > 16 and page_size > 16:
+            bs = dataclasses.replace(bs, keys_per_tile=bs.tile(page_size) // 2)
         elif bs.block_q > 1 and bs.block_q * next_pow2(group) > 16:
             bs = dataclasses.replace(bs, block_q=bs.block_q // 2)
         else:
@@ -250,7 +264,7 @@ def gpu_block_choice(
             source = f"tuned entry of {table['device_kind']!r} ({matched})"
             break
     if "num_kv_splits" not in fields:
-        max_tiles = -(-pages_per_req * page_size // (fields["pages_per_tile"] * page_size))
+        max_tiles = -(-pages_per_req // fields["pages_per_tile"])
         programs = num_reqs * num_kv_heads
         fields["num_kv_splits"] = max(1, min((2 * num_sms) // programs, max_tiles // 4)) if decode_only else 1
     if "num_warps" not in fields:  # an unsplit decode program streams a whole KV range: more loads in flight

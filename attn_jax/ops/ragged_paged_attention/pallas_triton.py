@@ -8,7 +8,8 @@ cut into q-blocks of ``block_q`` tokens; a program handles one q-block for one K
 per query token, and once for the whole head group. Which request a q-block belongs to
 is a host-computed schedule (``gpu_schedule``): the kernel never searches.
 
-K/V tiles are ``pages_per_tile`` pages gathered through the block table. The cache keeps
+K/V tiles are ``pages_per_tile`` pages (or ``keys_per_tile`` keys of one page) gathered
+through the block table. The cache keeps
 the XLA backend's NHD layout ``[2, P, S, Hkv, D]``: one token's head row is D contiguous
 elements, so a tile load reads whole rows and every byte it fetches is used.
 
@@ -125,7 +126,7 @@ def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp
 def _kernel(
     sched_ref, block_tables_ref, q_ref, kv_ref, scales_ref, *rest,
     sm_scale, causal, sliding_window, soft_cap, has_alibi, has_sinks,
-    group, block_q, group_pad, pages_per_tile, num_kv_splits, spare_row, has_out_init=False,
+    group, block_q, group_pad, tile, num_kv_splits, spare_row, has_out_init=False,
 ):  # fmt: skip
     """One (q-block, kv head, kv split). rest: [alibi_ref], [sinks_ref], [out_init_ref], out refs."""
     rest = list(rest)
@@ -137,7 +138,7 @@ def _kernel(
     num_tokens, num_q_heads, head_size = q_ref.shape
     _, _, page_size, _, _ = kv_ref.shape
     pages_per_req = block_tables_ref.shape[1]
-    rows, tile = block_q * group_pad, pages_per_tile * page_size
+    rows = block_q * group_pad
 
     req, tok_start, tok_end = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b]
     pos_start, kv_len = sched_ref[3, b], sched_ref[4, b]
@@ -298,10 +299,12 @@ def ragged_paged_attention(
         schedule = gpu_schedule(
             jnp.asarray(query_start_loc), jnp.asarray(seq_lens), num_tokens=num_tokens, block_q=block_sizes.block_q
         )
-    expected = (len(_SCHEDULE_FIELDS), max_num_q_blocks(num_tokens, num_reqs, block_sizes.block_q))
-    if tuple(schedule.shape) != expected:
+    # gpu_schedule cuts R + 1 segments (each request, the padding), the Mosaic GPU split's rest 2R + 1.
+    full = max_num_q_blocks(num_tokens, num_reqs, block_sizes.block_q)
+    expected = [(len(_SCHEDULE_FIELDS), nb) for nb in (full, full + num_reqs)]
+    if tuple(schedule.shape) not in expected:
         raise ValueError(
-            f"schedule.shape={tuple(schedule.shape)} must be {expected} (gpu_schedule with "
+            f"schedule.shape={tuple(schedule.shape)} must be one of {expected} (gpu_schedule with "
             f"block_q={block_sizes.block_q}, num_tokens={num_tokens}, num_reqs={num_reqs})"
         )
     out = _attend(
@@ -401,7 +404,7 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
         _kernel, sm_scale=sm_scale, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap,
         has_alibi=alibi_slopes is not None, has_sinks=sinks is not None, group=group,
         block_q=block_sizes.block_q, group_pad=next_pow2(group),
-        pages_per_tile=block_sizes.pages_per_tile, num_kv_splits=splits, spare_row=interpret,
+        tile=block_sizes.tile(kv_cache.shape[2]), num_kv_splits=splits, spare_row=interpret,
         has_out_init=out_init is not None,
     )  # fmt: skip
     result = pl.pallas_call(
