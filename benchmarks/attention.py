@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax import Attention, build_common_attn_metadata
+from attn_jax import Attention, CommonAttentionMetadata
 from attn_jax.backends import pallas_gpu as pallas_gpu_backend
 from attn_jax.backends.pallas_gpu import mgpu_split
 from attn_jax.kv_cache import write_to_kv_cache
@@ -320,10 +320,15 @@ def layer_step_ms(b: DeviceBatch, traced: bool, reps: int = 30, inner: int = 5) 
     s = b.spec
     layer = Attention(s.num_q_heads, s.head_size, s.head_size**-0.5, s.num_kv_heads, block_size=s.block_size,
                       dtype=s.dtype, attn_backend=AttentionBackendEnum.PALLAS_GPU)  # fmt: skip
-    md = build_common_attn_metadata(b.query_lens, b.query_lens + b.context_lens, np.asarray(b.block_tables),
-                                    block_size=s.block_size)  # fmt: skip
-    T = md.num_tokens
-    q = jnp.zeros((T, s.num_q_heads * s.head_size), b.q.dtype).at[: b.num_tokens].set(b.q.reshape(b.num_tokens, -1))
+    qsl, seq = np.asarray(b.query_start_loc), np.asarray(b.seq_lens)
+    md = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq, seq_lens_cpu=seq,
+        num_computed_tokens_cpu=b.context_lens, num_reqs=len(seq), num_actual_tokens=b.num_tokens,
+        max_query_len=int(b.query_lens.max()), block_table_tensor=np.asarray(b.block_tables),
+        slot_mapping=np.asarray(b.slot_mapping),
+    )  # fmt: skip
+    T = b.num_tokens
+    q = b.q.reshape(T, -1)
     k = jax.random.normal(jax.random.key(7), (T, s.num_kv_heads * s.head_size), b.q.dtype)
     attn_md = md if traced else layer.prepare(md)
     step = jax.jit(layer.__call__, donate_argnums=3)

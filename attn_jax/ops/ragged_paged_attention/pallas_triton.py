@@ -151,9 +151,11 @@ def _kernel(
     head = jnp.minimum(kv_head * group + g, num_q_heads - 1)
     # Every index is an array (no ':'), which both the Triton lowering and the interpreter take.
     # A head narrower than its power-of-two tile loads its D columns and masks the rest to 0.
+    # The column index stays a plain arange (no clamp): Triton then sees contiguous columns
+    # and issues 16-byte loads; masked-off columns are never read.
     head_pad = head_tile(head_size)
-    d = jnp.minimum(jnp.arange(head_pad, dtype=jnp.int32), head_size - 1)[None, :]  # i32[1, Dp]
-    d_valid = jnp.arange(head_pad)[None, :] < head_size if head_pad != head_size else True
+    d = jnp.arange(head_pad, dtype=jnp.int32)[None, :]  # i32[1, Dp]
+    d_valid = d < head_size if head_pad != head_size else True
 
     def cols(mask):  # a row mask, narrowed to the head's real columns
         return mask & d_valid
@@ -227,18 +229,17 @@ def _kernel(
     # masked-off rows must not alias real ones: there they go to a spare token row.
     tok_s = jnp.where(row_valid, tok_c, num_tokens) if spare_row else tok_c
     head_s = jnp.where(row_valid, head, 0) if spare_row else head
-    # The interpreter's outputs are head_pad wide (sliced by the caller): no clamped column
-    # index aliases a real one there either.
-    d_s = jnp.arange(head_pad, dtype=jnp.int32)[None, :] if spare_row else d
+    # The interpreter's outputs are head_pad wide (sliced by the caller) and its masked
+    # stores write every index they name: there every column is stored.
     store_mask = row_valid[:, None] if spare_row else cols(row_valid[:, None])
     m, denom, acc = state
     if num_kv_splits == 1:
         out_ref = rest[0]
         out = common.finalize_softmax_state(state) * v_scale
-        plgpu.store(out_ref.at[tok_s[:, None], head_s[:, None], d_s], out.astype(out_ref.dtype), mask=store_mask)
+        plgpu.store(out_ref.at[tok_s[:, None], head_s[:, None], d], out.astype(out_ref.dtype), mask=store_mask)
     else:
         acc_ref, m_ref, denom_ref = rest
-        plgpu.store(acc_ref.at[split, tok_s[:, None], head_s[:, None], d_s], acc * v_scale, mask=store_mask)
+        plgpu.store(acc_ref.at[split, tok_s[:, None], head_s[:, None], d], acc * v_scale, mask=store_mask)
         plgpu.store(m_ref.at[split, tok_s, head_s], m, mask=row_valid)
         plgpu.store(denom_ref.at[split, tok_s, head_s], denom, mask=row_valid)
 
