@@ -124,10 +124,15 @@ def test_gpu_selects_pallas_gpu():
 
 
 def test_gpu_falls_back_to_xla_with_pallas_gpus_reasons():
-    report = explain(platform=GPU, head_size=96)
+    report = explain(platform=GPU, head_size=100)
     assert report.chosen is ABE.XLA
-    assert report.row(ABE.PALLAS_GPU).reasons == ["head_size=96 is not supported; supported: [32, 64, 128, 256]"]
-    assert "PALLAS_GPU" in report.format() and "head_size=96 is not supported" in report.format()
+    assert report.row(ABE.PALLAS_GPU).reasons == ["head_size=100 is not supported; supported: multiples of 8 up to 256"]
+    assert "PALLAS_GPU" in report.format() and "head_size=100 is not supported" in report.format()
+
+
+def test_gpu_serves_head_sizes_vllm_serves():
+    for head_size in (80, 96, 112, 192):
+        assert explain(platform=GPU, head_size=head_size).chosen is ABE.PALLAS_GPU
 
 
 @pytest.mark.parametrize(
@@ -415,7 +420,7 @@ def test_report_fields_and_format():
 
 def test_report_format_when_nothing_is_chosen():
     global_force_attn_backend(ABE.PALLAS_GPU)
-    report = explain(head_size=96)
+    report = explain(head_size=100)
     assert report.how == "forced" and report.chosen is None
     text = report.format()
     assert "decided by: forced: global_force_attn_backend(PALLAS_GPU)" in text

@@ -251,6 +251,11 @@ GPU_CASES = {
     "mha_head128_page64": (dict(num_q_heads=2, num_kv_heads=2, head_size=128, block_size=64), (64, 128, 2)),
     "head128_page256": (dict(num_q_heads=4, num_kv_heads=2, head_size=128, block_size=256), (64, 128, 2)),
     "float16": (dict(num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=jnp.float16), (64, 128, 2)),
+    "head256_page16": (dict(num_q_heads=8, num_kv_heads=2, head_size=256, block_size=16), (64, 64, 2)),
+    "head256_page64_float16": (
+        dict(num_q_heads=4, num_kv_heads=1, head_size=256, block_size=64, dtype=jnp.float16),
+        (64, 64, 2),
+    ),
 }
 
 
