@@ -3,8 +3,8 @@
 One Triton-lowered kernel serves every batch; on Hopper GPUs (unless ``MGPU_PREFILL_ENV``
 is 0) the long prefill requests of a batch run in a Mosaic GPU kernel instead (TMA,
 warpgroup MMA; ``pallas_mosaic_gpu``) when the layer's configuration allows it (causal, no
-window / soft cap / ALiBi / sinks, 16-bit activations and cache, head size 64, 128 or
-256), and new keys and values are written by a Pallas kernel (``kv_write``). The dispatch
+window / soft cap / ALiBi / sinks, 16-bit activations and cache, head size 64 or 128),
+and new keys and values are written by a Pallas kernel (``kv_write``). The dispatch
 between the two lowerings is ``ragged_paged_attention`` here.
 
 The default on GPU platforms. Forced where no GPU exists (``global_force_attn_backend``

@@ -20,7 +20,7 @@ import pytest
 from attn_jax.backends import pallas_gpu as pallas_gpu_backend
 from attn_jax.kv_cache import write_to_kv_cache
 from attn_jax.ops.ragged_paged_attention import kv_write, pallas_mosaic_gpu
-from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes, mgpu_block_sizes, mgpu_prefill_available
+from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes, MgpuBlockSizes, mgpu_prefill_available
 from attn_jax.testing.workloads import make_ragged_batch
 from tests.ops.ragged_checks import check, make_options
 
@@ -81,8 +81,8 @@ def _split_traced(qsl, seq, num_tokens):
         (dict(sinks=np.ones(4)), "no sinks"),
         (dict(dtype=jnp.float32, cache_dtype=jnp.float32), "bfloat16/float16 activations, not float32"),
         (dict(cache_dtype=jnp.float8_e4m3fn), "cache in the activation dtype"),
-        (dict(head_size=96), r"head sizes \[64, 128, 256\], not 96"),
-        (dict(head_size=256), r"needs 328704 bytes of shared memory at head_size=256; Hopper has 232448"),
+        (dict(head_size=256), r"head sizes \[64, 128\], not 256"),
+        (dict(block_sizes=MgpuBlockSizes(block_kv=256, steps_in_flight=4)), r"needs 558080 bytes of shared memory"),
         (dict(page_size=4), "page_size=4 does not tile"),
     ],
 )
@@ -91,14 +91,6 @@ def test_unsupported_configurations_are_named(kwargs, match):
     assert pallas_mosaic_gpu.unsupported_reason(**base) is None
     reason = pallas_mosaic_gpu.unsupported_reason(**{**base, **kwargs})
     assert reason is not None and __import__("re").search(match, reason), reason
-
-
-def test_head_256_takes_64_key_blocks_that_fit_shared_memory():
-    bs = mgpu_block_sizes(head_size=256)
-    assert bs.block_kv == 64 and bs.smem_bytes(256, jnp.bfloat16) <= 232448
-    assert mgpu_block_sizes(head_size=128).block_kv == 128
-    base = dict(page_size=16, dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16, causal=True)
-    assert pallas_mosaic_gpu.unsupported_reason(head_size=256, block_sizes=bs, **base) is None
 
 
 def test_builder_splits_long_prefills_on_hopper_only():
@@ -251,11 +243,6 @@ GPU_CASES = {
     "mha_head128_page64": (dict(num_q_heads=2, num_kv_heads=2, head_size=128, block_size=64), (64, 128, 2)),
     "head128_page256": (dict(num_q_heads=4, num_kv_heads=2, head_size=128, block_size=256), (64, 128, 2)),
     "float16": (dict(num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=jnp.float16), (64, 128, 2)),
-    "head256_page16": (dict(num_q_heads=8, num_kv_heads=2, head_size=256, block_size=16), (64, 64, 2)),
-    "head256_page64_float16": (
-        dict(num_q_heads=4, num_kv_heads=1, head_size=256, block_size=64, dtype=jnp.float16),
-        (64, 64, 2),
-    ),
 }
 
 

@@ -318,17 +318,12 @@ MGPU_MATCH_KEYS = ("head_size",)
 
 def mgpu_block_sizes(*, head_size: int, device_kind: str | None = None) -> MgpuBlockSizes:
     """The Mosaic GPU prefill tiling: the device table's ``mgpu_entries`` item for this head
-    size, else ``MgpuBlockSizes()`` (64 rows per warpgroup, 128-key blocks, a 2-deep ring)
-    with the K/V blocks halved until 16-bit data fits Hopper's shared memory (64-key blocks
-    at head size 256)."""
+    size, else ``MgpuBlockSizes()`` (64 rows per warpgroup, 128-key blocks, a 2-deep ring)."""
     table = tuned_table_for("gpu_", device_kind)
     for entry in (table or {}).get("mgpu_entries", []):
         if entry.get("head_size") == head_size:
             return mgpu_entry_block_sizes(entry)
-    bs = MgpuBlockSizes()
-    while bs.smem_bytes(head_size, np.float16) > MOSAIC_GPU_SMEM_BYTES and bs.block_kv > 64:
-        bs = dataclasses.replace(bs, block_kv=bs.block_kv // 2)
-    return bs
+    return MgpuBlockSizes()
 
 
 def mgpu_entry_block_sizes(entry: dict[str, Any]) -> MgpuBlockSizes:

@@ -37,7 +37,7 @@ Structure (JAX's ``attention_mgpu.py``, FlashAttention-3 style, adapted to pages
 
 What it lacks, each named by ``unsupported_reason`` so the caller keeps those batches on
 the Triton kernel: non-causal attention, sliding window, soft cap, ALiBi, sinks, fp8
-caches, float32 activations, head sizes other than 64, 128 and 256, pages that do not tile a
+caches, float32 activations, head sizes other than 64 and 128, pages that do not tile a
 KV block (``block_kv % page_size`` or ``page_size % 8``). ``common.py``'s per-tile
 functions are not used here: the kernel keeps ``attention_mgpu``'s softmax, written
 against ``plgpu.Layout.WGMMA`` register layouts (row statistics in ``WGMMA.reduce(1)``,
@@ -66,9 +66,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_jax.ops.ragged_paged_attention.config import MOSAIC_GPU_SMEM_BYTES, MgpuBlockSizes
 
-SUPPORTED_HEAD_SIZES = (64, 128, 256)
-"""wgmma's K and N dimensions in whole 128-byte swizzle rows of 16-bit data; 256 with
-64-key K/V blocks (``config.mgpu_block_sizes``) to fit shared memory."""
+SUPPORTED_HEAD_SIZES = (64, 128)
+"""wgmma's K and N dimensions in whole 128-byte swizzle rows of 16-bit data. 256 is not
+enabled: with 64-key K/V blocks its ring would fit Hopper's shared memory
+(``MgpuBlockSizes.smem_bytes``: 197632 bytes), but it has never run on an H100."""
 SUPPORTED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 __all__ = ["MgpuBlockSizes", "max_num_tiles", "mgpu_schedule", "prefill_attention", "unsupported_reason"]
