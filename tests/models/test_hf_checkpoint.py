@@ -327,3 +327,37 @@ def test_tensor_errors_name_the_tensor(tmp_path, qwen2_tensors, damage, message)
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ModelLoadError, match=message):
         load_hf_weights(tmp_path)
+
+
+@pytest.mark.slow  # the CLI's engine compiles its step for max_model_len 2048 (about 15 s on 2 busy cores)
+def test_cli_generate_takes_a_checkpoint_folder(tmp_path, capsys):
+    """``attn-stack generate --model DIR --chat``: the chat template, the engine and the
+    greedy tokens of transformers on the same prompt."""
+    from attn_jax.cli import MAX_MODEL_LEN, main
+
+    config_cls, model_cls, extra = MODELS["qwen2"]
+    torch.manual_seed(0)
+    hf = model_cls(config_cls(**{**SIZES, "max_position_embeddings": MAX_MODEL_LEN}, **extra)).eval()
+    _randomise(hf)
+    hf.save_pretrained(tmp_path)
+    _save_tokenizer(tmp_path)
+    prompt = "Hello world"
+    args = ["generate", "--model", str(tmp_path), "--prompt", prompt, "--chat", "--max-new-tokens", "6", "--json"]
+    assert main(args) == 0
+    [result] = json.loads(capsys.readouterr().out)["results"]
+    ids = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=6, pad_token_id=1)
+    want = out[0, len(ids) :].tolist()
+    assert result["num_prompt_tokens"] == len(ids) and result["token_ids"] == want and 1 not in want
+    assert result["finish_reason"] == "length"
+
+
+def test_cli_reports_a_bad_checkpoint_folder(tmp_path, capsys):
+    from attn_jax.cli import main
+
+    _write_config(tmp_path, model_type="gpt2")
+    assert main(["generate", "--model", str(tmp_path), "--max-new-tokens", "2"]) == 2
+    assert "model_type='gpt2' is not supported; supported: ['llama', 'mistral', 'qwen2']" in capsys.readouterr().err
