@@ -11,7 +11,11 @@ and an error naming the bad value for each broken folder.
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -106,17 +110,22 @@ def _randomise(model) -> None:
                 p.copy_(noise * scale * p.shape[-1] ** -0.5)
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
-def checkpoint(request, tmp_path_factory):
-    """(folder, transformers model in eval mode) of one tiny random model type."""
-    config_cls, model_cls, extra = MODELS[request.param]
+def _write_checkpoint(model_type: str, folder):
+    """The transformers model (eval mode) of a tiny random ``model_type``, saved with a tokenizer in ``folder``."""
+    config_cls, model_cls, extra = MODELS[model_type]
     torch.manual_seed(0)
     model = model_cls(config_cls(**SIZES, **extra)).eval()
     _randomise(model)
-    folder = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(folder, max_shard_size="40KB" if request.param == "llama" else "100MB")
+    model.save_pretrained(folder, max_shard_size="40KB" if model_type == "llama" else "100MB")
     _save_tokenizer(folder)
-    return folder, model
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def checkpoint(request, tmp_path_factory):
+    """(folder, transformers model in eval mode) of one tiny random model type."""
+    folder = tmp_path_factory.mktemp(request.param)
+    return folder, _write_checkpoint(request.param, folder)
 
 
 @pytest.fixture(scope="module")
@@ -361,3 +370,39 @@ def test_cli_reports_a_bad_checkpoint_folder(tmp_path, capsys):
     _write_config(tmp_path, model_type="gpt2")
     assert main(["generate", "--model", str(tmp_path), "--max-new-tokens", "2"]) == 2
     assert "model_type='gpt2' is not supported; supported: ['llama', 'mistral', 'qwen2']" in capsys.readouterr().err
+
+
+_SHARDED = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+from attn_jax.models.hf_checkpoint import load_hf_checkpoint
+from attn_jax.serving import Engine, SamplingParams
+from attn_jax.sharding import make_mesh
+mesh = make_mesh(2, model_parallel=2)
+model, params, tokenizer = load_hf_checkpoint(sys.argv[1], mesh=mesh)
+engine = Engine(model, params, tokenizer, mesh=mesh, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+[done] = engine.generate([sys.argv[2]], SamplingParams(max_new_tokens=int(sys.argv[3]), ignore_eos=True))
+print("RESULT", json.dumps({"tokens": done.output_ids, "split": [model.attn_sharded, model.mlp_sharded]}))
+"""
+
+
+@pytest.mark.slow  # a subprocess with 2 forced CPU devices: jax starts and compiles again
+def test_heads_split_over_two_devices_with_biases(tmp_path):
+    """Llama with q/k/v/o biases, heads and MLP split over a model axis of 2: the bias of
+    each head goes with it, the output bias is added once after the sum, and the tokens
+    are transformers' greedy ones."""
+    hf = _write_checkpoint("llama", tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    root = pathlib.Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHARDED, str(tmp_path), PROMPT, str(NEW_TOKENS)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT "))
+    prompt_ids = transformers.AutoTokenizer.from_pretrained(tmp_path)(PROMPT)["input_ids"]
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=1
+        )
+    assert result == {"tokens": out[0, len(prompt_ids) :].tolist(), "split": [True, True]}
