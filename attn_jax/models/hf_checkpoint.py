@@ -284,7 +284,9 @@ def load_hf_weights(
             name = _TENSOR_NAMES[key].format(i=layer)
             handle = where.get(name)
             if handle is None:
-                raise ModelLoadError(f"{str(folder)!r} has no tensor {name!r}, which a {config.name} model needs")
+                raise ModelLoadError(
+                    f"{str(folder)!r} has no tensor {name!r}, which the model of its config.json needs"
+                )
             view = handle.get_slice(name)
             if view.get_dtype() not in WEIGHT_DTYPES:
                 raise ModelLoadError(
