@@ -1,7 +1,8 @@
 """The ``attn-stack`` command line: ``generate`` and ``info`` (also ``python -m attn_jax``).
 
 ``attn-stack generate`` runs prompts concurrently through the serving engine on the
-embedded SmolLM2-135M-Instruct (or ``--model PATH``, a Llama GGUF) and prints each
+embedded SmolLM2-135M-Instruct (or ``--model PATH``: a Llama GGUF, or a Hugging Face
+checkpoint folder of a Llama, Mistral or Qwen2 model) and prints each
 continuation, prefill and decode tokens/s, and the attention backend chosen with why.
 ``attn-stack info`` prints the JAX versions, the platform and why each attention
 backend would or would not serve a request (default: head_size 128, bfloat16).
@@ -133,7 +134,11 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
         "--devices", type=int, default=1,
         help="devices to shard over (requests over a data axis, heads over a model axis); default 1",
     )  # fmt: skip
-    parser.add_argument("--model", default=None, metavar="PATH", help="a Llama GGUF (default: embedded SmolLM2)")
+    parser.add_argument(
+        "--model", default=None, metavar="PATH",
+        help="a Llama GGUF file or a Hugging Face checkpoint folder (Llama, Mistral, Qwen2 safetensors); "
+        "default: embedded SmolLM2",
+    )  # fmt: skip
     parser.add_argument("--max-num-seqs", type=_positive_int, default=8, help="requests per step (default: 8)")
     parser.add_argument(
         "--max-num-batched-tokens", type=_positive_int, default=256,
@@ -178,6 +183,17 @@ def _check_sampling_args(args: argparse.Namespace) -> str | None:
     if args.top_k < 0:
         return f"--top-k {args.top_k} must be >= 0 (0 = off)"
     return None
+
+
+def _engine_from_checkpoint(path: str, devices: int, progress, **engine_kwargs):
+    """``Engine.from_gguf``'s sibling for a Hugging Face checkpoint folder (float32 weights)."""
+    from attn_jax.models.hf_checkpoint import load_hf_checkpoint, read_hf_config
+    from attn_jax.serving import Engine
+    from attn_jax.sharding import make_mesh
+
+    mesh = make_mesh(devices, num_kv_heads=read_hf_config(path).num_kv_heads) if devices > 1 else None
+    model, params, tokenizer = load_hf_checkpoint(path, mesh=mesh, progress=progress)
+    return Engine(model, params, tokenizer, mesh=mesh, **engine_kwargs)
 
 
 def _warm_up(engine, prompt_ids: list[list[int]], args: argparse.Namespace) -> None:
@@ -271,6 +287,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from attn_jax.models.gguf_loader import ModelLoadError
+    from attn_jax.models.hf_checkpoint import is_hf_checkpoint
     from attn_jax.registry import AttentionBackendEnum
     from attn_jax.selector import explain_attn_backend_selection, global_force_attn_backend_context_manager
     from attn_jax.serving import Engine
@@ -306,11 +323,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                         tasks[stage] = progress.add_task(label, total=total)
                     progress.update(tasks[stage], completed=done)
 
-                engine = Engine.from_gguf(
-                    args.model, devices=args.devices if args.devices > 1 else None, progress=on_load,
+                engine_kwargs = dict(
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=MAX_MODEL_LEN, seed=args.seed, num_scheduler_steps=args.num_scheduler_steps,
                 )  # fmt: skip
+                if args.model is not None and is_hf_checkpoint(args.model):
+                    engine = _engine_from_checkpoint(args.model, args.devices, on_load, **engine_kwargs)
+                else:
+                    engine = Engine.from_gguf(
+                        args.model, devices=args.devices if args.devices > 1 else None, progress=on_load,
+                        **engine_kwargs,
+                    )  # fmt: skip
                 report = explain_attn_backend_selection(
                     engine.model.config.head_dim, engine.model.dtype, block_size=engine.block_size
                 )

@@ -160,6 +160,10 @@ class ShardedStep:
             "wk": col if attn else P(),
             "wv": col if attn else P(),
             "wo": row if attn else P(),
+            "bq": P(MODEL) if attn else P(),  # optional q/k/v/o biases (Qwen2, Llama's attention_bias)
+            "bk": P(MODEL) if attn else P(),
+            "bv": P(MODEL) if attn else P(),
+            "bo": P(),  # added after the psum over heads
             "w_gate": col if mlp else P(),
             "w_up": col if mlp else P(),
             "w_down": row if mlp else P(),

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from attn_jax.models.llama import LlamaConfig
+from attn_jax.models.llama import LlamaConfig, assemble_params
 
 logger = logging.getLogger(__name__)
 
@@ -114,16 +114,19 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-_LAYER_TENSORS = {
-    "attn_norm": "attn_norm",
-    "wq": "attn_q",
-    "wk": "attn_k",
-    "wv": "attn_v",
-    "wo": "attn_output",
-    "ffn_norm": "ffn_norm",
-    "w_gate": "ffn_gate",
-    "w_up": "ffn_up",
-    "w_down": "ffn_down",
+_TENSOR_NAMES = {  # params key -> GGUF tensor name ("{i}": the layer)
+    "embed": "token_embd.weight",
+    "final_norm": "output_norm.weight",
+    "lm_head": "output.weight",
+    "attn_norm": "blk.{i}.attn_norm.weight",
+    "wq": "blk.{i}.attn_q.weight",
+    "wk": "blk.{i}.attn_k.weight",
+    "wv": "blk.{i}.attn_v.weight",
+    "wo": "blk.{i}.attn_output.weight",
+    "ffn_norm": "blk.{i}.ffn_norm.weight",
+    "w_gate": "blk.{i}.ffn_gate.weight",
+    "w_up": "blk.{i}.ffn_up.weight",
+    "w_down": "blk.{i}.ffn_down.weight",
 }
 
 
@@ -143,8 +146,8 @@ def load_gguf(
     ``final_norm`` [H], ``lm_head`` [H, V] (absent when tied) and ``layers``, a list of
     per-layer dicts: ``attn_norm``/``ffn_norm`` [H], ``wq`` [H, Hq*D], ``wk``/``wv``
     [H, Hkv*D], ``wo`` [Hq*D, H], ``w_gate``/``w_up`` [H, I], ``w_down`` [I, H] (every
-    matrix as [in, out]). Raises ``ModelLoadError`` for a
-    missing, corrupt or unsupported file.
+    matrix as [in, out]; ``llama.assemble_params`` builds it). Raises ``ModelLoadError``
+    for a missing, corrupt or unsupported file.
     """
     from gguf import dequantize
 
@@ -155,8 +158,9 @@ def load_gguf(
     total = len(tensors)
     done = 0
 
-    def get(name: str) -> np.ndarray:
+    def get(key: str, layer: int | None, shape: tuple[int, ...]) -> np.ndarray:
         nonlocal done
+        name = _TENSOR_NAMES[key].format(i=layer)
         t = tensors.get(name)
         if t is None:
             raise ModelLoadError(f"{str(path)!r} has no tensor {name!r}; is it a Llama checkpoint?")
@@ -166,33 +170,18 @@ def load_gguf(
             raise ModelLoadError(
                 f"cannot dequantise tensor {name!r} ({t.tensor_type.name}) of {str(path)!r}: {e}"
             ) from e
+        if w.shape != shape:
+            raise ModelLoadError(f"{name} has shape {w.shape}; expected {shape}: the file is inconsistent")
         done += 1
         if progress is not None:
             progress(done, total)
+        if key == "wq":
+            return _unpermute(w, config.num_heads)
+        if key == "wk":
+            return _unpermute(w, config.num_kv_heads)
         return w
 
-    params: dict = {"embed": get("token_embd.weight").astype(dtype)}
-    if params["embed"].shape != (config.vocab_size, config.hidden_size):
-        raise ModelLoadError(
-            f"token_embd.weight has shape {params['embed'].shape}; expected "
-            f"({config.vocab_size}, {config.hidden_size}): the file is inconsistent"
-        )
-    layers: list[dict[str, np.ndarray]] = []
-    for i in range(config.num_layers):
-        layer = {}
-        for key, gguf_name in _LAYER_TENSORS.items():
-            w = get(f"blk.{i}.{gguf_name}.weight")
-            if key == "wq":
-                w = _unpermute(w, config.num_heads)
-            elif key == "wk":
-                w = _unpermute(w, config.num_kv_heads)
-            layer[key] = np.ascontiguousarray(w if w.ndim == 1 else w.T, dtype=dtype)  # [out, in] -> [in, out]
-        layers.append(layer)
-    params["layers"] = layers
-    params["final_norm"] = get("output_norm.weight").astype(dtype)
-    if not config.tie_word_embeddings:
-        params["lm_head"] = np.ascontiguousarray(get("output.weight").T).astype(dtype)
-    return config, params
+    return config, assemble_params(config, get, dtype)
 
 
 CACHE_ENV = "ATTN_STACK_CACHE_DIR"

@@ -1,7 +1,8 @@
 """A Llama-family decoder in JAX whose attention runs through ``attn_jax.Attention``.
 
 RMSNorm, RoPE (Hugging Face's rotate-half form, the model's theta, linear scaling), GQA,
-SwiGLU, tied embeddings when the checkpoint ties them. One call, ``LlamaModel.step``,
+SwiGLU, tied embeddings when the checkpoint ties them, optional attention-projection
+biases (Qwen2's q/k/v, Llama's ``attention_bias``) and a sliding window (Mistral). One call, ``LlamaModel.step``,
 runs a packed, mixed prefill + decode batch: every request's new tokens on one token
 axis, their keys and values written into a paged cache per layer, attention by the
 layer's backend. The layers are unrolled over per-layer weights and per-layer caches (a
@@ -19,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,7 @@ import numpy as np
 
 from attn_jax.layer import Attention
 from attn_jax.metadata import CommonAttentionMetadata
+from attn_jax.types import validate_sliding_window
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -49,12 +52,84 @@ class LlamaConfig:
     bos_token_id: int = -1
     eos_token_ids: tuple[int, ...] = ()
     name: str = "llama"
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2; Llama's attention_bias)
+    o_bias: bool = False  # a bias on the output projection (Llama's attention_bias)
+    sliding_window: int | None = None  # every layer sees its last `sliding_window` keys (Mistral)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        validate_sliding_window(self.sliding_window)
+
+
+LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+LAYER_VECTORS = ("attn_norm", "ffn_norm")
+
+
+def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Each weight's shape as checkpoints store it (matrices [out, in], PyTorch's Linear
+    layout, which GGUF and safetensors files share), keyed by its name in ``params``:
+    the globals ``embed``, ``final_norm``, ``lm_head`` and the per-layer names; biases
+    ``bq``/``bk``/``bv``/``bo`` only when the config has them."""
+    c = config
+    h, i = c.hidden_size, c.intermediate_size
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {
+        "embed": (c.vocab_size, h),
+        "final_norm": (h,),
+        "lm_head": (c.vocab_size, h),
+        "attn_norm": (h,),
+        "ffn_norm": (h,),
+        "wq": (q, h),
+        "wk": (kv, h),
+        "wv": (kv, h),
+        "wo": (h, q),
+        "w_gate": (i, h),
+        "w_up": (i, h),
+        "w_down": (h, i),
+    }
+    if c.qkv_bias:
+        shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
+    if c.o_bias:
+        shapes["bo"] = (h,)
+    return shapes
+
+
+def layer_param_names(config: LlamaConfig) -> tuple[str, ...]:
+    """The keys of each ``params["layers"][i]`` dict for this config."""
+    biases = ("bq", "bk", "bv") * config.qkv_bias + ("bo",) * config.o_bias
+    return LAYER_VECTORS + LAYER_MATRICES + biases
+
+
+def assemble_params(config: LlamaConfig, get: Callable[[str, int | None, tuple[int, ...]], np.ndarray], dtype) -> dict:
+    """The one conversion from a checkpoint's tensors to ``params`` (every loader uses it).
+
+    Args:
+      config: the model's hyperparameters.
+      get: ``get(name, layer, shape)`` returns the checkpoint's tensor ``name`` (a key of
+        ``param_shapes``) of ``layer`` (None for ``embed``/``final_norm``/``lm_head``) with
+        ``shape`` (matrices [out, in]); it raises its loader's error for a missing tensor
+        or another shape.
+      dtype: NumPy dtype of the returned weights.
+
+    Returns params with every matrix transposed to [in, out] (``x @ w``), C-contiguous.
+    """
+    shapes = param_shapes(config)
+
+    def convert(name: str, layer: int | None) -> np.ndarray:
+        w = np.asarray(get(name, layer, shapes[name]))
+        return np.ascontiguousarray(w if w.ndim == 1 else w.T, dtype=dtype)
+
+    params: dict = {"embed": np.ascontiguousarray(get("embed", None, shapes["embed"]), dtype=dtype)}
+    params["layers"] = [
+        {name: convert(name, i) for name in layer_param_names(config)} for i in range(config.num_layers)
+    ]
+    params["final_norm"] = convert("final_norm", None)
+    if not config.tie_word_embeddings:
+        params["lm_head"] = convert("lm_head", None)
+    return params
 
 
 def init_params(config: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict:
@@ -85,6 +160,11 @@ def init_params(config: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict:
             for _ in range(layers)
         ],
     }
+    for layer in params["layers"]:
+        if c.qkv_bias:
+            layer.update(bq=w(1, q)[0], bk=w(1, kv)[0], bv=w(1, kv)[0])
+        if c.o_bias:
+            layer["bo"] = w(1, h)[0]
     if not c.tie_word_embeddings:
         params["lm_head"] = w(h, c.vocab_size)
     return params
@@ -159,6 +239,7 @@ class LlamaModel:
             kv_cache_dtype=kv_cache_dtype,
             attn_backend=attn_backend,
             dtype=self.dtype,
+            per_layer_sliding_window=config.sliding_window,
             prefix="model.layers.*.self_attn.attn",
         )
 
@@ -200,14 +281,19 @@ class LlamaModel:
 
         def layer(h, w, cache):
             x = rms_norm(h, w["attn_norm"], c.rms_norm_eps)
-            q = jnp.dot(x, w["wq"], precision=_HIGHEST).reshape(num_tokens, self.num_heads, c.head_dim)
-            k = jnp.dot(x, w["wk"], precision=_HIGHEST).reshape(num_tokens, self.num_kv_heads, c.head_dim)
-            v = jnp.dot(x, w["wv"], precision=_HIGHEST).reshape(num_tokens, self.num_kv_heads, c.head_dim)
+            q, k, v = (jnp.dot(x, w[name], precision=_HIGHEST) for name in ("wq", "wk", "wv"))
+            if c.qkv_bias:
+                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+            q = q.reshape(num_tokens, self.num_heads, c.head_dim)
+            k = k.reshape(num_tokens, self.num_kv_heads, c.head_dim)
+            v = v.reshape(num_tokens, self.num_kv_heads, c.head_dim)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             o, cache = self.attn(q, k, v, cache, attn_metadata)
             o = jnp.dot(o, w["wo"], precision=_HIGHEST)
             if self.attn_sharded:
                 o = jax.lax.psum(o, self.model_axis)
+            if c.o_bias:  # after the sum over heads: once, not once per shard
+                o = o + w["bo"]
             h = h + o
             x = rms_norm(h, w["ffn_norm"], c.rms_norm_eps)
             gate = jnp.dot(x, w["w_gate"], precision=_HIGHEST)

@@ -1,0 +1,475 @@
+"""Llama-family models from a Hugging Face checkpoint folder: no torch, no transformers.
+
+A folder written by transformers' ``save_pretrained`` (or downloaded from the Hub) holds
+``config.json``, the weights as one ``model.safetensors`` or shards listed by
+``model.safetensors.index.json``, and the tokenizer as ``tokenizer.json`` with
+``tokenizer_config.json`` (special tokens) and the chat template (``chat_template.jinja``
+or the ``chat_template`` entry of ``tokenizer_config.json``). The weights are read with
+``safetensors``' NumPy API (bfloat16 through ``ml_dtypes``), converted by the same
+``llama.assemble_params`` as the GGUF path; the tokenizer runs on ``tokenizers``.
+
+Model types: ``SUPPORTED_MODEL_TYPES`` (Llama; Mistral with its sliding window; Qwen2 with
+its q/k/v biases). RoPE types: ``SUPPORTED_ROPE_TYPES``. Weight dtypes: F32, F16, BF16.
+
+Example::
+
+    model, params, tokenizer = load_hf_checkpoint("path/to/checkpoint")
+    engine = Engine(model, params, tokenizer)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from attn_jax.models.gguf_loader import ModelLoadError
+from attn_jax.models.gguf_tokenizer import GGUFTokenizer
+from attn_jax.models.llama import LlamaConfig, LlamaModel, assemble_params
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+"""``config.json``'s ``model_type`` values this loader reads."""
+
+SUPPORTED_ROPE_TYPES = ("default", "linear")
+"""``rope_parameters`` / ``rope_scaling`` types ``LlamaModel`` computes."""
+
+WEIGHT_DTYPES = ("F32", "F16", "BF16")
+"""safetensors dtypes read (any of them converts to the requested dtype)."""
+
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+"""``dtype`` values of ``load_hf_checkpoint`` (weights and activations)."""
+
+_TENSOR_NAMES = {  # params key -> checkpoint tensor name ("{i}": the layer)
+    "embed": "model.embed_tokens.weight",
+    "final_norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+    "attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "wq": "model.layers.{i}.self_attn.q_proj.weight",
+    "wk": "model.layers.{i}.self_attn.k_proj.weight",
+    "wv": "model.layers.{i}.self_attn.v_proj.weight",
+    "wo": "model.layers.{i}.self_attn.o_proj.weight",
+    "bq": "model.layers.{i}.self_attn.q_proj.bias",
+    "bk": "model.layers.{i}.self_attn.k_proj.bias",
+    "bv": "model.layers.{i}.self_attn.v_proj.bias",
+    "bo": "model.layers.{i}.self_attn.o_proj.bias",
+    "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "w_gate": "model.layers.{i}.mlp.gate_proj.weight",
+    "w_up": "model.layers.{i}.mlp.up_proj.weight",
+    "w_down": "model.layers.{i}.mlp.down_proj.weight",
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older checkpoints saved; recomputed here
+_SPECIAL_TOKENS = ("bos", "eos", "unk", "pad")
+
+
+def is_hf_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder (a checkpoint to read with this module, not a GGUF file)."""
+    return pathlib.Path(path).is_dir()
+
+
+def _folder(path: str | os.PathLike) -> pathlib.Path:
+    folder = pathlib.Path(path)
+    if not folder.exists():
+        raise ModelLoadError(f"checkpoint folder {str(folder)!r} does not exist")
+    if not folder.is_dir():
+        raise ModelLoadError(
+            f"{str(folder)!r} is not a folder (a Hugging Face checkpoint is a folder with config.json)"
+        )
+    return folder
+
+
+def _read_json(path: pathlib.Path, required: bool = True) -> dict | None:
+    if not path.is_file():
+        if required:
+            raise ModelLoadError(
+                f"{str(path.parent)!r} has no {path.name}: a Hugging Face checkpoint folder holds config.json, "
+                "*.safetensors and tokenizer.json"
+            )
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{str(path)!r} is not readable JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{str(path)!r} holds a {type(value).__name__}, not a JSON object")
+    return value
+
+
+def _positive(config: Mapping, key: str, default: int | None = None) -> int:
+    value = config.get(key)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(f"config.json {key}={value!r} must be a positive integer")
+    return value
+
+
+def _token_ids(value, key: str) -> tuple[int, ...]:
+    """An ``eos_token_id`` entry: an int, a list of ints, or null."""
+    if value is None:
+        return ()
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ModelLoadError(f"{key}={value!r} must be a token id or a list of token ids")
+    return tuple(values)
+
+
+def _rope(config: Mapping) -> tuple[float, float]:
+    """(theta, linear scaling factor) from transformers 5's ``rope_parameters`` or the older
+    top-level ``rope_theta`` and ``rope_scaling``."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ModelLoadError(f"config.json rope_parameters={rope!r} must be an object")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"rope_scaling type {rope_type!r} is not supported by attn_jax's LlamaModel; supported: "
+            f"{list(SUPPORTED_ROPE_TYPES)}"
+        )
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    factor = rope.get("factor", 1.0) if rope_type == "linear" else 1.0
+    for key, value in (("rope_theta", theta), ("rope factor", factor)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ModelLoadError(f"config.json {key}={value!r} must be a positive number")
+    return float(theta), float(factor)
+
+
+def _sliding_window(config: Mapping, model_type: str, num_layers: int) -> int | None:
+    """The window every layer uses (None: full attention), as transformers reads it."""
+    if model_type == "mistral":
+        window = config.get("sliding_window", 4096)  # MistralConfig's default when the key is absent
+        default_types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
+    elif model_type == "qwen2":
+        window = config.get("sliding_window", 4096) if config.get("use_sliding_window", False) else None
+        first = config.get("max_window_layers", 28)
+        default_types = [
+            "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(num_layers)
+        ]
+    else:
+        window, default_types = None, ["full_attention"] * num_layers
+    layer_types = config.get("layer_types") or default_types
+    valid = ("full_attention", "sliding_attention")
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers or not set(layer_types) <= set(valid):
+        raise ModelLoadError(
+            f"config.json layer_types={layer_types!r} must list one of {list(valid)} for each of {num_layers} layers"
+        )
+    windows = {window if t == "sliding_attention" else None for t in layer_types}
+    if len(windows) > 1:
+        raise ModelLoadError(
+            f"config.json layer_types={layer_types} mixes sliding-window (sliding_window={window}) and full-attention "
+            "layers; attn_jax's LlamaModel uses one attention window for every layer"
+        )
+    (window,) = windows
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ModelLoadError(f"config.json sliding_window={window!r} must be a positive integer or null")
+    return window
+
+
+def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
+    """The ``LlamaConfig`` of a checkpoint folder (``config.json``, plus the EOS ids of
+    ``generation_config.json``). Raises ``ModelLoadError`` naming the key for a missing
+    file, an unsupported ``model_type`` / RoPE type / activation, or a bad value."""
+    folder = _folder(path)
+    config = _read_json(folder / "config.json")
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"config.json model_type={model_type!r} is not supported; supported: {list(SUPPORTED_MODEL_TYPES)}"
+        )
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"config.json hidden_act={act!r} is not supported; supported: ['silu']")
+    if config.get("mlp_bias"):
+        raise ModelLoadError("config.json mlp_bias=true is not supported: attn_jax's LlamaModel has no MLP biases")
+    num_heads = _positive(config, "num_attention_heads")
+    hidden = _positive(config, "hidden_size")
+    num_layers = _positive(config, "num_hidden_layers")
+    theta, factor = _rope(config)
+    if model_type == "qwen2":
+        qkv_bias, o_bias = True, False
+    elif model_type == "llama":
+        qkv_bias = o_bias = bool(config.get("attention_bias", False))
+    else:
+        qkv_bias = o_bias = False
+    generation = _read_json(folder / "generation_config.json", required=False) or {}
+    eos = _token_ids(config.get("eos_token_id"), "config.json eos_token_id")
+    eos += tuple(t for t in _token_ids(generation.get("eos_token_id"), "generation_config.json eos_token_id"))
+    bos = config.get("bos_token_id")
+    eps = config.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps > 0:
+        raise ModelLoadError(f"config.json rms_norm_eps={eps!r} must be a positive number")
+    try:
+        return LlamaConfig(
+            vocab_size=_positive(config, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_positive(config, "intermediate_size"),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=_positive(config, "num_key_value_heads", default=num_heads),
+            head_dim=_positive(config, "head_dim", default=hidden // num_heads),
+            rope_theta=theta,
+            rope_scaling_factor=factor,
+            rms_norm_eps=float(eps),
+            max_position_embeddings=_positive(config, "max_position_embeddings", default=2048),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else -1,
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            name=folder.resolve().name,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            sliding_window=_sliding_window(config, model_type, num_layers),
+        )
+    except ValueError as e:  # LlamaConfig's own checks (head divisibility, even head_dim)
+        raise ModelLoadError(f"config.json of {str(folder)!r}: {e}") from e
+
+
+def _weight_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    index = _read_json(folder / "model.safetensors.index.json", required=False)
+    if index is not None:
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{str(folder / 'model.safetensors.index.json')!r} has no weight_map")
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{str(folder)!r} lacks the shards {missing} that model.safetensors.index.json lists")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        others = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
+        raise ModelLoadError(
+            f"{str(folder)!r} has no *.safetensors weights"
+            + (f" (it has {others}: only safetensors checkpoints are read, without torch)" if others else "")
+        )
+    return files
+
+
+def load_hf_weights(
+    path: str | os.PathLike,
+    dtype=np.float32,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[LlamaConfig, dict]:
+    """Reads a checkpoint folder's config and safetensors weights (``load_gguf``'s sibling).
+
+    Args:
+      path: the checkpoint folder.
+      dtype: NumPy dtype of the returned weights (float32 default; ``ml_dtypes.bfloat16`` works).
+      progress: called as ``progress(done, total)`` after each tensor.
+
+    Returns ``(config, params)`` in ``load_gguf``'s layout (``llama.assemble_params``), with
+    ``bq``/``bk``/``bv`` [Hq*D], [Hkv*D] per layer when the config has q/k/v biases and
+    ``bo`` [H] when it has an output bias. Raises ``ModelLoadError`` for a missing file or
+    tensor, a tensor of another shape or dtype, or a tensor the model would not use.
+    """
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy for safetensors' BF16)
+    from safetensors import safe_open
+
+    folder = _folder(path)
+    config = read_hf_config(folder)
+    with contextlib.ExitStack() as stack:
+        where = {}
+        for file in _weight_files(folder):
+            try:
+                handle = stack.enter_context(safe_open(str(file), framework="np"))
+            except Exception as e:  # safetensors raises its own SafetensorError for a damaged header
+                raise ModelLoadError(f"{str(file)!r} is not a readable safetensors file: {e}") from e
+            where.update(dict.fromkeys(handle.keys(), handle))
+        used = set()
+        total = len(where)
+
+        def get(key: str, layer: int | None, shape: tuple[int, ...]) -> np.ndarray:
+            name = _TENSOR_NAMES[key].format(i=layer)
+            handle = where.get(name)
+            if handle is None:
+                raise ModelLoadError(
+                    f"{str(folder)!r} has no tensor {name!r}, which the model of its config.json needs"
+                )
+            view = handle.get_slice(name)
+            if view.get_dtype() not in WEIGHT_DTYPES:
+                raise ModelLoadError(
+                    f"tensor {name!r} has dtype {view.get_dtype()}; supported: {list(WEIGHT_DTYPES)} (quantised "
+                    "safetensors checkpoints are not read)"
+                )
+            if tuple(view.get_shape()) != shape:
+                raise ModelLoadError(
+                    f"tensor {name!r} has shape {tuple(view.get_shape())}; config.json implies {shape}"
+                )
+            used.add(name)
+            if progress is not None:
+                progress(len(used), total)
+            return handle.get_tensor(name)
+
+        params = assemble_params(config, get, dtype)
+    unused = sorted(n for n in where if n not in used and not n.endswith(_IGNORED_SUFFIXES))
+    if config.tie_word_embeddings and _TENSOR_NAMES["lm_head"] in unused:
+        unused.remove(_TENSOR_NAMES["lm_head"])  # tied: transformers uses the embedding too
+    if unused:
+        raise ModelLoadError(
+            f"{str(folder)!r} has {len(unused)} tensors the model would not use, e.g. {unused[:4]}: config.json "
+            "does not describe these weights"
+        )
+    return config, params
+
+
+class HFTokenizer(GGUFTokenizer):
+    """A checkpoint's tokenizer (``tokenizer.json``) with its special tokens and chat template.
+
+    The interface is ``GGUFTokenizer``'s (``encode``, ``__call__``, ``decode``,
+    ``apply_chat_template``, ``eos_token_id``...). As transformers 5's generic
+    ``TokenizersBackend`` does, ``tokenizer.json``'s own post-processor (Llama 3's BOS, say)
+    decides which special tokens ``encode`` adds; only a ``tokenizer.json`` without one gets
+    BOS / EOS from ``tokenizer_config.json``'s ``add_bos_token`` / ``add_eos_token``
+    (default: none). Model-specific transformers classes that rebuild the pipeline from the
+    vocabulary (its ``LlamaTokenizer`` for SentencePiece vocabularies) may differ.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        special_ids: Mapping[str, int | None],
+        chat_template: str | None = None,
+        add_bos_token: bool = False,
+        add_eos_token: bool = False,
+    ) -> None:
+        original = tokenizer.post_processor
+        super().__init__(tokenizer, special_ids, chat_template, add_bos_token, add_eos_token)
+        if original is not None:
+            tokenizer.post_processor = original
+            ids = tokenizer.encode("", add_special_tokens=True).ids  # what the post-processor adds
+            self.add_bos_token = bool(ids) and ids[0] == self.bos_token_id
+            self.add_eos_token = bool(ids) and ids[-1] == self.eos_token_id
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> HFTokenizer:
+        """Reads ``tokenizer.json``, ``tokenizer_config.json`` (or ``special_tokens_map.json``)
+        and the chat template from a checkpoint folder. Raises ``ModelLoadError``."""
+        from tokenizers import Tokenizer
+
+        folder = _folder(path)
+        file = folder / "tokenizer.json"
+        if not file.is_file():
+            raise ModelLoadError(
+                f"{str(folder)!r} has no tokenizer.json (a SentencePiece tokenizer.model alone is not read: save the "
+                "tokenizer with transformers' save_pretrained to write tokenizer.json)"
+            )
+        try:
+            tokenizer = Tokenizer.from_file(str(file))
+        except Exception as e:  # tokenizers raises its own Exception type for a bad file
+            raise ModelLoadError(f"{str(file)!r} is not a readable tokenizer: {e}") from e
+        settings = _read_json(folder / "tokenizer_config.json", required=False) or {}
+        specials = _read_json(folder / "special_tokens_map.json", required=False) or {}
+        special_ids = {}
+        for name in _SPECIAL_TOKENS:
+            token = settings.get(f"{name}_token", specials.get(f"{name}_token"))
+            if isinstance(token, dict):  # {"content": "<s>", "lstrip": false, ...}
+                token = token.get("content")
+            token_id = None if token is None else tokenizer.token_to_id(token)
+            if token is not None and token_id is None:
+                raise ModelLoadError(
+                    f"tokenizer_config.json {name}_token={token!r} is not in tokenizer.json's vocabulary"
+                )
+            special_ids[name] = token_id
+        return cls(
+            tokenizer,
+            special_ids,
+            chat_template=_chat_template(folder, settings),
+            add_bos_token=bool(settings.get("add_bos_token", False)),
+            add_eos_token=bool(settings.get("add_eos_token", False)),
+        )
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        **template_kwargs,
+    ) -> list[int] | str:
+        """``GGUFTokenizer.apply_chat_template`` with the checkpoint's template."""
+        if self.chat_template is None:
+            raise ValueError(
+                "this checkpoint has no chat template (chat_template.jinja or tokenizer_config.json's "
+                "chat_template): encode the prompt as plain text instead"
+            )
+        return super().apply_chat_template(messages, add_generation_prompt, tokenize, **template_kwargs)
+
+    def __repr__(self) -> str:
+        return "HF" + super().__repr__().removeprefix("GGUF")
+
+
+def _chat_template(folder: pathlib.Path, settings: Mapping) -> str | None:
+    """transformers' order: ``chat_template.jinja``, ``chat_template.json``, then
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or named templates: "default")."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = (_read_json(folder / "chat_template.json", required=False) or {}).get("chat_template")
+    if template is None:
+        template = settings.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:
+            raise ModelLoadError(f"tokenizer_config.json names chat templates {list(named)}; none is 'default'")
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise ModelLoadError(f"the chat template is a {type(template).__name__}, not a string")
+    return template
+
+
+def load_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
+    """The checkpoint folder's tokenizer (``HFTokenizer.from_pretrained``)."""
+    return HFTokenizer.from_pretrained(path)
+
+
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    dtype="float32",
+    *,
+    block_size: int = 16,
+    attn_backend=None,
+    kv_cache_dtype: str = "auto",
+    mesh=None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> tuple[LlamaModel, dict, HFTokenizer]:
+    """``(model, params, tokenizer)`` of a checkpoint folder: what ``Engine(model, params,
+    tokenizer, mesh=mesh, ...)`` takes.
+
+    Args:
+      path: the checkpoint folder.
+      dtype: weights and activations, one of ``MODEL_DTYPES`` (float32 default, whatever
+        the checkpoint stores).
+      block_size / attn_backend / kv_cache_dtype: ``LlamaModel``'s.
+      mesh: the engine's mesh (``attn_jax.sharding.make_mesh``); the model is built for
+        one shard of it.
+      progress: ``progress(stage, done, total)`` while the weights ("weights") and the
+        tokenizer ("tokenizer") load, as ``Engine.from_gguf`` calls it.
+
+    Raises ``ModelLoadError`` for a missing or unusable checkpoint, ValueError for a bad dtype.
+    """
+    import jax.numpy as jnp
+
+    try:
+        np_dtype = jnp.dtype(dtype)
+    except TypeError:
+        np_dtype = None
+    if np_dtype is None or np_dtype.name not in MODEL_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; supported: {list(MODEL_DTYPES)}")
+    config, params = load_hf_weights(
+        path, np_dtype, progress=None if progress is None else lambda d, t: progress("weights", d, t)
+    )
+    if progress is not None:
+        progress("tokenizer", 0, 1)
+    tokenizer = load_hf_tokenizer(path)
+    if progress is not None:
+        progress("tokenizer", 1, 1)
+    local = {}
+    if mesh is not None:
+        from attn_jax.sharding import local_model_kwargs
+
+        local = local_model_kwargs(config, mesh)
+    model = LlamaModel(
+        config, block_size=block_size, kv_cache_dtype=kv_cache_dtype, attn_backend=attn_backend, dtype=np_dtype, **local
+    )
+    return model, params, tokenizer

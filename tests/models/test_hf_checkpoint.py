@@ -1,0 +1,408 @@
+"""Hugging Face checkpoint folders through attn-stack against transformers on the same weights.
+
+Tiny random Llama (untied head, attention biases, linear RoPE scaling, sharded weights),
+Mistral (an 8-token sliding window) and Qwen2 (q/k/v biases, tied embeddings) models are
+written by transformers' ``save_pretrained`` with a small byte-level BPE tokenizer built by
+``tokenizers``; the loader must give the same logits (1e-4, float32), the same greedy tokens
+through ``Engine`` as ``generate(do_sample=False)``, the same tokenizer ids and chat prompts,
+and an error naming the bad value for each broken folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from attn_jax import build_common_attn_metadata
+from attn_jax.models.gguf_loader import ModelLoadError
+from attn_jax.models.hf_checkpoint import (
+    SUPPORTED_MODEL_TYPES,
+    HFTokenizer,
+    load_hf_checkpoint,
+    load_hf_weights,
+    read_hf_config,
+)
+from attn_jax.serving import Engine, SamplingParams
+
+VOCAB = 320
+SIZES = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=1,
+)  # fmt: skip
+MODELS = {
+    "llama": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            tie_word_embeddings=False,
+            attention_bias=True,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        ),
+    ),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(tie_word_embeddings=False, sliding_window=8, head_dim=16, rope_parameters={"rope_theta": 1e5}),
+    ),
+    "qwen2": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(tie_word_embeddings=True, rope_parameters={"rope_theta": 1e6}),
+    ),
+}
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TEXTS = ["The capital of France is", "Hello world, hello there!", "<|im_start|>user\nhi<|im_end|>", " ünïcödé  x\n\n"]
+PROMPT = "The quick brown fox jumps over the lazy dog. The capital of France is"  # > 8 tokens: past the window
+NEW_TOKENS = 12
+
+
+def _save_tokenizer(folder, **settings) -> None:
+    """A 320-token byte-level BPE (BOS added by its post-processor) with the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([PROMPT * 3, "Hello world, hello there! " * 3, "abc def ghi jkl"], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", chat_template=CHAT_TEMPLATE
+    )
+    fast.save_pretrained(folder)
+    if settings:
+        path = folder / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **settings}))
+
+
+def _randomise(model) -> None:
+    """Weights whose greedy tokens vary (transformers' init gives zero biases, unit norms and
+    a model that repeats one token): matrices ~ N(0, 1/fan_in) with the residual branches'
+    outputs (o_proj, down_proj) x3 and the embeddings x0.3, norms ~ 1 + N(0, 0.01), biases
+    ~ N(0, 0.01)."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=generator)
+            if "norm" in name:
+                p.copy_(1 + 0.1 * noise)
+            elif p.ndim == 1:
+                p.copy_(0.1 * noise)
+            else:
+                scale = 3.0 if "o_proj" in name or "down_proj" in name else 0.3 if "embed" in name else 1.0
+                p.copy_(noise * scale * p.shape[-1] ** -0.5)
+
+
+def _write_checkpoint(model_type: str, folder):
+    """The transformers model (eval mode) of a tiny random ``model_type``, saved with a tokenizer in ``folder``."""
+    config_cls, model_cls, extra = MODELS[model_type]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**SIZES, **extra)).eval()
+    _randomise(model)
+    model.save_pretrained(folder, max_shard_size="40KB" if model_type == "llama" else "100MB")
+    _save_tokenizer(folder)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def checkpoint(request, tmp_path_factory):
+    """(folder, transformers model in eval mode) of one tiny random model type."""
+    folder = tmp_path_factory.mktemp(request.param)
+    return folder, _write_checkpoint(request.param, folder)
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    folder, _ = checkpoint
+    return load_hf_checkpoint(folder, block_size=16)
+
+
+def test_config_matches_transformers(checkpoint, loaded):
+    folder, hf = checkpoint
+    model, params, tokenizer = loaded
+    c, h = model.config, hf.config
+    assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (2, 4, 2, 16)
+    assert c.rope_theta == h.rope_parameters["rope_theta"] and c.rms_norm_eps == h.rms_norm_eps
+    assert c.tie_word_embeddings == h.tie_word_embeddings == ("lm_head" not in params)
+    assert c.eos_token_ids == (1,) and c.bos_token_id == 0 and tokenizer.eos_token_id == 1
+    expected = {
+        "llama": dict(qkv_bias=True, o_bias=True, sliding_window=None, rope_scaling_factor=2.0),
+        "mistral": dict(qkv_bias=False, o_bias=False, sliding_window=8, rope_scaling_factor=1.0),
+        "qwen2": dict(qkv_bias=True, o_bias=False, sliding_window=None, rope_scaling_factor=1.0),
+    }[h.model_type]
+    assert {k: getattr(c, k) for k in expected} == expected
+    assert model.attn.sliding_window == expected["sliding_window"]
+    if h.model_type == "llama":  # the sharded path: an index and several files
+        assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("*.safetensors"))) > 2
+
+
+def test_logits_match_transformers(checkpoint, loaded):
+    """One prefill over 20 tokens (past Mistral's 8-token window): every row's logits."""
+    _, hf = checkpoint
+    model, params, _ = loaded
+    ids = np.random.default_rng(1).integers(2, VOCAB, 20)
+    n = len(ids)
+    md = build_common_attn_metadata([n], [n], [[0, 1]], block_size=16)
+    tokens = np.zeros(md.num_tokens, np.int32)
+    tokens[:n] = ids
+    positions = np.zeros(md.num_tokens, np.int32)
+    positions[:n] = np.arange(n)
+    logits, _ = model.step(params, model.init_kv_caches(2), tokens, positions, md, np.arange(n, dtype=np.int32))
+    with torch.no_grad():
+        want = hf(torch.tensor(ids[None])).logits[0].numpy()
+    np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=1e-4)
+    assert np.ptp(want, axis=-1).min() > 1, "the random weights should spread the logits"
+
+
+def test_greedy_tokens_match_transformers_generate(checkpoint, loaded):
+    """The engine (prefill in chunks of 16 tokens, pages of 16) against ``generate(do_sample=False)``."""
+    folder, hf = checkpoint
+    model, params, tokenizer = loaded
+    engine = Engine(model, params, tokenizer, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+    prompt_ids = engine.encode(PROMPT)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    assert prompt_ids == hf_tokenizer(PROMPT)["input_ids"] and len(prompt_ids) > 16
+    [done] = engine.generate([prompt_ids], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=1
+        )
+    want = out[0, len(prompt_ids) :].tolist()
+    assert len(want) == NEW_TOKENS and done.output_ids == want
+    assert len(set(want)) > 3, "the random weights should not repeat one token"
+    assert done.text == hf_tokenizer.decode(want, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize(
+    "settings", [{}, {"add_bos_token": False, "add_eos_token": True}], ids=["plain", "add-flags-ignored"]
+)
+def test_tokenizer_matches_transformers(tmp_path, settings):
+    """tokenizer.json's post-processor (BOS) decides, as in transformers, whatever
+    tokenizer_config.json's add_bos_token / add_eos_token say."""
+    _save_tokenizer(tmp_path, **settings)
+    ours = HFTokenizer.from_pretrained(tmp_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id) == (0, 1)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs(text)["input_ids"] and ids[0] == 0, text
+        assert ours.encode(text, add_special_tokens=False) == theirs(text, add_special_tokens=False)["input_ids"]
+        for skip in (False, True):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world"}]
+    for prompt in (False, True):
+        text = ours.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False)
+        assert text == theirs.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False)
+        assert ours.apply_chat_template(messages, add_generation_prompt=prompt) == theirs.apply_chat_template(
+            messages, add_generation_prompt=prompt, tokenize=True, return_dict=False
+        )
+    assert (ours.add_bos_token, ours.add_eos_token) == (True, False) and repr(ours).startswith("HFTokenizer(")
+
+
+@pytest.mark.parametrize("bos, eos", [(False, False), (True, False), (True, True)])
+def test_tokenizer_without_post_processor_follows_add_bos_and_eos(tmp_path, bos, eos):
+    _save_tokenizer(tmp_path, add_bos_token=bos, add_eos_token=eos)
+    file = tmp_path / "tokenizer.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), "post_processor": None}))
+    tok = HFTokenizer.from_pretrained(tmp_path)
+    plain = tok.encode(TEXTS[0], add_special_tokens=False)
+    assert tok.encode(TEXTS[0]) == [0] * bos + plain + [1] * eos
+    assert (tok.add_bos_token, tok.add_eos_token) == (bos, eos)
+
+
+@pytest.mark.parametrize("torch_dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_weights_load_exactly(tmp_path, torch_dtype):
+    """bf16 / f16 safetensors: float32 params equal transformers' weights upcast; the
+    ``dtype`` argument keeps them in bfloat16."""
+    torch.manual_seed(0)
+    config_cls, model_cls, extra = MODELS["qwen2"]
+    model = model_cls(config_cls(**SIZES, **extra)).to(torch_dtype)
+    _randomise(model)
+    model.save_pretrained(tmp_path)
+    _save_tokenizer(tmp_path)
+    _, params = load_hf_weights(tmp_path)
+    attn, layer = model.model.layers[1].self_attn, params["layers"][1]
+    for ours, theirs in ((layer["wq"], attn.q_proj.weight.T), (layer["bk"], attn.k_proj.bias)):
+        assert ours.dtype == np.float32
+        np.testing.assert_array_equal(ours, theirs.detach().float().numpy())
+    _, bf16_params, _ = load_hf_checkpoint(tmp_path, dtype="bfloat16")
+    assert bf16_params["embed"].dtype.name == "bfloat16"
+
+
+def _write_config(folder, **changes) -> None:
+    config = {**SIZES, "model_type": "llama", **changes}
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"model_type": "gpt2"}, r"model_type='gpt2' is not supported; supported: \['llama', 'mistral', 'qwen2'\]"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
+            r"rope_scaling type 'llama3' is not supported .*; supported: \['default', 'linear'\]",
+        ),
+        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, r"rope_scaling type 'yarn' is not supported"),
+        ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported; supported: \['silu'\]"),
+        ({"mlp_bias": True}, r"mlp_bias=true is not supported"),
+        ({"num_key_value_heads": 3}, r"num_heads=4 must be divisible by num_kv_heads=3"),
+        ({"hidden_size": 0}, r"hidden_size=0 must be a positive integer"),
+        (
+            {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+            r"mixes sliding-window \(sliding_window=16\) and full-attention layers",
+        ),
+    ],
+    ids=["model_type", "llama3-rope", "yarn-rope", "hidden_act", "mlp_bias", "heads", "hidden_size", "layer-windows"],
+)
+def test_config_errors_name_the_value(tmp_path, changes, message):
+    _write_config(tmp_path, **changes)
+    with pytest.raises(ModelLoadError, match=message):
+        read_hf_config(tmp_path)
+    assert SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2")
+
+
+def test_folder_errors(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"checkpoint folder '.*nope' does not exist"):
+        read_hf_config(tmp_path / "nope")
+    with pytest.raises(ModelLoadError, match=r"has no config.json: a Hugging Face checkpoint folder holds"):
+        read_hf_config(tmp_path)
+    _write_config(tmp_path)
+    with pytest.raises(ModelLoadError, match=r"has no \*.safetensors weights"):
+        load_hf_weights(tmp_path)
+    with pytest.raises(ModelLoadError, match=r"has no tokenizer.json"):
+        HFTokenizer.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"dtype='int8' is not supported; supported: \['float32', 'bfloat16'"):
+        load_hf_checkpoint(tmp_path, dtype="int8")
+
+
+@pytest.fixture(scope="module")
+def qwen2_tensors(tmp_path_factory):
+    """(folder, tensors) of a tiny Qwen2 checkpoint in one file, to damage copies of."""
+    from safetensors.numpy import load_file
+
+    torch.manual_seed(0)
+    config_cls, model_cls, extra = MODELS["qwen2"]
+    folder = tmp_path_factory.mktemp("qwen2-single")
+    model_cls(config_cls(**SIZES, **extra)).save_pretrained(folder)
+    return folder, load_file(folder / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"),
+            r"has no tensor 'model.layers.1.self_attn.k_proj.bias'",
+        ),
+        (
+            lambda t: t.update({"model.norm.weight": np.ones(65, np.float32)}),
+            r"tensor 'model.norm.weight' has shape \(65,\); config.json implies \(64,\)",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.mlp.up_proj.bias": np.ones(128, np.float32)}),
+            r"1 tensors the model would not use, e.g. \['model.layers.0.mlp.up_proj.bias'\]",
+        ),
+        (
+            lambda t: t.update({"model.norm.weight": np.ones(64, np.int8)}),
+            r"tensor 'model.norm.weight' has dtype I8; supported: \['F32', 'F16', 'BF16'\]",
+        ),
+    ],
+    ids=["missing", "shape", "unused", "dtype"],
+)
+def test_tensor_errors_name_the_tensor(tmp_path, qwen2_tensors, damage, message):
+    from safetensors.numpy import save_file
+
+    folder, tensors = qwen2_tensors
+    tensors = dict(tensors)
+    damage(tensors)
+    shutil.copy(folder / "config.json", tmp_path / "config.json")
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=message):
+        load_hf_weights(tmp_path)
+
+
+@pytest.mark.slow  # the CLI's engine compiles its step for max_model_len 2048 (about 15 s on 2 busy cores)
+def test_cli_generate_takes_a_checkpoint_folder(tmp_path, capsys):
+    """``attn-stack generate --model DIR --chat``: the chat template, the engine and the
+    greedy tokens of transformers on the same prompt."""
+    from attn_jax.cli import MAX_MODEL_LEN, main
+
+    config_cls, model_cls, extra = MODELS["qwen2"]
+    torch.manual_seed(0)
+    hf = model_cls(config_cls(**{**SIZES, "max_position_embeddings": MAX_MODEL_LEN}, **extra)).eval()
+    _randomise(hf)
+    hf.save_pretrained(tmp_path)
+    _save_tokenizer(tmp_path)
+    prompt = "Hello world"
+    args = ["generate", "--model", str(tmp_path), "--prompt", prompt, "--chat", "--max-new-tokens", "6", "--json"]
+    assert main(args) == 0
+    [result] = json.loads(capsys.readouterr().out)["results"]
+    ids = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=6, pad_token_id=1)
+    want = out[0, len(ids) :].tolist()
+    assert result["num_prompt_tokens"] == len(ids) and result["token_ids"] == want and 1 not in want
+    assert result["finish_reason"] == "length"
+
+
+def test_cli_reports_a_bad_checkpoint_folder(tmp_path, capsys):
+    from attn_jax.cli import main
+
+    _write_config(tmp_path, model_type="gpt2")
+    assert main(["generate", "--model", str(tmp_path), "--max-new-tokens", "2"]) == 2
+    assert "model_type='gpt2' is not supported; supported: ['llama', 'mistral', 'qwen2']" in capsys.readouterr().err
+
+
+_SHARDED = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+from attn_jax.models.hf_checkpoint import load_hf_checkpoint
+from attn_jax.serving import Engine, SamplingParams
+from attn_jax.sharding import make_mesh
+mesh = make_mesh(2, model_parallel=2)
+model, params, tokenizer = load_hf_checkpoint(sys.argv[1], mesh=mesh)
+engine = Engine(model, params, tokenizer, mesh=mesh, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+[done] = engine.generate([sys.argv[2]], SamplingParams(max_new_tokens=int(sys.argv[3]), ignore_eos=True))
+print("RESULT", json.dumps({"tokens": done.output_ids, "split": [model.attn_sharded, model.mlp_sharded]}))
+"""
+
+
+@pytest.mark.slow  # a subprocess with 2 forced CPU devices: jax starts and compiles again
+def test_heads_split_over_two_devices_with_biases(tmp_path):
+    """Llama with q/k/v/o biases, heads and MLP split over a model axis of 2: the bias of
+    each head goes with it, the output bias is added once after the sum, and the tokens
+    are transformers' greedy ones."""
+    hf = _write_checkpoint("llama", tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    root = pathlib.Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHARDED, str(tmp_path), PROMPT, str(NEW_TOKENS)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT "))
+    prompt_ids = transformers.AutoTokenizer.from_pretrained(tmp_path)(PROMPT)["input_ids"]
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=1
+        )
+    assert result == {"tokens": out[0, len(prompt_ids) :].tolist(), "split": [True, True]}
