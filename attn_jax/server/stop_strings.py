@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 
 class StopMatcher:
-    """Finds the first of ``stops`` in text fed piece by piece (the stop string itself is
-    never sent, as in OpenAI's API)."""
+    """Finds the first of ``stops`` to be complete in text fed piece by piece (ties: the
+    longest); the text ends where it starts (the stop string is never sent, as in OpenAI's API)."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         if any(not s for s in stops):
@@ -38,10 +38,10 @@ class StopMatcher:
             return new, False
         start = max(len(self._buf) - self._longest + 1, 0)  # a match not found before ends in ``new``
         buf = self._buf + new
-        found = [i for i in (buf.find(s, start) for s in self.stops) if i >= 0]
-        if found:
+        found = [(i + len(s), i) for s, i in ((s, buf.find(s, start)) for s in self.stops) if i >= 0]
+        if found:  # the first stop string to be complete ends the text, however the text was split
             self.stopped = True
-            self._buf = buf[: min(found)]
+            self._buf = buf[: min(found)[1]]
             return self._take(len(self._buf)), True
         self._buf = buf
         out = self._take(len(buf) - self._held_back())

@@ -126,12 +126,8 @@ def test_concurrent_requests_each_get_their_own_tokens(client, engine):
 def test_seeded_sampling_matches_the_engine(client, engine):
     params = dict(temperature=0.9, top_p=0.95, seed=11)
     (want,) = engine.generate([PROMPTS[2]], SamplingParams(max_new_tokens=10, top_k=40, **params))
-    texts = [
-        client.completions.create(
-            model=TINY_RANDOM, prompt=PROMPTS[2], max_tokens=10, extra_body={"top_k": 40}, **params
-        ).choices[0].text
-        for _ in range(2)
-    ]
+    kwargs = dict(model=TINY_RANDOM, prompt=PROMPTS[2], max_tokens=10, extra_body={"top_k": 40}, **params)
+    texts = [client.completions.create(**kwargs).choices[0].text for _ in range(2)]
     assert texts == [want.text, want.text]
 
 
@@ -234,8 +230,8 @@ def test_metrics_parse_and_count_a_request(client, server):
 
 
 def test_serve_refuses_a_directory_it_cannot_load(tmp_path, capsys):
-    from attn_jax.serving import Engine
     from attn_jax.server.model_source import HF_LOADER_NAMES
+    from attn_jax.serving import Engine
 
     if any(hasattr(Engine, n) for n in HF_LOADER_NAMES):
         pytest.skip("this build loads Hugging Face checkpoint directories")
