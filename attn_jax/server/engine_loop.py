@@ -313,6 +313,14 @@ class EngineLoop:
                 f"context, max_model_len={limit}: ask for at most {limit - len(ids)}",
                 spec.max_tokens_param,
             )
+        block_size, num_blocks = getattr(engine, "block_size", None), getattr(engine, "num_blocks", None)
+        if block_size and num_blocks and -(-(len(ids) + max_tokens) // block_size) > num_blocks:
+            fits = num_blocks * block_size - len(ids)
+            raise RequestError(
+                f"{spec.max_tokens_param}={max_tokens} with a {name} of {len(ids)} tokens needs more KV cache than "
+                f"the engine has ({num_blocks} pages of {block_size} tokens): ask for at most {fits}",
+                spec.max_tokens_param if fits > 0 else name,
+            )
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
             seed=spec.seed, ignore_eos=spec.ignore_eos,

@@ -6,13 +6,14 @@ and its KV pages freed, and each bad request gets a 400 naming its field while a
 stream in flight carries on untouched.
 
 One server and one in-process reference engine of the same model and limits serve the
-module; the limits keep the step's shapes few (16-token steps, 1 / 2 / 4 requests, 4 / 8
+module; the limits keep the step's shapes few (16-token steps, 1 / 2 requests, 4 / 8
 pages), so each compiles once.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,7 +26,7 @@ from attn_jax.serving import SamplingParams
 from attn_jax.testing.models import TINY_RANDOM, tiny_random_engine
 from tests.server.conftest import Server, sse_data
 
-LIMITS = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16)
+LIMITS = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16)
 ARGS = ["--model", TINY_RANDOM] + [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
 PROMPTS = [
     "The capital of France is",
@@ -109,7 +110,7 @@ def test_chat_matches_engine_generate_with_the_chat_template(client, engine):
 
 
 def test_concurrent_requests_each_get_their_own_tokens(client, engine):
-    """Six requests at once (the engine steps four at a time), half of them streamed."""
+    """Six requests at once (the engine steps two at a time, the others wait), half of them streamed."""
     want = engine.generate(PROMPTS, greedy(8))
 
     def ask(i: int) -> str:
@@ -170,10 +171,25 @@ def test_a_disconnected_stream_is_aborted_and_frees_its_blocks(client, server):
     assert after[aborted] == before + 1
 
 
+def test_a_client_that_leaves_before_its_answer_has_its_request_aborted(server):
+    """Non-streaming: the server notices the closed connection while the engine works."""
+    used, running = ("attn_stack_kv_cache_blocks_used", ()), ("attn_stack_num_requests_running", ())
+    aborted = ("attn_stack_request_success_total", (("finished_reason", "abort"),))
+    before = _wait_for(server, lambda m: m[used] == 0, "no KV pages in use before the test").get(aborted, 0)
+    body = json.dumps(dict(prompt=PROMPTS[4], max_tokens=110, temperature=0, ignore_eos=True)).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with socket.create_connection(("127.0.0.1", server.port)) as conn:
+        conn.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        _wait_for(server, lambda m: m[used] > 0 and m[running] == 1, "the request running")
+    after = _wait_for(server, lambda m: m[used] == 0 and m[running] == 0, "pages freed after the client left")
+    assert after[aborted] == before + 1
+
+
 BAD_REQUESTS = [  # (route, JSON body or raw text, the param named, words of the message)
     ("completions", {"model": "nope", "prompt": "hi"}, "model", "'nope' is not served here"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens=0 must be >= 1"),
     ("completions", {"prompt": "word " * 200}, "prompt", "max_model_len=128"),
+    ("completions", {"prompt": [5, 49152]}, "prompt", "token id 49152, outside the vocabulary"),
     ("completions", '{"prompt": "hi", "temperature": NaN}', "temperature", "temperature=nan"),
     ("completions", '{"prompt": "hi", "max_tokens": ', None, "not valid JSON"),
     ("completions", {"prompt": "hi", "n": 2}, "n", "n=2 is not supported"),
