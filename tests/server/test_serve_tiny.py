@@ -12,6 +12,7 @@ pages), so each compiles once.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -122,6 +123,29 @@ def test_concurrent_requests_each_get_their_own_tokens(client, engine):
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         got = list(pool.map(ask, range(len(PROMPTS))))
     assert got == [w.text for w in want]
+
+
+def test_many_streaming_clients_at_once_lose_nothing(server, engine):
+    """24 streaming clients at once, twelve times the engine's batch: every one gets all
+    its tokens, the same as offline generation, and every KV page comes back."""
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(24)]
+    want = engine.generate(prompts, greedy(8, ignore_eos=True))
+
+    async def ask(client, prompt: str) -> tuple[str, int]:
+        stream = await client.completions.create(
+            model=TINY_RANDOM, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = [c async for c in stream]
+        return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage.completion_tokens
+
+    async def main_():
+        async with server.async_client() as client:
+            return await asyncio.gather(*(ask(client, p) for p in prompts))
+
+    assert asyncio.run(main_()) == [(w.text, 8) for w in want]
+    used = ("attn_stack_kv_cache_blocks_used", ())
+    _wait_for(server, lambda m: m[used] == 0, "every KV page back after the clients")
 
 
 def test_seeded_sampling_matches_the_engine(client, engine):
