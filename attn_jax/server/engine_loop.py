@@ -176,7 +176,7 @@ class EngineLoop:
             raise EngineUnavailableError(self.failure or "the engine loop is not running")
         handle = RequestHandle(request_id or f"req-{next(self._ids)}", self)
         admitted = asyncio.get_running_loop().create_future()
-        self._command(("submit", spec, handle, admitted))
+        self._command(("submit", spec, handle, admitted, time.perf_counter()))
         try:
             await admitted
         except asyncio.CancelledError:  # the client went away while it was being admitted
@@ -260,8 +260,7 @@ class EngineLoop:
         started = sum(live.num_tokens > 0 for live in self._live.values())
         self.metrics.set_counts(read_counts(self.engine), started, len(self._live) - started)
 
-    def _admit(self, spec: GenerationSpec, handle: RequestHandle, admitted: asyncio.Future) -> None:
-        arrival = time.perf_counter()
+    def _admit(self, spec: GenerationSpec, handle: RequestHandle, admitted: asyncio.Future, arrival: float) -> None:
         try:
             ids, params = self._prepare(spec)
             self.engine.add_request(ids, params, request_id=handle.request_id)

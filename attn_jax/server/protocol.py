@@ -79,8 +79,8 @@ class _GenerationRequest(BaseModel):
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
-        if v < -1:
-            raise ValueError(f"top_k={v!r} must be >= 0, or -1 / 0 for off")
+        if not -1 <= v < 2**31:
+            raise ValueError(f"top_k={v!r} must be in [0, 2**31), or -1 / 0 for off")
         return max(v, 0)
 
     @field_validator("seed")
