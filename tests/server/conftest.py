@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
+pytest.importorskip("prometheus_client")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
