@@ -116,8 +116,8 @@ class EventStreamResponse(StreamingResponse):
 
 
 def _sse(payload) -> str:
-    body = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
-    return f"data: {body}\n\n"
+    """One server-sent event carrying a response model as JSON."""
+    return f"data: {payload.model_dump_json()}\n\n"
 
 
 async def _wait_for_disconnect(request: Request) -> None:
