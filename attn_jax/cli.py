@@ -1,11 +1,13 @@
-"""The ``attn-stack`` command line: ``generate`` and ``info`` (also ``python -m attn_jax``).
+"""The ``attn-stack`` command line: ``generate``, ``serve`` and ``info`` (also ``python -m attn_jax``).
 
 ``attn-stack generate`` runs prompts concurrently through the serving engine on the
 embedded SmolLM2-135M-Instruct (or ``--model PATH``: a Llama GGUF, or a Hugging Face
 checkpoint folder of a Llama, Mistral or Qwen2 model) and prints each
 continuation, prefill and decode tokens/s, and the attention backend chosen with why.
-``attn-stack info`` prints the JAX versions, the platform and why each attention
-backend would or would not serve a request (default: head_size 128, bfloat16).
+``attn-stack serve`` serves the same models over an OpenAI-compatible HTTP API
+(``attn_jax.server``; the ``serve`` extra). ``attn-stack info`` prints the JAX versions,
+the platform and why each attention backend would or would not serve a request
+(default: head_size 128, bfloat16).
 """
 
 from __future__ import annotations
@@ -185,17 +187,6 @@ def _check_sampling_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _engine_from_checkpoint(path: str, devices: int, progress, **engine_kwargs):
-    """``Engine.from_gguf``'s sibling for a Hugging Face checkpoint folder (float32 weights)."""
-    from attn_jax.models.hf_checkpoint import load_hf_checkpoint, read_hf_config
-    from attn_jax.serving import Engine
-    from attn_jax.sharding import make_mesh
-
-    mesh = make_mesh(devices, num_kv_heads=read_hf_config(path).num_kv_heads) if devices > 1 else None
-    model, params, tokenizer = load_hf_checkpoint(path, mesh=mesh, progress=progress)
-    return Engine(model, params, tokenizer, mesh=mesh, **engine_kwargs)
-
-
 def _warm_up(engine, prompt_ids: list[list[int]], args: argparse.Namespace) -> None:
     """Compiles the step for this run's shapes with a throwaway generation of at most
     ``WARMUP_TOKENS`` tokens per prompt (each prompt cut to one step's token budget), so the
@@ -287,10 +278,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from attn_jax.models.gguf_loader import ModelLoadError
-    from attn_jax.models.hf_checkpoint import is_hf_checkpoint
     from attn_jax.registry import AttentionBackendEnum
     from attn_jax.selector import explain_attn_backend_selection, global_force_attn_backend_context_manager
-    from attn_jax.serving import Engine
+    from attn_jax.server.model_source import build_engine
     from attn_jax.sharding import check_num_devices
 
     try:
@@ -327,13 +317,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=MAX_MODEL_LEN, seed=args.seed, num_scheduler_steps=args.num_scheduler_steps,
                 )  # fmt: skip
-                if args.model is not None and is_hf_checkpoint(args.model):
-                    engine = _engine_from_checkpoint(args.model, args.devices, on_load, **engine_kwargs)
-                else:
-                    engine = Engine.from_gguf(
-                        args.model, devices=args.devices if args.devices > 1 else None, progress=on_load,
-                        **engine_kwargs,
-                    )  # fmt: skip
+                engine = build_engine(
+                    args.model, devices=args.devices if args.devices > 1 else None, progress=on_load, **engine_kwargs
+                )
                 report = explain_attn_backend_selection(
                     engine.model.config.head_dim, engine.model.dtype, block_size=engine.block_size
                 )
@@ -410,6 +396,101 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+SERVE_NUM_SCHEDULER_STEPS = 1
+"""Decode steps per device call in ``attn-stack serve``: one, so tokens stream one at a time
+and a new request joins the batch at the next step."""
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port: give 0 to 65535")
+    return value
+
+
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None, metavar="PATH",
+        help="a Llama GGUF (default: embedded SmolLM2), a Hugging Face checkpoint directory where this build "
+        "loads them, or 'tiny-random' (a 2-layer random model for tests)",
+    )  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=_port, default=8000, help="TCP port (default: 8000)")
+    parser.add_argument(
+        "--served-model-name", default=None, metavar="NAME",
+        help="the name clients pass as 'model' (default: the model file's name)",
+    )  # fmt: skip
+    parser.add_argument("--backend", default=None, help="force an attention backend, e.g. XLA (default: selected)")
+    parser.add_argument("--devices", type=int, default=1, help="devices to shard over (default: 1)")
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=8, help="requests per step (default: 8)")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=_positive_int, default=256,
+        help="token budget per step; longer prompts are prefilled in chunks (default: 256)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-model-len", type=_positive_int, default=MAX_MODEL_LEN,
+        help=f"prompt + completion tokens per request (default: {MAX_MODEL_LEN})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--num-scheduler-steps", type=_positive_int, default=SERVE_NUM_SCHEDULER_STEPS,
+        help=f"decode steps per device call once every request decodes (default: {SERVE_NUM_SCHEDULER_STEPS})",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="draws the seeds of requests that give none (default: 0)")
+    parser.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level (default: info)",
+    )  # fmt: skip
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    """Serves a model over an OpenAI-compatible HTTP API.
+
+    Routes: /v1/models, /v1/completions, /v1/chat/completions (streaming with
+    "stream": true), /health and /metrics (Prometheus). The model loads first; the server
+    listens once it has."""
+    try:
+        import uvicorn
+
+        from attn_jax.server.app import build_app
+        from attn_jax.server.model_source import build_engine, default_served_name
+    except ImportError as e:
+        return _error(args, f"{e.name or e} is missing: install the serve extra, pip install 'attn-stack[serve]'")
+    if not 0 <= args.seed < SEED_LIMIT:
+        return _error(args, f"--seed {args.seed} is outside [0, 2**32): give an integer from 0 to {SEED_LIMIT - 1}")
+    from attn_jax.models.gguf_loader import ModelLoadError
+    from attn_jax.registry import AttentionBackendEnum
+    from attn_jax.selector import global_force_attn_backend_context_manager
+    from attn_jax.sharding import check_num_devices
+
+    try:
+        check_num_devices(args.devices)
+        forced = None if args.backend is None else AttentionBackendEnum[args.backend.strip().upper()]
+    except ValueError as e:
+        return _error(args, e)
+    force = global_force_attn_backend_context_manager(forced) if forced is not None else contextlib.nullcontext()
+    with force:
+        try:
+            engine = build_engine(
+                args.model, devices=args.devices if args.devices > 1 else None, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                seed=args.seed, num_scheduler_steps=args.num_scheduler_steps,
+            )  # fmt: skip
+        except (ModelLoadError, ValueError, FileNotFoundError) as e:
+            return _error(args, e)
+        name = args.served_model_name or default_served_name(args.model)
+        backend = engine.model.attn_backend.get_name()
+        print(
+            f"attn-stack serve: {name!r} ({engine.model.config.num_layers} layers, attention backend {backend}, "
+            f"max_model_len {engine.max_model_len}) at http://{args.host}:{args.port}/v1",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def _error(args: argparse.Namespace, message: object) -> int:
     """Prints a one-line error to stderr; returns exit code 2."""
     print(f"attn-stack {args.command}: error: {message}", file=sys.stderr)
@@ -418,7 +499,8 @@ def _error(args: argparse.Namespace, message: object) -> int:
 
 DESCRIPTION = (
     "attn-stack: ragged paged attention for LLM serving. 'generate' serves the embedded "
-    "SmolLM2-135M-Instruct (or a Llama GGUF) through the serving engine; 'info' explains "
+    "SmolLM2-135M-Instruct (or a Llama GGUF) through the serving engine; 'serve' puts it behind "
+    "an OpenAI-compatible HTTP API; 'info' explains "
     "which attention backend would serve a layer, and why."
 )
 
@@ -436,6 +518,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _add_generate_args(generate)
     generate.set_defaults(func=_cmd_generate)
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server over the serving engine", description=_cmd_serve.__doc__
+    )
+    _add_serve_args(serve)
+    serve.set_defaults(func=_cmd_serve)
     info = commands.add_parser(
         "info", help="versions, platform and attention backend selection", description=_cmd_info.__doc__
     )

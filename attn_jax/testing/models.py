@@ -84,3 +84,32 @@ def weight_bytes(params) -> int:
     if "lm_head" in params:
         total -= params["embed"].size * params["embed"].dtype.itemsize
     return int(total)
+
+
+TINY_RANDOM = "tiny-random"
+"""The test model's name (``attn-stack serve --model tiny-random``): ``tiny_random_engine``."""
+
+
+def tiny_random_config(vocab_size: int = 49152) -> LlamaConfig:
+    """A 2-layer decoder of random weights (hidden 64, 4 q / 2 KV heads of 16) over the
+    embedded SmolLM2's vocabulary: real text in and out, compiled in a second on a CPU."""
+    return LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, max_position_embeddings=2048, bos_token_id=1, eos_token_ids=(2,), name=TINY_RANDOM,
+    )  # fmt: skip
+
+
+def tiny_random_engine(seed: int = 0, *, attn_backend=None, block_size: int = 16, **engine_kwargs):
+    """An ``Engine`` on ``tiny_random_config`` with float32 weights from ``init_params(seed)``
+    and the embedded SmolLM2's tokenizer and chat template: the same tokens in every
+    process for the same ``seed`` and engine arguments (tests compare a server's output
+    with an engine of their own)."""
+    from attn_jax.models.gguf_loader import load_tokenizer
+    from attn_jax.models.llama import LlamaModel, init_params
+    from attn_jax.models.smollm2 import gguf_path
+    from attn_jax.serving import Engine
+
+    tokenizer = load_tokenizer(gguf_path())
+    config = tiny_random_config(tokenizer.vocab_size)
+    model = LlamaModel(config, block_size=block_size, attn_backend=attn_backend)
+    return Engine(model, init_params(config, seed=seed), tokenizer, **engine_kwargs)

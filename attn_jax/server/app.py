@@ -1,0 +1,295 @@
+"""The OpenAI-compatible HTTP app (FastAPI): routes, errors, streaming.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+(``stream: true`` answers with server-sent events, ``data: {chunk}`` ... ``data: [DONE]``),
+``GET /health`` (200, or 503 once the engine loop has stopped), ``GET /metrics``
+(Prometheus). Every error is OpenAI's body, ``{"error": {"message", "type", "param",
+"code"}}``: 400 for a bad request (``param`` names the field), 404 / 405 for an unknown
+route or method, 500 for a request the engine failed, 503 when the engine is not running.
+A bad request is refused before it reaches the engine, and never touches the others.
+
+A streaming client that disconnects, or a waiting non-streaming one, has its request
+aborted at once (its KV pages are freed before the engine's next step).
+
+Example::
+
+    app = build_app(Engine.from_gguf(), "SmolLM2-135M-Instruct")
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from attn_jax.server.engine_loop import EngineLoop, EngineUnavailableError, GenerationSpec, RequestError, RequestHandle
+from attn_jax.server.metrics import CONTENT_TYPE, ServerMetrics
+from attn_jax.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    kind = "server_error" if status >= 500 else "not_found_error" if status == 404 else "invalid_request_error"
+    info = ErrorInfo(message=message, type=kind, param=param, code=code)
+    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
+
+
+def _param(loc: tuple) -> str | None:
+    """OpenAI's ``param`` for a pydantic error location: ``("body", "messages", 0, "content")``
+    -> ``"messages[0].content"`` (union member tags such as ``"list[int]"`` dropped)."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in _TYPE_TAGS:
+            break
+        else:
+            out += f".{part}" if out else part
+    return out or None
+
+
+def _validation_message(error: dict, param: str | None) -> str:
+    kind, msg = error.get("type", ""), error.get("msg", "invalid value")
+    if kind == "json_invalid":
+        detail = (error.get("ctx") or {}).get("error", msg)
+        position = error["loc"][-1] if len(error.get("loc", ())) > 1 else "?"
+        return f"the request body is not valid JSON: {detail} (at character {position})"
+    if kind == "missing":
+        return f"{param} is required"
+    if kind == "value_error":
+        return msg.removeprefix("Value error, ")
+    if param is None:
+        return f"the request body must be a JSON object with the fields of this endpoint: {msg}"
+    shown = json.dumps(error.get("input"), default=repr)
+    return f"{param}={shown[:80]} is invalid: {msg}"
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events whose generator is closed (so its request is aborted) as soon as
+    the client disconnects, whichever way that is noticed: a failed send, or
+    ``http.disconnect`` while no token is due (Starlette's own response notices only the
+    first under ASGI 2.4)."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):  # the client has gone
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _sse(payload) -> str:
+    """One server-sent event carrying a response model as JSON."""
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(engine, served_model_name: str, *, metrics: ServerMetrics | None = None) -> FastAPI:
+    """The app serving ``engine`` as ``served_model_name``; the engine thread starts and
+    stops with the app (its lifespan). ``app.state.engine_loop`` is the ``EngineLoop``."""
+    metrics = ServerMetrics(served_model_name) if metrics is None else metrics
+    engine_loop = EngineLoop(engine, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine_loop.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine_loop.stop)
+
+    app = FastAPI(title="attn-stack", summary="OpenAI-compatible API over the attn-stack engine", lifespan=lifespan)
+    app.state.engine_loop = engine_loop
+    app.state.metrics = metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = exc.errors()[0]
+        param = None if error.get("type") == "json_invalid" else _param(tuple(error.get("loc", ())))
+        return error_response(400, _validation_message(error, param), param)
+
+    @app.exception_handler(RequestError)
+    async def _refused(request: Request, exc: RequestError) -> JSONResponse:
+        return error_response(400, str(exc), exc.param, exc.code)
+
+    @app.exception_handler(EngineUnavailableError)
+    async def _unavailable(request: Request, exc: EngineUnavailableError) -> JSONResponse:
+        return error_response(503, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != served_model_name:
+            raise RequestError(
+                f"model={model!r} is not served here; this server serves {served_model_name!r}",
+                "model", "model_not_found",
+            )  # fmt: skip
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine_loop.running:
+            return Response(status_code=200)
+        return error_response(503, engine_loop.failure or "the engine loop is not running")
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len)])
+
+    def sampling(body, **prompt) -> GenerationSpec:
+        return GenerationSpec(
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+            stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, **prompt,
+        )  # fmt: skip
+
+    async def whole(request: Request, handle: RequestHandle) -> tuple[str, int, str] | Response:
+        """The finished text, tokens and reason; a Response if it failed or the client left."""
+        done = asyncio.ensure_future(handle.collect())
+        gone = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not done.done():
+                done.cancel()
+            handle.close()
+        if not done.done() or done.cancelled():
+            return Response(status_code=499)  # the client closed the connection; nobody reads this
+        text, tokens, reason, error = done.result()
+        if reason == "error":
+            return error_response(500, f"the engine failed this request: {error}")
+        return text, tokens, reason
+
+    def usage(handle: RequestHandle, tokens: int) -> Usage:
+        return Usage(
+            prompt_tokens=handle.prompt_tokens, completion_tokens=tokens, total_tokens=handle.prompt_tokens + tokens
+        )
+
+    @app.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        spec = sampling(body, prompt=body.prompt, max_tokens=body.max_tokens)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        handle = await engine_loop.submit(spec, request_id)
+        if body.stream:
+            return EventStreamResponse(_completion_stream(handle, served_model_name, body.include_usage))
+        result = await whole(request, handle)
+        if isinstance(result, Response):
+            return result
+        text, tokens, reason = result
+        choice = CompletionChoice(text=text, finish_reason=reason)
+        return CompletionResponse(id=request_id, model=served_model_name, choices=[choice], usage=usage(handle, tokens))
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        spec = sampling(
+            body, prompt=[m.as_template_message() for m in body.messages], chat=True, prompt_param="messages",
+            max_tokens=body.max_new_tokens, max_tokens_param=body.max_tokens_field,
+        )  # fmt: skip
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        handle = await engine_loop.submit(spec, request_id)
+        if body.stream:
+            return EventStreamResponse(_chat_stream(handle, served_model_name, body.include_usage))
+        result = await whole(request, handle)
+        if isinstance(result, Response):
+            return result
+        text, tokens, reason = result
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)
+        return ChatCompletionResponse(
+            id=request_id, model=served_model_name, choices=[choice], usage=usage(handle, tokens)
+        )
+
+    return app
+
+
+async def _completion_stream(handle: RequestHandle, model: str, include_usage: bool) -> AsyncIterator[str]:
+    tokens = 0
+    try:
+        async for d in handle.deltas():
+            tokens += d.num_tokens
+            if d.finish_reason == "error":
+                yield _sse(ErrorResponse(error=ErrorInfo(message=f"the engine failed: {d.error}", type="server_error")))
+                break
+            if d.text or d.finish_reason is not None:
+                choice = CompletionChoice(text=d.text, finish_reason=d.finish_reason)
+                yield _sse(CompletionResponse(id=handle.request_id, model=model, choices=[choice]))
+        if include_usage:
+            total = handle.prompt_tokens + tokens
+            u = Usage(prompt_tokens=handle.prompt_tokens, completion_tokens=tokens, total_tokens=total)
+            yield _sse(CompletionResponse(id=handle.request_id, model=model, choices=[], usage=u))
+        yield "data: [DONE]\n\n"
+    finally:
+        handle.close()
+
+
+async def _chat_stream(handle: RequestHandle, model: str, include_usage: bool) -> AsyncIterator[str]:
+    tokens = 0
+    try:
+        first = ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))
+        yield _sse(ChatCompletionChunk(id=handle.request_id, model=model, choices=[first]))
+        async for d in handle.deltas():
+            tokens += d.num_tokens
+            if d.finish_reason == "error":
+                yield _sse(ErrorResponse(error=ErrorInfo(message=f"the engine failed: {d.error}", type="server_error")))
+                break
+            if d.text or d.finish_reason is not None:
+                choice = ChatChunkChoice(delta=DeltaMessage(content=d.text or None), finish_reason=d.finish_reason)
+                yield _sse(ChatCompletionChunk(id=handle.request_id, model=model, choices=[choice]))
+        if include_usage:
+            total = handle.prompt_tokens + tokens
+            u = Usage(prompt_tokens=handle.prompt_tokens, completion_tokens=tokens, total_tokens=total)
+            yield _sse(ChatCompletionChunk(id=handle.request_id, model=model, choices=[], usage=u))
+        yield "data: [DONE]\n\n"
+    finally:
+        handle.close()

@@ -1,0 +1,86 @@
+"""Prometheus metrics of one server (``GET /metrics``), in a registry of its own.
+
+Names follow vLLM's (``vllm:`` becomes ``attn_stack_``): request gauges and KV cache
+pages are set by the engine thread after every step; TTFT and inter-token latency are
+observed when a token reaches the server's side of the engine (read back from the
+device); tokens/s is ``rate(attn_stack_generation_tokens_total[1m])``.
+
+Example::
+
+    metrics = ServerMetrics("SmolLM2-135M-Instruct")
+    metrics.generation_tokens.inc(3)
+    body = metrics.render()   # the text exposition format
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from attn_jax.server.engine_probe import EngineCounts
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+"""Seconds from a request's arrival to its first token (vLLM's buckets)."""
+
+INTER_TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+"""Seconds between a request's consecutive tokens (sub-millisecond for decode on an H100)."""
+
+E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """The server's metrics, each labelled with the served model's name."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"attn_stack_{name}", doc, m, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the engine's running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting for their first step.")
+        self.kv_cache_blocks_used = gauge("kv_cache_blocks_used", "KV cache pages held by requests.")
+        self.kv_cache_blocks_total = gauge("kv_cache_blocks_total", "KV cache pages in the engine.")
+        self.time_to_first_token = Histogram(
+            "attn_stack_time_to_first_token_seconds", "Seconds from a request's arrival to its first token.",
+            m, buckets=TTFT_BUCKETS, registry=r,
+        ).labels(model_name)  # fmt: skip
+        self.inter_token_latency = Histogram(
+            "attn_stack_inter_token_latency_seconds", "Seconds between a request's consecutive tokens.",
+            m, buckets=INTER_TOKEN_BUCKETS, registry=r,
+        ).labels(model_name)  # fmt: skip
+        self.e2e_request_latency = Histogram(
+            "attn_stack_e2e_request_latency_seconds", "Seconds from a request's arrival to its end.",
+            m, buckets=E2E_BUCKETS, registry=r,
+        ).labels(model_name)  # fmt: skip
+        self.generation_tokens = Counter(
+            "attn_stack_generation_tokens", "Tokens generated (rate() of it is tokens/s).", m, registry=r
+        ).labels(model_name)
+        self.prompt_tokens = Counter("attn_stack_prompt_tokens", "Prompt tokens admitted.", m, registry=r).labels(
+            model_name
+        )
+        self._finished = Counter(
+            "attn_stack_request_success", "Requests ended, by finish reason.", [*m, "finished_reason"], registry=r
+        )
+        self._model_name = model_name
+
+    def request_finished(self, reason: str) -> None:
+        """Counts one ended request ("stop", "length", "abort" or "error")."""
+        self._finished.labels(self._model_name, reason).inc()
+
+    def set_counts(self, counts: EngineCounts, fallback_running: int, fallback_waiting: int) -> None:
+        """Sets the gauges from the engine's counts (the server's own where the engine's are unknown)."""
+        running = counts.num_running if counts.num_running is not None else fallback_running
+        waiting = counts.num_waiting if counts.num_waiting is not None else fallback_waiting
+        self.num_requests_running.set(running)
+        self.num_requests_waiting.set(waiting)
+        if counts.kv_blocks_used is not None:
+            self.kv_cache_blocks_used.set(counts.kv_blocks_used)
+        if counts.kv_blocks_total is not None:
+            self.kv_cache_blocks_total.set(counts.kv_blocks_total)
+
+    def render(self) -> bytes:
+        """Every metric in Prometheus' text format (``CONTENT_TYPE``)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,309 @@
+"""Request and response bodies of the OpenAI API subset that ``attn-stack serve`` speaks.
+
+Requests are checked here, each value against its own range, so a bad one is a 400 that
+names its field (``app.py`` turns a ``pydantic.ValidationError`` into OpenAI's error
+body). Fields OpenAI defines that this server cannot honour (``logprobs``, penalties,
+``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1, ``n`` > 1) are refused by name
+rather than ignored; ``top_k`` and ``ignore_eos`` are vLLM's extensions (pass them in
+the openai client's ``extra_body``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from attn_jax.types import SEED_LIMIT
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+def _unsupported(name: str, value, default) -> None:
+    if value is not None and value != default:
+        raise ValueError(f"{name}={value!r} is not supported by this server (leave it out or set it to {default!r})")
+
+
+class _GenerationRequest(BaseModel):
+    """The fields completions and chat completions share (OpenAI's names and defaults)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None  # None: the served model
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # vLLM's extension: 0 or -1 = off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's extension
+    user: str | None = None
+    logprobs: bool | int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"temperature={v!r} must be a finite number >= 0 (0 = greedy)")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float) -> float:
+        if not (math.isfinite(v) and 0 < v <= 1):
+            raise ValueError(f"top_p={v!r} must be in (0, 1] (1 = off)")
+        return v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if not -1 <= v < 2**31:
+            raise ValueError(f"top_k={v!r} must be in [0, 2**31), or -1 / 0 for off")
+        return max(v, 0)
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v < SEED_LIMIT:
+            raise ValueError(f"seed={v!r} is outside [0, 2**32): give an integer from 0 to {SEED_LIMIT - 1}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str]:
+        stops = [] if v is None else [v] if isinstance(v, str) else list(v)
+        if any(not s for s in stops):
+            raise ValueError(f"stop={v!r} holds an empty string: every stop sequence needs at least one character")
+        return stops
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"n={v!r} is not supported: this server returns one choice per request (n=1)")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        _unsupported("logprobs", v, False if isinstance(v, bool) else None)
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalties(cls, v, info):
+        _unsupported(info.field_name, v, 0.0)
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v:
+            _unsupported("logit_bias", v, None)
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _check_max_tokens(name: str, v: int | None) -> int | None:
+    if v is not None and v < 1:
+        raise ValueError(f"{name}={v!r} must be >= 1")
+    return v
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``: one prompt (text, or token ids), continued as is."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions; None: the rest of the context
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError(f"prompt holds {len(v)} prompts: this server takes one prompt per request")
+            v = v[0]
+        if not v:
+            raise ValueError("prompt is empty: give some text or token ids to continue")
+        return v
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v):
+        return _check_max_tokens("max_tokens", v)
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v):
+        _unsupported("echo", v, False)
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v):
+        _unsupported("suffix", v, None)
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        _unsupported("best_of", v, 1)
+        return v
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        """The ``{"role", "content"}`` dict a chat template renders (text parts joined)."""
+        content = self.content if isinstance(self.content, str) or self.content is None else ""
+        if isinstance(self.content, list):
+            content = "".join(p.text for p in self.content)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": content or ""}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # None: the rest of the context
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v):
+        if not v:
+            raise ValueError("messages is empty: give at least one message")
+        return v
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _max_tokens(cls, v, info):
+        return _check_max_tokens(info.field_name, v)
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field that set the limit, for errors."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+
+# ---------------------------------------------------------------------- responses
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    """A completion, whole (``object="text_completion"``) or one streamed chunk of it."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "attn-stack"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,304 @@
+"""``attn-stack serve --model tiny-random`` in a subprocess, driven by the official openai
+client and raw HTTP: its text is the engine's own ``generate`` output for the same prompt
+(greedy and seeded sampling, completions and chat, streaming or not, alone or
+concurrently), stop strings end it, a client that disconnects has its request aborted
+and its KV pages freed, and each bad request gets a 400 naming its field while a
+stream in flight carries on untouched.
+
+One server and one in-process reference engine of the same model and limits serve the
+module; the limits keep the step's shapes few (16-token steps, 1 / 2 requests, 4 / 8
+pages), so each compiles once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from attn_jax.cli import main
+from attn_jax.serving import SamplingParams
+from attn_jax.testing.models import TINY_RANDOM, tiny_random_engine
+from tests.server.conftest import Server, sse_data
+
+LIMITS = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16)
+ARGS = ["--model", TINY_RANDOM] + [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "The three primary colors are",
+    "1, 2, 3, 4,",
+    "Dear Sir or Madam, I am writing",
+]
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = Server(*ARGS)  # loads while the reference engine below is built
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return tiny_random_engine(**LIMITS)
+
+
+@pytest.fixture(scope="module")
+def client(server, engine):
+    return server.wait_ready().client()
+
+
+def greedy(n: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, **kwargs)
+
+
+def test_health_and_models(client, server):
+    assert server.http.get("/health").status_code == 200
+    (model,) = client.models.list().data
+    assert model.id == TINY_RANDOM and model.model_extra["max_model_len"] == LIMITS["max_model_len"]
+
+
+def test_completion_matches_engine_generate(client, engine):
+    (want,) = engine.generate([PROMPTS[0]], greedy(12))
+    got = client.completions.create(model=TINY_RANDOM, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == want.finish_reason
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(want.prompt_ids), len(want.output_ids))
+    assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+
+    chunks = list(
+        client.completions.create(
+            model=TINY_RANDOM, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
+    assert len([c for c in chunks if c.choices]) > 2  # streamed piece by piece, not in one chunk
+    assert chunks[-1].usage.completion_tokens == len(want.output_ids) and not chunks[-1].choices
+
+
+def test_token_id_prompt(client, engine):
+    ids = engine.encode(PROMPTS[1])
+    (want,) = engine.generate([ids], greedy(6))
+    got = client.completions.create(model=TINY_RANDOM, prompt=ids, max_tokens=6, temperature=0)
+    assert got.choices[0].text == want.text and got.usage.prompt_tokens == len(ids)
+
+
+def test_chat_matches_engine_generate_with_the_chat_template(client, engine):
+    (want,) = engine.generate([QUESTION], greedy(10), chat=True)
+    messages = [{"role": "user", "content": QUESTION}]
+    got = client.chat.completions.create(model=TINY_RANDOM, messages=messages, max_tokens=10, temperature=0)
+    assert got.choices[0].message.content == want.text and got.choices[0].message.role == "assistant"
+    assert got.usage.prompt_tokens == len(want.prompt_ids) == len(engine.encode(QUESTION, chat=True))
+    assert got.usage.completion_tokens == len(want.output_ids)
+
+    stream = client.chat.completions.create(
+        model=TINY_RANDOM, messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+
+
+def test_concurrent_requests_each_get_their_own_tokens(client, engine):
+    """Six requests at once (the engine steps two at a time, the others wait), half of them streamed."""
+    want = engine.generate(PROMPTS, greedy(8))
+
+    def ask(i: int) -> str:
+        kwargs = dict(model=TINY_RANDOM, prompt=PROMPTS[i], max_tokens=8, temperature=0)
+        if i % 2:
+            return "".join(c.choices[0].text for c in client.completions.create(**kwargs, stream=True))
+        return client.completions.create(**kwargs).choices[0].text
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(ask, range(len(PROMPTS))))
+    assert got == [w.text for w in want]
+
+
+def test_many_streaming_clients_at_once_lose_nothing(server, engine):
+    """24 streaming clients at once, twelve times the engine's batch: every one gets all
+    its tokens, the same as offline generation, and every KV page comes back."""
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(24)]
+    want = engine.generate(prompts, greedy(8, ignore_eos=True))
+
+    async def ask(client, prompt: str) -> tuple[str, int]:
+        stream = await client.completions.create(
+            model=TINY_RANDOM, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = [c async for c in stream]
+        return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage.completion_tokens
+
+    async def main_():
+        async with server.async_client() as client:
+            return await asyncio.gather(*(ask(client, p) for p in prompts))
+
+    assert asyncio.run(main_()) == [(w.text, 8) for w in want]
+    used = ("attn_stack_kv_cache_blocks_used", ())
+    _wait_for(server, lambda m: m[used] == 0, "every KV page back after the clients")
+
+
+def test_seeded_sampling_matches_the_engine(client, engine):
+    params = dict(temperature=0.9, top_p=0.95, seed=11)
+    (want,) = engine.generate([PROMPTS[2]], SamplingParams(max_new_tokens=10, top_k=40, **params))
+    kwargs = dict(model=TINY_RANDOM, prompt=PROMPTS[2], max_tokens=10, extra_body={"top_k": 40}, **params)
+    texts = [client.completions.create(**kwargs).choices[0].text for _ in range(2)]
+    assert texts == [want.text, want.text]
+
+
+def test_stop_strings_end_the_text_before_them(client, engine):
+    (want,) = engine.generate([PROMPTS[3]], greedy(16, ignore_eos=True))
+    stop = want.text[len(want.text) // 2 :][:3]
+    expected = want.text[: want.text.index(stop)]
+    kwargs = dict(model=TINY_RANDOM, prompt=PROMPTS[3], max_tokens=16, temperature=0, stop=["@@never@@", stop])
+    got = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    assert got.choices[0].text == expected and got.choices[0].finish_reason == "stop"
+    assert got.usage.completion_tokens < len(want.output_ids)
+    chunks = list(client.completions.create(**kwargs, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def _wait_for(server: Server, condition, what: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = server.metrics()
+        if condition(metrics):
+            return metrics
+        time.sleep(0.05)
+    pytest.fail(f"{what}: still not so after {timeout} s: {metrics}")
+
+
+USED, RUNNING = ("attn_stack_kv_cache_blocks_used", ()), ("attn_stack_num_requests_running", ())
+WAITING = ("attn_stack_num_requests_waiting", ())
+ABORTED = ("attn_stack_request_success_total", (("finished_reason", "abort"),))
+LENGTH = ("attn_stack_request_success_total", (("finished_reason", "length"),))
+
+
+def _idle(m: dict) -> bool:
+    return m[USED] == 0 and m[RUNNING] == 0 and m[WAITING] == 0
+
+
+def _aborted_when_the_client_leaves(server: Server, leave) -> None:
+    """Runs ``leave()``, a client that starts a 110-token request and goes away mid-way,
+    until the server has aborted one (on a busy machine the request may finish before the
+    client leaves: then it is tried again, up to 3 times); every KV page must come back."""
+    for _ in range(3):
+        before = _wait_for(server, _idle, "the engine idle before the client")
+        leave()
+        after = _wait_for(server, _idle, "the engine idle, every KV page free, after the client left")
+        if after.get(ABORTED, 0) == before.get(ABORTED, 0) + 1:
+            return
+        assert after[LENGTH] == before.get(LENGTH, 0) + 1  # it finished before the client left
+    pytest.fail("the request finished before its client left, three times")
+
+
+def test_a_disconnected_stream_is_aborted_and_frees_its_blocks(server):
+    body = dict(model=TINY_RANDOM, prompt=PROMPTS[4], max_tokens=110, temperature=0, stream=True, ignore_eos=True)
+
+    def leave():
+        with httpx.Client(base_url=server.base_url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                assert next(d for d in sse_data(response.iter_lines()) if json.loads(d)["choices"][0]["text"])
+
+    _aborted_when_the_client_leaves(server, leave)
+
+
+def test_a_client_that_leaves_before_its_answer_has_its_request_aborted(server):
+    """Non-streaming: the server notices the closed connection while the engine works."""
+    body = json.dumps(dict(prompt=PROMPTS[4], max_tokens=110, temperature=0, ignore_eos=True)).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+    prompt_tokens = ("attn_stack_prompt_tokens_total", ())
+
+    def leave():
+        admitted = server.metrics()[prompt_tokens]
+        with socket.create_connection(("127.0.0.1", server.port)) as conn:
+            conn.sendall(head.encode() + b"\r\n\r\n" + body)
+            _wait_for(server, lambda m: m[prompt_tokens] > admitted, "the request admitted")
+
+    _aborted_when_the_client_leaves(server, leave)
+
+
+BAD_REQUESTS = [  # (route, JSON body or raw text, the param named, words of the message)
+    ("completions", {"model": "nope", "prompt": "hi"}, "model", "'nope' is not served here"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens=0 must be >= 1"),
+    ("completions", {"prompt": "word " * 200}, "prompt", "max_model_len=128"),
+    ("completions", {"prompt": [5, 49152]}, "prompt", "token id 49152, outside the vocabulary"),
+    ("completions", '{"prompt": "hi", "temperature": NaN}', "temperature", "temperature=nan"),
+    ("completions", '{"prompt": "hi", "max_tokens": ', None, "not valid JSON"),
+    ("completions", {"prompt": "hi", "n": 2}, "n", "n=2 is not supported"),
+    ("completions", {"prompt": "hi", "top_p": 0}, "top_p", "top_p=0.0 must be in (0, 1]"),
+    ("completions", {"prompt": "hi", "seed": -1}, "seed", "seed=-1 is outside [0, 2**32)"),
+    ("completions", {"prompt": "hi", "top_k": -5}, "top_k", "top_k=-5 must be in [0, 2**31)"),
+    ("completions", {"max_tokens": 3}, "prompt", "prompt is required"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}, "max_tokens", "500"),
+    ("chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "robot"),
+    ("chat/completions", {"messages": []}, "messages", "messages is empty"),
+    ("chat/completions", {"messages": "word " * 200}, "messages", "valid list"),
+]
+
+
+def test_bad_requests_get_400s_naming_the_field_and_leave_a_stream_in_flight_alone(client, engine, server):
+    (want,) = engine.generate([PROMPTS[5]], greedy(100, ignore_eos=True))
+    body = dict(model=TINY_RANDOM, prompt=PROMPTS[5], max_tokens=100, temperature=0, stream=True, ignore_eos=True)
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            data = sse_data(response.iter_lines())
+            texts = [json.loads(next(data))["choices"][0]["text"]]
+            for route, bad, param, words in BAD_REQUESTS:
+                if isinstance(bad, str):
+                    r = http.post(f"/v1/{route}", content=bad, headers={"Content-Type": "application/json"})
+                else:
+                    r = http.post(f"/v1/{route}", json=bad)
+                assert r.status_code == 400, (bad, r.text)
+                error = r.json()["error"]
+                assert error["param"] == param and words in error["message"], (bad, error)
+                assert error["type"] == "invalid_request_error"
+            missing = http.get("/v1/nope").json()["error"]
+            assert missing["type"] == "not_found_error" and "GET /v1/nope" in missing["message"]
+            data = list(data)
+    assert data[-1] == "[DONE]"
+    texts += [json.loads(d)["choices"][0]["text"] for d in data[:-1]]
+    assert len(texts) > 2 and "".join(texts) == want.text  # untouched by the bad requests sent meanwhile
+    with pytest.raises(openai.BadRequestError, match="is not served here"):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+
+
+def test_metrics_parse_and_count_a_request(client, server):
+    before = server.metrics()
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_blocks_used", "kv_cache_blocks_total"):
+        assert (f"attn_stack_{name}", ()) in before, name
+    got = client.completions.create(model=TINY_RANDOM, prompt=PROMPTS[0], max_tokens=5, temperature=0)
+    after = server.metrics()
+
+    def delta(name: str) -> float:
+        return after.get((name, ()), 0) - before.get((name, ()), 0)
+
+    assert delta("attn_stack_generation_tokens_total") == got.usage.completion_tokens
+    assert delta("attn_stack_prompt_tokens_total") == got.usage.prompt_tokens
+    assert delta("attn_stack_time_to_first_token_seconds_count") == 1
+    assert delta("attn_stack_inter_token_latency_seconds_count") == got.usage.completion_tokens - 1
+    assert delta("attn_stack_e2e_request_latency_seconds_count") == 1
+    assert after["attn_stack_kv_cache_blocks_total", ()] > 0
+
+
+def test_serve_refuses_a_directory_it_cannot_load(tmp_path, capsys):
+    from attn_jax.server.model_source import HF_LOADER_NAMES
+    from attn_jax.serving import Engine
+
+    if any(hasattr(Engine, n) for n in HF_LOADER_NAMES):
+        pytest.skip("this build loads Hugging Face checkpoint directories")
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--model {tmp_path} is a directory" in err and "give a Llama GGUF file" in err
