@@ -78,8 +78,11 @@ def attention_oracle(
     alibi_slopes: np.ndarray | None = None,  # f[Hq]
     sinks: np.ndarray | None = None,  # f[Hq]
     attention_chunk_size: int | None = None,
-) -> np.ndarray:
-    """f64[sum(query_lens), Hq, D]: attention of every real query row, in float64.
+    return_lse: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """f64[sum(query_lens), Hq, D]: attention of every real query row, in float64; with
+    ``return_lse`` also f64[sum(query_lens), Hq], the log of each softmax denominator
+    (sink included; -inf where a row sees nothing).
 
     With ``attention_chunk_size`` c (chunked local attention), the token at position p
     sees only positions of its own chunk, j >= (p // c) * c.
@@ -89,6 +92,7 @@ def attention_oracle(
     slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, np.float64)
     sink = None if sinks is None else np.asarray(sinks, np.float64)
     out = np.zeros((int(sum(query_lens)), num_q_heads, head_size))
+    lse = np.full(out.shape[:2], -np.inf)
     row = 0
     for r, query_len in enumerate(query_lens):
         keys = np.asarray(k_seqs[r], dtype=np.float64)  # [L, Hkv, D]
@@ -115,8 +119,11 @@ def attention_oracle(
                     scores.append(s)
                     kept.append(j)
                 logits = np.array(scores + ([] if sink is None else [sink[h]]))
+                if not len(logits):
+                    continue  # sees nothing: zeros, lse -inf
                 weights = np.exp(logits - logits.max())
                 probs = weights[: len(kept)] / weights.sum()
                 out[row, h] = probs @ values[kept, kv_h]
+                lse[row, h] = logits.max() + np.log(weights.sum())
             row += 1
-    return out
+    return (out, lse) if return_lse else out

@@ -127,7 +127,7 @@ def ragged_paged_attention(
     causal: bool = True, sliding_window=None, logits_soft_cap=None, alibi_slopes=None, sinks=None,
     k_scale=None, v_scale=None, interpret: bool | None = None, block_sizes: GpuBlockSizes | None = None,
     schedule=None, mgpu_schedule=None, rest_schedule=None,
-    mgpu_block_sizes: MgpuBlockSizes | None = None,
+    mgpu_block_sizes: MgpuBlockSizes | None = None, return_lse: bool = False,
 ):  # fmt: skip
     """PALLAS_GPU's op: ``pallas_triton.ragged_paged_attention``'s contract, with a prefill
     batch's long requests on the Mosaic GPU kernel.
@@ -136,7 +136,8 @@ def ragged_paged_attention(
     the rows they leave over or None when they serve every row) compiled on a GPU, and a
     configuration ``pallas_mosaic_gpu.unsupported_reason`` accepts, the new k/v are written,
     the Mosaic GPU kernel computes its tiles and the Triton kernel the other rows into the
-    same buffer; otherwise the Triton kernel serves every row on ``schedule``.
+    same buffer; otherwise the Triton kernel serves every row on ``schedule``. With
+    ``return_lse`` (the Mosaic GPU kernel has no LSE output) the Triton kernel serves every row.
     """
     kwargs = dict(
         sm_scale=sm_scale, causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
@@ -146,7 +147,7 @@ def ragged_paged_attention(
         interpret = jax.default_backend() != "gpu"
     mgpu_bs = mgpu_block_sizes or MgpuBlockSizes()
     use_mgpu = (
-        mgpu_schedule is not None and not interpret
+        mgpu_schedule is not None and not interpret and not return_lse
         and (block_sizes is None or block_sizes.num_kv_splits == 1)
         and pallas_mosaic_gpu.unsupported_reason(
             head_size=q.shape[-1], page_size=kv_cache.shape[2], dtype=q.dtype, cache_dtype=kv_cache.dtype,
@@ -160,7 +161,7 @@ def ragged_paged_attention(
         interpret=interpret, block_sizes=block_sizes, **kwargs,
     )  # fmt: skip
     if not use_mgpu:
-        return triton(q, k, v, kv_cache, schedule=schedule)
+        return triton(q, k, v, kv_cache, schedule=schedule, return_lse=return_lse)
     pallas_triton.validate_inputs(
         q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, block_sizes=block_sizes, **kwargs
     )

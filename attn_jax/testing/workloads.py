@@ -86,6 +86,19 @@ class RaggedBatch:
             return {}
         return {"k_scale": jnp.float32(self.k_scale), "v_scale": jnp.float32(self.v_scale)}
 
+    def with_shared_prefix(self, prefix_len: int) -> RaggedBatch:
+        """This batch with request 0's first ``prefix_len`` cached tokens (whole pages) shared by
+        every request: their block tables start with request 0's pages and their dense keys
+        and values (the oracle's) with request 0's; the pages they held before go unused."""
+        page = self.kv_cache.shape[2]
+        if prefix_len % page or (self.context_lens < prefix_len).any():
+            raise ValueError(f"prefix_len={prefix_len} must be whole pages of {page} within every context")
+        tables = np.asarray(self.block_tables).copy()
+        tables[:, : prefix_len // page] = tables[0, : prefix_len // page]
+        k_seqs = tuple(np.concatenate([self.k_seqs[0][:prefix_len], k[prefix_len:]]) for k in self.k_seqs)
+        v_seqs = tuple(np.concatenate([self.v_seqs[0][:prefix_len], v[prefix_len:]]) for v in self.v_seqs)
+        return dataclasses.replace(self, block_tables=jnp.asarray(tables), k_seqs=k_seqs, v_seqs=v_seqs)
+
     def common_metadata(self) -> CommonAttentionMetadata:
         """This batch as ``CommonAttentionMetadata`` (host copies included), for the layers."""
         qsl, seq_lens = np.asarray(self.query_start_loc), np.asarray(self.seq_lens)

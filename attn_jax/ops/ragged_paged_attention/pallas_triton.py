@@ -126,9 +126,10 @@ def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp
 def _kernel(
     sched_ref, block_tables_ref, q_ref, kv_ref, scales_ref, *rest,
     sm_scale, causal, sliding_window, soft_cap, has_alibi, has_sinks,
-    group, block_q, group_pad, tile, num_kv_splits, spare_row, has_out_init=False,
+    group, block_q, group_pad, tile, num_kv_splits, spare_row, has_out_init=False, has_lse=False,
 ):  # fmt: skip
-    """One (q-block, kv head, kv split). rest: [alibi_ref], [sinks_ref], [out_init_ref], out refs."""
+    """One (q-block, kv head, kv split). rest: [alibi_ref], [sinks_ref], [out_init_ref], out refs
+    (out and, with ``has_lse``, lse; or the split's acc, m and denom)."""
     rest = list(rest)
     alibi_ref = rest.pop(0) if has_alibi else None
     sinks_ref = rest.pop(0) if has_sinks else None
@@ -237,6 +238,8 @@ def _kernel(
         out_ref = rest[0]
         out = common.finalize_softmax_state(state) * v_scale
         plgpu.store(out_ref.at[tok_s[:, None], head_s[:, None], d], out.astype(out_ref.dtype), mask=store_mask)
+        if has_lse:
+            plgpu.store(rest[1].at[tok_s, head_s], log_sum_exp(m, denom), mask=row_valid)
     else:
         acc_ref, m_ref, denom_ref = rest
         plgpu.store(acc_ref.at[split, tok_s[:, None], head_s[:, None], d], acc * v_scale, mask=store_mask)
@@ -266,10 +269,12 @@ def ragged_paged_attention(
     block_sizes: GpuBlockSizes | None = None,
     schedule=None,  # i32[5, NB] from gpu_schedule (the builder's); derived here when None
     out_init=None,  # f[T, Hq, D] | None: rows another kernel wrote; this launch writes only its schedule's rows
+    return_lse: bool = False,
 ):
     """The reference op's contract (``reference.ragged_paged_attention``) as a Pallas GPU kernel.
 
-    Returns (out f[T, Hq, D] in q's dtype, kv_cache). ``interpret=None`` runs compiled on a
+    Returns (out f[T, Hq, D] in q's dtype, kv_cache), and lse f32[T, Hq] third with
+    ``return_lse`` (as the reference's). ``interpret=None`` runs compiled on a
     GPU and in the Pallas interpreter elsewhere. ``block_sizes`` defaults to
     ``config.gpu_block_sizes`` for the shapes; ``schedule`` must have been built with
     the same ``block_q``.
@@ -295,7 +300,10 @@ def ragged_paged_attention(
         interpret = jax.default_backend() != "gpu"
     kv_cache = write_new_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale, interpret=interpret)
     if num_tokens == 0:  # nothing to attend; a zero-sized grid would not lower
-        return jnp.zeros_like(q), kv_cache
+        empty = jnp.zeros_like(q), kv_cache
+        return (*empty, jnp.zeros(q.shape[:2], jnp.float32)) if return_lse else empty
+    if return_lse and out_init is not None:
+        raise ValueError("return_lse=True with out_init: the other kernel's rows have no LSE here")
     if schedule is None:
         schedule = gpu_schedule(
             jnp.asarray(query_start_loc), jnp.asarray(seq_lens), num_tokens=num_tokens, block_q=block_sizes.block_q
@@ -308,13 +316,20 @@ def ragged_paged_attention(
             f"schedule.shape={tuple(schedule.shape)} must be one of {expected} (gpu_schedule with "
             f"block_q={block_sizes.block_q}, num_tokens={num_tokens}, num_reqs={num_reqs})"
         )
-    out = _attend(
+    out, lse = _attend(
         q, kv_cache, jnp.asarray(schedule, jnp.int32), jnp.asarray(block_tables),
         alibi_slopes, sinks, k_scale, v_scale, out_init,
         sm_scale=float(sm_scale), causal=causal, sliding_window=sliding_window,
-        soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret,
+        soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret, return_lse=return_lse,
     )  # fmt: skip
-    return out, kv_cache
+    return (out, kv_cache, lse) if return_lse else (out, kv_cache)
+
+
+def log_sum_exp(m, denom):
+    """The log of a softmax denominator from its running state (max m, denom scaled by
+    exp(-m)); -inf where nothing was seen."""
+    seen = denom > 0
+    return jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
 
 
 def validate_inputs(
@@ -370,10 +385,11 @@ def check_gpu_shapes(*, head_size: int, page_size: int) -> None:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "causal", "sliding_window", "soft_cap", "block_sizes", "interpret"),
+    static_argnames=("sm_scale", "causal", "sliding_window", "soft_cap", "block_sizes", "interpret", "return_lse"),
 )
 def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v_scale, out_init, *,
-            sm_scale, causal, sliding_window, soft_cap, block_sizes, interpret):  # fmt: skip
+            sm_scale, causal, sliding_window, soft_cap, block_sizes, interpret, return_lse=False):  # fmt: skip
+    """(out f[T, Hq, D], lse f32[T, Hq] or None)."""
     num_tokens, num_q_heads, head_size = q.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
@@ -395,6 +411,8 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
         inputs.append(out_init)
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((out_tokens, num_q_heads, out_cols), q.dtype)
+        if return_lse:
+            out_shape = (out_shape, jax.ShapeDtypeStruct((out_tokens, num_q_heads), jnp.float32))
     else:
         out_shape = (
             jax.ShapeDtypeStruct((splits, out_tokens, num_q_heads, out_cols), jnp.float32),
@@ -406,7 +424,7 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
         has_alibi=alibi_slopes is not None, has_sinks=sinks is not None, group=group,
         block_q=block_sizes.block_q, group_pad=next_pow2(group),
         tile=block_sizes.tile(kv_cache.shape[2]), num_kv_splits=splits, spare_row=interpret,
-        has_out_init=out_init is not None,
+        has_out_init=out_init is not None, has_lse=return_lse,
     )  # fmt: skip
     result = pl.pallas_call(
         kernel,
@@ -417,12 +435,11 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
         input_output_aliases=aliases,
         name="ragged_paged_attention_gpu",
     )(*inputs)
+    if splits == 1 and return_lse:
+        return result[0][:num_tokens, :, :head_size], result[1][:num_tokens]
     if splits == 1:
-        return result[:num_tokens, :, :head_size]
+        return result[:num_tokens, :, :head_size], None
     acc, m, denom = result[0][:, :num_tokens, :, :head_size], result[1][:, :num_tokens], result[2][:, :num_tokens]
-    merged = common.merge_softmax_states(m, denom, acc)
-    return (
-        common.finalize_softmax_state((merged[0].reshape(-1), merged[1].reshape(-1), merged[2].reshape(-1, head_size)))
-        .reshape(q.shape)
-        .astype(q.dtype)
-    )
+    m, denom, acc = common.merge_softmax_states(m, denom, acc)
+    out = common.finalize_softmax_state((m.reshape(-1), denom.reshape(-1), acc.reshape(-1, head_size)))
+    return out.reshape(q.shape).astype(q.dtype), log_sum_exp(m, denom) if return_lse else None

@@ -41,8 +41,12 @@ def ragged_paged_attention(
     sinks=None,  # f32[Hq] | None
     k_scale=None,  # f32[] | None: fp8 caches store k / k_scale
     v_scale=None,  # f32[] | None
+    return_lse: bool = False,
 ):
-    """Writes new k/v into the paged cache, then attends. Returns (out, kv_cache).
+    """Writes new k/v into the paged cache, then attends. Returns (out, kv_cache), or
+    (out, kv_cache, lse) with ``return_lse``: lse f32[T, Hq] is the natural log of each
+    row's softmax denominator (its sink included), -inf for a row that sees nothing, the
+    statistic ``merge_attn_states`` combines partial attentions by.
 
     Request r owns q rows ``query_start_loc[r]:query_start_loc[r+1]``; its context is
     ``seq_lens[r]`` tokens, of which the last ``query_len[r]`` are the new ones, so the
@@ -77,13 +81,13 @@ def ragged_paged_attention(
         )  # fmt: skip
     if k is not None:
         kv_cache = write_to_kv_cache(kv_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
-    out = _attend(
+    out, lse = _attend(
         q, kv_cache, jnp.asarray(query_start_loc), jnp.asarray(seq_lens), jnp.asarray(block_tables),
         sm_scale=sm_scale, causal=causal, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks,
         k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
-    return out, kv_cache
+    return (out, kv_cache, lse) if return_lse else (out, kv_cache)
 
 
 def _attend(
@@ -144,7 +148,8 @@ def _attend(
         o = jnp.einsum("kgl,lkd->kgd", wg, values, precision=jax.lax.Precision.HIGHEST)
         o = o.reshape(num_q_heads, head_size)
         o = normalize(o, denom[:, None])  # NaN from a visible q, k or v stays NaN
-        return o.astype(q.dtype)
+        lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+        return o.astype(q.dtype), lse
 
     per_row = 2 * max_kv_len * num_kv_heads * head_size
     batch = int(np.clip(_GATHER_BUDGET // max(per_row, 1), 1, max(num_tokens, 1)))

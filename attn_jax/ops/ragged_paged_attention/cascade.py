@@ -1,0 +1,121 @@
+"""Cascade attention: a prefix every request of the batch shares, read once for all of them.
+
+The batch's attention splits into two parts over disjoint keys, merged by log-sum-exp
+(``merge.merge_attn_states``):
+
+- the shared prefix: every real query row of the batch as ONE non-causal request over the
+  prefix's pages (``block_tables[0, :prefix_len // S]``), so those pages are read once for the
+  whole batch instead of once per request (non-causal is exact: every new token comes after
+  the prefix);
+- the suffix: each request over its own pages after the prefix (``block_tables[:, prefix_len
+  // S:]``, ``seq_lens - prefix_len``), causal as usual (positions shift by the same amount on
+  both sides of ``j <= p``), with the sinks.
+
+Any kernel module's ``ragged_paged_attention`` with ``return_lse`` serves both parts
+(``op``). Sliding windows and ALiBi depend on each row's absolute position, which the
+one-request prefix part does not have: they are refused, as vLLM's cascade refuses them.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from attn_jax.ops.ragged_paged_attention import reference
+from attn_jax.ops.ragged_paged_attention.merge import merge_attn_states
+from attn_jax.ops.ragged_paged_attention.validate import is_concrete
+
+
+def cascade_ragged_paged_attention(
+    q,  # f[T, Hq, D]
+    k,  # f[T, Hkv, D] | None: new keys, written at slot_mapping
+    v,  # f[T, Hkv, D] | None
+    kv_cache,  # the op's cache layout
+    query_start_loc,  # i32[R + 1]
+    seq_lens,  # i32[R]
+    block_tables,  # i32[R, pages_per_req]: the first prefix_len // S entries equal in every row
+    slot_mapping,  # i32[T]
+    *,
+    prefix_len: int,  # tokens of the shared prefix: a multiple of the page size, <= every request's context
+    sm_scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    alibi_slopes=None,
+    sinks=None,
+    k_scale=None,
+    v_scale=None,
+    op=reference.ragged_paged_attention,
+    **op_kwargs,
+):
+    """(out f[T, Hq, D], kv_cache): ``op``'s attention, with the shared prefix read once.
+
+    ``op_kwargs`` go to both calls of ``op`` (``interpret``, say); block sizes and schedules
+    built for the whole batch do not fit the two parts and must not be passed.
+
+    Example::
+
+        out, kv_cache = cascade_ragged_paged_attention(
+            q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
+            prefix_len=2048, sm_scale=head_size**-0.5, op=pallas_triton.ragged_paged_attention)
+    """
+    page_size = _page_size(kv_cache, block_tables)
+    if sliding_window is not None or alibi_slopes is not None:
+        raise ValueError(
+            f"cascade attention takes no sliding_window ({sliding_window}) or alibi_slopes "
+            f"({'set' if alibi_slopes is not None else None}): both depend on each row's position"
+        )
+    if not causal:
+        raise ValueError("cascade attention is for causal decoder attention (causal=True)")
+    if isinstance(prefix_len, bool) or not isinstance(prefix_len, int | np.integer) or prefix_len <= 0:
+        raise ValueError(f"prefix_len={prefix_len!r} must be a positive int")
+    if prefix_len % page_size:
+        raise ValueError(f"prefix_len={prefix_len} must be a multiple of the page size {page_size}")
+    prefix_pages = prefix_len // page_size
+    if prefix_pages > block_tables.shape[1]:
+        raise ValueError(
+            f"prefix_len={prefix_len} spans {prefix_pages} pages; block_tables has {block_tables.shape[1]}"
+        )
+    qsl = np.asarray(query_start_loc) if is_concrete(query_start_loc) else None
+    if is_concrete(seq_lens, block_tables) and qsl is not None:
+        lens, tables = np.asarray(seq_lens), np.asarray(block_tables)
+        context = lens - np.diff(qsl)
+        real = np.diff(qsl) > 0
+        if (context[real] < prefix_len).any():
+            r = int(np.flatnonzero(real & (context < prefix_len))[0])
+            raise ValueError(
+                f"prefix_len={prefix_len} exceeds request {r}'s cached context {int(context[r])}: "
+                "the shared prefix must be cached before every request's new tokens"
+            )
+        shared = tables[real][:, :prefix_pages]
+        if len(shared) and (shared != shared[:1]).any():
+            r = int(np.flatnonzero((shared != shared[:1]).any(axis=1))[0])
+            raise ValueError(f"request {r}'s first {prefix_pages} pages differ from request 0's: no shared prefix")
+    common = dict(sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale)
+    num_actual = jnp.asarray(query_start_loc)[-1]
+    out_p, kv_cache, lse_p = op(
+        q, k, v, kv_cache, jnp.stack([jnp.int32(0), num_actual]), jnp.full((1,), prefix_len, jnp.int32),
+        jnp.asarray(block_tables)[:1, :prefix_pages], slot_mapping, causal=False, return_lse=True,
+        **common, **op_kwargs,
+    )  # fmt: skip
+    out_s, kv_cache, lse_s = op(
+        q, None, None, kv_cache, query_start_loc, jnp.asarray(seq_lens) - prefix_len,
+        _suffix_tables(jnp.asarray(block_tables), prefix_pages), slot_mapping, causal=True, sinks=sinks,
+        return_lse=True, **common, **op_kwargs,
+    )  # fmt: skip
+    out, _ = merge_attn_states(out_p, lse_p, out_s, lse_s)
+    return out, kv_cache
+
+
+def _suffix_tables(block_tables, prefix_pages: int):
+    """Each request's pages after the prefix; at least one column (a copy of the last page
+    id, never read) so a request wholly inside the prefix still has a table row."""
+    rest = block_tables[:, prefix_pages:]
+    return rest if rest.shape[1] else block_tables[:, -1:]
+
+
+def _page_size(kv_cache, block_tables) -> int:
+    """Page size S of an XLA-layout cache [2, P, S, Hkv, D]."""
+    if kv_cache.ndim != 5:
+        raise ValueError(f"cascade attention takes the XLA cache layout [2, P, S, Hkv, D], not {kv_cache.shape}")
+    return int(kv_cache.shape[2])
