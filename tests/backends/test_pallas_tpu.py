@@ -40,7 +40,7 @@ def test_selected_on_tpu_platforms():
 @pytest.mark.parametrize(
     ("kwargs", "reason"),
     [
-        (dict(head_size=96), "head_size=96 is not supported; supported: [64, 128, 256]"),
+        (dict(head_size=112), "head_size=112 is not supported; supported: [64, 80, 96, 128, 192, 256]"),
         (dict(block_size=8), "block_size=8 is not supported; supported: [16, 32, 64, 128, 256]"),
         (dict(dtype=jnp.float16), "dtype=float16 is not supported; supported: ['float32', 'bfloat16']"),
         (dict(kv_cache_dtype="float16"), "kv_cache_dtype='float16' is not supported"),

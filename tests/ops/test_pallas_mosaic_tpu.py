@@ -74,6 +74,12 @@ CASES: dict[str, tuple[dict, dict, TpuBlockSizes | None]] = {
                                cache_dtype_str="fp8_e4m3", extra_blocks=1), dict(sinks=True), None),
     "fp8_e5m2_h128": (dict(_MIXED, **_G4, head_size=128, block_size=32, cache_dtype_str="fp8_e5m2"),
                       dict(sliding_window=7), SMALL),
+    # Head sizes past the lane tiles: 80 and 96 in the packed layout as 64 is, 192 = 128 + 64.
+    "h80_mixed_sinks": (dict(_MIXED, **_G4, head_size=80, block_size=16), dict(sinks=True), SMALL),
+    "h96_bf16_window": (dict(_MIXED, **_G4, head_size=96, block_size=16, dtype=jnp.bfloat16),
+                        dict(sliding_window=7), None),
+    "h192_decode": (dict(query_lens=[1, 1, 1], context_lens=[37, 9, 0], **_G4, head_size=192, block_size=16),
+                    {}, TpuBlockSizes(2, 2)),
 }  # fmt: skip
 
 

@@ -74,6 +74,12 @@ EXPORTS = {
                                                head_size=128, cache_dtype=jnp.float8_e5m2, causal=False,
                                                alibi_slopes=jnp.ones(32, jnp.float32),
                                                block_sizes=TpuBlockSizes(16, 4, kv_heads_per_block=2)),
+    "bf16_h80": dict(num_tokens=128, num_reqs=8, pages_per_req=32, page_size=16, head_size=80,
+                              cache_dtype=jnp.bfloat16, num_q_heads=8, num_kv_heads=2),
+    "fp8_h96_sinks": dict(num_tokens=128, num_reqs=8, pages_per_req=32, page_size=32, head_size=96,
+                          cache_dtype=jnp.float8_e4m3fn, num_q_heads=8, num_kv_heads=2, sinks=jnp.zeros(8)),
+    "bf16_h192_window": dict(num_tokens=128, num_reqs=8, pages_per_req=32, page_size=16, head_size=192,
+                             cache_dtype=jnp.bfloat16, num_q_heads=8, num_kv_heads=2, sliding_window=64),
     "bf16_h256_f32_queries": dict(num_tokens=64, num_reqs=4, pages_per_req=16, page_size=128, head_size=256,
                                   cache_dtype=jnp.bfloat16, dtype=jnp.float32, num_q_heads=8, num_kv_heads=2),
 }  # fmt: skip
@@ -164,7 +170,10 @@ def _small_args(head_size=128, page_size=16, cache_dtype=jnp.float32, num_reqs=2
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(head_size=96), "head_size=96 is not supported by the TPU kernel; supported: [64, 128, 256]"),
+        (
+            dict(head_size=112),
+            "head_size=112 is not supported by the TPU kernel; supported: [64, 80, 96, 128, 192, 256]",
+        ),
         (dict(page_size=8), "page_size=8 is not supported by the TPU kernel; supported: [16, 32, 64, 128, 256]"),
         (dict(cache_dtype=jnp.float8_e4m3fn), "page_size=16 with an fp8 cache (float8_e4m3fn) is not supported"),
     ],

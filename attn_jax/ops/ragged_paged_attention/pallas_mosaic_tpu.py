@@ -68,8 +68,11 @@ from attn_jax.ops.ragged_paged_attention.validate import (
     static_validate_inputs,
 )
 
-SUPPORTED_HEAD_SIZES = (64, 128, 256)
-"""64 shares a 128-lane row between K and V; 128 and 256 fill whole lane tiles."""
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 192, 256)
+"""64 shares a 128-lane row between K and V; 128 and 256 fill whole lane tiles; 80 and 96
+take the packed path 64 takes (a K|V row of 160 or 192 lanes, the whole array's width) and
+192 a 384-lane K|V row. The interpreter and TPU lowering (``jax.export``) pass for all six;
+none has run on a TPU."""
 
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128, 256)
 """Multiples of the packed sublane tile (16 rows for bf16) up to 256 slots per page."""
