@@ -20,7 +20,8 @@ C, ROPE, H = 32, 16, 20  # 20 heads: two head blocks of 16, the second partial
 def _check(b, dtype, bs, interpret):
     scale = 48**-0.5
     out, lse = kernel_triton.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=scale,
-                                        kv_lora_rank=C, return_lse=True, interpret=interpret, block_sizes=bs)  # fmt: skip
+                                        kv_lora_rank=C, return_lse=True, interpret=interpret,
+                                        block_sizes=bs)  # fmt: skip
     want, want_lse = mla_decode_oracle(np.asarray(b.q_decode.astype(jnp.float32)), b.latents, kv_lora_rank=C,
                                        sm_scale=scale)  # fmt: skip
     assert out.dtype == dtype and out.shape == want.shape

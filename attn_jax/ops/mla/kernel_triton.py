@@ -115,7 +115,7 @@ def _kernel(lens_ref, table_ref, q_ref, kv_ref, acc_ref, m_ref, l_ref, *, sm_sca
     hi = jnp.minimum(lo + per_split, num_tiles)
 
     def body(t, state):
-        m, l, acc = state
+        m, denom, acc = state
         j = t * tile + jnp.arange(tile, dtype=jnp.int32)
         ok = j < kv_len
         page = plgpu.load(table_ref.at[r, jnp.minimum(j // page_size, pages_per_req - 1)])[:, None]
@@ -130,26 +130,26 @@ def _kernel(lens_ref, table_ref, q_ref, kv_ref, acc_ref, m_ref, l_ref, *, sm_sca
         alpha = jnp.exp(m - m_new)
         p = jnp.where(ok[None, :], jnp.exp(s - m_new[:, None]), 0.0)
         pv = jax.lax.dot(p.astype(c_kv.dtype), c_kv, precision=precision, preferred_element_type=jnp.float32)
-        return m_new, alpha * l + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+        return m_new, alpha * denom + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
     state = (
         jnp.full((block_h,), MASK_VALUE, jnp.float32),
         jnp.zeros((block_h,), jnp.float32),
         jnp.zeros((block_h, kv_lora_rank), jnp.float32),
     )
-    m, l, acc = jax.lax.fori_loop(lo, hi, body, state)
+    m, denom, acc = jax.lax.fori_loop(lo, hi, body, state)
     rows = hb * block_h + jnp.arange(block_h, dtype=jnp.int32)  # the padded head axis: never masked
     plgpu.store(acc_ref.at[split, r, rows[:, None], dc], acc)
     plgpu.store(m_ref.at[split, r, rows], m)
-    plgpu.store(l_ref.at[split, r, rows], l)
+    plgpu.store(l_ref.at[split, r, rows], denom)
 
 
-def combine_splits(acc, m, l, num_heads: int):
-    """Merges split-KV partial states (acc f32[K, R, Hp, C], m/l f32[K, R, Hp]) into
+def combine_splits(acc, m, denom, num_heads: int):
+    """Merges split-KV partial states (acc f32[K, R, Hp, C], m/denom f32[K, R, Hp]) into
     (out f32[R, H, C], lse f32[R, H]); a request that saw no key gives 0 and lse -inf."""
     m_all = jnp.max(m, axis=0)
     w = jnp.exp(m - m_all[None])
-    denom = jnp.sum(w * l, axis=0)
+    denom = jnp.sum(w * denom, axis=0)
     acc = jnp.sum(w[..., None] * acc, axis=0)
     empty = denom == 0
     out = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, denom)[..., None])
@@ -207,7 +207,7 @@ def _decode(q, kv_cache, seq_lens, block_tables, *, sm_scale, kv_lora_rank, bs, 
         _kernel, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank, block_h=bs.block_h,
         pages_per_tile=bs.pages_per_tile, num_kv_splits=splits,
     )  # fmt: skip
-    acc, m, l = pl.pallas_call(
+    acc, m, denom = pl.pallas_call(
         kernel,
         grid=(num_reqs, head_blocks, splits),
         out_shape=(
@@ -219,5 +219,5 @@ def _decode(q, kv_cache, seq_lens, block_tables, *, sm_scale, kv_lora_rank, bs, 
         interpret=interpret,
         name="mla_decode_triton",
     )(seq_lens, block_tables, q, kv_cache)
-    out, lse = combine_splits(acc, m, l, num_heads)
+    out, lse = combine_splits(acc, m, denom, num_heads)
     return out.astype(q.dtype), lse
