@@ -29,9 +29,7 @@ def resolve_obj_by_qualname(qualname: str) -> Any:
     try:
         return getattr(module, obj_name)
     except AttributeError:
-        raise ImportError(
-            f"Cannot import {qualname!r}: module {module_name!r} has no attribute {obj_name!r}"
-        ) from None
+        raise ImportError(f"Cannot import {qualname!r}: module {module_name!r} has no attribute {obj_name!r}") from None
 
 
 class _AttentionBackendEnumMeta(enum.EnumMeta):

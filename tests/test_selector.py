@@ -29,6 +29,8 @@ CPU = Platform("cpu", "cpu", 1)
 TPU = Platform("tpu", "TPU v5 lite", 4)
 GPU = Platform("gpu", "NVIDIA H100 80GB HBM3", 8)
 
+PALLAS_AND_MLA = ["XLA", "PALLAS_TPU", "PALLAS_GPU", "XLA_MLA", "PALLAS_MLA_TPU", "PALLAS_MLA_GPU"]
+
 
 class MLABackend(XLAAttentionBackend):
     """XLA, plus MLA: a backend only a registration can make selectable."""
@@ -373,7 +375,7 @@ def test_cache_follows_platform():
 
 def test_report_has_a_row_for_every_backend():
     report = explain()
-    assert [r.name for r in report.rows] == ["XLA", "PALLAS_TPU", "PALLAS_GPU", "XLA_MLA", "PALLAS_MLA_TPU", "PALLAS_MLA_GPU"]  # CUSTOM: unregistered
+    assert [r.name for r in report.rows] == PALLAS_AND_MLA  # CUSTOM: unregistered
     xla = report.row(ABE.XLA)
     assert (xla.class_path, xla.usable, xla.reasons) == ("attn_jax.backends.xla.XLAAttentionBackend", True, [])
     tpu = report.row(ABE.PALLAS_TPU)
@@ -387,7 +389,7 @@ def test_report_has_a_row_for_every_backend():
 def test_report_includes_registered_custom():
     register_backend(ABE.CUSTOM, class_path=f"{__name__}.MLABackend")
     report = explain(use_mla=True)
-    assert [r.name for r in report.rows] == ["XLA", "PALLAS_TPU", "PALLAS_GPU", "XLA_MLA", "PALLAS_MLA_TPU", "PALLAS_MLA_GPU", "CUSTOM"]
+    assert [r.name for r in report.rows] == [*PALLAS_AND_MLA, "CUSTOM"]
     custom = report.row(ABE.CUSTOM)
     assert custom.class_path == f"{__name__}.MLABackend"
     assert custom.reasons == ["not in the priority list for platform cpu"]
