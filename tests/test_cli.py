@@ -122,3 +122,13 @@ def test_python_dash_m_prints_help(module):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: attn-stack [-h] [--version] COMMAND")
     assert "generate" in result.stdout and "info" in result.stdout
+
+
+def test_info_use_mla_chooses_an_mla_backend(capsys):
+    if current_platform().kind != "cpu":
+        pytest.skip("the default choice is checked on CPU")
+    assert main(["info", "--use-mla", "--head-size", "576", "--block-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "use_mla=True" in out and "chosen:     XLA_MLA (attn_jax.backends.mla_xla.XLAMLABackend)" in out
+    assert main(["info", "--use-mla", "--use-sparse"]) == 2
+    assert "XLA_MLA: sparse attention is not supported." in capsys.readouterr().out
