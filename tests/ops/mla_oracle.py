@@ -58,3 +58,35 @@ def mla_prefill_oracle(
                 out[row, h], lse[row, h] = _attend(sm_scale * (k @ q[row, h]), v)
             row += 1
     return out, lse
+
+
+def sparse_mla_oracle(q, latents: Sequence[np.ndarray], topk, query_lens: Sequence[int], *, kv_lora_rank: int,
+                      sm_scale: float):  # fmt: skip
+    """q f[T, H, C + Rope]; topk i[T, K] positions (-1 skipped) -> (out f64[T, H, C], lse f64[T, H])."""
+    q = np.asarray(q, np.float64)
+    out = np.zeros((q.shape[0], q.shape[1], kv_lora_rank))
+    lse = np.full(q.shape[:2], -np.inf)
+    row = 0
+    for lat, qlen in zip(latents, query_lens, strict=True):
+        lat = np.asarray(lat, np.float64)
+        for _ in range(qlen):
+            chosen = lat[[int(s) for s in topk[row] if s >= 0]]
+            for h in range(q.shape[1]):
+                out[row, h], lse[row, h] = _attend(sm_scale * (chosen @ q[row, h]), chosen[:, :kv_lora_rank])
+            row += 1
+    return out, lse
+
+
+def indexer_oracle(q_idx, weights, keys: Sequence[np.ndarray], query_lens: Sequence[int], *, topk: int):
+    """Per real token, the set of its top-k visible positions by sum_j w_j relu(q_j . k_s)."""
+    q_idx, weights = np.asarray(q_idx, np.float64), np.asarray(weights, np.float64)
+    result, row = [], 0
+    for k, qlen in zip(keys, query_lens, strict=True):
+        k = np.asarray(k, np.float64)
+        for i in range(qlen):
+            p = len(k) - qlen + i
+            scores = np.array([sum(weights[row, j] * max(q_idx[row, j] @ k[s], 0.0) for j in range(len(weights[row])))
+                               for s in range(p + 1)])  # fmt: skip
+            result.append(set(np.argsort(-scores, kind="stable")[:topk].tolist()))
+            row += 1
+    return result

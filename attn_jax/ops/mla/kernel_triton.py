@@ -35,7 +35,7 @@ NUM_SMS_DEFAULT = 132
 """Streaming multiprocessors assumed when choosing ``num_kv_splits`` (an H100 SXM)."""
 
 
-def _pow2(n: int) -> bool:
+def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
@@ -77,11 +77,11 @@ def default_block_sizes(
 def check_block_sizes(bs: MLADecodeBlockSizes, *, kv_lora_rank: int, rope_dim: int, page_size: int) -> None:
     """ValueError naming a shape or block size the Triton kernel cannot tile."""
     for name, value in (("kv_lora_rank", kv_lora_rank), ("qk_rope_head_dim", rope_dim), ("page_size", page_size)):
-        if not _pow2(value):
+        if not is_pow2(value):
             raise ValueError(f"{name}={value} must be a power of two for the Triton MLA kernel (e.g. 512, 64, 64)")
-    if not _pow2(bs.block_h) or bs.block_h < 16:
+    if not is_pow2(bs.block_h) or bs.block_h < 16:
         raise ValueError(f"block_h={bs.block_h} must be a power of two >= 16 (valid: 16, 32, 64, 128)")
-    if not _pow2(bs.pages_per_tile) or bs.pages_per_tile * page_size < 16:
+    if not is_pow2(bs.pages_per_tile) or bs.pages_per_tile * page_size < 16:
         raise ValueError(
             f"pages_per_tile={bs.pages_per_tile} must be a power of two with pages_per_tile * {page_size=} >= 16"
         )

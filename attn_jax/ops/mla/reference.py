@@ -53,7 +53,7 @@ def write_latent_cache(kv_cache, kv_c, k_pe, slot_mapping, *, kv_lora_rank: int)
     return flat.reshape(kv_cache.shape)
 
 
-def _softmax_rows(s, visible, values):
+def softmax_rows(s, visible, values):
     """s f32[..., H, L] scores, visible bool broadcastable to s, values f32[..., L, Dv] (masked
     rows already zero). Returns (out f32[..., H, Dv], lse f32[..., H])."""
     s = jnp.where(visible, s, -jnp.inf)
@@ -99,7 +99,7 @@ def mla_decode(
     visible = jnp.arange(max_len)[None, :] < jnp.asarray(seq_lens)[:, None]  # bool[R, L]
     s = jnp.einsum("rhw,rlw->rhl", q.astype(jnp.float32), latent, precision=_HIGHEST) * sm_scale
     values = jnp.where(visible[..., None], latent[..., :kv_lora_rank], 0.0)
-    out, lse = _softmax_rows(s, visible[:, None, :], values)
+    out, lse = softmax_rows(s, visible[:, None, :], values)
     out = out.astype(q.dtype)
     return (out, lse) if return_lse else out
 
@@ -167,7 +167,7 @@ def mla_prefill(
         q32 = q_row.astype(jnp.float32)
         s = jnp.einsum("hd,hld->hl", q32[:, :nope], k_nope, precision=_HIGHEST)
         s = s + jnp.einsum("hd,ld->hl", q32[:, nope:], latent[:, kv_lora_rank:], precision=_HIGHEST)
-        out, lse = _softmax_rows(s[:, None, :] * sm_scale, visible[None, None, :], values)
+        out, lse = softmax_rows(s[:, None, :] * sm_scale, visible[None, None, :], values)
         return out[:, 0], lse[:, 0]
 
     out, lse = jax.lax.map(one_row, (q, req, pos, real))

@@ -31,7 +31,7 @@ def is_concrete(*arrays) -> bool:
     return not any(isinstance(a, jax.core.Tracer) for a in arrays)
 
 
-def _check_index(name: str, x, ndim: int) -> None:
+def check_index(name: str, x, ndim: int) -> None:
     if not hasattr(x, "dtype") or np.dtype(x.dtype) != _INDEX:
         got = np.dtype(x.dtype) if hasattr(x, "dtype") else type(x).__name__
         raise TypeError(f"{name} has dtype {got}; it must be an int32 array (valid dtypes: int32)")
@@ -73,8 +73,8 @@ def static_validate_decode(q, kv_cache, seq_lens, block_tables, *, sm_scale, kv_
     rope = check_latent_cache(kv_cache, kv_lora_rank)
     width = kv_cache.shape[2]
     _check_query(q, width, f"the absorbed query: kv_lora_rank={kv_lora_rank} + qk_rope_head_dim={rope}")
-    _check_index("seq_lens", seq_lens, 1)
-    _check_index("block_tables", block_tables, 2)
+    check_index("seq_lens", seq_lens, 1)
+    check_index("block_tables", block_tables, 2)
     num_reqs = q.shape[0]
     if seq_lens.shape[0] != num_reqs or block_tables.shape[0] != num_reqs:
         raise ValueError(
@@ -100,9 +100,9 @@ def static_validate_prefill(
     _check_query(q, nope + rope, f"qk_nope_head_dim={nope} (from w_uk) + qk_rope_head_dim={rope} (from the cache)")
     if q.shape[1] != num_heads:
         raise ValueError(f"q.shape={tuple(q.shape)} must have num_heads={num_heads} (from w_uk) in axis 1")
-    _check_index("query_start_loc", query_start_loc, 1)
-    _check_index("seq_lens", seq_lens, 1)
-    _check_index("block_tables", block_tables, 2)
+    check_index("query_start_loc", query_start_loc, 1)
+    check_index("seq_lens", seq_lens, 1)
+    check_index("block_tables", block_tables, 2)
     num_reqs = query_start_loc.shape[0] - 1
     if num_reqs < 1 or seq_lens.shape[0] != num_reqs or block_tables.shape[0] != num_reqs:
         raise ValueError(
@@ -118,7 +118,7 @@ def static_validate_write(kv_cache, kv_c, k_pe, slot_mapping, *, kv_lora_rank) -
     for name, x, width in (("kv_c", kv_c, kv_lora_rank), ("k_pe", k_pe, rope)):
         if x.ndim != 2 or x.shape[1] != width:
             raise ValueError(f"{name}.shape={tuple(x.shape)} must be [num_tokens, {width}]")
-    _check_index("slot_mapping", slot_mapping, 1)
+    check_index("slot_mapping", slot_mapping, 1)
     if not kv_c.shape[0] == k_pe.shape[0] == slot_mapping.shape[0]:
         raise ValueError(
             f"kv_c.shape={tuple(kv_c.shape)}, k_pe.shape={tuple(k_pe.shape)} and "
