@@ -2,7 +2,7 @@
 
 Decodes (the absorbed MQA over the latent cache) run in ``ops/mla/kernel_triton.py`` (GPU,
 Triton lowering) or ``ops/mla/kernel_tpu.py`` (Mosaic TPU); prefills, the latent write and
-the metadata are ``mla_xla``'s (the up-projected prefill is the jnp reference until the
+the metadata are ``mla_xla``'s (the up-projected prefill is jnp, ``ops/mla/dense.py``, until the
 ragged kernel serves q/k and v head sizes that differ). Forced where their hardware is
 absent they run the kernel in the Pallas interpreter, with a logged warning.
 """

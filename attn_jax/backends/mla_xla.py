@@ -5,7 +5,8 @@ What every MLA backend shares lives here too (vLLM's ``MLACommonBackend`` /
 per token, no heads: ``num_kv_heads`` is 1 and ``head_size`` is ``kv_lora_rank +
 qk_rope_head_dim``, e.g. 576), the metadata split into decodes and prefills, and the impl
 that writes new latents, runs the decodes absorbed (``q_nope @ W_UK``, MQA over the latent,
-``@ W_UV``) and the prefills up-projected. A Pallas MLA backend swaps in its decode kernel.
+``@ W_UV``) and the prefills up-projected (``ops/mla/dense.py``: each prefill request's
+latents up-projected once). A Pallas MLA backend swaps in its decode kernel.
 """
 
 from __future__ import annotations
@@ -19,10 +20,17 @@ import numpy as np
 
 from attn_jax.backends.base import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, validate_kv_cache_dims
 from attn_jax.ops.mla import reference
+from attn_jax.ops.mla.dense import mla_prefill_dense
 from attn_jax.ops.mla.validate import is_concrete
 from attn_jax.types import AttentionType, validate_cache_dtype
 
 Array = Any
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
 
 MLA_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 """Cache dtypes the MLA backends serve (an fp8 latent cache with a scale is not yet)."""
@@ -51,6 +59,9 @@ class MLAMetadata:
     prefill_block_tables: Array  # i32[Rp, pages_per_req]
     num_decodes: int = dataclasses.field(metadata=dict(static=True))
     num_prefills: int = dataclasses.field(metadata=dict(static=True))
+    prefill_q_block: int = dataclasses.field(default=0, metadata=dict(static=True))
+    """Query rows per prefill request block (``dense.mla_prefill_dense``): the power of two
+    >= the longest prefill; 0 without prefills."""
 
 
 class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
@@ -99,6 +110,7 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
             decode_block_tables=decode_table, prefill_rows=prefill_rows, prefill_query_start_loc=prefill_qsl,
             prefill_seq_lens=prefill_lens, prefill_block_tables=prefill_table,
             num_decodes=int(decodes.size), num_prefills=int(prefills.size),
+            prefill_q_block=next_pow2(int(qlens[prefills].max())) if prefills.size else 0,
         )  # fmt: skip
 
     def build_for_jit(self, common_attn_metadata, step_query_lens=None) -> MLAMetadata:
@@ -184,9 +196,9 @@ class XLAMLAImpl(AttentionImpl[MLAMetadata]):
             out = out.at[md.decode_rows].set(o.astype(out.dtype), mode="drop")
         if md.num_prefills:
             q = query[jnp.minimum(md.prefill_rows, num_tokens - 1)]
-            o = reference.mla_prefill(
+            o = mla_prefill_dense(
                 q, kv_cache, w_uk, w_uv, md.prefill_query_start_loc, md.prefill_seq_lens, md.prefill_block_tables,
-                sm_scale=self.scale, kv_lora_rank=self.kv_lora_rank,
+                sm_scale=self.scale, kv_lora_rank=self.kv_lora_rank, q_block=md.prefill_q_block,
             )  # fmt: skip
             out = out.at[md.prefill_rows].set(o.astype(out.dtype), mode="drop")
         return out, kv_cache
