@@ -9,7 +9,10 @@ MLA-D1 sits near the ridge (~0.3 GB against ~73 GFLOP), so the row says which fl
 Implementations: ``pallas_mla_gpu`` (ops/mla/kernel_triton.py; default block sizes, or a
 sweep with --sweep) and ``xla_reference`` (the jnp reference); each row has the median
 time, GB/s, TFLOP/s, % of the binding floor and the relative L2 error against the
-reference computed in float32 on the same inputs.
+reference computed in float32 on the same inputs. MLA-P1 (4 x 4096 causal prefill, 16
+heads, q/k 192, v 128) runs the backends' jnp prefill (``xla_mla_dense``) and cuDNN on the
+up-projected dense k/v (v zero-padded to 192: jax.nn's API takes one head size) as a peer,
+against the FLOPs floor.
 
     python benchmarks/mla_attention.py                      # MLA-D1 and MLA-D1-16
     python benchmarks/mla_attention.py --sweep --workloads MLA-D1 --write
@@ -86,9 +89,60 @@ def floors(spec) -> tuple[float, float]:
     return cache_bytes + qo_bytes, flops
 
 
+def prefill_rows(spec, ceilings) -> list[dict]:
+    """MLA-P1: causal prefill over no context, q/k nope 128 + rope 64, v 128. ``xla_mla_dense``
+    (ops/mla/dense.py: latents up-projected per request, then attention in XLA) and the cuDNN
+    peer (``jax.nn.dot_product_attention`` on the up-projected dense k/v) when it runs."""
+    import jax
+    import jax.numpy as jnp
+
+    from attn_jax.ops.mla.dense import mla_prefill_dense
+
+    nope, dv, h, n, r = 128, 128, spec.num_heads, spec.query_len, spec.num_reqs
+    q_, cache, _, table = make_batch(spec)
+    keys = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(keys[0], (r * n, h, nope + spec.rope_dim), jnp.bfloat16)
+    w_uk = jax.random.normal(keys[1], (spec.kv_lora_rank, h, nope), jnp.bfloat16) * spec.kv_lora_rank**-0.5
+    w_uv = jax.random.normal(keys[2], (spec.kv_lora_rank, h, dv), jnp.bfloat16) * spec.kv_lora_rank**-0.5
+    qsl = jnp.arange(0, (r + 1) * n, n, dtype=jnp.int32)
+    lens = jnp.full((r,), n, jnp.int32)
+    scale = (nope + spec.rope_dim) ** -0.5
+    pairs = r * n * (n + 1) / 2
+    flops = 2.0 * (nope + spec.rope_dim + dv) * h * pairs
+    nbytes = r * n * (spec.kv_lora_rank + spec.rope_dim) * 2 + q.size * 2 + r * n * h * dv * 2
+    floor_s = max(nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["matmul_flops_per_s"])
+    print(f"{spec.name}: {flops / 1e12:.3f} TFLOP (causal pairs), floor {floor_s * 1e6:.1f} us (compute-bound)")
+    dense = jax.jit(functools.partial(mla_prefill_dense, sm_scale=scale, kv_lora_rank=spec.kv_lora_rank, q_block=n))
+    out = []
+
+    def row(impl, fn, *args):
+        try:
+            t = time_fn(fn, *args, reps=10, inner=2)
+        except Exception as e:  # noqa: BLE001 - a failing peer is a line, not the end of the run
+            print(f"  {impl}: failed: {type(e).__name__}: {str(e)[:200]}")
+            return None
+        print(f"  {impl:16s} {t * 1e6:9.1f} us {flops / t / 1e12:6.1f} TFLOP/s {100 * floor_s / t:5.1f}% of floor")
+        out.append({"workload": spec.name, "impl": impl, "time_us": t * 1e6, "tflop_per_s": flops / t / 1e12,
+                    "pct_of_floor": 100 * floor_s / t, "bound": "compute"})  # fmt: skip
+        return t
+
+    row("xla_mla_dense", dense, q, cache, w_uk, w_uv, qsl, lens, table)
+    latent = cache[table].reshape(r, n, -1)
+    c_kv, k_pe = latent[..., : spec.kv_lora_rank], latent[..., spec.kv_lora_rank :]
+    k = jnp.concatenate([jnp.einsum("rlc,chd->rlhd", c_kv, w_uk),
+                         jnp.broadcast_to(k_pe[:, :, None], (r, n, h, spec.rope_dim))], axis=-1)  # fmt: skip
+    v = jnp.einsum("rlc,chd->rlhd", c_kv, w_uv)
+    sdpa = functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=True, implementation="cudnn")
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, nope + spec.rope_dim - dv)))  # jax.nn takes one head size
+    cudnn = jax.jit(lambda q, k, v: sdpa(q, k, v)[..., :dv])
+    row("cudnn_dense_vpad", cudnn, q.reshape(r, n, h, -1), k, v)
+    del q_
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="MLA-D1,MLA-D1-16", help="comma-separated MLA_WORKLOADS names")
+    parser.add_argument("--workloads", default="MLA-D1,MLA-D1-16,MLA-P1", help="comma-separated MLA_WORKLOADS names")
     parser.add_argument("--impls", default="pallas_mla_gpu,xla_reference")
     parser.add_argument("--sweep", action="store_true", help="also time block_h x pages_per_tile x num_kv_splits")
     add_output_args(parser, "mla_attention_gpu.json")
@@ -113,7 +167,7 @@ def main(argv=None) -> int:
     for name in args.workloads.split(","):
         spec = MLA_WORKLOADS[name]
         if spec.query_len != 1:
-            print(f"{name}: prefill workloads are not measured here yet (no MLA prefill kernel)")
+            rows.extend(prefill_rows(spec, ceilings))
             continue
         q, cache, seq_lens, table = make_batch(spec)
         scale = 192**-0.5
