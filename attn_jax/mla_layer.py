@@ -117,13 +117,20 @@ class MLAAttention:
         w = kv_b_proj.reshape(self.kv_lora_rank, self.num_heads, self.qk_nope_head_dim + self.v_head_dim)
         return w[..., : self.qk_nope_head_dim], w[..., self.qk_nope_head_dim :]
 
-    def __call__(self, q, kv_c_normed, k_pe, kv_cache, attn_metadata, kv_b_proj):
+    def __call__(self, q, kv_c_normed, k_pe, kv_cache, attn_metadata, kv_b_proj, topk_positions=None):
         """Writes the new latents and attends. Returns (out f[T, H * v_head_dim], kv_cache).
 
         q f[T, H, nope + rope] or f[T, H * (nope + rope)]; kv_c_normed f[T, C]; k_pe f[T, R] or
         f[T, 1, R]; attn_metadata: ``CommonAttentionMetadata`` (built here, on the host) or the
-        backend's ``MLAMetadata``.
+        backend's ``MLAMetadata``; topk_positions i32[T, topk] (positions in each token's
+        request, -1 = padding; e.g. ``sparse_reference.lightning_indexer``'s), required exactly
+        when the layer has ``use_sparse=True``.
         """
+        if self.use_sparse != (topk_positions is not None):
+            raise ValueError(
+                f"topk_positions is {'None' if topk_positions is None else 'given'} but the layer has "
+                f"use_sparse={self.use_sparse}: sparse MLA layers take i32[T, topk] positions, dense ones none"
+            )
         num_tokens = q.shape[0]
         q = q.reshape(num_tokens, self.num_heads, self.qk_head_dim)
         k_pe = k_pe.reshape(num_tokens, self.qk_rope_head_dim)
@@ -137,7 +144,8 @@ class MLAAttention:
         if isinstance(attn_metadata, CommonAttentionMetadata):
             attn_metadata = self.metadata_builder.build(0, attn_metadata)
         w_uk, w_uv = self.split_kv_b_proj(kv_b_proj)
-        out, kv_cache = self.impl.forward(q, kv_c_normed, k_pe, kv_cache, attn_metadata, w_uk=w_uk, w_uv=w_uv)
+        sparse = {} if topk_positions is None else {"topk_positions": topk_positions}
+        out, kv_cache = self.impl.forward(q, kv_c_normed, k_pe, kv_cache, attn_metadata, w_uk=w_uk, w_uv=w_uv, **sparse)
         return out.reshape(num_tokens, self.num_heads * self.v_head_dim), kv_cache
 
     def __repr__(self) -> str:

@@ -130,5 +130,7 @@ def test_info_use_mla_chooses_an_mla_backend(capsys):
     assert main(["info", "--use-mla", "--head-size", "576", "--block-size", "64"]) == 0
     out = capsys.readouterr().out
     assert "use_mla=True" in out and "chosen:     XLA_MLA (attn_jax.backends.mla_xla.XLAMLABackend)" in out
-    assert main(["info", "--use-mla", "--use-sparse"]) == 2
-    assert "XLA_MLA: sparse attention is not supported." in capsys.readouterr().out
+    assert main(["info", "--use-mla", "--use-sparse", "--head-size", "576"]) == 0
+    assert "use_sparse=True" in capsys.readouterr().out
+    assert main(["info", "--use-mla", "--has-sink"]) == 2
+    assert "XLA_MLA: attention sinks are not supported." in capsys.readouterr().out

@@ -60,3 +60,21 @@ def test_errors_name_the_bad_value():
               layer.init_kv_cache(2), None, jnp.zeros((C, H * (NOPE + DV))))  # fmt: skip
     with pytest.raises(ValueError, match=r"attn_backend=XLA_MLA cannot serve this layer: kv_cache_dtype='fp8'"):
         _layer(attn_backend=XLAMLABackend, kv_cache_dtype="fp8")
+
+
+def test_sparse_layer_needs_topk_positions_and_attends_to_them_only():
+    rng = np.random.default_rng(1)
+    layer = _layer(use_sparse=True)
+    md = build_common_attn_metadata([3], [3], np.array([[0]], np.int32), S)
+    t = md.num_tokens
+    q = jnp.asarray(rng.standard_normal((t, H, NOPE + ROPE)).astype(np.float32))
+    kv_c, k_pe = jnp.asarray(rng.standard_normal((t, C)).astype(np.float32)), jnp.zeros((t, ROPE))
+    kv_b_proj = jnp.asarray(rng.standard_normal((C, H * (NOPE + DV))).astype(np.float32))
+    with pytest.raises(ValueError, match=r"topk_positions is None but the layer has use_sparse=True"):
+        layer(q, kv_c, k_pe, layer.init_kv_cache(1), md, kv_b_proj)
+    only_first = np.full((t, 2), -1, np.int32)
+    only_first[:3, 0] = 0  # every token attends to position 0 alone: out = c_kv[0] @ W_UV
+    out, _ = layer(q, kv_c, k_pe, layer.init_kv_cache(1), md, kv_b_proj, topk_positions=only_first)
+    w_uv = np.asarray(kv_b_proj).reshape(C, H, NOPE + DV)[..., NOPE:]
+    want = np.einsum("c,chd->hd", np.asarray(kv_c)[0], w_uv).reshape(-1)
+    np.testing.assert_allclose(np.asarray(out)[:3], np.broadcast_to(want, (3, want.size)), atol=1e-4, rtol=1e-5)

@@ -142,14 +142,14 @@ def test_first_usable_backend_in_priority_order_wins(platform, expected):
 
 def test_no_usable_backend_shows_each_backends_reasons():
     with pytest.raises(ValueError) as e:
-        select(use_mla=True, use_sparse=True, platform=TPU)
+        select(use_mla=True, has_sink=True, platform=TPU)
     msg = str(e.value)
     assert msg.startswith("No attention backend can serve head_size=128, dtype=bfloat16")
     assert "use_mla=True" in msg
     assert "on platform tpu (TPU v5 lite) x 4 (priority list: PALLAS_TPU, XLA, PALLAS_MLA_TPU, XLA_MLA)" in msg
-    assert "PALLAS_TPU: MLA is not supported; sparse attention is not supported." in msg
-    assert "XLA: MLA is not supported; sparse attention is not supported." in msg
-    assert "XLA_MLA: sparse attention is not supported." in msg
+    assert "PALLAS_TPU: MLA is not supported." in msg
+    assert "XLA: MLA is not supported." in msg
+    assert "XLA_MLA: attention sinks are not supported." in msg
     assert "PALLAS_GPU: not in the priority list for platform tpu" in msg
     assert "\n" not in msg
 

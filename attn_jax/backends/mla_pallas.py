@@ -13,10 +13,14 @@ import logging
 from typing import ClassVar
 
 from attn_jax.backends.mla_xla import MLACommonBackend, XLAMLAImpl
-from attn_jax.ops.mla import kernel_tpu, kernel_triton
+from attn_jax.ops.mla import kernel_tpu, kernel_triton, sparse_kernel_triton
 from attn_jax.platforms import current_platform
 
 logger = logging.getLogger(__name__)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 class _PallasMLAImpl(XLAMLAImpl):
@@ -43,6 +47,13 @@ class PallasMLAGPUImpl(_PallasMLAImpl):
         return kernel_triton.mla_decode(q_abs, kv_cache, seq_lens, block_tables, sm_scale=self.scale,
                                         kv_lora_rank=self.kv_lora_rank, interpret=self.interpret)  # fmt: skip
 
+    def sparse(self, q_abs, kv_cache, topk_positions, md):
+        return sparse_kernel_triton.sparse_mla(
+            q_abs, kv_cache, topk_positions, md.query_start_loc, md.seq_lens, md.block_tables, sm_scale=self.scale,
+            kv_lora_rank=self.kv_lora_rank, interpret=self.interpret,
+            block_h=min(64, max(16, _pow2_at_least(self.num_heads))),
+        )  # fmt: skip
+
 
 class PallasMLATPUImpl(_PallasMLAImpl):
     backend_name, platform_kind = "PALLAS_MLA_TPU", "tpu"
@@ -53,9 +64,11 @@ class PallasMLATPUImpl(_PallasMLAImpl):
 
 
 class PallasMLAGPUBackend(MLACommonBackend):
-    """MLA decode in a Pallas GPU kernel (Triton lowering). The latent row must split into
-    power-of-two parts: ``head_size = kv_lora_rank + 64`` with a power-of-two kv_lora_rank
-    (DeepSeek's 576 = 512 + 64); block sizes powers of two."""
+    """MLA decode (and sparse MLA) in Pallas GPU kernels (Triton lowering). The latent row must
+    split into power-of-two parts: ``head_size = kv_lora_rank + 64`` with a power-of-two
+    kv_lora_rank (DeepSeek's 576 = 512 + 64); block sizes powers of two."""
+
+    supports_sparse = True
 
     @staticmethod
     def get_name() -> str:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_jax.backends.base import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, validate_kv_cache_dims
-from attn_jax.ops.mla import reference
+from attn_jax.ops.mla import reference, sparse_reference
 from attn_jax.ops.mla.dense import mla_prefill_dense
 from attn_jax.ops.mla.validate import is_concrete
 from attn_jax.types import AttentionType, validate_cache_dtype
@@ -50,6 +50,9 @@ class MLAMetadata:
     """
 
     slot_mapping: Array  # i32[T]: where each new latent goes (-1: not written)
+    query_start_loc: Array  # i32[R + 1]: the whole batch (the sparse path attends every row absorbed)
+    seq_lens: Array  # i32[R]
+    block_tables: Array  # i32[R, pages_per_req]
     decode_rows: Array  # i32[Rd]: token row of each decode (T = padding)
     decode_seq_lens: Array  # i32[Rd]
     decode_block_tables: Array  # i32[Rd, pages_per_req]
@@ -106,7 +109,8 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
         prefill_lens[: prefills.size] = lens[prefills]
         prefill_table[: prefills.size] = table[prefills]
         return MLAMetadata(
-            slot_mapping=md.slot_mapping, decode_rows=decode_rows, decode_seq_lens=decode_lens,
+            slot_mapping=md.slot_mapping, query_start_loc=qsl, seq_lens=lens, block_tables=table,
+            decode_rows=decode_rows, decode_seq_lens=decode_lens,
             decode_block_tables=decode_table, prefill_rows=prefill_rows, prefill_query_start_loc=prefill_qsl,
             prefill_seq_lens=prefill_lens, prefill_block_tables=prefill_table,
             num_decodes=int(decodes.size), num_prefills=int(prefills.size),
@@ -171,7 +175,17 @@ class XLAMLAImpl(AttentionImpl[MLAMetadata]):
         return reference.mla_decode(q_abs, kv_cache, seq_lens, block_tables, sm_scale=self.scale,
                                     kv_lora_rank=self.kv_lora_rank)  # fmt: skip
 
-    def forward(self, query, key, value, kv_cache, attn_metadata, k_scale=None, v_scale=None, *, w_uk, w_uv):
+    def sparse(self, q_abs, kv_cache, topk_positions, md):
+        """Sparse absorbed op over every row: q_abs f[T, H, C + R] -> f[T, H, C]; overridden by kernels."""
+        return sparse_reference.sparse_mla(
+            q_abs, kv_cache, topk_positions, md.query_start_loc, md.seq_lens, md.block_tables,
+            sm_scale=self.scale, kv_lora_rank=self.kv_lora_rank,
+        )  # fmt: skip
+
+    def forward(self, query, key, value, kv_cache, attn_metadata, k_scale=None, v_scale=None, *, w_uk, w_uv,
+                topk_positions=None):  # fmt: skip
+        """``topk_positions`` i32[T, topk] (sparse MLA, -1 = padding): every row attends, absorbed,
+        to its listed positions only; None: dense MLA (decodes absorbed, prefills up-projected)."""
         md = attn_metadata
         if not isinstance(md, MLAMetadata):
             raise TypeError(
@@ -185,12 +199,14 @@ class XLAMLAImpl(AttentionImpl[MLAMetadata]):
                                                     kv_lora_rank=self.kv_lora_rank)  # fmt: skip
         num_tokens = query.shape[0]
         precision = jax.lax.Precision.HIGHEST if query.dtype == jnp.float32 else None
-        nope = self.qk_nope_head_dim
+        if topk_positions is not None:
+            q_abs = self._absorb(query, w_uk, precision)
+            o_lat = self.sparse(q_abs, kv_cache, topk_positions, md)
+            o = jnp.einsum("thc,chd->thd", o_lat, w_uv.astype(o_lat.dtype), precision=precision)
+            return o.astype(query.dtype), kv_cache
         out = jnp.zeros((num_tokens, self.num_heads, self.v_head_dim), query.dtype)
         if md.num_decodes:
-            q = query[jnp.minimum(md.decode_rows, num_tokens - 1)]  # f[Rd, H, nope + R]
-            q_lat = jnp.einsum("thd,chd->thc", q[..., :nope], w_uk.astype(q.dtype), precision=precision)
-            q_abs = jnp.concatenate([q_lat.astype(q.dtype), q[..., nope:]], axis=-1)  # f[Rd, H, C + R]
+            q_abs = self._absorb(query[jnp.minimum(md.decode_rows, num_tokens - 1)], w_uk, precision)
             o_lat = self.decode(q_abs, kv_cache, md.decode_seq_lens, md.decode_block_tables)
             o = jnp.einsum("thc,chd->thd", o_lat, w_uv.astype(o_lat.dtype), precision=precision)
             out = out.at[md.decode_rows].set(o.astype(out.dtype), mode="drop")
@@ -202,6 +218,12 @@ class XLAMLAImpl(AttentionImpl[MLAMetadata]):
             )  # fmt: skip
             out = out.at[md.prefill_rows].set(o.astype(out.dtype), mode="drop")
         return out, kv_cache
+
+    def _absorb(self, q, w_uk, precision):
+        """f[T, H, nope + R] -> the absorbed query f[T, H, C + R]: ``[q_nope @ W_UK | q_pe]``."""
+        nope = self.qk_nope_head_dim
+        q_lat = jnp.einsum("thd,chd->thc", q[..., :nope], w_uk.astype(q.dtype), precision=precision)
+        return jnp.concatenate([q_lat.astype(q.dtype), q[..., nope:]], axis=-1)
 
 
 class MLACommonBackend(AttentionBackend):
@@ -251,7 +273,10 @@ class MLACommonBackend(AttentionBackend):
 
 
 class XLAMLABackend(MLACommonBackend):
-    """Pure jnp MLA (``ops/mla/reference.py``); every platform; the specification, not fast."""
+    """Pure jnp MLA (``ops/mla/reference.py``); every platform; the specification, not fast.
+    Serves sparse MLA (``use_sparse=True``: per-token top-k positions) too."""
+
+    supports_sparse = True
 
     @staticmethod
     def get_name() -> str:

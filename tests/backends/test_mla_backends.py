@@ -17,7 +17,7 @@ from attn_jax.platforms import Platform
 from attn_jax.registry import AttentionBackendEnum as ABE
 from attn_jax.selector import explain_attn_backend_selection, get_attn_backend
 from attn_jax.testing.mla import make_mla_batch
-from tests.ops.mla_oracle import mla_prefill_oracle
+from tests.ops.mla_oracle import mla_prefill_oracle, sparse_mla_oracle
 
 CPU = Platform(kind="cpu", device_kind="cpu", num_devices=1)
 GPU = Platform(kind="gpu", device_kind="NVIDIA H100 80GB HBM3", num_devices=1)
@@ -115,3 +115,45 @@ def test_impl_rejects_unsupported_options():
     with pytest.raises(ValueError, match=r"head_size=40 must be kv_lora_rank \+ qk_rope_head_dim = 32 \+ 16 = 48"):
         XLAMLABackend.get_impl_cls()(H, 40, 0.1, kv_lora_rank=C, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
                                      v_head_dim=DV)  # fmt: skip
+
+
+def test_use_sparse_selection():
+    assert get_attn_backend(576, jnp.bfloat16, block_size=64, use_mla=True, use_sparse=True, platform=GPU) is (
+        PallasMLAGPUBackend
+    )
+    report = explain_attn_backend_selection(576, jnp.bfloat16, block_size=64, use_mla=True, use_sparse=True,
+                                            platform=TPU)  # fmt: skip
+    assert report.chosen is ABE.XLA_MLA
+    assert report.row(ABE.PALLAS_MLA_TPU).reasons == ["sparse attention is not supported"]
+
+
+@pytest.mark.parametrize("backend", [XLAMLABackend, PallasMLAGPUBackend])
+def test_sparse_forward_matches_oracle(backend):
+    rng = np.random.default_rng(12)
+    query_lens, seq_lens = [4, 1, 6], [4, 30, 21]
+    b = make_mla_batch(12, seq_lens=seq_lens, num_heads=H, kv_lora_rank=C, rope_dim=ROPE, block_size=S)
+    md = build_common_attn_metadata(query_lens, seq_lens, b.block_tables, S)
+    new = np.concatenate([lat[n - q :] for lat, q, n in zip(b.latents, query_lens, seq_lens, strict=True)])
+    pad = md.num_tokens - new.shape[0]
+    topk = np.full((md.num_tokens, 8), -1, np.int32)
+    row = 0
+    for q_len, n in zip(query_lens, seq_lens, strict=True):
+        for i in range(q_len):
+            chosen = rng.permutation(n - q_len + i + 1)[:8]
+            topk[row, : chosen.size] = chosen
+            row += 1
+    q = rng.standard_normal((md.num_tokens, H, NOPE + ROPE)).astype(np.float32)
+    w_uk = (rng.standard_normal((C, H, NOPE)) * C**-0.5).astype(np.float32)
+    w_uv = (rng.standard_normal((C, H, DV)) * C**-0.5).astype(np.float32)
+    impl = backend.get_impl_cls()(H, C + ROPE, 0.2, kv_lora_rank=C, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
+                                  v_head_dim=DV)  # fmt: skip
+    out, _ = impl.forward(
+        jnp.asarray(q), jnp.asarray(np.pad(new[:, :C], ((0, pad), (0, 0)))),
+        jnp.asarray(np.pad(new[:, C:], ((0, pad), (0, 0)))), b.kv_cache, _builder().build(0, md),
+        w_uk=jnp.asarray(w_uk), w_uv=jnp.asarray(w_uv), topk_positions=topk,
+    )  # fmt: skip
+    q_abs = np.concatenate([np.einsum("thd,chd->thc", q[..., :NOPE], w_uk), q[..., NOPE:]], axis=-1)
+    lat, _ = sparse_mla_oracle(q_abs, b.latents, topk, query_lens, kv_lora_rank=C, sm_scale=0.2)
+    want = np.einsum("thc,chd->thd", lat, w_uv)
+    n = sum(query_lens)
+    np.testing.assert_allclose(np.asarray(out)[:n], want[:n], atol=3e-5, rtol=3e-5)
