@@ -96,6 +96,7 @@ class MLAAttention:
             num_q_heads=num_heads,
         )  # fmt: skip
         self.metadata_builder = attn_backend.get_builder_cls()(self.kv_cache_spec)
+        self.k_scale = jnp.float32(1.0)  # an fp8 latent cache stores latent / k_scale (vLLM's default 1.0)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """``(num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)``."""
@@ -145,7 +146,9 @@ class MLAAttention:
             attn_metadata = self.metadata_builder.build(0, attn_metadata)
         w_uk, w_uv = self.split_kv_b_proj(kv_b_proj)
         sparse = {} if topk_positions is None else {"topk_positions": topk_positions}
-        out, kv_cache = self.impl.forward(q, kv_c_normed, k_pe, kv_cache, attn_metadata, w_uk=w_uk, w_uv=w_uv, **sparse)
+        out, kv_cache = self.impl.forward(
+            q, kv_c_normed, k_pe, kv_cache, attn_metadata, w_uk=w_uk, w_uv=w_uv, k_scale=self.k_scale, **sparse
+        )
         return out.reshape(num_tokens, self.num_heads * self.v_head_dim), kv_cache
 
     def __repr__(self) -> str:

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
+from attn_jax.backends.mla_pallas import PallasMLAGPUBackend
 from attn_jax.backends.mla_xla import XLAMLABackend
 from attn_jax.metadata import build_common_attn_metadata
 from attn_jax.mla_layer import MLAAttention
@@ -26,9 +28,10 @@ def test_selects_xla_mla_on_cpu_and_allocates_latent_cache():
     assert "backend=XLA_MLA" in repr(layer)
 
 
-def test_two_steps_prefill_then_decode_match_oracle():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_two_steps_prefill_then_decode_match_oracle(kv_cache_dtype):
     rng = np.random.default_rng(0)
-    layer = _layer()
+    layer = _layer(kv_cache_dtype=kv_cache_dtype)
     kv_b_proj = (rng.standard_normal((C, H * (NOPE + DV))) * C**-0.5).astype(np.float32)
     w = kv_b_proj.reshape(C, H, NOPE + DV)
     w_uk, w_uv = w[..., :NOPE], w[..., NOPE:]
@@ -46,6 +49,8 @@ def test_two_steps_prefill_then_decode_match_oracle():
         out, cache = layer(jnp.asarray(q), kv_c, k_pe, cache, md, jnp.asarray(kv_b_proj))
         assert out.shape == (md.num_tokens, H * DV)
         latents = [s[:n] for s, n in zip(seqs, seq_lens, strict=True)]
+        if kv_cache_dtype == "fp8":  # what the cache holds: e4m3-rounded latents (k_scale 1.0)
+            latents = [x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32) for x in latents]
         want, _ = mla_prefill_oracle(q.reshape(-1, H, NOPE + ROPE), latents, w_uk, w_uv, query_lens, sm_scale=scale)
         n = sum(query_lens)
         np.testing.assert_allclose(np.asarray(out)[:n], want[:n].reshape(n, -1), atol=3e-5, rtol=3e-5)
@@ -58,8 +63,8 @@ def test_errors_name_the_bad_value():
     with pytest.raises(TypeError, match=r"q.dtype=bfloat16 must be the layer's dtype=float32"):
         layer(jnp.zeros((2, H, NOPE + ROPE), jnp.bfloat16), jnp.zeros((2, C)), jnp.zeros((2, ROPE)),
               layer.init_kv_cache(2), None, jnp.zeros((C, H * (NOPE + DV))))  # fmt: skip
-    with pytest.raises(ValueError, match=r"attn_backend=XLA_MLA cannot serve this layer: kv_cache_dtype='fp8'"):
-        _layer(attn_backend=XLAMLABackend, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"attn_backend=PALLAS_MLA_GPU cannot serve this layer: head_size=48 is not"):
+        _layer(attn_backend=PallasMLAGPUBackend)
 
 
 def test_sparse_layer_needs_topk_positions_and_attends_to_them_only():

@@ -181,7 +181,7 @@ def test_forced_pallas_tpu_that_cannot_serve_lists_every_reason():
     assert msg.startswith("Forced attention backend PALLAS_TPU cannot serve head_size=128")
     assert "MLA is not supported; kv_cache_dtype='fp8' with block_size=16: fp8 pages need block_size >= 32" in msg
     assert "not in the priority list" not in msg  # forcing bypasses the priority list
-    assert msg.endswith("Usable backends here: none.")  # MLA: XLA cannot serve it either
+    assert msg.endswith("Usable backends here: XLA_MLA.")  # MLA: XLA cannot serve it, XLA_MLA can
 
 
 def test_forced_backend_beats_env(monkeypatch):

@@ -43,24 +43,26 @@ class _PallasMLAImpl(XLAMLAImpl):
 class PallasMLAGPUImpl(_PallasMLAImpl):
     backend_name, platform_kind = "PALLAS_MLA_GPU", "gpu"
 
-    def decode(self, q_abs, kv_cache, seq_lens, block_tables):
+    def decode(self, q_abs, kv_cache, seq_lens, block_tables, k_scale=None):
         return kernel_triton.mla_decode(q_abs, kv_cache, seq_lens, block_tables, sm_scale=self.scale,
-                                        kv_lora_rank=self.kv_lora_rank, interpret=self.interpret)  # fmt: skip
+                                        kv_lora_rank=self.kv_lora_rank, interpret=self.interpret,
+                                        k_scale=k_scale)  # fmt: skip
 
-    def sparse(self, q_abs, kv_cache, topk_positions, md):
+    def sparse(self, q_abs, kv_cache, topk_positions, md, k_scale=None):
         return sparse_kernel_triton.sparse_mla(
             q_abs, kv_cache, topk_positions, md.query_start_loc, md.seq_lens, md.block_tables, sm_scale=self.scale,
             kv_lora_rank=self.kv_lora_rank, interpret=self.interpret,
-            block_h=min(64, max(16, _pow2_at_least(self.num_heads))),
+            block_h=min(64, max(16, _pow2_at_least(self.num_heads))), k_scale=k_scale,
         )  # fmt: skip
 
 
 class PallasMLATPUImpl(_PallasMLAImpl):
     backend_name, platform_kind = "PALLAS_MLA_TPU", "tpu"
 
-    def decode(self, q_abs, kv_cache, seq_lens, block_tables):
+    def decode(self, q_abs, kv_cache, seq_lens, block_tables, k_scale=None):
         return kernel_tpu.mla_decode(q_abs, kv_cache, seq_lens, block_tables, sm_scale=self.scale,
-                                     kv_lora_rank=self.kv_lora_rank, interpret=self.interpret)  # fmt: skip
+                                     kv_lora_rank=self.kv_lora_rank, interpret=self.interpret,
+                                     k_scale=k_scale)  # fmt: skip
 
 
 class PallasMLAGPUBackend(MLACommonBackend):

@@ -32,8 +32,8 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-MLA_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
-"""Cache dtypes the MLA backends serve (an fp8 latent cache with a scale is not yet)."""
+MLA_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""Cache dtypes the MLA backends serve; an fp8 latent cache stores latent / k_scale."""
 
 
 @jax.tree_util.register_dataclass
@@ -170,16 +170,16 @@ class XLAMLAImpl(AttentionImpl[MLAMetadata]):
         self.kv_cache_dtype = validate_cache_dtype(kv_cache_dtype)
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
 
-    def decode(self, q_abs, kv_cache, seq_lens, block_tables):
+    def decode(self, q_abs, kv_cache, seq_lens, block_tables, k_scale=None):
         """Absorbed decode op: q_abs f[Rd, H, C + R] -> f[Rd, H, C]; overridden by the kernels."""
         return reference.mla_decode(q_abs, kv_cache, seq_lens, block_tables, sm_scale=self.scale,
-                                    kv_lora_rank=self.kv_lora_rank)  # fmt: skip
+                                    kv_lora_rank=self.kv_lora_rank, k_scale=k_scale)  # fmt: skip
 
-    def sparse(self, q_abs, kv_cache, topk_positions, md):
+    def sparse(self, q_abs, kv_cache, topk_positions, md, k_scale=None):
         """Sparse absorbed op over every row: q_abs f[T, H, C + R] -> f[T, H, C]; overridden by kernels."""
         return sparse_reference.sparse_mla(
             q_abs, kv_cache, topk_positions, md.query_start_loc, md.seq_lens, md.block_tables,
-            sm_scale=self.scale, kv_lora_rank=self.kv_lora_rank,
+            sm_scale=self.scale, kv_lora_rank=self.kv_lora_rank, k_scale=k_scale,
         )  # fmt: skip
 
     def forward(self, query, key, value, kv_cache, attn_metadata, k_scale=None, v_scale=None, *, w_uk, w_uv,
@@ -192,29 +192,29 @@ class XLAMLAImpl(AttentionImpl[MLAMetadata]):
                 f"attn_metadata is {type(md).__name__}; MLA backends need MLAMetadata from "
                 "MLAMetadataBuilder.build (MLAAttention builds it from CommonAttentionMetadata)"
             )
-        if k_scale is not None or v_scale is not None:
-            raise NotImplementedError("k_scale / v_scale: the fp8 latent cache is not supported yet (valid: None)")
+        if np.dtype(kv_cache.dtype).itemsize != 1:
+            k_scale = None  # only an fp8 latent cache is scaled; v_scale is unused (one latent, one scale)
         if self.kv_sharing_target_layer_name is None and key is not None:
             kv_cache = reference.write_latent_cache(kv_cache, key, value, md.slot_mapping,
-                                                    kv_lora_rank=self.kv_lora_rank)  # fmt: skip
+                                                    kv_lora_rank=self.kv_lora_rank, k_scale=k_scale)  # fmt: skip
         num_tokens = query.shape[0]
         precision = jax.lax.Precision.HIGHEST if query.dtype == jnp.float32 else None
         if topk_positions is not None:
             q_abs = self._absorb(query, w_uk, precision)
-            o_lat = self.sparse(q_abs, kv_cache, topk_positions, md)
+            o_lat = self.sparse(q_abs, kv_cache, topk_positions, md, k_scale)
             o = jnp.einsum("thc,chd->thd", o_lat, w_uv.astype(o_lat.dtype), precision=precision)
             return o.astype(query.dtype), kv_cache
         out = jnp.zeros((num_tokens, self.num_heads, self.v_head_dim), query.dtype)
         if md.num_decodes:
             q_abs = self._absorb(query[jnp.minimum(md.decode_rows, num_tokens - 1)], w_uk, precision)
-            o_lat = self.decode(q_abs, kv_cache, md.decode_seq_lens, md.decode_block_tables)
+            o_lat = self.decode(q_abs, kv_cache, md.decode_seq_lens, md.decode_block_tables, k_scale)
             o = jnp.einsum("thc,chd->thd", o_lat, w_uv.astype(o_lat.dtype), precision=precision)
             out = out.at[md.decode_rows].set(o.astype(out.dtype), mode="drop")
         if md.num_prefills:
             q = query[jnp.minimum(md.prefill_rows, num_tokens - 1)]
             o = mla_prefill_dense(
                 q, kv_cache, w_uk, w_uv, md.prefill_query_start_loc, md.prefill_seq_lens, md.prefill_block_tables,
-                sm_scale=self.scale, kv_lora_rank=self.kv_lora_rank, q_block=md.prefill_q_block,
+                sm_scale=self.scale, kv_lora_rank=self.kv_lora_rank, q_block=md.prefill_q_block, k_scale=k_scale,
             )  # fmt: skip
             out = out.at[md.prefill_rows].set(o.astype(out.dtype), mode="drop")
         return out, kv_cache
@@ -255,10 +255,12 @@ class MLACommonBackend(AttentionBackend):
 
     @staticmethod
     def write_to_kv_cache(kv_cache, key, value, slot_mapping, k_scale=None, v_scale=None):
-        """key = kv_c_normed f[T, C], value = k_pe f[T, R]: written as latent rows at slot_mapping."""
-        if k_scale is not None or v_scale is not None:
-            raise NotImplementedError("k_scale / v_scale: the fp8 latent cache is not supported yet (valid: None)")
-        return reference.write_latent_cache(kv_cache, key, value, slot_mapping, kv_lora_rank=key.shape[-1])
+        """key = kv_c_normed f[T, C], value = k_pe f[T, R]: written as latent rows at slot_mapping
+        (fp8 caches: latent / k_scale; v_scale is unused)."""
+        if np.dtype(kv_cache.dtype).itemsize != 1:
+            k_scale = None
+        return reference.write_latent_cache(kv_cache, key, value, slot_mapping, kv_lora_rank=key.shape[-1],
+                                            k_scale=k_scale)  # fmt: skip
 
     @classmethod
     def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla=False, has_sink=False,

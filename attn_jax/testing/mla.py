@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from attn_jax.kv_cache import dequantize_from_cache, quantize_to_cache
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class MLABatch:
@@ -65,8 +67,13 @@ def make_mla_batch(
     dtype=jnp.float32,
     spare_pages: int = 2,
     extra_table_pages: int = 1,
+    cache_dtype=None,
+    k_scale: float = 1.0,
 ) -> MLABatch:
-    """Random latents for requests of ``seq_lens`` tokens in a shuffled paged cache."""
+    """Random latents for requests of ``seq_lens`` tokens in a shuffled paged cache.
+
+    ``dtype``: q's and the cache's dtype, unless ``cache_dtype`` (e.g. fp8, storing latent /
+    ``k_scale``) is given; ``latents`` hold what the cache represents (dequantised)."""
     rng = np.random.default_rng(seed)
     lens = np.asarray(seq_lens, np.int32)
     width = kv_lora_rank + rope_dim
@@ -79,7 +86,8 @@ def make_mla_batch(
     latents, used = [], 0
     for r, n in enumerate(lens):
         lat = rng.standard_normal((int(n), width)).astype(np.float32)
-        lat = np.asarray(jnp.asarray(lat, dtype).astype(jnp.float32))  # what a `dtype` cache holds
+        stored = quantize_to_cache(jnp.asarray(lat, dtype), cache_dtype or dtype, k_scale)
+        lat = np.asarray(dequantize_from_cache(stored, k_scale))  # what the cache represents
         latents.append(lat)
         for p in range(pages_needed[r]):
             page = int(order[used])
@@ -88,8 +96,9 @@ def make_mla_batch(
             chunk = lat[p * block_size : (p + 1) * block_size]
             cache[page, : len(chunk)] = chunk
     q = rng.standard_normal((len(lens), num_heads, width)).astype(np.float32)
+    stored = quantize_to_cache(jnp.asarray(cache, jnp.float32), cache_dtype or dtype, k_scale)
     return MLABatch(
-        kv_cache=jnp.asarray(cache, dtype),
+        kv_cache=stored,
         seq_lens=lens,
         block_tables=table,
         latents=tuple(latents),

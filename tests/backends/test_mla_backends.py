@@ -39,13 +39,15 @@ def test_gpu_reasons_for_a_latent_width_the_kernel_cannot_tile():
     assert "serves only MLA layers" not in report.format()
 
 
-def test_mla_backends_refuse_other_layers_and_fp8():
+def test_mla_backends_refuse_other_layers_and_sinks():
     report = explain_attn_backend_selection(128, jnp.bfloat16, platform=TPU)
     assert report.chosen is ABE.PALLAS_TPU
     assert report.row(ABE.PALLAS_MLA_TPU).reasons == ["serves only MLA layers (use_mla=True)"]
     report = explain_attn_backend_selection(576, jnp.bfloat16, kv_cache_dtype="fp8", use_mla=True, platform=CPU)
+    assert report.chosen is ABE.XLA_MLA  # the fp8 latent cache (latent / k_scale)
+    report = explain_attn_backend_selection(576, jnp.bfloat16, use_mla=True, has_sink=True, platform=CPU)
     assert report.chosen is None
-    assert any(r.startswith("kv_cache_dtype='fp8' is not supported") for r in report.row(ABE.XLA_MLA).reasons)
+    assert report.row(ABE.XLA_MLA).reasons == ["attention sinks are not supported"]
 
 
 def test_latent_cache_shape():

@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_jax.kv_cache import dequantize_from_cache
 from attn_jax.ops.mla.reference import softmax_rows
-from attn_jax.ops.mla.validate import dynamic_validate, is_concrete, static_validate_prefill
+from attn_jax.ops.mla.validate import check_scale, dynamic_validate, is_concrete, static_validate_prefill
 
 
 def mla_prefill_dense(
@@ -30,12 +31,14 @@ def mla_prefill_dense(
     kv_lora_rank: int,
     q_block: int,
     causal: bool = True,
+    k_scale=None,  # f32[] | None: required for fp8 caches
 ):
     """``reference.mla_prefill``'s contract (without the LSE); every request's query length
     must be at most ``q_block`` (checked when the metadata is concrete). Returns f[T, H, Dv]."""
     static_validate_prefill(
         q, kv_cache, w_uk, w_uv, query_start_loc, seq_lens, block_tables, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank
     )
+    check_scale(kv_cache, k_scale)
     num_blocks, block_size, width = kv_cache.shape
     if is_concrete(query_start_loc, seq_lens, block_tables):
         dynamic_validate(seq_lens, block_tables, num_blocks=num_blocks, block_size=block_size,
@@ -56,7 +59,7 @@ def mla_prefill_dense(
 
     def one_request(r):
         start, qlen, kv_len = qsl[r], qsl[r + 1] - qsl[r], lens[r]
-        latent = jnp.asarray(kv_cache)[pages[r]].reshape(max_len, width).astype(dtype)
+        latent = dequantize_from_cache(jnp.asarray(kv_cache)[pages[r]], k_scale, dtype).reshape(max_len, width)
         j = jnp.arange(max_len)
         in_ctx = j < kv_len
         latent = jnp.where(in_ctx[:, None], latent, jnp.zeros((), dtype))  # unused slots may be NaN

@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from attn_jax.ops.mla.kernel_triton import MASK_VALUE, combine_splits
+from attn_jax.ops.mla.reference import fold_fp8_scale
 from attn_jax.ops.mla.validate import dynamic_validate, is_concrete, static_validate_decode
 
 
@@ -79,6 +80,7 @@ def mla_decode(
     return_lse: bool = False,
     interpret: bool | None = None,
     num_kv_splits: int = 1,
+    k_scale=None,  # f32[] | None: required for fp8 caches (folded into q and the output)
 ):
     """``reference.mla_decode``'s contract as a Pallas TPU kernel. ``interpret=None`` compiles
     for a TPU when the default backend is one and runs the TPU interpreter
@@ -97,10 +99,13 @@ def mla_decode(
         raise ValueError(f"num_kv_splits={num_kv_splits!r} must be an int >= 1")
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
+    q, out_scale = fold_fp8_scale(q, kv_cache, k_scale)
     out, lse = _decode(
         q, kv_cache, jnp.asarray(seq_lens), jnp.asarray(block_tables), sm_scale=float(sm_scale),
         kv_lora_rank=int(kv_lora_rank), num_kv_splits=num_kv_splits, interpret=bool(interpret),
     )  # fmt: skip
+    if out_scale is not None:
+        out = (out.astype(jnp.float32) * out_scale).astype(out.dtype)
     return (out, lse) if return_lse else out
 
 

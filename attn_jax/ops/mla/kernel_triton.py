@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from attn_jax.ops.mla.reference import fold_fp8_scale
 from attn_jax.ops.mla.validate import dynamic_validate, is_concrete, static_validate_decode
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -168,6 +169,7 @@ def mla_decode(
     return_lse: bool = False,
     interpret: bool | None = None,
     block_sizes: MLADecodeBlockSizes | None = None,
+    k_scale=None,  # f32[] | None: required for fp8 caches (folded into q and the output)
 ):
     """``reference.mla_decode``'s contract as a Pallas GPU kernel. ``interpret=None`` runs
     compiled on a GPU and in the Pallas interpreter elsewhere; ``block_sizes`` default to
@@ -188,10 +190,13 @@ def mla_decode(
     check_block_sizes(bs, kv_lora_rank=kv_lora_rank, rope_dim=width - kv_lora_rank, page_size=page_size)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    q, out_scale = fold_fp8_scale(q, kv_cache, k_scale)
     out, lse = _decode(
         q, kv_cache, jnp.asarray(seq_lens), jnp.asarray(block_tables),
         sm_scale=float(sm_scale), kv_lora_rank=int(kv_lora_rank), bs=bs, interpret=bool(interpret),
     )  # fmt: skip
+    if out_scale is not None:
+        out = (out.astype(jnp.float32) * out_scale).astype(out.dtype)
     return (out, lse) if return_lse else out
 
 

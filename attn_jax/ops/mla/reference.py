@@ -15,7 +15,8 @@ The specification the MLA kernels are tested against; clear, not fast. The cache
 Both optionally return the log-sum-exp f32 per (row, head) (natural log of the softmax
 denominator of the scaled scores; -inf for a row that sees nothing), so partial results
 merge as ``merge_attn_states`` does. Softmax and accumulation in float32; rows that see
-no key give 0; unused cache slots (NaN included) never reach an output.
+no key give 0; unused cache slots (NaN included) never reach an output. An fp8 cache
+(e4m3, e5m2) stores ``latent / k_scale``; every op on it takes ``k_scale`` (ValueError without).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from attn_jax.kv_cache import dequantize_from_cache, quantize_to_cache
 from attn_jax.ops.mla.validate import (
+    check_scale,
     dynamic_validate,
     dynamic_validate_slots,
     is_concrete,
@@ -35,19 +38,21 @@ from attn_jax.ops.mla.validate import (
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def write_latent_cache(kv_cache, kv_c, k_pe, slot_mapping, *, kv_lora_rank: int):
+def write_latent_cache(kv_cache, kv_c, k_pe, slot_mapping, *, kv_lora_rank: int, k_scale=None):
     """Returns ``kv_cache`` [P, S, C + R] with token t's ``[kv_c[t] | k_pe[t]]`` at flat slot
     ``slot_mapping[t]`` (page ``slot // S``, offset ``slot % S``); slot -1 writes nothing.
 
     kv_c f[T, C] (already normalised: ``kv_a_layernorm``), k_pe f[T, R] (already rotated).
-    Cast to the cache dtype; a scatter, in place under ``jit`` with the cache donated.
+    Cast to the cache dtype (fp8: ``latent / k_scale``, clipped); a scatter, in place under
+    ``jit`` with the cache donated.
     """
     static_validate_write(kv_cache, kv_c, k_pe, slot_mapping, kv_lora_rank=kv_lora_rank)
+    check_scale(kv_cache, k_scale)
     num_blocks, block_size, width = kv_cache.shape
     num_slots = num_blocks * block_size
     if is_concrete(slot_mapping):
         dynamic_validate_slots(slot_mapping, num_slots=num_slots)
-    rows = jnp.concatenate([kv_c, k_pe], axis=-1).astype(kv_cache.dtype)  # [T, C + R]
+    rows = quantize_to_cache(jnp.concatenate([kv_c, k_pe], axis=-1), kv_cache.dtype, k_scale)  # [T, C + R]
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range: dropped
     flat = jnp.asarray(kv_cache).reshape(num_slots, width).at[slots].set(rows, mode="drop")
     return flat.reshape(kv_cache.shape)
@@ -68,6 +73,17 @@ def softmax_rows(s, visible, values):
     return out, lse
 
 
+def fold_fp8_scale(q, kv_cache, k_scale):
+    """(q, out_scale) for a kernel that reads raw cache entries: with an fp8 cache,
+    ``q . (c * k_scale) = (q * k_scale) . c`` and ``sum p (c * k_scale) = k_scale * sum p c``,
+    so the kernel takes ``q * k_scale`` and its output is multiplied by ``out_scale``."""
+    check_scale(kv_cache, k_scale)
+    if jnp.dtype(kv_cache.dtype).itemsize != 1:
+        return q, None
+    scale = jnp.asarray(k_scale, jnp.float32).reshape(())
+    return (q.astype(jnp.float32) * scale).astype(q.dtype), scale
+
+
 def mla_decode(
     q,  # f[R, H, C + Rope]: [q_nope @ W_UK | q_pe] of each request's one decode token
     kv_cache,  # [P, S, C + Rope]
@@ -77,6 +93,7 @@ def mla_decode(
     sm_scale: float,
     kv_lora_rank: int,
     return_lse: bool = False,
+    k_scale=None,  # f32[] | None: required for fp8 caches (they store latent / k_scale)
 ):
     """Absorbed MLA decode (MQA over the latent). Returns out f[R, H, C] in q's dtype, and
     with ``return_lse`` also lse f32[R, H].
@@ -89,13 +106,14 @@ def mla_decode(
         out = mla_decode(q, kv_cache, seq_lens, block_tables, sm_scale=192**-0.5, kv_lora_rank=512)
     """
     static_validate_decode(q, kv_cache, seq_lens, block_tables, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank)
+    check_scale(kv_cache, k_scale)
     num_blocks, block_size, width = kv_cache.shape
     if is_concrete(seq_lens, block_tables):
         dynamic_validate(seq_lens, block_tables, num_blocks=num_blocks, block_size=block_size)
     num_reqs, pages_per_req = block_tables.shape
     max_len = pages_per_req * block_size
     pages = jnp.clip(jnp.asarray(block_tables), 0, num_blocks - 1)  # unused entries may hold anything
-    latent = jnp.asarray(kv_cache)[pages].reshape(num_reqs, max_len, width).astype(jnp.float32)
+    latent = dequantize_from_cache(jnp.asarray(kv_cache)[pages], k_scale).reshape(num_reqs, max_len, width)
     visible = jnp.arange(max_len)[None, :] < jnp.asarray(seq_lens)[:, None]  # bool[R, L]
     s = jnp.einsum("rhw,rlw->rhl", q.astype(jnp.float32), latent, precision=_HIGHEST) * sm_scale
     values = jnp.where(visible[..., None], latent[..., :kv_lora_rank], 0.0)
@@ -117,6 +135,7 @@ def mla_prefill(
     kv_lora_rank: int,
     causal: bool = True,
     return_lse: bool = False,
+    k_scale=None,  # f32[] | None: required for fp8 caches
 ):
     """Up-projected MLA over ragged requests with cached context. Returns out f[T, H, Dv] in
     q's dtype, and with ``return_lse`` also lse f32[T, H].
@@ -135,6 +154,7 @@ def mla_prefill(
     static_validate_prefill(
         q, kv_cache, w_uk, w_uv, query_start_loc, seq_lens, block_tables, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank
     )
+    check_scale(kv_cache, k_scale)
     num_blocks, block_size, width = kv_cache.shape
     if is_concrete(query_start_loc, seq_lens, block_tables):
         dynamic_validate(
@@ -156,7 +176,7 @@ def mla_prefill(
 
     def one_row(args):
         q_row, r, p, is_real = args
-        latent = jnp.asarray(kv_cache)[pages[r]].reshape(max_len, width).astype(jnp.float32)
+        latent = dequantize_from_cache(jnp.asarray(kv_cache)[pages[r]], k_scale).reshape(max_len, width)
         j = jnp.arange(max_len)
         visible = is_real & (j < lens[r])
         if causal:

@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from attn_jax.ops.mla.kernel_triton import MASK_VALUE, is_pow2
+from attn_jax.ops.mla.reference import fold_fp8_scale
 from attn_jax.ops.mla.sparse_reference import token_positions, validate_topk_positions
 from attn_jax.ops.mla.validate import check_index, check_latent_cache, dynamic_validate, is_concrete
 
@@ -90,6 +91,7 @@ def sparse_mla(
     block_h: int = 64,
     block_k: int = 64,
     num_warps: int = 8,
+    k_scale=None,  # f32[] | None: required for fp8 caches (folded into q and the output)
 ):
     """``sparse_reference.sparse_mla`` as a Pallas GPU kernel; ``interpret=None`` compiles on a
     GPU and interprets elsewhere. ``block_h`` (heads per program) and ``block_k`` (positions
@@ -114,11 +116,14 @@ def sparse_mla(
     req, _, real = token_positions(query_start_loc, seq_lens, num_tokens)
     num_reqs = seq_lens.shape[0]
     req = jnp.where(real, req, num_reqs).astype(jnp.int32)
+    q, out_scale = fold_fp8_scale(q, kv_cache, k_scale)
     out, lse = _sparse(
         req, jnp.asarray(topk_positions), jnp.asarray(block_tables), q, kv_cache, sm_scale=float(sm_scale),
         kv_lora_rank=int(kv_lora_rank), block_h=block_h, block_k=block_k, num_warps=num_warps,
         interpret=bool(interpret),
     )  # fmt: skip
+    if out_scale is not None:
+        out = (out.astype(jnp.float32) * out_scale).astype(out.dtype)
     return (out, lse) if return_lse else out
 
 

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_jax.kv_cache import dequantize_from_cache
 from attn_jax.ops.mla.reference import softmax_rows
-from attn_jax.ops.mla.validate import check_index, check_latent_cache, dynamic_validate, is_concrete
+from attn_jax.ops.mla.validate import check_index, check_latent_cache, check_scale, dynamic_validate, is_concrete
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -62,6 +63,7 @@ def sparse_mla(
     sm_scale: float,
     kv_lora_rank: int,
     return_lse: bool = False,
+    k_scale=None,  # f32[] | None: required for fp8 caches
 ):
     """Sparse absorbed MLA: token t attends to the latent rows at ``topk_positions[t]`` of its
     request (-1 entries skipped; a row with none gives 0, lse -inf). Returns out f[T, H, C] in
@@ -69,6 +71,7 @@ def sparse_mla(
     """
     width = kv_cache.shape[2]
     check_latent_cache(kv_cache, kv_lora_rank)
+    check_scale(kv_cache, k_scale)
     if q.ndim != 3 or q.shape[2] != width:
         raise ValueError(f"q.shape={tuple(q.shape)} must be [num_tokens, num_heads, {width}] (the absorbed query)")
     check_index("topk_positions", topk_positions, 2)
@@ -86,7 +89,7 @@ def sparse_mla(
     tables = jnp.asarray(block_tables)
     safe = jnp.maximum(idx, 0)
     page = jnp.clip(jnp.take_along_axis(tables[req], safe // block_size, axis=1), 0, num_blocks - 1)
-    latent = jnp.asarray(kv_cache)[page, safe % block_size].astype(jnp.float32)  # f32[T, K, C + R]
+    latent = dequantize_from_cache(jnp.asarray(kv_cache)[page, safe % block_size], k_scale)  # f32[T, K, C + R]
     s = jnp.einsum("thw,tkw->thk", q.astype(jnp.float32), latent, precision=_HIGHEST) * sm_scale
     values = jnp.where(valid[..., None], latent[..., :kv_lora_rank], 0.0)
     out, lse = softmax_rows(s, valid[:, None, :], values)

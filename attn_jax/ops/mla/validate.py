@@ -9,6 +9,7 @@ token holding the compressed ``c_kv`` then the shared rotary key ``k_pe``, no he
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from attn_jax.metadata import (
@@ -20,8 +21,8 @@ from attn_jax.metadata import (
 )
 from attn_jax.types import ACTIVATION_DTYPES, validate_positive_finite
 
-CACHE_DTYPES: tuple[np.dtype, ...] = ACTIVATION_DTYPES
-"""Latent cache dtypes served so far (an fp8 latent cache with a scale is not yet)."""
+CACHE_DTYPES: tuple[np.dtype, ...] = (*ACTIVATION_DTYPES, np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+"""Latent cache dtypes: the activation dtypes, and fp8 (the cache stores latent / k_scale)."""
 
 _INDEX = np.dtype(np.int32)
 
@@ -55,6 +56,16 @@ def check_latent_cache(kv_cache, kv_lora_rank: int) -> int:
             f"{width} wide = kv_lora_rank + qk_rope_head_dim, with qk_rope_head_dim >= 1"
         )
     return width - int(kv_lora_rank)
+
+
+def check_scale(kv_cache, k_scale) -> None:
+    """An fp8 latent cache needs its scale: ValueError naming the dtype when ``k_scale`` is None
+    (other caches ignore it, as vLLM ignores k_scale for unquantised caches)."""
+    if np.dtype(kv_cache.dtype).itemsize == 1 and k_scale is None:
+        raise ValueError(
+            f"kv_cache.dtype={np.dtype(kv_cache.dtype)} is fp8: pass k_scale (an f32 scalar; the cache "
+            "stores latent / k_scale, e.g. 1.0)"
+        )
 
 
 def _check_query(q, last: int, meaning: str) -> None:
