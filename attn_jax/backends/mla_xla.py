@@ -121,6 +121,29 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
         """``build``: its shapes already depend only on the bucket and the parts present."""
         return self.build(0, common_attn_metadata)
 
+    @property
+    def supports_decode_advance(self) -> bool:
+        return True
+
+    def advance_decode(self, metadata: MLAMetadata, steps, active) -> MLAMetadata:
+        """A decode batch ``steps`` i32[R] tokens later (the engine's multi-step decoding): every
+        request of such a batch is a decode, so decode entry r is request r and token row r."""
+        seq_lens = metadata.seq_lens + steps
+        num_reqs, num_tokens = seq_lens.shape[0], metadata.slot_mapping.shape[0]
+        rows = jnp.arange(num_tokens)
+        req = jnp.minimum(rows, num_reqs - 1)
+        position = jnp.maximum(seq_lens[req] - 1, 0)
+        block_size = self.kv_cache_spec.block_size
+        page = jnp.take_along_axis(metadata.block_tables[req], (position // block_size)[:, None], axis=1)[:, 0]
+        write = (rows < num_reqs) & active[req] & (metadata.slot_mapping >= 0)
+        slot_mapping = jnp.where(write, page * block_size + position % block_size, -1).astype(jnp.int32)
+        nd = metadata.decode_seq_lens.shape[0]
+        decode_lens = jnp.where(metadata.decode_seq_lens > 0, metadata.decode_seq_lens + steps[:nd], 0)
+        return dataclasses.replace(
+            metadata, seq_lens=seq_lens.astype(jnp.int32), slot_mapping=slot_mapping,
+            decode_seq_lens=decode_lens.astype(jnp.int32),
+        )  # fmt: skip
+
 
 class XLAMLAImpl(AttentionImpl[MLAMetadata]):
     """MLA forward (vLLM's ``MLACommonImpl``): write latents, absorbed decodes, up-projected prefills.

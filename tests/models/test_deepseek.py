@@ -79,14 +79,23 @@ def test_greedy_loop_matches_transformers(models):
     assert len({t for w in want for t in w}) > 3  # the random model does not repeat one token
 
 
-def test_engine_serves_it_with_transformers_tokens(models):
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_engine_serves_it_with_transformers_tokens(models, num_scheduler_steps):
     model, params, want = models
     engine = Engine(
         model, params, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, num_blocks=8,
-        buckets=MetadataBuckets((16,), (2,), (4,)),
+        buckets=MetadataBuckets((16,), (2,), (4,)), num_scheduler_steps=num_scheduler_steps,
     )  # fmt: skip
-    outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    builder = model.attn.metadata_builder
+    advanced = []
+    original = builder.advance_decode
+    builder.advance_decode = lambda *a: advanced.append(1) or original(*a)  # traced once per multi-step compile
+    try:
+        outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    finally:
+        del builder.advance_decode
     assert [c.output_ids for c in outputs] == want
+    assert bool(advanced) == (num_scheduler_steps > 1)  # multi-step decoding ran through advance_decode
 
 
 def test_moe_config_is_refused():
