@@ -10,7 +10,8 @@ Implementations: ``pallas_mla_gpu`` (ops/mla/kernel_triton.py; default block siz
 sweep with --sweep) and ``xla_reference`` (the jnp reference); each row has the median
 time, GB/s, TFLOP/s, % of the binding floor and the relative L2 error against the
 reference computed in float32 on the same inputs. MLA-P1 (4 x 4096 causal prefill, 16
-heads, q/k 192, v 128) runs the backends' jnp prefill (``xla_mla_dense``) and cuDNN on the
+heads, q/k 192, v 128) runs the Triton prefill (ops/mla/prefill_triton.py, a few block
+sizes), the jnp prefill (``xla_mla_dense``) and cuDNN on the
 up-projected dense k/v (v zero-padded to 192: jax.nn's API takes one head size) as a peer,
 against the FLOPs floor.
 
@@ -96,6 +97,7 @@ def prefill_rows(spec, ceilings) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
+    from attn_jax.ops.mla import prefill_triton
     from attn_jax.ops.mla.dense import mla_prefill_dense
 
     nope, dv, h, n, r = 128, 128, spec.num_heads, spec.query_len, spec.num_reqs
@@ -113,7 +115,7 @@ def prefill_rows(spec, ceilings) -> list[dict]:
     floor_s = max(nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["matmul_flops_per_s"])
     print(f"{spec.name}: {flops / 1e12:.3f} TFLOP (causal pairs), floor {floor_s * 1e6:.1f} us (compute-bound)")
     dense = jax.jit(functools.partial(mla_prefill_dense, sm_scale=scale, kv_lora_rank=spec.kv_lora_rank, q_block=n))
-    out = []
+    out, refs = [], []
 
     def row(impl, fn, *args):
         try:
@@ -121,12 +123,23 @@ def prefill_rows(spec, ceilings) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - a failing peer is a line, not the end of the run
             print(f"  {impl}: failed: {type(e).__name__}: {str(e)[:200]}")
             return None
-        print(f"  {impl:16s} {t * 1e6:9.1f} us {flops / t / 1e12:6.1f} TFLOP/s {100 * floor_s / t:5.1f}% of floor")
+        result = jnp.asarray(fn(*args), jnp.float32)[..., :dv].reshape(r * n, h, dv)
+        if not refs:
+            refs.append(result)  # the first row (xla_mla_dense) is the others' reference
+        err = float(jnp.linalg.norm(result - refs[0]) / jnp.linalg.norm(refs[0]))
+        print(f"  {impl:16s} {t * 1e6:9.1f} us {flops / t / 1e12:6.1f} TFLOP/s {100 * floor_s / t:5.1f}% of floor"
+              f"  rel L2 vs xla_mla_dense {err:.1e}")  # fmt: skip
         out.append({"workload": spec.name, "impl": impl, "time_us": t * 1e6, "tflop_per_s": flops / t / 1e12,
-                    "pct_of_floor": 100 * floor_s / t, "bound": "compute"})  # fmt: skip
+                    "pct_of_floor": 100 * floor_s / t, "bound": "compute", "rel_l2_vs_xla_mla_dense": err})  # fmt: skip
         return t
 
     row("xla_mla_dense", dense, q, cache, w_uk, w_uv, qsl, lens, table)
+    for bq, bk, warps, stages in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 3)):
+        kernel = jax.jit(functools.partial(
+            prefill_triton.mla_prefill, sm_scale=scale, kv_lora_rank=spec.kv_lora_rank, q_block=n, block_q=bq,
+            block_k=bk, num_warps=warps, num_stages=stages,
+        ))  # fmt: skip
+        row(f"pallas_mla_gpu bq{bq} bk{bk} w{warps} s{stages}", kernel, q, cache, w_uk, w_uv, qsl, lens, table)
     latent = cache[table].reshape(r, n, -1)
     c_kv, k_pe = latent[..., : spec.kv_lora_rank], latent[..., spec.kv_lora_rank :]
     k = jnp.concatenate([jnp.einsum("rlc,chd->rlhd", c_kv, w_uk),

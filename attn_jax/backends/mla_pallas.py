@@ -1,10 +1,12 @@
 """The PALLAS_MLA_GPU and PALLAS_MLA_TPU backends: MLA with the decode as a Pallas kernel.
 
 Decodes (the absorbed MQA over the latent cache) run in ``ops/mla/kernel_triton.py`` (GPU,
-Triton lowering) or ``ops/mla/kernel_tpu.py`` (Mosaic TPU); prefills, the latent write and
-the metadata are ``mla_xla``'s (the up-projected prefill is jnp, ``ops/mla/dense.py``, until the
-ragged kernel serves q/k and v head sizes that differ). Forced where their hardware is
-absent they run the kernel in the Pallas interpreter, with a logged warning.
+Triton lowering) or ``ops/mla/kernel_tpu.py`` (Mosaic TPU). On GPU, prefills run in
+``ops/mla/prefill_triton.py`` (up-projection in XLA, attention with q/k and v head sizes that
+differ in a Triton kernel) and sparse MLA in ``sparse_kernel_triton.py``; on TPU prefills are
+``mla_xla``'s jnp (``ops/mla/dense.py``). The latent write and the metadata are ``mla_xla``'s.
+Forced where their hardware is absent they run the kernels in the Pallas interpreter, with a
+logged warning.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 from typing import ClassVar
 
 from attn_jax.backends.mla_xla import MLACommonBackend, XLAMLAImpl
-from attn_jax.ops.mla import kernel_tpu, kernel_triton, sparse_kernel_triton
+from attn_jax.ops.mla import kernel_tpu, kernel_triton, prefill_triton, sparse_kernel_triton
 from attn_jax.platforms import current_platform
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,23 @@ class _PallasMLAImpl(XLAMLAImpl):
 
 class PallasMLAGPUImpl(_PallasMLAImpl):
     backend_name, platform_kind = "PALLAS_MLA_GPU", "gpu"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        dims = (self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+        self.triton_prefill = all(d >= 16 and d & (d - 1) == 0 for d in dims)
+        if not self.triton_prefill:
+            logger.warning("PALLAS_MLA_GPU: qk_nope/qk_rope/v head dims %s are not all powers of two >= 16: "
+                           "prefills run in jnp (ops/mla/dense.py), not the Triton prefill kernel", dims)  # fmt: skip
+
+    def prefill(self, q, kv_cache, w_uk, w_uv, md, k_scale=None):
+        if not self.triton_prefill:
+            return super().prefill(q, kv_cache, w_uk, w_uv, md, k_scale)
+        return prefill_triton.mla_prefill(
+            q, kv_cache, w_uk, w_uv, md.prefill_query_start_loc, md.prefill_seq_lens, md.prefill_block_tables,
+            sm_scale=self.scale, kv_lora_rank=self.kv_lora_rank, q_block=md.prefill_q_block, k_scale=k_scale,
+            interpret=self.interpret, block_q=min(64, max(16, md.prefill_q_block)),
+        )  # fmt: skip
 
     def decode(self, q_abs, kv_cache, seq_lens, block_tables, k_scale=None):
         return kernel_triton.mla_decode(q_abs, kv_cache, seq_lens, block_tables, sm_scale=self.scale,

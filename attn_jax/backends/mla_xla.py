@@ -198,6 +198,13 @@ class XLAMLAImpl(AttentionImpl[MLAMetadata]):
         return reference.mla_decode(q_abs, kv_cache, seq_lens, block_tables, sm_scale=self.scale,
                                     kv_lora_rank=self.kv_lora_rank, k_scale=k_scale)  # fmt: skip
 
+    def prefill(self, q, kv_cache, w_uk, w_uv, md, k_scale=None):
+        """Up-projected prefill of the compacted prefill rows q f[Tp, H, nope + R] -> f[Tp, H, Dv]."""
+        return mla_prefill_dense(
+            q, kv_cache, w_uk, w_uv, md.prefill_query_start_loc, md.prefill_seq_lens, md.prefill_block_tables,
+            sm_scale=self.scale, kv_lora_rank=self.kv_lora_rank, q_block=md.prefill_q_block, k_scale=k_scale,
+        )  # fmt: skip
+
     def sparse(self, q_abs, kv_cache, topk_positions, md, k_scale=None):
         """Sparse absorbed op over every row: q_abs f[T, H, C + R] -> f[T, H, C]; overridden by kernels."""
         return sparse_reference.sparse_mla(
@@ -235,10 +242,7 @@ class XLAMLAImpl(AttentionImpl[MLAMetadata]):
             out = out.at[md.decode_rows].set(o.astype(out.dtype), mode="drop")
         if md.num_prefills:
             q = query[jnp.minimum(md.prefill_rows, num_tokens - 1)]
-            o = mla_prefill_dense(
-                q, kv_cache, w_uk, w_uv, md.prefill_query_start_loc, md.prefill_seq_lens, md.prefill_block_tables,
-                sm_scale=self.scale, kv_lora_rank=self.kv_lora_rank, q_block=md.prefill_q_block, k_scale=k_scale,
-            )  # fmt: skip
+            o = self.prefill(q, kv_cache, w_uk, w_uv, md, k_scale)
             out = out.at[md.prefill_rows].set(o.astype(out.dtype), mode="drop")
         return out, kv_cache
 
