@@ -112,9 +112,10 @@ def test_error_prefill_head_sizes():
         mla_prefill(q[..., :40], cache, w_uk, w_uv[:16], qsl, lens, table, sm_scale=0.1, kv_lora_rank=C)
 
 
-def test_error_index_dtype_and_fp8_cache():
+def test_error_index_dtype_and_cache_dtype():
     b, (q, cache, lens, table) = _decode_args()
     with pytest.raises(TypeError, match="seq_lens has dtype int64; it must be an int32 array"):
         mla_decode(q, cache, lens.astype(np.int64), table, sm_scale=0.1, kv_lora_rank=C)
-    with pytest.raises(TypeError, match=r"kv_cache.dtype=float8_e4m3fn is not supported. Valid dtypes are: float32"):
-        mla_decode(q, cache.astype(jnp.float8_e4m3fn), lens, table, sm_scale=0.1, kv_lora_rank=C)
+    with pytest.raises(TypeError, match=r"kv_cache.dtype=int8 is not supported. Valid dtypes are: float32, bfloat16, "
+                                        r"float16, float8_e4m3fn, float8_e5m2"):  # fmt: skip
+        mla_decode(q, cache.astype(jnp.int8), lens, table, sm_scale=0.1, kv_lora_rank=C)
