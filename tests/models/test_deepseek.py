@@ -102,3 +102,35 @@ def test_moe_config_is_refused():
     config = transformers.DeepseekV3Config(num_hidden_layers=4, first_k_dense_replace=1)
     with pytest.raises(ValueError, match=r"first_k_dense_replace=1 < num_hidden_layers=4: layers past it are"):
         DeepSeekConfig.from_hf(config)
+
+
+@pytest.mark.slow
+def test_engine_with_pallas_mla_gpu_kernels_gives_transformers_tokens():
+    """The same through PALLAS_MLA_GPU (the Triton decode and prefill kernels; in the
+    interpreter on a CPU, compiled on a GPU), on a config whose latent row splits into powers
+    of two as the kernels need (kv_lora_rank 64 + rope 64, nope 32, v 32)."""
+    from attn_jax.backends.mla_pallas import PallasMLAGPUBackend
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=64,
+        v_head_dim=32, first_k_dense_replace=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    hf = transformers.DeepseekV3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 else torch.randn_like(p) * p.shape[-1] ** -0.5)
+        want = []
+        for prompt in PROMPTS:
+            ids = list(prompt)
+            for _ in range(4):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            want.append(ids[len(prompt) :])
+    model = DeepSeekModel(DeepSeekConfig.from_hf(config), block_size=16, attn_backend=PallasMLAGPUBackend)
+    engine = Engine(
+        model, params_from_hf(hf), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, num_blocks=8,
+        buckets=MetadataBuckets((16,), (2,), (4,)),
+    )  # fmt: skip
+    outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert [c.output_ids for c in outputs] == want
