@@ -45,8 +45,8 @@ class MLAMetadata:
     have one entry per request slot of the batch (padding: row T, seq_len 0) or none when
     the batch has no decode; the prefill part is the batch's prefill requests compacted
     (padding requests: no tokens), its rows padded with T to the batch's token count, or
-    empty when there is no prefill. So shapes depend only on the bucket and on which parts
-    are present.
+    empty when there is no prefill. So shapes, and the jit key, depend only on the bucket,
+    on which parts are present and on ``prefill_q_block``, never on the counts.
     """
 
     slot_mapping: Array  # i32[T]: where each new latent goes (-1: not written)
@@ -60,8 +60,10 @@ class MLAMetadata:
     prefill_query_start_loc: Array  # i32[Rp + 1] over prefill_rows
     prefill_seq_lens: Array  # i32[Rp]
     prefill_block_tables: Array  # i32[Rp, pages_per_req]
-    num_decodes: int = dataclasses.field(metadata=dict(static=True))
-    num_prefills: int = dataclasses.field(metadata=dict(static=True))
+    num_decodes: Array  # i32[]: decodes of the batch (data, not part of the jit key)
+    num_prefills: Array  # i32[]
+    has_decodes: bool = dataclasses.field(metadata=dict(static=True))  # the part's shapes exist
+    has_prefills: bool = dataclasses.field(metadata=dict(static=True))
     prefill_q_block: int = dataclasses.field(default=0, metadata=dict(static=True))
     """Query rows per prefill request block (``dense.mla_prefill_dense``): the power of two
     >= the longest prefill; 0 without prefills."""
@@ -113,7 +115,8 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
             decode_rows=decode_rows, decode_seq_lens=decode_lens,
             decode_block_tables=decode_table, prefill_rows=prefill_rows, prefill_query_start_loc=prefill_qsl,
             prefill_seq_lens=prefill_lens, prefill_block_tables=prefill_table,
-            num_decodes=int(decodes.size), num_prefills=int(prefills.size),
+            num_decodes=np.int32(decodes.size), num_prefills=np.int32(prefills.size),
+            has_decodes=bool(decodes.size), has_prefills=bool(prefills.size),
             prefill_q_block=next_pow2(int(qlens[prefills].max())) if prefills.size else 0,
         )  # fmt: skip
 
@@ -235,12 +238,12 @@ class XLAMLAImpl(AttentionImpl[MLAMetadata]):
             o = jnp.einsum("thc,chd->thd", o_lat, w_uv.astype(o_lat.dtype), precision=precision)
             return o.astype(query.dtype), kv_cache
         out = jnp.zeros((num_tokens, self.num_heads, self.v_head_dim), query.dtype)
-        if md.num_decodes:
+        if md.has_decodes:
             q_abs = self._absorb(query[jnp.minimum(md.decode_rows, num_tokens - 1)], w_uk, precision)
             o_lat = self.decode(q_abs, kv_cache, md.decode_seq_lens, md.decode_block_tables, k_scale)
             o = jnp.einsum("thc,chd->thd", o_lat, w_uv.astype(o_lat.dtype), precision=precision)
             out = out.at[md.decode_rows].set(o.astype(out.dtype), mode="drop")
-        if md.num_prefills:
+        if md.has_prefills:
             q = query[jnp.minimum(md.prefill_rows, num_tokens - 1)]
             o = self.prefill(q, kv_cache, w_uk, w_uv, md, k_scale)
             out = out.at[md.prefill_rows].set(o.astype(out.dtype), mode="drop")

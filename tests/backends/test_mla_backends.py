@@ -5,6 +5,7 @@ float64 oracle; the Pallas backends run their kernels in the interpreter here.""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -69,16 +70,24 @@ def test_builder_splits_unordered_batch():
     md = build_common_attn_metadata([3, 1, 5, 1], [3, 20, 9, 1], np.arange(8).reshape(4, 2), S)
     built = _builder().build(0, md)
     assert isinstance(built, MLAMetadata) and (built.num_decodes, built.num_prefills) == (2, 2)
+    assert (built.has_decodes, built.has_prefills, built.prefill_q_block) == (True, True, 8)
     assert built.decode_rows[:2].tolist() == [3, 9] and built.decode_seq_lens[:2].tolist() == [20, 1]
     assert built.prefill_rows[:8].tolist() == [0, 1, 2, 4, 5, 6, 7, 8]
     assert built.prefill_query_start_loc[:3].tolist() == [0, 3, 8]
     assert set(built.prefill_rows[8:].tolist()) == {md.num_tokens}  # padding rows: dropped on scatter
 
 
+def test_decode_counts_are_not_part_of_the_jit_key():
+    one = _builder().build(0, build_common_attn_metadata([1, 0], [4, 0], np.arange(4).reshape(2, 2), S))
+    two = _builder().build(0, build_common_attn_metadata([1, 1], [4, 7], np.arange(4).reshape(2, 2), S))
+    assert jax.tree.structure(one) == jax.tree.structure(two)  # one compilation serves both
+
+
 def test_builder_decode_only_has_no_prefill_part():
     md = build_common_attn_metadata([1, 1], [4, 7], np.arange(4).reshape(2, 2), S)
     built = _builder().build(0, md)
     assert (built.num_decodes, built.num_prefills, built.prefill_rows.shape) == (2, 0, (0,))
+    assert (built.has_decodes, built.has_prefills) == (True, False)
 
 
 @pytest.mark.parametrize("backend", [XLAMLABackend, PallasMLAGPUBackend, PallasMLATPUBackend])
