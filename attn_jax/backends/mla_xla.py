@@ -43,10 +43,11 @@ class MLAMetadata:
 
     Requests need not be ordered: each part names the token rows it owns. Decode arrays
     have one entry per request slot of the batch (padding: row T, seq_len 0) or none when
-    the batch has no decode; the prefill part is the batch's prefill requests compacted
-    (padding requests: no tokens), its rows padded with T to the batch's token count, or
-    empty when there is no prefill. So shapes, and the jit key, depend only on the bucket,
-    on which parts are present and on ``prefill_q_block``, never on the counts.
+    the batch has no decode; the prefill part is the batch's prefill requests compacted into
+    the power of two >= their count of slots (padding slots: no tokens), its rows padded with
+    T to the batch's token count, or empty when there is no prefill. So shapes, and the jit
+    key, depend only on the bucket, on which parts are present, the prefill slots and
+    ``prefill_q_block`` (powers of two), never on the decode count.
     """
 
     slot_mapping: Array  # i32[T]: where each new latent goes (-1: not written)
@@ -99,7 +100,9 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
         decode_lens[: decodes.size] = lens[decodes]
         decode_table[: decodes.size] = table[decodes]
 
-        npf = num_reqs if prefills.size else 0
+        # Prefill slots: the power of two >= the prefill count (each slot's context is gathered and
+        # up-projected whole, so empty slots are not free); few shapes, as the XLA backend's prefill group.
+        npf = min(next_pow2(int(prefills.size)), num_reqs) if prefills.size else 0
         rows = [np.arange(qsl[r], qsl[r + 1], dtype=np.int32) for r in prefills]
         flat = np.concatenate(rows) if rows else np.zeros(0, np.int32)
         prefill_rows = np.full(num_tokens if prefills.size else 0, num_tokens, np.int32)
