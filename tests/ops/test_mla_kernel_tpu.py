@@ -32,16 +32,20 @@ def test_decode_interpret_matches_oracle(block_size, dtype, splits):
     np.testing.assert_allclose(np.asarray(lse), want_lse, atol=TOL[dtype] * 10, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_heads, page_size, splits", [(128, 64, 1), (16, 64, 4), (16, 16, 1)])
-def test_decode_lowers_for_tpu(num_heads, page_size, splits):
+@pytest.mark.parametrize(
+    "num_heads, page_size, splits, cache_dtype",
+    [(128, 64, 1, jnp.bfloat16), (16, 64, 4, jnp.bfloat16), (16, 16, 1, jnp.bfloat16), (128, 64, 2, jnp.float8_e4m3fn)],
+)
+def test_decode_lowers_for_tpu(num_heads, page_size, splits, cache_dtype):
     sds = jax.ShapeDtypeStruct
+    scale = {"k_scale": jnp.float32(0.5)} if cache_dtype == jnp.float8_e4m3fn else {}
 
     def f(q, cache, lens, table):
         return kernel_tpu.mla_decode(q, cache, lens, table, sm_scale=192**-0.5, kv_lora_rank=512, return_lse=True,
-                                     interpret=False, num_kv_splits=splits)  # fmt: skip
+                                     interpret=False, num_kv_splits=splits, **scale)  # fmt: skip
 
     exported = jax.export.export(jax.jit(f), platforms=["tpu"])(
-        sds((64, num_heads, 576), jnp.bfloat16), sds((4200, page_size, 576), jnp.bfloat16),
+        sds((64, num_heads, 576), jnp.bfloat16), sds((4200, page_size, 576), cache_dtype),
         sds((64,), jnp.int32), sds((64, 4096 // page_size), jnp.int32),
     )  # fmt: skip
     assert exported.platforms == ("tpu",)
