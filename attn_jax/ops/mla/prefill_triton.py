@@ -24,7 +24,8 @@ from attn_jax.ops.mla.kernel_triton import MASK_VALUE, is_pow2
 from attn_jax.ops.mla.validate import check_scale, dynamic_validate, is_concrete, static_validate_prefill
 
 
-def _kernel(qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, out_ref, *, sm_scale, nope, block_q, block_k):
+def _kernel(qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, out_ref, lse_ref, *, sm_scale, nope, block_q,
+            block_k):  # fmt: skip
     r, qb, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_tokens = q_ref.shape[0]
     rope, dv = kpe_ref.shape[2], v_ref.shape[3]
@@ -71,6 +72,8 @@ def _kernel(qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, out_ref, *, sm_
     empty = denom == 0
     out = jnp.where(empty[:, None], 0.0, acc / jnp.where(empty, 1.0, denom)[:, None])
     plgpu.store(out_ref.at[tok[:, None], h, dvv], out.astype(out_ref.dtype))
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, denom)))
+    plgpu.store(lse_ref.at[tok, h], lse)
 
 
 def mla_prefill(
@@ -86,6 +89,7 @@ def mla_prefill(
     kv_lora_rank: int,
     q_block: int,
     k_scale=None,
+    return_lse: bool = False,
     interpret: bool | None = None,
     block_q: int = 64,
     block_k: int = 64,
@@ -93,7 +97,8 @@ def mla_prefill(
     num_stages: int = 2,
 ):
     """``dense.mla_prefill_dense``'s contract (causal) with the attention in a Pallas GPU kernel;
-    ``q_block`` (static) covers the longest query. ``interpret=None``: compiled on a GPU."""
+    ``q_block`` (static) covers the longest query. ``interpret=None``: compiled on a GPU.
+    Returns out f[T, H, Dv] (and with ``return_lse`` lse f32[T, H], -inf for rows that see nothing)."""
     static_validate_prefill(
         q, kv_cache, w_uk, w_uv, query_start_loc, seq_lens, block_tables, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank
     )
@@ -110,12 +115,13 @@ def mla_prefill(
                          query_start_loc=query_start_loc)  # fmt: skip
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    return _prefill(
+    out, lse = _prefill(
         q, kv_cache, w_uk, w_uv, jnp.asarray(query_start_loc), jnp.asarray(seq_lens), jnp.asarray(block_tables),
         None if k_scale is None else jnp.asarray(k_scale, jnp.float32), sm_scale=float(sm_scale),
         kv_lora_rank=int(kv_lora_rank), q_block=int(q_block), block_q=block_q, block_k=block_k,
         num_warps=num_warps, num_stages=num_stages, interpret=bool(interpret),
     )  # fmt: skip
+    return (out, lse) if return_lse else out
 
 
 @functools.partial(
@@ -140,10 +146,13 @@ def _prefill(q, kv_cache, w_uk, w_uv, qsl, lens, tables, k_scale, *, sm_scale, k
     k_nope = jnp.einsum("rlc,chd->rlhd", c_kv, w_uk.astype(dtype), precision=precision).astype(dtype)
     v = jnp.einsum("rlc,chd->rlhd", c_kv, w_uv.astype(dtype), precision=precision).astype(dtype)
     kernel = functools.partial(_kernel, sm_scale=sm_scale, nope=nope, block_q=block_q, block_k=block_k)
-    out = pl.pallas_call(
+    out, lse = pl.pallas_call(
         kernel,
         grid=(num_reqs, pl.cdiv(q_block, block_q), num_heads),
-        out_shape=jax.ShapeDtypeStruct((num_tokens + 1, num_heads, dv), dtype),  # + the spare row
+        out_shape=(
+            jax.ShapeDtypeStruct((num_tokens + 1, num_heads, dv), dtype),  # + the spare row
+            jax.ShapeDtypeStruct((num_tokens + 1, num_heads), jnp.float32),
+        ),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="mla_prefill_triton",
@@ -151,4 +160,5 @@ def _prefill(q, kv_cache, w_uk, w_uv, qsl, lens, tables, k_scale, *, sm_scale, k
     # Rows no request owns (padding) are never written: zero them.
     rows = jnp.arange(num_tokens)
     owned = rows < qsl[-1]
-    return jnp.where(owned[:, None, None], out[:num_tokens], jnp.zeros((), dtype))
+    out = jnp.where(owned[:, None, None], out[:num_tokens], jnp.zeros((), dtype))
+    return out, jnp.where(owned[:, None], lse[:num_tokens], -jnp.inf)
