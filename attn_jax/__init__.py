@@ -22,6 +22,7 @@ from attn_jax.metadata import (
     split_decodes_and_prefills,
     validate_common_metadata,
 )
+from attn_jax.mla_layer import MLAAttention
 from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
 from attn_jax.platforms import Platform, current_platform
 from attn_jax.registry import AttentionBackendEnum, MambaAttentionBackendEnum, register_backend
@@ -38,6 +39,7 @@ from attn_jax.types import AttentionType, CacheDType, KVCacheLayout
 __all__ = [
     "__version__",
     "Attention",
+    "MLAAttention",
     "AttentionBackend",
     "AttentionBackendEnum",
     "AttentionImpl",

@@ -65,6 +65,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             has_sink=args.has_sink,
             attn_type=args.attn_type,
+            use_mla=args.use_mla,
+            use_sparse=args.use_sparse,
             platform=platform,
         )
     except ValueError as e:
@@ -527,6 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
         "info", help="versions, platform and attention backend selection", description=_cmd_info.__doc__
     )
     _add_selection_args(info)
+    info.add_argument("--use-mla", action="store_true", help="a multi-head latent attention (MLA) layer")
+    info.add_argument("--use-sparse", action="store_true", help="sparse attention over top-k positions (with MLA)")
     info.set_defaults(func=_cmd_info)
     return parser
 

@@ -110,7 +110,9 @@ class Attention:
         attention_chunk_size: int | None = None,
     ) -> None:
         if use_mla:
-            raise NotImplementedError("use_mla=True: no attn-stack backend implements MLA yet")
+            raise NotImplementedError(
+                "use_mla=True: MLA layers are attn_jax.mla_layer.MLAAttention (they take the latent c_kv and k_pe)"
+            )
         if use_sparse:
             raise NotImplementedError("use_sparse=True: no attn-stack backend implements sparse attention yet")
         num_heads = validate_positive_int("num_heads", num_heads)

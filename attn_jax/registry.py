@@ -81,6 +81,9 @@ class AttentionBackendEnum(_BackendRegistryMixin, enum.Enum, metaclass=_Attentio
     XLA = "attn_jax.backends.xla.XLAAttentionBackend"
     PALLAS_TPU = "attn_jax.backends.pallas_tpu.PallasTPUAttentionBackend"
     PALLAS_GPU = "attn_jax.backends.pallas_gpu.PallasGPUAttentionBackend"
+    XLA_MLA = "attn_jax.backends.mla_xla.XLAMLABackend"
+    PALLAS_MLA_TPU = "attn_jax.backends.mla_pallas.PallasMLATPUBackend"
+    PALLAS_MLA_GPU = "attn_jax.backends.mla_pallas.PallasMLAGPUBackend"
     CUSTOM = ""
     """Third-party backend: empty until registered with ``register_backend``."""
 

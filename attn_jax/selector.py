@@ -30,11 +30,19 @@ ENV_VAR = "ATTN_STACK_BACKEND"
 """Names an AttentionBackendEnum member to use when no backend is forced; "" = unset."""
 
 PLATFORM_PRIORITY: dict[str, tuple[AttentionBackendEnum, ...]] = {
-    "tpu": (AttentionBackendEnum.PALLAS_TPU, AttentionBackendEnum.XLA),
-    "gpu": (AttentionBackendEnum.PALLAS_GPU, AttentionBackendEnum.XLA),
-    "cpu": (AttentionBackendEnum.XLA,),
-}
-"""Backends tried in order when nothing is forced or named in the environment."""
+    "tpu": (
+        AttentionBackendEnum.PALLAS_TPU, AttentionBackendEnum.XLA,
+        AttentionBackendEnum.PALLAS_MLA_TPU, AttentionBackendEnum.XLA_MLA,
+    ),
+    "gpu": (
+        AttentionBackendEnum.PALLAS_GPU, AttentionBackendEnum.XLA,
+        AttentionBackendEnum.PALLAS_MLA_GPU, AttentionBackendEnum.XLA_MLA,
+    ),
+    "cpu": (AttentionBackendEnum.XLA, AttentionBackendEnum.XLA_MLA),
+}  # fmt: skip
+"""Backends tried in order when nothing is forced or named in the environment. The MLA
+backends serve only ``use_mla=True`` layers and the others never do, so the two families
+do not compete."""
 
 SelectionHow = Literal["forced", "env", "priority"]
 

@@ -60,7 +60,8 @@ def test_info_selection_error_is_one_line_and_exit_2(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith("attn-stack info: error: ATTN_STACK_BACKEND='NOPE' is not an attention backend.")
-    assert "Valid options are (any case): XLA, PALLAS_TPU, PALLAS_GPU, CUSTOM" in err
+    valid = "XLA, PALLAS_TPU, PALLAS_GPU, XLA_MLA, PALLAS_MLA_TPU, PALLAS_MLA_GPU, CUSTOM"
+    assert f"Valid options are (any case): {valid}" in err
 
 
 def test_info_bad_head_size_exit_2(capsys):
@@ -121,3 +122,15 @@ def test_python_dash_m_prints_help(module):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: attn-stack [-h] [--version] COMMAND")
     assert "generate" in result.stdout and "info" in result.stdout
+
+
+def test_info_use_mla_chooses_an_mla_backend(capsys):
+    if current_platform().kind != "cpu":
+        pytest.skip("the default choice is checked on CPU")
+    assert main(["info", "--use-mla", "--head-size", "576", "--block-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "use_mla=True" in out and "chosen:     XLA_MLA (attn_jax.backends.mla_xla.XLAMLABackend)" in out
+    assert main(["info", "--use-mla", "--use-sparse", "--head-size", "576"]) == 0
+    assert "use_sparse=True" in capsys.readouterr().out
+    assert main(["info", "--use-mla", "--has-sink"]) == 2
+    assert "XLA_MLA: attention sinks are not supported." in capsys.readouterr().out

@@ -19,6 +19,8 @@ from attn_jax.registry import (
 ABE = AttentionBackendEnum
 MBE = MambaAttentionBackendEnum
 
+PALLAS_AND_MLA = ["XLA", "PALLAS_TPU", "PALLAS_GPU", "XLA_MLA", "PALLAS_MLA_TPU", "PALLAS_MLA_GPU"]
+
 
 class MyBackend(XLAAttentionBackend):
     @staticmethod
@@ -31,7 +33,7 @@ class MyMambaBackend:
 
 
 def test_members():
-    assert [m.name for m in ABE] == ["XLA", "PALLAS_TPU", "PALLAS_GPU", "CUSTOM"]
+    assert [m.name for m in ABE] == [*PALLAS_AND_MLA, "CUSTOM"]
     assert [m.name for m in MBE] == ["MAMBA1", "MAMBA2", "SHORT_CONV", "LINEAR", "GDN_ATTN", "CUSTOM"]
     assert ABE["XLA"] is ABE.XLA
     assert MBE["LINEAR"] is MBE.LINEAR
@@ -40,7 +42,10 @@ def test_members():
 def test_unknown_backend_name_lists_valid_options():
     with pytest.raises(ValueError) as e:
         ABE["BAD"]
-    assert str(e.value) == "Unknown attention backend: 'BAD'. Valid options are: XLA, PALLAS_TPU, PALLAS_GPU, CUSTOM"
+    assert str(e.value) == (
+        "Unknown attention backend: 'BAD'. Valid options are: "
+        "XLA, PALLAS_TPU, PALLAS_GPU, XLA_MLA, PALLAS_MLA_TPU, PALLAS_MLA_GPU, CUSTOM"
+    )
 
 
 def test_unknown_mamba_backend_name_lists_valid_options():

@@ -29,6 +29,8 @@ CPU = Platform("cpu", "cpu", 1)
 TPU = Platform("tpu", "TPU v5 lite", 4)
 GPU = Platform("gpu", "NVIDIA H100 80GB HBM3", 8)
 
+PALLAS_AND_MLA = ["XLA", "PALLAS_TPU", "PALLAS_GPU", "XLA_MLA", "PALLAS_MLA_TPU", "PALLAS_MLA_GPU"]
+
 
 class MLABackend(XLAAttentionBackend):
     """XLA, plus MLA: a backend only a registration can make selectable."""
@@ -83,9 +85,9 @@ def test_cpu_selects_xla():
 @pytest.mark.parametrize(
     ("platform", "priority", "chosen"),
     [
-        (CPU, ("XLA",), ABE.XLA),
-        (TPU, ("PALLAS_TPU", "XLA"), ABE.PALLAS_TPU),
-        (GPU, ("PALLAS_GPU", "XLA"), ABE.PALLAS_GPU),
+        (CPU, ("XLA", "XLA_MLA"), ABE.XLA),
+        (TPU, ("PALLAS_TPU", "XLA", "PALLAS_MLA_TPU", "XLA_MLA"), ABE.PALLAS_TPU),
+        (GPU, ("PALLAS_GPU", "XLA", "PALLAS_MLA_GPU", "XLA_MLA"), ABE.PALLAS_GPU),
     ],
 )
 def test_priority_list_per_platform(platform, priority, chosen):
@@ -145,13 +147,14 @@ def test_first_usable_backend_in_priority_order_wins(platform, expected):
 
 def test_no_usable_backend_shows_each_backends_reasons():
     with pytest.raises(ValueError) as e:
-        select(use_mla=True, platform=TPU)
+        select(use_mla=True, has_sink=True, platform=TPU)
     msg = str(e.value)
     assert msg.startswith("No attention backend can serve head_size=128, dtype=bfloat16")
     assert "use_mla=True" in msg
-    assert "on platform tpu (TPU v5 lite) x 4 (priority list: PALLAS_TPU, XLA)" in msg
+    assert "on platform tpu (TPU v5 lite) x 4 (priority list: PALLAS_TPU, XLA, PALLAS_MLA_TPU, XLA_MLA)" in msg
     assert "PALLAS_TPU: MLA is not supported." in msg
     assert "XLA: MLA is not supported." in msg
+    assert "XLA_MLA: attention sinks are not supported." in msg
     assert "PALLAS_GPU: not in the priority list for platform tpu" in msg
     assert "\n" not in msg
 
@@ -183,7 +186,7 @@ def test_forced_pallas_tpu_that_cannot_serve_lists_every_reason():
     assert msg.startswith("Forced attention backend PALLAS_TPU cannot serve head_size=128")
     assert "MLA is not supported; kv_cache_dtype='fp8' with block_size=16: fp8 pages need block_size >= 32" in msg
     assert "not in the priority list" not in msg  # forcing bypasses the priority list
-    assert msg.endswith("Usable backends here: none.")  # MLA: XLA cannot serve it either
+    assert msg.endswith("Usable backends here: XLA_MLA.")  # MLA: XLA cannot serve it, XLA_MLA can
 
 
 def test_forced_backend_beats_env(monkeypatch):
@@ -209,14 +212,14 @@ def test_env_backend_that_cannot_serve_lists_every_reason(monkeypatch):
     msg = str(e.value)
     assert msg.startswith("ATTN_STACK_BACKEND='PALLAS_GPU' names attention backend PALLAS_GPU, which cannot serve")
     assert "PALLAS_GPU, which cannot serve" in msg and "MLA is not supported." in msg
-    assert msg.endswith("Usable backends here: none.")
+    assert msg.endswith("Usable backends here: XLA_MLA.")
 
 
 def test_bad_env_value_names_the_variable_and_valid_options(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "FLASH_ATTN")
     expected = (
         "ATTN_STACK_BACKEND='FLASH_ATTN' is not an attention backend. "
-        "Valid options are (any case): XLA, PALLAS_TPU, PALLAS_GPU, CUSTOM"
+        "Valid options are (any case): XLA, PALLAS_TPU, PALLAS_GPU, XLA_MLA, PALLAS_MLA_TPU, PALLAS_MLA_GPU, CUSTOM"
     )
     with pytest.raises(ValueError) as e:
         select()
@@ -377,7 +380,7 @@ def test_cache_follows_platform():
 
 def test_report_has_a_row_for_every_backend():
     report = explain()
-    assert [r.name for r in report.rows] == ["XLA", "PALLAS_TPU", "PALLAS_GPU"]  # CUSTOM: unregistered
+    assert [r.name for r in report.rows] == PALLAS_AND_MLA  # CUSTOM: unregistered
     xla = report.row(ABE.XLA)
     assert (xla.class_path, xla.usable, xla.reasons) == ("attn_jax.backends.xla.XLAAttentionBackend", True, [])
     tpu = report.row(ABE.PALLAS_TPU)
@@ -391,13 +394,12 @@ def test_report_has_a_row_for_every_backend():
 def test_report_includes_registered_custom():
     register_backend(ABE.CUSTOM, class_path=f"{__name__}.MLABackend")
     report = explain(use_mla=True)
-    assert [r.name for r in report.rows] == ["XLA", "PALLAS_TPU", "PALLAS_GPU", "CUSTOM"]
+    assert [r.name for r in report.rows] == [*PALLAS_AND_MLA, "CUSTOM"]
     custom = report.row(ABE.CUSTOM)
     assert custom.class_path == f"{__name__}.MLABackend"
     assert custom.reasons == ["not in the priority list for platform cpu"]
     assert report.row(ABE.XLA).reasons == ["MLA is not supported"]
-    assert report.chosen is None
-    assert report.failure_message().startswith("No attention backend can serve")
+    assert report.chosen is ABE.XLA_MLA  # the MLA backend in the CPU's priority list
 
 
 def test_report_fields_and_format():

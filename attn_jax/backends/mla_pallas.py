@@ -1,0 +1,134 @@
+"""The PALLAS_MLA_GPU and PALLAS_MLA_TPU backends: MLA with the decode as a Pallas kernel.
+
+Decodes (the absorbed MQA over the latent cache) run in ``ops/mla/kernel_triton.py`` (GPU,
+Triton lowering) or ``ops/mla/kernel_tpu.py`` (Mosaic TPU). On GPU, prefills run in
+``ops/mla/prefill_triton.py`` (up-projection in XLA, attention with q/k and v head sizes that
+differ in a Triton kernel) and sparse MLA in ``sparse_kernel_triton.py``; on TPU prefills are
+``mla_xla``'s jnp (``ops/mla/dense.py``). The latent write and the metadata are ``mla_xla``'s.
+Forced where their hardware is absent they run the kernels in the Pallas interpreter, with a
+logged warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+from attn_jax.backends.mla_xla import MLACommonBackend, XLAMLAImpl
+from attn_jax.ops.mla import kernel_tpu, kernel_triton, prefill_triton, sparse_kernel_triton
+from attn_jax.platforms import current_platform
+
+logger = logging.getLogger(__name__)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class _PallasMLAImpl(XLAMLAImpl):
+    """``XLAMLAImpl`` with the decode in a kernel; ``interpret`` None: compiled on ``platform_kind``."""
+
+    backend_name: ClassVar[str]
+    platform_kind: ClassVar[str]
+
+    def __init__(self, *args, interpret: bool | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if interpret is None:
+            platform = current_platform()
+            interpret = platform.kind != self.platform_kind
+            if interpret:
+                logger.warning("%s runs in the Pallas interpreter on platform %s (no %s): correct but slow",
+                               self.backend_name, platform, self.platform_kind.upper())  # fmt: skip
+        self.interpret = interpret
+
+
+class PallasMLAGPUImpl(_PallasMLAImpl):
+    backend_name, platform_kind = "PALLAS_MLA_GPU", "gpu"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        dims = (self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+        self.triton_prefill = all(d >= 16 and d & (d - 1) == 0 for d in dims)
+        if not self.triton_prefill:
+            logger.warning("PALLAS_MLA_GPU: qk_nope/qk_rope/v head dims %s are not all powers of two >= 16: "
+                           "prefills run in jnp (ops/mla/dense.py), not the Triton prefill kernel", dims)  # fmt: skip
+
+    def prefill(self, q, kv_cache, w_uk, w_uv, md, k_scale=None):
+        if not self.triton_prefill:
+            return super().prefill(q, kv_cache, w_uk, w_uv, md, k_scale)
+        return prefill_triton.mla_prefill(
+            q, kv_cache, w_uk, w_uv, md.prefill_query_start_loc, md.prefill_seq_lens, md.prefill_block_tables,
+            sm_scale=self.scale, kv_lora_rank=self.kv_lora_rank, q_block=md.prefill_q_block, k_scale=k_scale,
+            interpret=self.interpret, block_q=min(64, max(16, md.prefill_q_block)),
+        )  # fmt: skip
+
+    def decode(self, q_abs, kv_cache, seq_lens, block_tables, k_scale=None):
+        return kernel_triton.mla_decode(q_abs, kv_cache, seq_lens, block_tables, sm_scale=self.scale,
+                                        kv_lora_rank=self.kv_lora_rank, interpret=self.interpret,
+                                        k_scale=k_scale)  # fmt: skip
+
+    def sparse(self, q_abs, kv_cache, topk_positions, md, k_scale=None):
+        return sparse_kernel_triton.sparse_mla(
+            q_abs, kv_cache, topk_positions, md.query_start_loc, md.seq_lens, md.block_tables, sm_scale=self.scale,
+            kv_lora_rank=self.kv_lora_rank, interpret=self.interpret,
+            block_h=min(64, max(16, _pow2_at_least(self.num_heads))), k_scale=k_scale,
+        )  # fmt: skip
+
+
+class PallasMLATPUImpl(_PallasMLAImpl):
+    backend_name, platform_kind = "PALLAS_MLA_TPU", "tpu"
+
+    def decode(self, q_abs, kv_cache, seq_lens, block_tables, k_scale=None):
+        return kernel_tpu.mla_decode(q_abs, kv_cache, seq_lens, block_tables, sm_scale=self.scale,
+                                     kv_lora_rank=self.kv_lora_rank, interpret=self.interpret,
+                                     k_scale=k_scale)  # fmt: skip
+
+
+class PallasMLAGPUBackend(MLACommonBackend):
+    """MLA decode (and sparse MLA) in Pallas GPU kernels (Triton lowering). The latent row must
+    split into power-of-two parts: ``head_size = kv_lora_rank + 64`` with a power-of-two
+    kv_lora_rank (DeepSeek's 576 = 512 + 64); block sizes powers of two."""
+
+    supports_sparse = True
+
+    @staticmethod
+    def get_name() -> str:
+        return "PALLAS_MLA_GPU"
+
+    @staticmethod
+    def get_impl_cls() -> type[PallasMLAGPUImpl]:
+        return PallasMLAGPUImpl
+
+    @classmethod
+    def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla=False, has_sink=False,
+                               use_sparse=False, attn_type="decoder", platform=None) -> list[str]:  # fmt: skip
+        reasons = super().validate_configuration(head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
+                                                 use_sparse, attn_type, platform)  # fmt: skip
+        rank = head_size - 64
+        if rank < 16 or rank & (rank - 1):
+            reasons.append(f"head_size={head_size} is not supported; supported: kv_lora_rank + 64 with kv_lora_rank "
+                           "a power of two >= 16, e.g. 576 = 512 + 64")  # fmt: skip
+        if block_size & (block_size - 1):
+            reasons.append(f"block_size={block_size} is not supported; supported: powers of two (16, 64, ...)")
+        return reasons
+
+
+class PallasMLATPUBackend(MLACommonBackend):
+    """MLA decode in a Pallas Mosaic TPU kernel; block sizes multiples of 16."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "PALLAS_MLA_TPU"
+
+    @staticmethod
+    def get_impl_cls() -> type[PallasMLATPUImpl]:
+        return PallasMLATPUImpl
+
+    @classmethod
+    def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla=False, has_sink=False,
+                               use_sparse=False, attn_type="decoder", platform=None) -> list[str]:  # fmt: skip
+        reasons = super().validate_configuration(head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
+                                                 use_sparse, attn_type, platform)  # fmt: skip
+        if block_size % 16:
+            reasons.append(f"block_size={block_size} is not supported; supported: multiples of 16 (16, 64, ...)")
+        return reasons

@@ -1,0 +1,164 @@
+"""Up-projected MLA prefill with a Pallas GPU attention kernel (Triton lowering).
+
+Each prefill request's latents are gathered from the paged cache and up-projected in XLA
+(``k_nope = c_kv @ W_UK`` [R, L, H, nope], ``v = c_kv @ W_UV`` [R, L, H, Dv], ``k_pe`` [R, L,
+R_dim] shared by the heads); the kernel then runs causal attention with q/k head size
+``nope + rope`` (192) and v head size ``Dv`` (128), which differ. Grid ``(R, cdiv(q_block,
+block_q), H)``: a program takes ``block_q`` query rows of one request and one head, and walks
+the request's keys in tiles of ``block_k`` up to its causal limit with the online softmax;
+the 192-wide q/k are handled as their 128 + 64 parts (Triton tiles are powers of two).
+Rows of a block past the request's tokens write to a spare output row (no masked store).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from attn_jax.kv_cache import dequantize_from_cache
+from attn_jax.ops.mla.kernel_triton import MASK_VALUE, is_pow2
+from attn_jax.ops.mla.validate import check_scale, dynamic_validate, is_concrete, static_validate_prefill
+
+
+def _kernel(qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, out_ref, lse_ref, *, sm_scale, nope, block_q,
+            block_k):  # fmt: skip
+    r, qb, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_tokens = q_ref.shape[0]
+    rope, dv = kpe_ref.shape[2], v_ref.shape[3]
+    start, qlen, kv_len = qsl_ref[r], qsl_ref[r + 1] - qsl_ref[r], lens_ref[r]
+    i = qb * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    row_ok = i < qlen
+    tok = jnp.where(row_ok, start + i, num_tokens)  # the spare row for rows past the request
+    tok_c = jnp.minimum(tok, num_tokens - 1)
+    dn = jnp.arange(nope, dtype=jnp.int32)[None, :]
+    dr = jnp.arange(rope, dtype=jnp.int32)[None, :]
+    dvv = jnp.arange(dv, dtype=jnp.int32)[None, :]
+    q_nope = plgpu.load(q_ref.at[tok_c[:, None], h, dn], mask=row_ok[:, None], other=0.0)
+    q_pe = plgpu.load(q_ref.at[tok_c[:, None], h, nope + dr], mask=row_ok[:, None], other=0.0)
+    precision = jax.lax.Precision.HIGHEST if q_nope.dtype == jnp.float32 else None
+    dims = (((1,), (1,)), ((), ()))
+    pos = kv_len - qlen + i  # i32[block_q]
+    hi = jnp.minimum(kv_len, kv_len - qlen + jnp.minimum((qb + 1) * block_q, qlen))  # causal limit of the block
+    hi = jnp.where(qb * block_q < qlen, hi, 0)
+
+    def body(t, state):
+        m, denom, acc = state
+        j = t * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        ok = j < hi
+        jc = jnp.minimum(j, knope_ref.shape[1] - 1)[:, None]
+        k_nope = plgpu.load(knope_ref.at[r, jc, h, dn], mask=ok[:, None], other=0.0)
+        k_pe = plgpu.load(kpe_ref.at[r, jc, dr], mask=ok[:, None], other=0.0)
+        v = plgpu.load(v_ref.at[r, jc, h, dvv], mask=ok[:, None], other=0.0)
+        s = jax.lax.dot_general(q_nope, k_nope, dims, precision=precision, preferred_element_type=jnp.float32)
+        s += jax.lax.dot_general(q_pe, k_pe, dims, precision=precision, preferred_element_type=jnp.float32)
+        visible = ok[None, :] & (j[None, :] <= pos[:, None]) & row_ok[:, None]
+        s = jnp.where(visible, s * sm_scale, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+        pv = jax.lax.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+        return m_new, alpha * denom + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    state = (
+        jnp.full((block_q,), MASK_VALUE, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+        jnp.zeros((block_q, dv), jnp.float32),
+    )
+    m, denom, acc = jax.lax.fori_loop(0, (hi + block_k - 1) // block_k, body, state)
+    empty = denom == 0
+    out = jnp.where(empty[:, None], 0.0, acc / jnp.where(empty, 1.0, denom)[:, None])
+    plgpu.store(out_ref.at[tok[:, None], h, dvv], out.astype(out_ref.dtype))
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, denom)))
+    plgpu.store(lse_ref.at[tok, h], lse)
+
+
+def mla_prefill(
+    q,  # f[T, H, nope + Rope]
+    kv_cache,  # [P, S, C + Rope]
+    w_uk,  # f[C, H, nope]
+    w_uv,  # f[C, H, Dv]
+    query_start_loc,  # i32[R + 1]
+    seq_lens,  # i32[R]
+    block_tables,  # i32[R, pages_per_req]
+    *,
+    sm_scale: float,
+    kv_lora_rank: int,
+    q_block: int,
+    k_scale=None,
+    return_lse: bool = False,
+    interpret: bool | None = None,
+    block_q: int = 64,
+    block_k: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+):
+    """``dense.mla_prefill_dense``'s contract (causal) with the attention in a Pallas GPU kernel;
+    ``q_block`` (static) covers the longest query. ``interpret=None``: compiled on a GPU.
+    Returns out f[T, H, Dv] (and with ``return_lse`` lse f32[T, H], -inf for rows that see nothing)."""
+    static_validate_prefill(
+        q, kv_cache, w_uk, w_uv, query_start_loc, seq_lens, block_tables, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank
+    )
+    check_scale(kv_cache, k_scale)
+    nope, dv = w_uk.shape[2], w_uv.shape[2]
+    rope = kv_cache.shape[2] - kv_lora_rank
+    for name, value in (("qk_nope_head_dim", nope), ("qk_rope_head_dim", rope), ("v_head_dim", dv),
+                        ("block_q", block_q), ("block_k", block_k)):  # fmt: skip
+        if not is_pow2(value) or value < 16:
+            raise ValueError(f"{name}={value} must be a power of two >= 16 for the Triton MLA prefill kernel")
+    num_blocks, block_size, width = kv_cache.shape
+    if is_concrete(query_start_loc, seq_lens, block_tables):
+        dynamic_validate(seq_lens, block_tables, num_blocks=num_blocks, block_size=block_size,
+                         query_start_loc=query_start_loc)  # fmt: skip
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    out, lse = _prefill(
+        q, kv_cache, w_uk, w_uv, jnp.asarray(query_start_loc), jnp.asarray(seq_lens), jnp.asarray(block_tables),
+        None if k_scale is None else jnp.asarray(k_scale, jnp.float32), sm_scale=float(sm_scale),
+        kv_lora_rank=int(kv_lora_rank), q_block=int(q_block), block_q=block_q, block_k=block_k,
+        num_warps=num_warps, num_stages=num_stages, interpret=bool(interpret),
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "kv_lora_rank", "q_block", "block_q", "block_k", "num_warps", "num_stages",
+                     "interpret"),
+)  # fmt: skip
+def _prefill(q, kv_cache, w_uk, w_uv, qsl, lens, tables, k_scale, *, sm_scale, kv_lora_rank, q_block, block_q,
+             block_k, num_warps, num_stages, interpret):  # fmt: skip
+    num_tokens, num_heads, _ = q.shape
+    num_blocks, block_size, width = kv_cache.shape
+    num_reqs, pages_per_req = tables.shape
+    max_len = pages_per_req * block_size
+    dtype = q.dtype
+    nope, dv = w_uk.shape[2], w_uv.shape[2]
+    pages = jnp.clip(tables, 0, num_blocks - 1)
+    latent = dequantize_from_cache(kv_cache[pages], k_scale, dtype).reshape(num_reqs, max_len, width)
+    in_ctx = jnp.arange(max_len)[None, :, None] < lens[:, None, None]
+    latent = jnp.where(in_ctx, latent, jnp.zeros((), dtype))  # unused slots may be NaN
+    c_kv, k_pe = latent[..., :kv_lora_rank], latent[..., kv_lora_rank:]
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    k_nope = jnp.einsum("rlc,chd->rlhd", c_kv, w_uk.astype(dtype), precision=precision).astype(dtype)
+    v = jnp.einsum("rlc,chd->rlhd", c_kv, w_uv.astype(dtype), precision=precision).astype(dtype)
+    kernel = functools.partial(_kernel, sm_scale=sm_scale, nope=nope, block_q=block_q, block_k=block_k)
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(num_reqs, pl.cdiv(q_block, block_q), num_heads),
+        out_shape=(
+            jax.ShapeDtypeStruct((num_tokens + 1, num_heads, dv), dtype),  # + the spare row
+            jax.ShapeDtypeStruct((num_tokens + 1, num_heads), jnp.float32),
+        ),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="mla_prefill_triton",
+    )(qsl, lens, q, k_nope, k_pe, v)
+    # Rows no request owns (padding) are never written: zero them.
+    rows = jnp.arange(num_tokens)
+    owned = rows < qsl[-1]
+    out = jnp.where(owned[:, None, None], out[:num_tokens], jnp.zeros((), dtype))
+    return out, jnp.where(owned[:, None], lse[:num_tokens], -jnp.inf)

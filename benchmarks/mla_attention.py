@@ -1,0 +1,232 @@
+"""MLA decode on a GPU: DESIGN.md's MLA-D1 (DeepSeek-V3 shape: 128 query heads, latent 512 +
+rope 64, page 64, 64 requests x 4096 of context, bf16) and its 16-head (V2-Lite) variant,
+against the roofline floors.
+
+Floors: bytes = the latent cache read once (requests x context x 576 x 2) + q read + the
+latent output written, over the measured device-to-device copy bandwidth; FLOPs = 2 * (576 +
+512) per (query head, key) pair (scores and p @ c_kv), over the measured bf16 matmul rate.
+MLA-D1 sits near the ridge (~0.3 GB against ~73 GFLOP), so the row says which floor binds.
+Implementations: ``pallas_mla_gpu`` (ops/mla/kernel_triton.py; default block sizes, or a
+sweep with --sweep) and ``xla_reference`` (the jnp reference); each row has the median
+time, GB/s, TFLOP/s, % of the binding floor and the relative L2 error against the
+reference computed in float32 on the same inputs. MLA-P1 (4 x 4096 causal prefill, 16
+heads, q/k 192, v 128) runs the Triton prefill (ops/mla/prefill_triton.py, a few block
+sizes), the jnp prefill (``xla_mla_dense``) and cuDNN on the
+up-projected dense k/v (v zero-padded to 192: jax.nn's API takes one head size) as a peer,
+against the FLOPs floor.
+
+    python benchmarks/mla_attention.py                      # MLA-D1 and MLA-D1-16
+    python benchmarks/mla_attention.py --sweep --workloads MLA-D1 --write
+
+Writes benchmarks/results/mla_attention_gpu.json with --write (or --out PATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import itertools
+import statistics
+import sys
+import time
+
+from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
+
+
+def time_fn(fn, *args, reps: int = 20, inner: int = 5) -> float:
+    """Median seconds per call: ``inner`` calls back to back, synchronised, ``reps`` times."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+def measure_ceilings() -> dict[str, float]:
+    """Device-to-device copy bandwidth (bytes read + written) and the bf16 8192^3 matmul rate."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.random.normal(jax.random.key(1), (1 << 30,), jnp.bfloat16)
+    t_copy = time_fn(jax.jit(lambda x: x * jnp.bfloat16(1.0001)), x, reps=10, inner=3)
+    del x
+    a = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16)
+    t_mm = time_fn(jax.jit(lambda a, b: a @ b), a, a, reps=10, inner=3)
+    return {"copy_bytes_per_s": 2 * 2 * (1 << 30) / t_copy, "matmul_flops_per_s": 2 * 8192**3 / t_mm}
+
+
+def make_batch(spec, seed: int = 0):
+    """Device arrays of one decode call: q, a latent cache holding every request's context at
+    shuffled pages (plus spare pages), seq_lens, block tables."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    width = spec.kv_lora_rank + spec.rope_dim
+    pages_per_req = -(-spec.context_len // spec.block_size)
+    num_blocks = spec.num_reqs * pages_per_req + 8
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    cache = jax.random.normal(k1, (num_blocks, spec.block_size, width), jnp.bfloat16)
+    q = jax.random.normal(k2, (spec.num_reqs, spec.num_heads, width), jnp.bfloat16)
+    table = np.random.default_rng(seed).permutation(num_blocks)[: spec.num_reqs * pages_per_req]
+    table = jnp.asarray(table.reshape(spec.num_reqs, pages_per_req).astype(np.int32))
+    seq_lens = jnp.full((spec.num_reqs,), spec.context_len, jnp.int32)
+    return q, cache, seq_lens, table
+
+
+def floors(spec) -> tuple[float, float]:
+    """(bytes, FLOPs) of one decode call."""
+    width = spec.kv_lora_rank + spec.rope_dim
+    cache_bytes = spec.num_reqs * spec.context_len * width * 2
+    qo_bytes = spec.num_reqs * spec.num_heads * (width + spec.kv_lora_rank) * 2
+    flops = 2.0 * (width + spec.kv_lora_rank) * spec.num_heads * spec.num_reqs * spec.context_len
+    return cache_bytes + qo_bytes, flops
+
+
+def prefill_rows(spec, ceilings) -> list[dict]:
+    """MLA-P1: causal prefill over no context, q/k nope 128 + rope 64, v 128. ``xla_mla_dense``
+    (ops/mla/dense.py: latents up-projected per request, then attention in XLA) and the cuDNN
+    peer (``jax.nn.dot_product_attention`` on the up-projected dense k/v) when it runs."""
+    import jax
+    import jax.numpy as jnp
+
+    from attn_jax.ops.mla import prefill_triton
+    from attn_jax.ops.mla.dense import mla_prefill_dense
+
+    nope, dv, h, n, r = 128, 128, spec.num_heads, spec.query_len, spec.num_reqs
+    q_, cache, _, table = make_batch(spec)
+    keys = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(keys[0], (r * n, h, nope + spec.rope_dim), jnp.bfloat16)
+    w_uk = jax.random.normal(keys[1], (spec.kv_lora_rank, h, nope), jnp.bfloat16) * spec.kv_lora_rank**-0.5
+    w_uv = jax.random.normal(keys[2], (spec.kv_lora_rank, h, dv), jnp.bfloat16) * spec.kv_lora_rank**-0.5
+    qsl = jnp.arange(0, (r + 1) * n, n, dtype=jnp.int32)
+    lens = jnp.full((r,), n, jnp.int32)
+    scale = (nope + spec.rope_dim) ** -0.5
+    pairs = r * n * (n + 1) / 2
+    flops = 2.0 * (nope + spec.rope_dim + dv) * h * pairs
+    nbytes = r * n * (spec.kv_lora_rank + spec.rope_dim) * 2 + q.size * 2 + r * n * h * dv * 2
+    floor_s = max(nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["matmul_flops_per_s"])
+    print(f"{spec.name}: {flops / 1e12:.3f} TFLOP (causal pairs), floor {floor_s * 1e6:.1f} us (compute-bound)")
+    dense = jax.jit(functools.partial(mla_prefill_dense, sm_scale=scale, kv_lora_rank=spec.kv_lora_rank, q_block=n))
+    out, refs = [], []
+
+    def row(impl, fn, *args):
+        try:
+            t = time_fn(fn, *args, reps=10, inner=2)
+        except Exception as e:  # noqa: BLE001 - a failing peer is a line, not the end of the run
+            print(f"  {impl}: failed: {type(e).__name__}: {str(e)[:200]}")
+            return None
+        result = jnp.asarray(fn(*args), jnp.float32)[..., :dv].reshape(r * n, h, dv)
+        if not refs:
+            refs.append(result)  # the first row (xla_mla_dense) is the others' reference
+        err = float(jnp.linalg.norm(result - refs[0]) / jnp.linalg.norm(refs[0]))
+        print(f"  {impl:16s} {t * 1e6:9.1f} us {flops / t / 1e12:6.1f} TFLOP/s {100 * floor_s / t:5.1f}% of floor"
+              f"  rel L2 vs xla_mla_dense {err:.1e}")  # fmt: skip
+        out.append({"workload": spec.name, "impl": impl, "time_us": t * 1e6, "tflop_per_s": flops / t / 1e12,
+                    "pct_of_floor": 100 * floor_s / t, "bound": "compute", "rel_l2_vs_xla_mla_dense": err})  # fmt: skip
+        return t
+
+    row("xla_mla_dense", dense, q, cache, w_uk, w_uv, qsl, lens, table)
+    for bq, bk, warps, stages in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 3)):
+        kernel = jax.jit(functools.partial(
+            prefill_triton.mla_prefill, sm_scale=scale, kv_lora_rank=spec.kv_lora_rank, q_block=n, block_q=bq,
+            block_k=bk, num_warps=warps, num_stages=stages,
+        ))  # fmt: skip
+        row(f"pallas_mla_gpu bq{bq} bk{bk} w{warps} s{stages}", kernel, q, cache, w_uk, w_uv, qsl, lens, table)
+    latent = cache[table].reshape(r, n, -1)
+    c_kv, k_pe = latent[..., : spec.kv_lora_rank], latent[..., spec.kv_lora_rank :]
+    k = jnp.concatenate([jnp.einsum("rlc,chd->rlhd", c_kv, w_uk),
+                         jnp.broadcast_to(k_pe[:, :, None], (r, n, h, spec.rope_dim))], axis=-1)  # fmt: skip
+    v = jnp.einsum("rlc,chd->rlhd", c_kv, w_uv)
+    sdpa = functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=True, implementation="cudnn")
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, nope + spec.rope_dim - dv)))  # jax.nn takes one head size
+    cudnn = jax.jit(lambda q, k, v: sdpa(q, k, v)[..., :dv])
+    row("cudnn_dense_vpad", cudnn, q.reshape(r, n, h, -1), k, v)
+    del q_
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="MLA-D1,MLA-D1-16,MLA-P1", help="comma-separated MLA_WORKLOADS names")
+    parser.add_argument("--impls", default="pallas_mla_gpu,xla_reference")
+    parser.add_argument("--sweep", action="store_true", help="also time block_h x pages_per_tile x num_kv_splits")
+    add_output_args(parser, "mla_attention_gpu.json")
+    args = parser.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from attn_jax.ops.mla import kernel_triton, reference
+    from attn_jax.ops.mla.kernel_triton import MLADecodeBlockSizes
+    from attn_jax.testing.mla import MLA_WORKLOADS
+
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        print(f"this benchmark needs a GPU; jax sees {dev.platform}", file=sys.stderr)
+        return 2
+    ceilings = measure_ceilings()
+    print(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
+          f"bf16 matmul {ceilings['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")  # fmt: skip
+    rows = []
+    for name in args.workloads.split(","):
+        spec = MLA_WORKLOADS[name]
+        if spec.query_len != 1:
+            rows.extend(prefill_rows(spec, ceilings))
+            continue
+        q, cache, seq_lens, table = make_batch(spec)
+        scale = 192**-0.5
+        nbytes, flops = floors(spec)
+        t_bytes, t_flops = nbytes / ceilings["copy_bytes_per_s"], flops / ceilings["matmul_flops_per_s"]
+        floor_s, bound = max(t_bytes, t_flops), "memory" if t_bytes >= t_flops else "compute"
+        print(f"{name}: {nbytes / 1e9:.3f} GB, {flops / 1e12:.3f} TFLOP; floors {t_bytes * 1e6:.1f} us (bytes), "
+              f"{t_flops * 1e6:.1f} us (FLOPs): {bound}-bound")  # fmt: skip
+        ref = reference.mla_decode(q.astype(jnp.float32), cache.astype(jnp.float32), seq_lens, table,
+                                   sm_scale=scale, kv_lora_rank=spec.kv_lora_rank)  # fmt: skip
+        ref = np.asarray(ref, np.float64)
+
+        def record(impl, fn, extra=None, *, spec=spec, ref=ref, nbytes=nbytes, flops=flops, floor_s=floor_s,
+                   bound=bound, args=(q, cache, seq_lens, table)):  # fmt: skip
+            try:
+                t = time_fn(fn, *args)
+                out = np.asarray(fn(*args), np.float64)
+            except Exception as e:  # noqa: BLE001 - a configuration that fails is a row, not the end of the run
+                print(f"  {impl} {extra or ''}: failed: {type(e).__name__}: {str(e)[:200]}")
+                return
+            err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+            row = {"workload": spec.name, "impl": impl, **(extra or {}), "time_us": t * 1e6,
+                   "gb_per_s": nbytes / t / 1e9, "tflop_per_s": flops / t / 1e12,
+                   "pct_of_floor": 100 * floor_s / t, "bound": bound, "rel_l2_vs_f32": err}  # fmt: skip
+            rows.append(row)
+            print(f"  {impl:16s} {str(extra or ''):60s} {t * 1e6:9.1f} us {row['gb_per_s']:7.0f} GB/s "
+                  f"{row['tflop_per_s']:6.1f} TFLOP/s {row['pct_of_floor']:5.1f}% of floor  err {err:.1e}")  # fmt: skip
+
+        kw = dict(sm_scale=scale, kv_lora_rank=spec.kv_lora_rank)
+        if "pallas_mla_gpu" in args.impls:
+            record("pallas_mla_gpu", jax.jit(functools.partial(kernel_triton.mla_decode, **kw)))
+            if args.sweep:
+                pages = -(-spec.context_len // spec.block_size)
+                for bh, ppt, splits, warps in itertools.product((16, 32, 64, 128), (1, 2), (1, 2, 4, 8), (4, 8)):
+                    if bh > max(16, spec.num_heads * 2) or ppt * spec.block_size > 128 or splits > pages:
+                        continue
+                    bs = MLADecodeBlockSizes(block_h=bh, pages_per_tile=ppt, num_kv_splits=splits, num_warps=warps)
+                    fn = jax.jit(functools.partial(kernel_triton.mla_decode, **kw, block_sizes=bs))
+                    record("pallas_mla_gpu", fn, {"block_sizes": str(bs)})
+        if "xla_reference" in args.impls:
+            record("xla_reference", jax.jit(functools.partial(reference.mla_decode, **kw)))
+    result = {"benchmark": "mla_attention", "device": dev.device_kind, "date": datetime.date.today().isoformat(),
+              "jax": jax.__version__, **ceilings, "results": rows}  # fmt: skip
+    write_json(output_path(args), result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The DeepSeek-shaped MLA decoder against transformers' DeepseekV3ForCausalLM with the same
+random weights (a tiny config whose every MLP is dense): greedy tokens through a plain
+prefill/mixed/decode loop and through the serving engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata  # noqa: E402
+from attn_jax.models.deepseek import DeepSeekConfig, DeepSeekModel, params_from_hf  # noqa: E402
+from attn_jax.serving import Engine, SamplingParams  # noqa: E402
+
+NEW_TOKENS = 6
+PROMPTS = [[3, 17, 99, 42, 8], [120, 5, 64, 64, 2, 77, 31, 90, 11]]
+
+
+def _hf_model(q_lora_rank):
+    config = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, first_k_dense_replace=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:  # RMSNorm weights
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+    return model
+
+
+@pytest.fixture(scope="module", params=[32, pytest.param(None, marks=pytest.mark.slow)], ids=["q_lora", "q_proj"])
+def models(request):
+    hf = _hf_model(request.param)
+    want = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = list(prompt)
+            for _ in range(NEW_TOKENS):
+                logits = hf(torch.tensor([ids])).logits[0, -1]
+                ids.append(int(logits.argmax()))
+            want.append(ids[len(prompt) :])
+    config = DeepSeekConfig.from_hf(hf.config)
+    return DeepSeekModel(config, block_size=16), params_from_hf(hf), want
+
+
+def test_greedy_loop_matches_transformers(models):
+    """Step 1: request 0's prefill; step 2: its decode with request 1's prefill (mixed);
+    then decodes of both (absorbed)."""
+    model, params, want = models
+    caches = model.init_kv_caches(8)
+    table = np.array([[0, 1], [2, 3]], np.int32)
+    tokens = [list(p) for p in PROMPTS]
+    done = [0, 0]  # tokens of each request already in the cache
+    active = [0]
+    for step in range(NEW_TOKENS + 1):
+        if step == 1:
+            active = [0, 1]
+        query = [tokens[r][done[r] :] for r in active]
+        md = build_common_attn_metadata([len(q) for q in query], [len(tokens[r]) for r in active], table[active], 16)
+        ids = np.zeros(md.num_tokens, np.int32)
+        pos = np.zeros(md.num_tokens, np.int32)
+        flat = [t for q in query for t in q]
+        ids[: len(flat)] = flat
+        pos[: len(flat)] = [done[r] + i for r, q in zip(active, query, strict=True) for i in range(len(q))]
+        last = np.cumsum([len(q) for q in query]).astype(np.int32) - 1
+        logits, caches = model.step(params, caches, ids, pos, md, last)
+        for r, row in zip(active, np.asarray(logits), strict=True):
+            done[r] = len(tokens[r])
+            if len(tokens[r]) - len(PROMPTS[r]) < NEW_TOKENS:
+                tokens[r].append(int(row.argmax()))
+    assert [t[len(p) :] for t, p in zip(tokens, PROMPTS, strict=True)] == want
+    assert len({t for w in want for t in w}) > 3  # the random model does not repeat one token
+
+
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_engine_serves_it_with_transformers_tokens(models, num_scheduler_steps):
+    model, params, want = models
+    engine = Engine(
+        model, params, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, num_blocks=8,
+        buckets=MetadataBuckets((16,), (2,), (4,)), num_scheduler_steps=num_scheduler_steps,
+    )  # fmt: skip
+    builder = model.attn.metadata_builder
+    advanced = []
+    original = builder.advance_decode
+    builder.advance_decode = lambda *a: advanced.append(1) or original(*a)  # traced once per multi-step compile
+    try:
+        outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    finally:
+        del builder.advance_decode
+    assert [c.output_ids for c in outputs] == want
+    assert bool(advanced) == (num_scheduler_steps > 1)  # multi-step decoding ran through advance_decode
+
+
+def test_moe_config_is_refused():
+    config = transformers.DeepseekV3Config(num_hidden_layers=4, first_k_dense_replace=1)
+    with pytest.raises(ValueError, match=r"first_k_dense_replace=1 < num_hidden_layers=4: layers past it are"):
+        DeepSeekConfig.from_hf(config)
+
+
+@pytest.mark.slow
+def test_engine_with_pallas_mla_gpu_kernels_gives_transformers_tokens():
+    """The same through PALLAS_MLA_GPU (the Triton decode and prefill kernels; in the
+    interpreter on a CPU, compiled on a GPU), on a config whose latent row splits into powers
+    of two as the kernels need (kv_lora_rank 64 + rope 64, nope 32, v 32)."""
+    from attn_jax.backends.mla_pallas import PallasMLAGPUBackend
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=64,
+        v_head_dim=32, first_k_dense_replace=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    hf = transformers.DeepseekV3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 else torch.randn_like(p) * p.shape[-1] ** -0.5)
+        want = []
+        for prompt in PROMPTS:
+            ids = list(prompt)
+            for _ in range(4):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            want.append(ids[len(prompt) :])
+    model = DeepSeekModel(DeepSeekConfig.from_hf(config), block_size=16, attn_backend=PallasMLAGPUBackend)
+    engine = Engine(
+        model, params_from_hf(hf), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, num_blocks=8,
+        buckets=MetadataBuckets((16,), (2,), (4,)),
+    )  # fmt: skip
+    outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert [c.output_ids for c in outputs] == want
