@@ -6,11 +6,11 @@ Floors: bytes = the latent cache read once (requests x context x 576 x 2) + q re
 latent output written, over the measured device-to-device copy bandwidth; FLOPs = 2 * (576 +
 512) per (query head, key) pair (scores and p @ c_kv), over the measured bf16 matmul rate.
 MLA-D1 sits near the ridge (~0.3 GB against ~73 GFLOP), so the row says which floor binds.
-Implementations: ``pallas_mla_gpu`` (ops/mla/kernel_triton.py; default block sizes, or a
+Implementations: ``pallas_mla_gpu`` (ops/mla/pallas_triton.py; default block sizes, or a
 sweep with --sweep) and ``xla_reference`` (the jnp reference); each row has the median
 time, GB/s, TFLOP/s, % of the binding floor and the relative L2 error against the
 reference computed in float32 on the same inputs. MLA-P1 (4 x 4096 causal prefill, 16
-heads, q/k 192, v 128) runs the Triton prefill (ops/mla/prefill_triton.py, a few block
+heads, q/k 192, v 128) runs the Triton prefill (ops/mla/prefill_pallas_triton.py, a few block
 sizes), the jnp prefill (``xla_mla_dense``) and cuDNN on the
 up-projected dense k/v (v zero-padded to 192: jax.nn's API takes one head size) as a peer,
 against the FLOPs floor.
@@ -97,7 +97,7 @@ def prefill_rows(spec, ceilings) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from attn_jax.ops.mla import prefill_triton
+    from attn_jax.ops.mla import prefill_pallas_triton
     from attn_jax.ops.mla.dense import mla_prefill_dense
 
     nope, dv, h, n, r = 128, 128, spec.num_heads, spec.query_len, spec.num_reqs
@@ -136,7 +136,7 @@ def prefill_rows(spec, ceilings) -> list[dict]:
     row("xla_mla_dense", dense, q, cache, w_uk, w_uv, qsl, lens, table)
     for bq, bk, warps, stages in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 3)):
         kernel = jax.jit(functools.partial(
-            prefill_triton.mla_prefill, sm_scale=scale, kv_lora_rank=spec.kv_lora_rank, q_block=n, block_q=bq,
+            prefill_pallas_triton.mla_prefill, sm_scale=scale, kv_lora_rank=spec.kv_lora_rank, q_block=n, block_q=bq,
             block_k=bk, num_warps=warps, num_stages=stages,
         ))  # fmt: skip
         row(f"pallas_mla_gpu bq{bq} bk{bk} w{warps} s{stages}", kernel, q, cache, w_uk, w_uv, qsl, lens, table)
@@ -165,8 +165,8 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from attn_jax.ops.mla import kernel_triton, reference
-    from attn_jax.ops.mla.kernel_triton import MLADecodeBlockSizes
+    from attn_jax.ops.mla import pallas_triton, reference
+    from attn_jax.ops.mla.pallas_triton import MLADecodeBlockSizes
     from attn_jax.testing.mla import MLA_WORKLOADS
 
     dev = jax.devices()[0]
@@ -211,14 +211,14 @@ def main(argv=None) -> int:
 
         kw = dict(sm_scale=scale, kv_lora_rank=spec.kv_lora_rank)
         if "pallas_mla_gpu" in args.impls:
-            record("pallas_mla_gpu", jax.jit(functools.partial(kernel_triton.mla_decode, **kw)))
+            record("pallas_mla_gpu", jax.jit(functools.partial(pallas_triton.mla_decode, **kw)))
             if args.sweep:
                 pages = -(-spec.context_len // spec.block_size)
                 for bh, ppt, splits, warps in itertools.product((16, 32, 64, 128), (1, 2), (1, 2, 4, 8), (4, 8)):
                     if bh > max(16, spec.num_heads * 2) or ppt * spec.block_size > 128 or splits > pages:
                         continue
                     bs = MLADecodeBlockSizes(block_h=bh, pages_per_tile=ppt, num_kv_splits=splits, num_warps=warps)
-                    fn = jax.jit(functools.partial(kernel_triton.mla_decode, **kw, block_sizes=bs))
+                    fn = jax.jit(functools.partial(pallas_triton.mla_decode, **kw, block_sizes=bs))
                     record("pallas_mla_gpu", fn, {"block_sizes": str(bs)})
         if "xla_reference" in args.impls:
             record("xla_reference", jax.jit(functools.partial(reference.mla_decode, **kw)))

@@ -1,9 +1,9 @@
 """The PALLAS_MLA_GPU and PALLAS_MLA_TPU backends: MLA with the decode as a Pallas kernel.
 
-Decodes (the absorbed MQA over the latent cache) run in ``ops/mla/kernel_triton.py`` (GPU,
-Triton lowering) or ``ops/mla/kernel_tpu.py`` (Mosaic TPU). On GPU, prefills run in
-``ops/mla/prefill_triton.py`` (up-projection in XLA, attention with q/k and v head sizes that
-differ in a Triton kernel) and sparse MLA in ``sparse_kernel_triton.py``; on TPU prefills are
+Decodes (the absorbed MQA over the latent cache) run in ``ops/mla/pallas_triton.py`` (GPU,
+Triton lowering) or ``ops/mla/pallas_mosaic_tpu.py`` (Mosaic TPU). On GPU, prefills run in
+``ops/mla/prefill_pallas_triton.py`` (up-projection in XLA, attention with q/k and v head sizes that
+differ in a Triton kernel) and sparse MLA in ``sparse_pallas_triton.py``; on TPU prefills are
 ``mla_xla``'s jnp (``ops/mla/dense.py``). The latent write and the metadata are ``mla_xla``'s.
 Forced where their hardware is absent they run the kernels in the Pallas interpreter, with a
 logged warning.
@@ -15,7 +15,7 @@ import logging
 from typing import ClassVar
 
 from attn_jax.backends.mla_xla import MLACommonBackend, XLAMLAImpl
-from attn_jax.ops.mla import kernel_tpu, kernel_triton, prefill_triton, sparse_kernel_triton
+from attn_jax.ops.mla import pallas_mosaic_tpu, pallas_triton, prefill_pallas_triton, sparse_pallas_triton
 from attn_jax.platforms import current_platform
 
 logger = logging.getLogger(__name__)
@@ -56,19 +56,19 @@ class PallasMLAGPUImpl(_PallasMLAImpl):
     def prefill(self, q, kv_cache, w_uk, w_uv, md, k_scale=None):
         if not self.triton_prefill:
             return super().prefill(q, kv_cache, w_uk, w_uv, md, k_scale)
-        return prefill_triton.mla_prefill(
+        return prefill_pallas_triton.mla_prefill(
             q, kv_cache, w_uk, w_uv, md.prefill_query_start_loc, md.prefill_seq_lens, md.prefill_block_tables,
             sm_scale=self.scale, kv_lora_rank=self.kv_lora_rank, q_block=md.prefill_q_block, k_scale=k_scale,
             interpret=self.interpret, block_q=min(64, max(16, md.prefill_q_block)),
         )  # fmt: skip
 
     def decode(self, q_abs, kv_cache, seq_lens, block_tables, k_scale=None):
-        return kernel_triton.mla_decode(q_abs, kv_cache, seq_lens, block_tables, sm_scale=self.scale,
+        return pallas_triton.mla_decode(q_abs, kv_cache, seq_lens, block_tables, sm_scale=self.scale,
                                         kv_lora_rank=self.kv_lora_rank, interpret=self.interpret,
                                         k_scale=k_scale)  # fmt: skip
 
     def sparse(self, q_abs, kv_cache, topk_positions, md, k_scale=None):
-        return sparse_kernel_triton.sparse_mla(
+        return sparse_pallas_triton.sparse_mla(
             q_abs, kv_cache, topk_positions, md.query_start_loc, md.seq_lens, md.block_tables, sm_scale=self.scale,
             kv_lora_rank=self.kv_lora_rank, interpret=self.interpret,
             block_h=min(64, max(16, _pow2_at_least(self.num_heads))), k_scale=k_scale,
@@ -79,7 +79,7 @@ class PallasMLATPUImpl(_PallasMLAImpl):
     backend_name, platform_kind = "PALLAS_MLA_TPU", "tpu"
 
     def decode(self, q_abs, kv_cache, seq_lens, block_tables, k_scale=None):
-        return kernel_tpu.mla_decode(q_abs, kv_cache, seq_lens, block_tables, sm_scale=self.scale,
+        return pallas_mosaic_tpu.mla_decode(q_abs, kv_cache, seq_lens, block_tables, sm_scale=self.scale,
                                      kv_lora_rank=self.kv_lora_rank, interpret=self.interpret,
                                      k_scale=k_scale)  # fmt: skip
 

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax.ops.mla import kernel_tpu, kernel_triton, reference, sparse_kernel_triton
-from attn_jax.ops.mla.kernel_triton import MLADecodeBlockSizes
+from attn_jax.ops.mla import pallas_mosaic_tpu, pallas_triton, reference, sparse_pallas_triton
+from attn_jax.ops.mla.pallas_triton import MLADecodeBlockSizes
 from attn_jax.testing.mla import make_mla_batch
 from tests.ops.mla_oracle import mla_decode_oracle, sparse_mla_oracle
 
@@ -30,9 +30,9 @@ def test_fp8_decode_matches_oracle_on_dequantised_latents(cache_dtype, impl):
     if impl == "reference":
         out, lse = reference.mla_decode(*args, **kw)
     elif impl == "triton":
-        out, lse = kernel_triton.mla_decode(*args, **kw, interpret=True, block_sizes=MLADecodeBlockSizes(16, 1, 2))
+        out, lse = pallas_triton.mla_decode(*args, **kw, interpret=True, block_sizes=MLADecodeBlockSizes(16, 1, 2))
     else:
-        out, lse = kernel_tpu.mla_decode(*args, **kw, interpret=True)
+        out, lse = pallas_mosaic_tpu.mla_decode(*args, **kw, interpret=True)
     want, want_lse = mla_decode_oracle(np.asarray(b.q_decode), b.latents, kv_lora_rank=C, sm_scale=0.1)
     np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=3e-5, rtol=3e-5)
     np.testing.assert_allclose(np.asarray(lse), want_lse, atol=1e-4, rtol=1e-5)
@@ -51,7 +51,7 @@ def test_fp8_sparse_kernel_matches_oracle():
             topk[row, : chosen.size] = chosen
             row += 1
     q = jnp.asarray(rng.standard_normal((6, H, C + ROPE)).astype(np.float32))
-    out = sparse_kernel_triton.sparse_mla(q, b.kv_cache, topk, qsl, b.seq_lens, b.block_tables, sm_scale=0.1,
+    out = sparse_pallas_triton.sparse_mla(q, b.kv_cache, topk, qsl, b.seq_lens, b.block_tables, sm_scale=0.1,
                                           kv_lora_rank=C, interpret=True, block_h=16, block_k=16,
                                           k_scale=jnp.float32(SCALE))  # fmt: skip
     want, _ = sparse_mla_oracle(np.asarray(q), b.latents, topk, query_lens, kv_lora_rank=C, sm_scale=0.1)
@@ -68,5 +68,5 @@ def test_fp8_write_quantises_and_missing_scale_is_named():
         reference.write_latent_cache(cache, kv_c, k_pe, np.array([5], np.int32), kv_lora_rank=C)
     b = _batch(jnp.float8_e5m2)
     with pytest.raises(ValueError, match=r"kv_cache.dtype=float8_e5m2 is fp8: pass k_scale"):
-        kernel_triton.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=0.1, kv_lora_rank=C,
+        pallas_triton.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=0.1, kv_lora_rank=C,
                                  interpret=True)  # fmt: skip

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import pytest
 from jax._src.mesh import AbstractDevice, AbstractMesh
 
-from attn_jax.ops.mla import kernel_triton, sparse_kernel_triton
-from attn_jax.ops.mla.kernel_triton import MLADecodeBlockSizes
+from attn_jax.ops.mla import pallas_triton, sparse_pallas_triton
+from attn_jax.ops.mla.pallas_triton import MLADecodeBlockSizes
 
 H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
 TRITON = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
@@ -37,7 +37,7 @@ def test_decode_lowers_for_h100(num_heads, page_size, cache_dtype, bs):
     scale = {} if cache_dtype == jnp.bfloat16 else {"k_scale": jnp.float32(0.5)}
 
     def f(q, cache, lens, table):
-        return kernel_triton.mla_decode(q, cache, lens, table, sm_scale=192**-0.5, kv_lora_rank=512, return_lse=True,
+        return pallas_triton.mla_decode(q, cache, lens, table, sm_scale=192**-0.5, kv_lora_rank=512, return_lse=True,
                                         interpret=False, block_sizes=bs, **scale)  # fmt: skip
 
     text = _export_for_h100(f, sds((64, num_heads, 576), jnp.bfloat16), sds((4200, page_size, 576), cache_dtype),
@@ -47,7 +47,7 @@ def test_decode_lowers_for_h100(num_heads, page_size, cache_dtype, bs):
 
 def test_sparse_lowers_for_h100():
     def f(q, cache, topk, qsl, lens, table):
-        return sparse_kernel_triton.sparse_mla(q, cache, topk, qsl, lens, table, sm_scale=192**-0.5,
+        return sparse_pallas_triton.sparse_mla(q, cache, topk, qsl, lens, table, sm_scale=192**-0.5,
                                                kv_lora_rank=512, interpret=False)  # fmt: skip
 
     text = _export_for_h100(f, sds((256, 128, 576), jnp.bfloat16), sds((4200, 64, 576), jnp.bfloat16),

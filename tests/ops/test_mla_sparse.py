@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax.ops.mla import sparse_kernel_triton
+from attn_jax.ops.mla import sparse_pallas_triton
 from attn_jax.ops.mla.sparse_reference import lightning_indexer, sparse_mla
 from attn_jax.testing.mla import make_mla_batch
 from tests.ops.mla_oracle import indexer_oracle, sparse_mla_oracle
@@ -41,7 +41,7 @@ def test_sparse_matches_oracle(impl):
     if impl == "reference":
         out, lse = sparse_mla(*args, sm_scale=0.15, kv_lora_rank=C, return_lse=True)
     else:
-        out, lse = sparse_kernel_triton.sparse_mla(*args, sm_scale=0.15, kv_lora_rank=C, return_lse=True,
+        out, lse = sparse_pallas_triton.sparse_mla(*args, sm_scale=0.15, kv_lora_rank=C, return_lse=True,
                                                    interpret=True, block_h=16, block_k=16)  # fmt: skip
     want, want_lse = sparse_mla_oracle(np.asarray(q), b.latents, topk, QUERY_LENS, kv_lora_rank=C, sm_scale=0.15)
     n = sum(QUERY_LENS)
@@ -101,7 +101,7 @@ def test_sparse_compiled_on_gpu():
             row += 1
     q = jnp.asarray(rng.standard_normal((sum(qlens), 128, 576)).astype(np.float32), jnp.bfloat16)
     qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
-    out = sparse_kernel_triton.sparse_mla(q, b.kv_cache, topk, qsl, b.seq_lens, b.block_tables, sm_scale=192**-0.5,
+    out = sparse_pallas_triton.sparse_mla(q, b.kv_cache, topk, qsl, b.seq_lens, b.block_tables, sm_scale=192**-0.5,
                                           kv_lora_rank=512, interpret=False)  # fmt: skip
     want, _ = sparse_mla_oracle(np.asarray(q.astype(jnp.float32)), b.latents, topk, qlens, kv_lora_rank=512,
                                 sm_scale=192**-0.5)  # fmt: skip

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax.ops.mla import kernel_tpu
+from attn_jax.ops.mla import pallas_mosaic_tpu
 from attn_jax.testing.mla import make_mla_batch
 from tests.ops.mla_oracle import mla_decode_oracle
 
@@ -22,7 +22,7 @@ def test_decode_interpret_matches_oracle(block_size, dtype, splits):
     b = make_mla_batch(7, seq_lens=[1, 70, 0, 33], num_heads=8, kv_lora_rank=128, rope_dim=64,
                        block_size=block_size, dtype=dtype)  # fmt: skip
     scale = 192**-0.5
-    out, lse = kernel_tpu.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=scale,
+    out, lse = pallas_mosaic_tpu.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=scale,
                                      kv_lora_rank=128, return_lse=True, interpret=True,
                                      num_kv_splits=splits)  # fmt: skip
     want, want_lse = mla_decode_oracle(np.asarray(b.q_decode.astype(jnp.float32)), b.latents, kv_lora_rank=128,
@@ -41,7 +41,7 @@ def test_decode_lowers_for_tpu(num_heads, page_size, splits, cache_dtype):
     scale = {"k_scale": jnp.float32(0.5)} if cache_dtype == jnp.float8_e4m3fn else {}
 
     def f(q, cache, lens, table):
-        return kernel_tpu.mla_decode(q, cache, lens, table, sm_scale=192**-0.5, kv_lora_rank=512, return_lse=True,
+        return pallas_mosaic_tpu.mla_decode(q, cache, lens, table, sm_scale=192**-0.5, kv_lora_rank=512, return_lse=True,
                                      interpret=False, num_kv_splits=splits, **scale)  # fmt: skip
 
     exported = jax.export.export(jax.jit(f), platforms=["tpu"])(
@@ -55,5 +55,5 @@ def test_decode_lowers_for_tpu(num_heads, page_size, splits, cache_dtype):
 def test_error_num_kv_splits():
     b = make_mla_batch(0, seq_lens=[3], num_heads=4, kv_lora_rank=128, rope_dim=64, block_size=16)
     with pytest.raises(ValueError, match=r"num_kv_splits=0 must be an int >= 1"):
-        kernel_tpu.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=0.1, kv_lora_rank=128,
+        pallas_mosaic_tpu.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=0.1, kv_lora_rank=128,
                               interpret=True, num_kv_splits=0)  # fmt: skip

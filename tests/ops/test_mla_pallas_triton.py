@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax.ops.mla import kernel_triton, reference
-from attn_jax.ops.mla.kernel_triton import MLADecodeBlockSizes
+from attn_jax.ops.mla import pallas_triton, reference
+from attn_jax.ops.mla.pallas_triton import MLADecodeBlockSizes
 from attn_jax.testing.mla import make_mla_batch
 from tests.ops.mla_oracle import mla_decode_oracle
 
@@ -19,7 +19,7 @@ C, ROPE, H = 32, 16, 20  # 20 heads: two head blocks of 16, the second partial
 
 def _check(b, dtype, bs, interpret):
     scale = 48**-0.5
-    out, lse = kernel_triton.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=scale,
+    out, lse = pallas_triton.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=scale,
                                         kv_lora_rank=C, return_lse=True, interpret=interpret,
                                         block_sizes=bs)  # fmt: skip
     want, want_lse = mla_decode_oracle(np.asarray(b.q_decode.astype(jnp.float32)), b.latents, kv_lora_rank=C,
@@ -46,27 +46,27 @@ def test_decode_interpret_matches_oracle(block_size, dtype, bs):
 def test_default_block_sizes_and_reference_agree():
     b = make_mla_batch(5, seq_lens=[40, 3], num_heads=4, kv_lora_rank=C, rope_dim=ROPE, block_size=16)
     args = (b.q_decode, b.kv_cache, b.seq_lens, b.block_tables)
-    got = kernel_triton.mla_decode(*args, sm_scale=0.15, kv_lora_rank=C, interpret=True)
+    got = pallas_triton.mla_decode(*args, sm_scale=0.15, kv_lora_rank=C, interpret=True)
     want = reference.mla_decode(*args, sm_scale=0.15, kv_lora_rank=C)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
 def test_default_block_sizes_deepseek_shape():
-    bs = kernel_triton.default_block_sizes(num_reqs=64, num_heads=128, pages_per_req=64, page_size=64)
+    bs = pallas_triton.default_block_sizes(num_reqs=64, num_heads=128, pages_per_req=64, page_size=64)
     assert (bs.block_h, bs.pages_per_tile, bs.num_kv_splits) == (64, 1, 2)
 
 
 def test_error_non_power_of_two_rank():
     b = make_mla_batch(0, seq_lens=[3], num_heads=4, kv_lora_rank=24, rope_dim=16, block_size=16)
     with pytest.raises(ValueError, match=r"kv_lora_rank=24 must be a power of two for the Triton MLA kernel"):
-        kernel_triton.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=0.1,
+        pallas_triton.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=0.1,
                                  kv_lora_rank=24, interpret=True)  # fmt: skip
 
 
 def test_error_block_h():
     b = make_mla_batch(0, seq_lens=[3], num_heads=4, kv_lora_rank=C, rope_dim=ROPE, block_size=16)
     with pytest.raises(ValueError, match=r"block_h=8 must be a power of two >= 16"):
-        kernel_triton.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=0.1, kv_lora_rank=C,
+        pallas_triton.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=0.1, kv_lora_rank=C,
                                  interpret=True, block_sizes=MLADecodeBlockSizes(block_h=8))  # fmt: skip
 
 
@@ -78,7 +78,7 @@ def test_decode_compiled_on_gpu(num_heads, block_size):
     b = make_mla_batch(6, seq_lens=[1, 700, 0, 2049, 64], num_heads=num_heads, kv_lora_rank=512, rope_dim=64,
                        block_size=block_size, dtype=jnp.bfloat16)  # fmt: skip
     scale = 192**-0.5
-    out, lse = kernel_triton.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=scale,
+    out, lse = pallas_triton.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=scale,
                                         kv_lora_rank=512, return_lse=True, interpret=False)  # fmt: skip
     want, want_lse = mla_decode_oracle(np.asarray(b.q_decode.astype(jnp.float32)), b.latents, kv_lora_rank=512,
                                        sm_scale=scale)  # fmt: skip

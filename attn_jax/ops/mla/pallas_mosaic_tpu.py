@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from attn_jax.ops.mla.kernel_triton import MASK_VALUE, combine_splits
+from attn_jax.ops.mla.pallas_triton import MASK_VALUE, combine_splits
 from attn_jax.ops.mla.reference import fold_fp8_scale
 from attn_jax.ops.mla.validate import dynamic_validate, is_concrete, static_validate_decode
 

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from attn_jax.kv_cache import dequantize_from_cache
-from attn_jax.ops.mla.kernel_triton import MASK_VALUE, is_pow2
+from attn_jax.ops.mla.pallas_triton import MASK_VALUE, is_pow2
 from attn_jax.ops.mla.validate import check_scale, dynamic_validate, is_concrete, static_validate_prefill
 
 
@@ -155,7 +155,7 @@ def _prefill(q, kv_cache, w_uk, w_uv, qsl, lens, tables, k_scale, *, sm_scale, k
         ),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name="mla_prefill_triton",
+        name="mla_prefill_pallas_triton",
     )(qsl, lens, q, k_nope, k_pe, v)
     # Rows no request owns (padding) are never written: zero them.
     rows = jnp.arange(num_tokens)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from attn_jax.ops.mla.kernel_triton import MASK_VALUE, is_pow2
+from attn_jax.ops.mla.pallas_triton import MASK_VALUE, is_pow2
 from attn_jax.ops.mla.reference import fold_fp8_scale
 from attn_jax.ops.mla.sparse_reference import token_positions, validate_topk_positions
 from attn_jax.ops.mla.validate import check_index, check_latent_cache, dynamic_validate, is_concrete

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax.ops.mla import prefill_triton
+from attn_jax.ops.mla import prefill_pallas_triton
 from attn_jax.testing.mla import make_mla_batch
 from tests.ops.mla_oracle import mla_prefill_oracle
 from tests.ops.test_mla_lowering import _export_for_h100
@@ -26,7 +26,7 @@ def test_prefill_interpret_matches_oracle(dtype, tol):
     w_uk = jnp.asarray(rng.standard_normal((C, H, NOPE)) * C**-0.5, dtype)
     w_uv = jnp.asarray(rng.standard_normal((C, H, DV)) * C**-0.5, dtype)
     qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
-    out, lse = prefill_triton.mla_prefill(q, b.kv_cache, w_uk, w_uv, qsl, b.seq_lens, b.block_tables, sm_scale=0.2,
+    out, lse = prefill_pallas_triton.mla_prefill(q, b.kv_cache, w_uk, w_uv, qsl, b.seq_lens, b.block_tables, sm_scale=0.2,
                                           kv_lora_rank=C, q_block=32, return_lse=True, interpret=True, block_q=16,
                                           block_k=16)  # fmt: skip
     f64 = [np.asarray(x.astype(jnp.float32), np.float64) for x in (q, w_uk, w_uv)]
@@ -40,13 +40,13 @@ def test_prefill_lowers_for_h100_at_mla_p1():
     sds = jax.ShapeDtypeStruct
 
     def f(q, cache, w_uk, w_uv, qsl, lens, table):
-        return prefill_triton.mla_prefill(q, cache, w_uk, w_uv, qsl, lens, table, sm_scale=192**-0.5,
+        return prefill_pallas_triton.mla_prefill(q, cache, w_uk, w_uv, qsl, lens, table, sm_scale=192**-0.5,
                                           kv_lora_rank=512, q_block=4096, interpret=False)  # fmt: skip
 
     text = _export_for_h100(f, sds((16384, 16, 192), jnp.bfloat16), sds((300, 64, 576), jnp.bfloat16),
                             sds((512, 16, 128), jnp.bfloat16), sds((512, 16, 128), jnp.bfloat16),
                             sds((5,), jnp.int32), sds((4,), jnp.int32), sds((4, 64), jnp.int32))  # fmt: skip
-    assert 'name = "mla_prefill_triton"' in text
+    assert 'name = "mla_prefill_pallas_triton"' in text
 
 
 @pytest.mark.gpu
@@ -61,7 +61,7 @@ def test_prefill_compiled_on_gpu():
     w_uk = jnp.asarray(rng.standard_normal((512, 16, 128)) * 512**-0.5, jnp.bfloat16)
     w_uv = jnp.asarray(rng.standard_normal((512, 16, 128)) * 512**-0.5, jnp.bfloat16)
     qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
-    out = prefill_triton.mla_prefill(q, b.kv_cache, w_uk, w_uv, qsl, b.seq_lens, b.block_tables,
+    out = prefill_pallas_triton.mla_prefill(q, b.kv_cache, w_uk, w_uv, qsl, b.seq_lens, b.block_tables,
                                      sm_scale=192**-0.5, kv_lora_rank=512, q_block=256, interpret=False)  # fmt: skip
     f64 = [np.asarray(x.astype(jnp.float32), np.float64) for x in (q, w_uk, w_uv)]
     want, _ = mla_prefill_oracle(f64[0], b.latents, f64[1], f64[2], query_lens, sm_scale=192**-0.5)
