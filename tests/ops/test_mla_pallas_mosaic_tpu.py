@@ -41,8 +41,9 @@ def test_decode_lowers_for_tpu(num_heads, page_size, splits, cache_dtype):
     scale = {"k_scale": jnp.float32(0.5)} if cache_dtype == jnp.float8_e4m3fn else {}
 
     def f(q, cache, lens, table):
-        return pallas_mosaic_tpu.mla_decode(q, cache, lens, table, sm_scale=192**-0.5, kv_lora_rank=512, return_lse=True,
-                                     interpret=False, num_kv_splits=splits, **scale)  # fmt: skip
+        return pallas_mosaic_tpu.mla_decode(q, cache, lens, table, sm_scale=192**-0.5, kv_lora_rank=512,
+                                            return_lse=True, interpret=False, num_kv_splits=splits,
+                                            **scale)  # fmt: skip
 
     exported = jax.export.export(jax.jit(f), platforms=["tpu"])(
         sds((64, num_heads, 576), jnp.bfloat16), sds((4200, page_size, 576), cache_dtype),

@@ -26,9 +26,9 @@ def test_prefill_interpret_matches_oracle(dtype, tol):
     w_uk = jnp.asarray(rng.standard_normal((C, H, NOPE)) * C**-0.5, dtype)
     w_uv = jnp.asarray(rng.standard_normal((C, H, DV)) * C**-0.5, dtype)
     qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
-    out, lse = prefill_pallas_triton.mla_prefill(q, b.kv_cache, w_uk, w_uv, qsl, b.seq_lens, b.block_tables, sm_scale=0.2,
-                                          kv_lora_rank=C, q_block=32, return_lse=True, interpret=True, block_q=16,
-                                          block_k=16)  # fmt: skip
+    out, lse = prefill_pallas_triton.mla_prefill(q, b.kv_cache, w_uk, w_uv, qsl, b.seq_lens, b.block_tables,
+                                                 sm_scale=0.2, kv_lora_rank=C, q_block=32, return_lse=True,
+                                                 interpret=True, block_q=16, block_k=16)  # fmt: skip
     f64 = [np.asarray(x.astype(jnp.float32), np.float64) for x in (q, w_uk, w_uv)]
     want, want_lse = mla_prefill_oracle(f64[0], b.latents, f64[1], f64[2], query_lens, sm_scale=0.2)
     assert out.shape == (num_tokens, H, DV) and out.dtype == dtype
