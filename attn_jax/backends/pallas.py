@@ -52,6 +52,8 @@ class PallasKernelImpl(XLAAttentionImpl):
                 f"attn_metadata is {type(md).__name__}; {self.backend_name} needs {name} from "
                 f"{builder}MetadataBuilder.build (the Attention layer builds it from CommonAttentionMetadata)"
             )
+        if getattr(md, "cascade_prefix_len", None) is not None:  # both parts on this kernel, its own blocks
+            return self.cascade(query, key, value, kv_cache, md, self.op, k_scale, v_scale, interpret=self.interpret)
         return self.op(
             query, key, value, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.slot_mapping,
             sm_scale=self.scale, causal=self.attn_type.is_causal, sliding_window=self.sliding_window,

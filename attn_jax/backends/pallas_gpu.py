@@ -65,6 +65,7 @@ class PallasGPUAttentionMetadata:
     mgpu_schedule: Array | None = None  # i32[4, NT]
     rest_schedule: Array | None = None  # i32[5, NB]
     mgpu_block_sizes: MgpuBlockSizes | None = dataclasses.field(default=None, metadata=dict(static=True))
+    cascade_prefix_len: Array | None = None  # i32[]: as ``XLAAttentionMetadata``'s
 
 
 def split_schedules(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, tile: int, xp=jnp):
@@ -248,7 +249,9 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         self.mgpu_prefill = mgpu_prefill and mgpu_prefill_available(device_kind)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        return self._build(common_attn_metadata)
+        md = self._build(common_attn_metadata)
+        cascade = self.cascade_prefix_len(common_prefix_len)
+        return md if cascade is None else dataclasses.replace(md, cascade_prefix_len=cascade)
 
     def build_for_jit(self, common_attn_metadata, step_query_lens=None):
         return self._build(common_attn_metadata, step_query_lens)

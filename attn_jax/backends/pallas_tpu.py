@@ -67,6 +67,8 @@ class PallasTPUMetadataBuilder(XLAMetadataBuilder):
     with jnp; block sizes then depend on the shapes only.
     """
 
+    supports_cascade = False  # the TPU kernel returns no LSE yet: no cascade attention
+
     def __init__(self, kv_cache_spec, device_kind: str | None = None) -> None:
         super().__init__(kv_cache_spec)
         if device_kind is None:
@@ -75,6 +77,7 @@ class PallasTPUMetadataBuilder(XLAMetadataBuilder):
         self.device_kind = device_kind
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        self.cascade_prefix_len(common_prefix_len)  # a shared prefix is an error here, not ignored
         return self._build(common_attn_metadata)
 
     def build_for_jit(self, common_attn_metadata, step_query_lens=None):

@@ -19,6 +19,7 @@ import numpy as np
 from attn_jax.backends.base import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, validate_kv_cache_dims
 from attn_jax.metadata import CommonAttentionMetadata, make_local_attention_virtual_batches
 from attn_jax.ops.ragged_paged_attention import dense
+from attn_jax.ops.ragged_paged_attention.cascade import cascade_ragged_paged_attention
 from attn_jax.ops.ragged_paged_attention.config import next_pow2
 from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
@@ -45,6 +46,9 @@ class XLAAttentionMetadata:
     # q_block None the impl runs the reference op.
     prefill_reqs: Array | None = None  # i32[Rp]: requests with > 1 new token, padded with R
     q_block: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # Cascade attention (``build(common_prefix_len > 0, ...)``): tokens of the prefix every
+    # request shares, whole pages; the impl then reads it once for the batch.
+    cascade_prefix_len: Array | None = None  # i32[]
 
 
 FIXED_PREFILL_SCORES = 1 << 24
@@ -61,6 +65,12 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
     jitted step sees one shape per bucket.
     """
 
+    supports_cascade = True
+    """Whether ``build`` honours ``common_prefix_len`` (its impl has a kernel with LSE)."""
+
+    CASCADE_MIN_PREFIX = 256
+    CASCADE_MIN_REQUESTS = 8
+
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         md = common_attn_metadata
         chunk = self.kv_cache_spec.attention_chunk_size
@@ -70,8 +80,43 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
                 seq_lens=md.seq_lens,
                 block_tables=md.block_table_tensor,
                 slot_mapping=md.slot_mapping,
+                cascade_prefix_len=self.cascade_prefix_len(common_prefix_len),
+            )
+        if common_prefix_len:
+            raise ValueError(
+                f"common_prefix_len={common_prefix_len}: cascade attention does not serve chunked local "
+                f"attention (attention_chunk_size={chunk}); build with 0"
             )
         return self._build_local(md, chunk)
+
+    def cascade_prefix_len(self, common_prefix_len: int):
+        """i32[] tokens of whole pages of ``common_prefix_len`` for the metadata, or None (no cascade)."""
+        if not common_prefix_len:
+            return None
+        if not self.supports_cascade:
+            raise ValueError(
+                f"common_prefix_len={common_prefix_len}: {type(self).__name__} has no cascade attention "
+                "(use_cascade_attention says False); build with 0"
+            )
+        pages = int(common_prefix_len) // self.kv_cache_spec.block_size
+        return np.int32(pages * self.kv_cache_spec.block_size) if pages else None
+
+    def use_cascade_attention(
+        self, common_prefix_len, query_lens, num_query_heads, num_kv_heads, use_alibi, use_sliding_window, num_sms
+    ) -> bool:
+        """vLLM's first tests: a shared prefix of at least ``CASCADE_MIN_PREFIX`` tokens over
+        at least ``CASCADE_MIN_REQUESTS`` requests, no ALiBi, no sliding window, no chunked
+        attention, and a builder whose kernel returns LSE. (vLLM then weighs cascade against
+        flash-decoding's split-KV for decode batches; here cascade's saving, the prefix read
+        once instead of once per request, is taken whenever these hold.)"""
+        return (
+            self.supports_cascade
+            and common_prefix_len >= self.CASCADE_MIN_PREFIX
+            and len(query_lens) >= self.CASCADE_MIN_REQUESTS
+            and not use_alibi
+            and not use_sliding_window
+            and self.kv_cache_spec.attention_chunk_size is None
+        )
 
     def build_for_jit(
         self, common_attn_metadata: CommonAttentionMetadata, step_query_lens=None
@@ -201,6 +246,8 @@ class XLAAttentionImpl(AttentionImpl[XLAAttentionMetadata]):
         if self.kv_sharing_target_layer_name is not None:
             key = value = None  # the target layer has written this cache already
         md = attn_metadata
+        if md.cascade_prefix_len is not None:
+            return self.cascade(query, key, value, kv_cache, md, ragged_paged_attention, k_scale, v_scale)
         op, schedule = ragged_paged_attention, {}
         if md.q_block is not None:
             op, schedule = dense.ragged_paged_attention, dict(prefill_reqs=md.prefill_reqs, q_block=md.q_block)
@@ -210,6 +257,15 @@ class XLAAttentionImpl(AttentionImpl[XLAAttentionMetadata]):
             sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
             alibi_slopes=self.alibi_slopes, sinks=self.sinks, k_scale=k_scale, v_scale=v_scale,
             **schedule,
+        )  # fmt: skip
+
+    def cascade(self, query, key, value, kv_cache, md, op, k_scale, v_scale, **op_kwargs):
+        """``cascade_ragged_paged_attention`` with this layer's hyperparameters, ``op`` for both parts."""
+        return cascade_ragged_paged_attention(
+            query, key, value, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.slot_mapping,
+            prefix_len=md.cascade_prefix_len, sm_scale=self.scale, causal=self.attn_type.is_causal,
+            sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
+            alibi_slopes=self.alibi_slopes, sinks=self.sinks, k_scale=k_scale, v_scale=v_scale, op=op, **op_kwargs,
         )  # fmt: skip
 
 

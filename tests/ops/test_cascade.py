@@ -99,7 +99,7 @@ def test_cascade_matches_the_oracle(name):
 def test_cascade_refusals_are_named():
     batch = make_ragged_batch(3, query_lens=[1, 2], context_lens=[40, 33], **_SHAPE).with_shared_prefix(32)
     run = functools.partial(cascade_ragged_paged_attention, *batch.op_args, sm_scale=0.1)
-    with pytest.raises(ValueError, match=r"prefix_len=24 must be a multiple of the page size 16"):
+    with pytest.raises(ValueError, match=r"prefix_len=24 must be a positive multiple of the page size 16"):
         run(prefix_len=24)
     with pytest.raises(ValueError, match=r"prefix_len=48 exceeds request 0's cached context 40"):
         run(prefix_len=48)

@@ -36,7 +36,7 @@ def cascade_ragged_paged_attention(
     block_tables,  # i32[R, pages_per_req]: the first prefix_len // S entries equal in every row
     slot_mapping,  # i32[T]
     *,
-    prefix_len: int,  # tokens of the shared prefix: a multiple of the page size, <= every request's context
+    prefix_len,  # int or i32[]: tokens of the shared prefix, whole pages, within every request's context
     sm_scale: float,
     causal: bool = True,
     sliding_window: int | None = None,
@@ -67,18 +67,17 @@ def cascade_ragged_paged_attention(
         )
     if not causal:
         raise ValueError("cascade attention is for causal decoder attention (causal=True)")
-    if isinstance(prefix_len, bool) or not isinstance(prefix_len, int | np.integer) or prefix_len <= 0:
-        raise ValueError(f"prefix_len={prefix_len!r} must be a positive int")
-    if prefix_len % page_size:
-        raise ValueError(f"prefix_len={prefix_len} must be a multiple of the page size {page_size}")
+    width = block_tables.shape[1]
+    if is_concrete(prefix_len):
+        prefix_len = int(np.asarray(prefix_len))
+        if prefix_len <= 0 or prefix_len % page_size:
+            raise ValueError(f"prefix_len={prefix_len} must be a positive multiple of the page size {page_size}")
+        if prefix_len // page_size > width:
+            raise ValueError(f"prefix_len={prefix_len} spans {prefix_len // page_size} pages; block_tables has {width}")
     prefix_pages = prefix_len // page_size
-    if prefix_pages > block_tables.shape[1]:
-        raise ValueError(
-            f"prefix_len={prefix_len} spans {prefix_pages} pages; block_tables has {block_tables.shape[1]}"
-        )
     qsl = np.asarray(query_start_loc) if is_concrete(query_start_loc) else None
-    if is_concrete(seq_lens, block_tables) and qsl is not None:
-        lens, tables = np.asarray(seq_lens), np.asarray(block_tables)
+    if is_concrete(seq_lens, block_tables, prefix_len) and qsl is not None:
+        lens, host_tables = np.asarray(seq_lens), np.asarray(block_tables)
         context = lens - np.diff(qsl)
         real = np.diff(qsl) > 0
         if (context[real] < prefix_len).any():
@@ -87,31 +86,27 @@ def cascade_ragged_paged_attention(
                 f"prefix_len={prefix_len} exceeds request {r}'s cached context {int(context[r])}: "
                 "the shared prefix must be cached before every request's new tokens"
             )
-        shared = tables[real][:, :prefix_pages]
+        shared = host_tables[real][:, :prefix_pages]
         if len(shared) and (shared != shared[:1]).any():
             r = int(np.flatnonzero((shared != shared[:1]).any(axis=1))[0])
             raise ValueError(f"request {r}'s first {prefix_pages} pages differ from request 0's: no shared prefix")
     common = dict(sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale)
     num_actual = jnp.asarray(query_start_loc)[-1]
+    tables = jnp.asarray(block_tables)
+    # The prefix part reads request 0's table up to prefix_len (a non-causal request of that
+    # length never reads further); the suffix part each request's table moved left by the
+    # prefix's pages (the columns shifted in past the end are never read).
     out_p, kv_cache, lse_p = op(
-        q, k, v, kv_cache, jnp.stack([jnp.int32(0), num_actual]), jnp.full((1,), prefix_len, jnp.int32),
-        jnp.asarray(block_tables)[:1, :prefix_pages], slot_mapping, causal=False, return_lse=True,
-        **common, **op_kwargs,
+        q, k, v, kv_cache, jnp.stack([jnp.int32(0), num_actual]), jnp.reshape(prefix_len, (1,)).astype(jnp.int32),
+        tables[:1], slot_mapping, causal=False, return_lse=True, **common, **op_kwargs,
     )  # fmt: skip
+    shifted = jnp.take(tables, jnp.minimum(prefix_pages + jnp.arange(width), width - 1), axis=1)
     out_s, kv_cache, lse_s = op(
-        q, None, None, kv_cache, query_start_loc, jnp.asarray(seq_lens) - prefix_len,
-        _suffix_tables(jnp.asarray(block_tables), prefix_pages), slot_mapping, causal=True, sinks=sinks,
-        return_lse=True, **common, **op_kwargs,
+        q, None, None, kv_cache, query_start_loc, jnp.asarray(seq_lens) - prefix_len, shifted, slot_mapping,
+        causal=True, sinks=sinks, return_lse=True, **common, **op_kwargs,
     )  # fmt: skip
     out, _ = merge_attn_states(out_p, lse_p, out_s, lse_s)
     return out, kv_cache
-
-
-def _suffix_tables(block_tables, prefix_pages: int):
-    """Each request's pages after the prefix; at least one column (a copy of the last page
-    id, never read) so a request wholly inside the prefix still has a table row."""
-    rest = block_tables[:, prefix_pages:]
-    return rest if rest.shape[1] else block_tables[:, -1:]
 
 
 def _page_size(kv_cache, block_tables) -> int:

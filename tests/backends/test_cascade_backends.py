@@ -1,0 +1,51 @@
+"""Cascade attention through the layer: the builder decides (``use_cascade_attention``), builds
+with the common prefix, and the impl reads the prefix once; against the float64 oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attn_jax import Attention
+from attn_jax.registry import AttentionBackendEnum as ABE
+from attn_jax.testing.workloads import make_ragged_batch
+from tests.ops.ragged_checks import TOLERANCES, make_options, read_back
+from tests.oracle import attention_oracle
+
+PREFIX = 256
+_SHAPE = dict(num_q_heads=4, num_kv_heads=2, head_size=32, block_size=16)
+
+
+def _batch():
+    query_lens = [1, 3, 1, 1, 2, 1, 1, 4]
+    context_lens = [PREFIX + n for n in (5, 0, 17, 1, 30, 9, 16, 2)]
+    return make_ragged_batch(0, query_lens, context_lens, **_SHAPE, num_tokens=16).with_shared_prefix(PREFIX)
+
+
+@pytest.mark.parametrize("backend", [ABE.XLA, ABE.PALLAS_GPU])
+def test_builder_chooses_cascade_and_the_layer_matches_the_oracle(backend):
+    batch = _batch()
+    options = make_options(batch, logits_soft_cap=10.0, sinks=True)
+    layer = Attention(4, 32, options["sm_scale"], 2, logits_soft_cap=10.0, sinks=options["sinks"],
+                      attn_backend=backend, block_size=16)  # fmt: skip
+    builder = layer.metadata_builder
+    args = dict(query_lens=batch.query_lens, num_query_heads=4, num_kv_heads=2, num_sms=132)
+    assert builder.use_cascade_attention(PREFIX, use_alibi=False, use_sliding_window=False, **args)
+    assert not builder.use_cascade_attention(PREFIX - 16, use_alibi=False, use_sliding_window=False, **args)
+    assert not builder.use_cascade_attention(PREFIX, use_alibi=True, use_sliding_window=False, **args)
+    md = builder.build(PREFIX + 7, batch.common_metadata())  # rounded down to whole pages
+    assert int(md.cascade_prefix_len) == PREFIX
+    T = batch.q.shape[0]
+    out, cache = layer(batch.q.reshape(T, -1), batch.k.reshape(T, -1), batch.v.reshape(T, -1), batch.kv_cache, md)
+    expected = attention_oracle(np.asarray(batch.q), *read_back(batch, cache), batch.query_lens, **options)
+    n = batch.num_actual_tokens
+    tol = TOLERANCES["float32"]
+    np.testing.assert_allclose(np.asarray(out[:n]).reshape(expected.shape), expected, rtol=tol.rtol, atol=tol.atol)
+
+
+def test_builders_without_cascade_refuse_a_common_prefix():
+    layer = Attention(4, 64, 0.1, 2, attn_backend=ABE.PALLAS_TPU, block_size=16)
+    md = _batch().common_metadata()
+    assert not layer.metadata_builder.use_cascade_attention(PREFIX, np.ones(8), 4, 2, False, False, 132)
+    with pytest.raises(ValueError, match=r"common_prefix_len=256: PallasTPUMetadataBuilder has no cascade"):
+        layer.metadata_builder.build(PREFIX, md)
