@@ -294,11 +294,6 @@ def test_metrics_parse_and_count_a_request(client, server):
 
 
 def test_serve_refuses_a_directory_it_cannot_load(tmp_path, capsys):
-    from attn_jax.server.model_source import HF_LOADER_NAMES
-    from attn_jax.serving import Engine
-
-    if any(hasattr(Engine, n) for n in HF_LOADER_NAMES):
-        pytest.skip("this build loads Hugging Face checkpoint directories")
     assert main(["serve", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert f"--model {tmp_path} is a directory" in err and "give a Llama GGUF file" in err
+    assert "config.json" in err, err
