@@ -23,6 +23,8 @@ from attn_jax.metadata import (
     validate_common_metadata,
 )
 from attn_jax.mla_layer import MLAAttention
+from attn_jax.ops.ragged_paged_attention.cascade import cascade_ragged_paged_attention
+from attn_jax.ops.ragged_paged_attention.merge import merge_attn_states
 from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
 from attn_jax.platforms import Platform, current_platform
 from attn_jax.registry import AttentionBackendEnum, MambaAttentionBackendEnum, register_backend
@@ -70,6 +72,8 @@ __all__ = [
     "infer_global_hyperparameters",
     "make_local_attention_virtual_batches",
     "ragged_paged_attention",
+    "merge_attn_states",
+    "cascade_ragged_paged_attention",
     "register_backend",
     "reorder_batch_to_split_decodes_and_prefills",
     "set_debug_checks",
