@@ -145,6 +145,7 @@ class _InFlight:
     sampled: list[tuple[int, int, int, Request]]  # (data shard, step, row, request) of each sampled token
     stats: StepStats  # its statistics, timing still unknown
     stats_index: int  # its step number in ``Engine.stats``
+    step_start: float  # time.perf_counter() when its ``step`` began
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,12 +285,13 @@ class Engine:
             for _ in range(self.num_shards)
         ]
         self._in_flight: _InFlight | None = None
-        self._last_read: float = 0.0  # when the last call's tokens were read back
+        self._last_end: float = 0.0  # when the last call's tokens were known computed
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
         self._requests: dict[str, _RequestState] = {}  # live requests (waiting, running, or aborted unreported)
         self._aborted: list[_RequestState] = []  # aborted, their final event not returned yet
         self._finished: collections.OrderedDict[str, _Finished] = collections.OrderedDict()
+        self._collectors: list[dict[str, Completion | None]] = []  # generate()'s requests, filled as they finish
         self.stats = StepStatsLog(stats_window)
         self.totals = EngineTotals()
 
@@ -519,6 +521,9 @@ class Engine:
         )  # fmt: skip
         del self._requests[request.request_id]
         self._finished[request.request_id] = _Finished(request, completion)
+        for wanted in self._collectors:
+            if request.request_id in wanted:
+                wanted[request.request_id] = completion
         while len(self._finished) > self.max_finished_requests:
             self._finished.popitem(last=False)
 
@@ -626,7 +631,7 @@ class Engine:
             seconds=None,
             compiled=call.compiled,
         )
-        return _InFlight(call, sampled, stats, self.stats.append(stats))
+        return _InFlight(call, sampled, stats, self.stats.append(stats), start)
 
     def _resolve(self, step: _InFlight | None) -> list[TokenEvent]:
         """Reads a dispatched call's tokens back (timing the call) and appends them (EOS,
@@ -636,9 +641,10 @@ class Engine:
             return []
         tokens = self.runner.read_tokens(step.call.tokens)
         now = time.perf_counter()
-        begin = max(step.call.dispatch_start, self._last_read)
-        self._last_read = now
-        stats = dataclasses.replace(step.stats, seconds=now - begin, latency_seconds=now - step.call.dispatch_start)
+        end = now if step.call.ready_at is None else step.call.ready_at
+        begin = min(max(step.step_start, self._last_end), end)
+        self._last_end = end
+        stats = dataclasses.replace(step.stats, seconds=end - begin, latency_seconds=now - step.call.dispatch_start)
         self.stats.replace(step.stats_index, stats)
         self.totals = self.totals.add(stats)
         events = []
@@ -721,9 +727,11 @@ class Engine:
             raise ValueError(f"{got} for {len(prompts)} prompts: give one SamplingParams for all, or one per prompt")
         prepared = [self._prepare(p, sp, None, chat) for p, sp in zip(prompts, params, strict=True)]
         ids = [self._queue(x) for x in prepared]
-        wanted = set(ids)
-        done: dict[str, Completion] = {}
-        for event in self.stream():  # collected as they finish: the record may drop them later
-            if event.finished and event.request_id in wanted:
-                done[event.request_id] = self.completion(event.request_id)
-        return [done[i] for i in ids]
+        wanted: dict[str, Completion | None] = dict.fromkeys(ids)  # filled as they finish (the record may drop them)
+        self._collectors.append(wanted)
+        try:
+            for _ in self.stream():
+                pass
+        finally:
+            self._collectors = [c for c in self._collectors if c is not wanted]
+        return [wanted[i] for i in ids]

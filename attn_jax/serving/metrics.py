@@ -1,8 +1,8 @@
 """Step statistics of a long-running engine in bounded memory.
 
-``StepStats`` says what one engine call did and how long it took from its dispatch to
-its tokens being read back (the true time, also under asynchronous scheduling, where a
-call's ``step`` returns before the device has run it). ``StepStatsLog`` keeps the last
+``StepStats`` says what one engine call did and how long it took until its tokens were
+read back (the true time, also under asynchronous scheduling, where a call's ``step``
+returns before the device has run it). ``StepStatsLog`` keeps the last
 ``maxlen`` of them under their absolute step numbers (``log[len(log) - 1]`` is the
 newest, so ``first = len(log); ...; log[first:]`` reads the steps since ``first`` while
 they are in the window). ``EngineTotals`` are running sums over every step ever read
@@ -35,8 +35,10 @@ class StepStats:
     token_bucket: int
     host_seconds: float  # scheduling + metadata + packing before the device call
     dispatch_seconds: float  # the jitted call's return (enqueueing the step, not running it)
-    # The call's share of the wall time: from its dispatch (or the previous call's read-back,
-    # when later) to its tokens being read back; these add up to the engine's busy time.
+    # The call's share of the wall time: from the start of its ``step`` (or the previous call's
+    # end, when later) to its tokens being computed (read back; or seen done when the dispatch
+    # returned, for a runtime that runs the call inside it). The calls' shares do not overlap and
+    # add up to the engine's busy wall time, host work included.
     seconds: float | None
     compiled: bool  # the call traced and compiled a new bucket
     latency_seconds: float | None = None  # from its dispatch to its tokens being read back

@@ -48,6 +48,8 @@ class DispatchedCall:
     compiled: bool  # the call traced and compiled a new bucket
     dispatch_start: float  # time.perf_counter() before the jitted call
     dispatch_end: float  # ... and when it returned (the step enqueued, not run)
+    ready_at: float | None  # dispatch_end if the tokens were computed by then (a runtime that ran it
+    # inside the call), else None: known when they are read back
 
 
 def kv_cache_bytes_per_block(model: ServingModel) -> int:
@@ -207,8 +209,9 @@ class ModelRunner:
                 self._jit_step, self.params, self.kv_caches, self._last_tokens, packed, num_candidates, num_steps
             )
         end = time.perf_counter()
+        ready = end if tokens.is_ready() else None
         tokens.copy_to_host_async()
-        return DispatchedCall(tokens, num_steps, token_bucket, self.num_compilations > compilations, start, end)
+        return DispatchedCall(tokens, num_steps, token_bucket, self.num_compilations > compilations, start, end, ready)
 
     @staticmethod
     def read_tokens(tokens: jax.Array) -> np.ndarray:
