@@ -704,9 +704,13 @@ class Engine:
         r = self.get_request(request_id)
         if r.finish_reason is None:
             raise ValueError(f"request {request_id!r} has not finished")
-        # aborted, its final event still to come
+        state = self._requests[request_id]  # aborted, its final event still to come
         text = "" if self.tokenizer is None else self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        return Completion(r.request_id, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason, r.error)
+        ttft = None if state.first_token is None else state.first_token - state.arrival
+        latency = None if state.last_token is None else state.last_token - state.arrival
+        return Completion(
+            r.request_id, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason, r.error, ttft, latency
+        )
 
     def generate(
         self,
