@@ -30,8 +30,8 @@ class _DecodeOnly:
 
 
 def _per_token_us(step, ids: list[int], at: list[int], repeat: int = 50) -> dict[int, float]:
-    """Microseconds ``step(i)`` takes per token for the ``repeat`` tokens from position ``a`` (a mean
-    ), for each ``a`` in ``at``; ``step`` is called for every token in order."""
+    """Mean microseconds per token of ``step(i)`` over the ``repeat`` tokens from position
+    ``a``, for each ``a`` in ``at``; ``step`` is called for every token in order."""
     out, marks = {}, {a: a + repeat for a in at}
     start = None
     for i in range(len(ids)):
