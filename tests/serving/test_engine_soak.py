@@ -88,7 +88,7 @@ def _quiet():
     logging.disable(logging.NOTSET)
 
 
-def _soak(num_requests: int) -> tuple[Engine, dict[str, int], list[int]]:
+def _soak(num_requests: int) -> tuple[Engine, dict[str, int], list[tuple[int, int]]]:
     engine = Engine(
         LlamaModel(CONFIG, block_size=4), PARAMS, LetterTokenizer(), max_num_seqs=8, max_num_batched_tokens=32,
         max_model_len=24, num_blocks=12, buckets=MetadataBuckets((32,), (8,), (8,)), num_scheduler_steps=2,
@@ -115,7 +115,7 @@ def _soak(num_requests: int) -> tuple[Engine, dict[str, int], list[int]]:
                 finished[e.request_id] = e.finish_reason
                 live.remove(e.request_id)
         if len(finished) // 100 > len(rss):
-            rss.append(_rss_bytes())
+            rss.append((engine.num_compilations, _rss_bytes()))
     while engine.has_unfinished():
         assert not engine.step()
     reasons = set(finished.values())
@@ -149,5 +149,12 @@ def test_soak_300_requests_leave_nothing_behind():
 def test_soak_many_requests_leave_nothing_behind():
     engine, start, rss = _soak(SOAK_REQUESTS)
     _check_nothing_left(engine, start)
-    # resident memory once warm (a fifth of the way) vs at the end: within 5 %
-    assert rss[-1] <= 1.05 * rss[len(rss) // 5], [r >> 20 for r in rss]
+    # Resident memory, sampled every 100 requests, grows by at most 5 % between samples with
+    # no compilation in between (a compilation keeps its executable: tens of MB); most of
+    # the run has none.
+    spans: dict[int, list[int]] = {}
+    for compilations, size in rss:
+        spans.setdefault(compilations, []).append(size)
+    assert max(map(len, spans.values())) >= len(rss) // 2, spans
+    for sizes in spans.values():
+        assert sizes[-1] <= 1.05 * sizes[0], {k: [v >> 20 for v in vs] for k, vs in spans.items()}
