@@ -154,22 +154,18 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _throughput(stats) -> dict:
-    """Prefill and decode tokens/s over the steps that compiled nothing.
+def _throughput(totals) -> dict:
+    """Prefill and decode tokens/s over the calls that compiled nothing (``EngineTotals``
+    of the run: each call timed from its dispatch to its tokens being read back).
 
-    A step with any prefill tokens counts as prefill time; decode tokens/s is over the
-    steps with only decodes."""
-    warm = [s for s in stats if not s.compiled]
-    prefill = [s for s in warm if s.num_prefill_tokens]
-    decode = [s for s in warm if not s.num_prefill_tokens]
-    prefill_s = sum(s.seconds for s in prefill)
-    decode_s = sum(s.seconds for s in decode)
+    A call with any prefill tokens counts as prefill time; decode tokens/s is over the
+    calls with only decodes."""
     return {
-        "prefill_tokens": sum(s.num_prefill_tokens for s in stats),
-        "prefill_tokens_per_s": sum(s.num_prefill_tokens for s in prefill) / prefill_s if prefill_s else None,
-        "decode_tokens_per_s": sum(s.num_decode_tokens for s in decode) / decode_s if decode_s else None,
-        "steps": len(stats),
-        "mean_host_ms_per_step": 1e3 * sum(s.host_seconds for s in stats) / len(stats) if stats else None,
+        "prefill_tokens": totals.prefill_tokens,
+        "prefill_tokens_per_s": totals.prefill_tokens_per_s,
+        "decode_tokens_per_s": totals.decode_tokens_per_s,
+        "steps": totals.steps,
+        "mean_host_ms_per_step": totals.mean_host_ms_per_step,
     }
 
 
@@ -334,7 +330,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                         )
                 progress.add_task(f"compiling the step (a {WARMUP_TOKENS}-token warm-up generation)", total=None)
                 _warm_up(engine, prompt_ids, args)
-            compilations, warm_steps = engine.num_compilations, len(engine.stats)
+            compilations, warm_totals = engine.num_compilations, engine.totals
             ids = [engine.add_request(p_ids, sp) for p_ids, sp in zip(prompt_ids, params, strict=True)]
             start = time.perf_counter()
             if stream:
@@ -347,7 +343,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             return _error(args, e)
 
     completions = [engine.completion(i) for i in ids]
-    stats = _throughput(engine.stats[warm_steps:])
+    stats = _throughput(engine.totals - warm_totals)
+    ttfts = [c.ttft_seconds for c in completions if c.ttft_seconds is not None]
+    stats["mean_ttft_seconds"] = sum(ttfts) / len(ttfts) if ttfts else None
     stats["generated_tokens"] = sum(len(c.output_ids) for c in completions)  # not those computed past EOS
     stats["wall_seconds"] = wall
     stats["compilations_in_warmup"] = compilations
@@ -389,9 +387,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     def rate(x):
         return "n/a" if x is None else f"{x:.1f} tokens/s"
 
+    ttft = "n/a" if stats["mean_ttft_seconds"] is None else f"{1e3 * stats['mean_ttft_seconds']:.1f} ms"
+
     print(
-        f"prefill: {rate(stats['prefill_tokens_per_s'])}, decode: {rate(stats['decode_tokens_per_s'])} "
-        f"({stats['generated_tokens']} tokens in {stats['steps']} steps, {wall:.2f} s, "
+        f"prefill: {rate(stats['prefill_tokens_per_s'])}, decode: {rate(stats['decode_tokens_per_s'])}, "
+        f"time to first token: {ttft} ({stats['generated_tokens']} tokens in {stats['steps']} steps, {wall:.2f} s, "
         f"{stats['mean_host_ms_per_step']:.2f} ms host time per step; {compilations} step compilations in "
         f"the warm-up, {stats['compilations_after_warmup']} during the run, left out of the rates)"
     )

@@ -279,6 +279,12 @@ class GGUFTokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
+    @property
+    def backend_tokenizer(self):
+        """The ``tokenizers.Tokenizer`` that encodes and decodes (transformers' fast tokenizers'
+        name); the engine streams text through it (``serving/detokenizer.py``)."""
+        return self._tokenizer
+
     def __repr__(self) -> str:
         specials = ", ".join(f"{k}={v!r}" for k, v in self.special_tokens_map.items())
         return f"GGUFTokenizer(vocab_size={self.vocab_size}, {specials})"

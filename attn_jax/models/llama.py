@@ -28,6 +28,7 @@ import numpy as np
 
 from attn_jax.layer import Attention
 from attn_jax.metadata import CommonAttentionMetadata
+from attn_jax.models.base import AttentionGroup
 from attn_jax.types import validate_sliding_window
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -194,7 +195,8 @@ def apply_rope(x, cos, sin):
 
 
 class LlamaModel:
-    """The decoder: static structure only; weights, caches and batches are arguments.
+    """The decoder: static structure only; weights, caches and batches are arguments
+    (a ``attn_jax.models.base.ServingModel``).
 
     Args:
       config: the model's hyperparameters.
@@ -246,6 +248,12 @@ class LlamaModel:
     @property
     def attn_backend(self):
         return self.attn.attn_backend
+
+    @property
+    def attention_group(self) -> AttentionGroup:
+        """Every layer's attention: one backend, one metadata per step (``ServingModel``)."""
+        names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(self.config.num_layers))
+        return AttentionGroup(self.attn.attn_backend, self.attn.metadata_builder, self.block_size, names)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """One layer's cache shape (the backend's; [2, P, S, Hkv, D] for XLA)."""

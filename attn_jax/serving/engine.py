@@ -1,12 +1,18 @@
-"""The serving engine: requests in, tokens streamed out, one jitted step per batch.
+"""The serving engine's core: requests in, tokens and text streamed out.
 
-Each ``Engine.step`` asks the scheduler for a batch (decodes and prefill chunks under a
-token budget), builds its attention metadata on the host with the foundation's bucketed
-builder (``build_common_attn_metadata`` + the backend's ``build_for_jit``), packs every
-host input into one buffer (one upload), and runs one jitted function: the model's
-forward over the packed tokens, the paged cache updated in place (donated), and
-sampling. Shapes are padded to buckets, so the step compiles once per bucket (and
-sampling mode); ``num_compilations`` counts the traces.
+The engine is split as vLLM v1 splits it. This core owns the requests (their state,
+arrival times, incremental text), scheduling (one ``Scheduler`` per data shard), the
+events each ``step`` returns and the completions of finished requests. The model
+runner (``serving/model_runner.py``) owns the device side: weights, KV caches, the
+packed step inputs, the jitted step (multi-step decoding included), sampling and the
+attention metadata, built through the model's ``AttentionGroup``. The model is a
+``attn_jax.models.base.ServingModel`` (``LlamaModel`` is one), so another family plugs in
+without changes here. Nothing here names an attention backend.
+
+Each ``Engine.step`` asks the schedulers for a batch (decodes and prefill chunks under a
+token budget) and hands it to the runner, which dispatches one jitted call; shapes are
+padded to buckets, so the step compiles once per bucket (and sampling mode);
+``num_compilations`` counts the traces.
 
 Asynchronous scheduling (the default, vLLM's ``async_scheduling``): ``step`` dispatches
 the next batch before it reads back the previous one's sampled tokens, so the host
@@ -19,9 +25,17 @@ computed after its request stopped at EOS is dropped.
 Multi-step decoding (``num_scheduler_steps`` K > 1, vLLM's multi-step scheduling): when a
 step holds decodes only and no request waits to be admitted, one call runs K decode steps
 on the device (a ``lax.scan``; each step's metadata is the first's moved on by the
-backend's ``advance_decode``), so the host's scheduling and the call's dispatch are paid
-once per K tokens. A request with fewer than K tokens left stops writing after its last;
-tokens after EOS are dropped; tokens reach the caller K at a time.
+attention group's ``advance_decode``), so the host's scheduling and the call's dispatch
+are paid once per K tokens. A request with fewer than K tokens left stops writing after
+its last; tokens after EOS are dropped; tokens reach the caller K at a time.
+
+Long-running: a request leaves every engine structure once its final event has been
+returned (``completion(id)`` and ``get_request(id)`` then read a bounded record of the
+last ``max_finished_requests``); text is decoded incrementally (``serving/detokenizer.py``,
+stop strings checked on the new text only); ``stats`` keeps the last ``stats_window``
+calls and ``totals`` running sums. Each call is timed from its dispatch to its tokens
+being read back, and each request's time to first token is measured when that token is
+read back.
 
 Example::
 
@@ -34,6 +48,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -43,19 +58,28 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
+from attn_jax.metadata import MetadataBuckets
+from attn_jax.models.base import ServingModel
 from attn_jax.models.llama import LlamaModel
 from attn_jax.serving.block_allocator import BlockAllocator
-from attn_jax.serving.sampling import num_candidates_for, sample_tokens
+from attn_jax.serving.detokenizer import IncrementalDetokenizer
+from attn_jax.serving.metrics import EngineTotals, StepStats, StepStatsLog
+from attn_jax.serving.model_runner import DispatchedCall, ModelRunner, kv_cache_bytes_per_block
 from attn_jax.serving.scheduler import Request, RequestStatus, SamplingParams, ScheduledBatch, Scheduler
-from attn_jax.serving.step_inputs import PackedLayout, pack, unpack
-from attn_jax.sharding import ShardedStep, check_num_devices, local_model_kwargs, make_mesh
+from attn_jax.sharding import check_num_devices, local_model_kwargs, make_mesh
 from attn_jax.types import SEED_LIMIT, validate_positive_int
 
+__all__ = ["Completion", "Engine", "StepStats", "TokenEvent", "UnknownRequestError"]
+
 logger = logging.getLogger(__name__)
+
+MAX_FINISHED_REQUESTS = 1024
+"""Finished requests whose ``Completion`` an engine keeps by default (oldest dropped first)."""
+
+STATS_WINDOW = 1024
+"""Calls whose ``StepStats`` an engine keeps by default (``totals`` count every call)."""
 
 
 class UnknownRequestError(KeyError):
@@ -80,7 +104,8 @@ class TokenEvent:
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    """A finished request: its prompt and generated tokens and text."""
+    """A finished request: its prompt and generated tokens and text, and its latencies
+    (None when it produced no token)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -88,30 +113,39 @@ class Completion:
     text: str
     finish_reason: str
     error: str | None = None
+    ttft_seconds: float | None = None  # from add_request to its first token read back
+    latency_seconds: float | None = None  # from add_request to its last token read back
 
 
-@dataclasses.dataclass(frozen=True)
-class StepStats:
-    """What one engine step did (per data shard summed)."""
+@dataclasses.dataclass(eq=False)
+class _RequestState:
+    """The core's view of one live request."""
 
-    num_requests: int
-    num_prefill_tokens: int  # tokens of requests with more than one new token
-    num_decode_tokens: int
-    num_sampled: int
-    num_steps: int  # decode steps the call ran (``num_scheduler_steps`` in a multi-step decode, else 1)
-    token_bucket: int
-    host_seconds: float  # scheduling + metadata + packing before the device call
-    dispatch_seconds: float  # the jitted call's return (enqueueing the step, not running it)
-    seconds: float  # the whole ``step`` call (with asynchronous scheduling: the device's step time)
-    compiled: bool  # the step traced and compiled a new bucket
+    request: Request
+    shard: int
+    detokenizer: IncrementalDetokenizer | None
+    arrival: float  # time.perf_counter() at add_request
+    first_token: float | None = None  # ... when its first token was read back
+    last_token: float | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Finished:
+    """A finished request in the bounded record: the request and its completion."""
+
+    request: Request
+    completion: Completion
 
 
 @dataclasses.dataclass
 class _InFlight:
-    """A dispatched step whose sampled tokens are not read back yet."""
+    """A dispatched call whose sampled tokens are not read back yet."""
 
-    tokens: jax.Array  # i32[K, R_max] (or [data, K, R_max]): each step's and request row's sampled token
+    call: DispatchedCall
     sampled: list[tuple[int, int, int, Request]]  # (data shard, step, row, request) of each sampled token
+    stats: StepStats  # its statistics, timing still unknown
+    stats_index: int  # its step number in ``Engine.stats``
+    step_start: float  # time.perf_counter() when its ``step`` began
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,17 +168,6 @@ def _computed_tokens(num_new: int, steps: int) -> int:
     return num_new + max(steps - 1, 0)
 
 
-def _scatter_rows(out: np.ndarray, offsets: np.ndarray, rows: Sequence[Sequence[int]]) -> None:
-    """Writes each list ``rows[i]`` into the flat view of ``out`` from ``offsets[i]`` on,
-    with one NumPy call for all of them."""
-    lengths = np.fromiter(map(len, rows), np.int64, len(rows))
-    total = int(lengths.sum())
-    if total:
-        flat = np.fromiter(itertools.chain.from_iterable(rows), np.int32, total)
-        within = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        out.reshape(-1)[np.repeat(offsets, lengths) + within] = flat
-
-
 def _token_ids(prompt) -> list[int]:
     """A prompt given as token ids: integers only (no bools, floats, strings or bytes)."""
     if isinstance(prompt, (bytes, bytearray)):
@@ -160,10 +183,11 @@ def _token_ids(prompt) -> list[int]:
 
 
 class Engine:
-    """Continuous-batching generation over a ``LlamaModel`` and a paged KV cache.
+    """Continuous-batching generation over a ``ServingModel`` and a paged KV cache.
 
     Args:
-      model: the model (its attention layer fixes backend, block size and cache dtype).
+      model: the model (``LlamaModel`` or another ``attn_jax.models.base.ServingModel``;
+        its attention group fixes backend, block size and cache dtype).
       params: the model's weights (NumPy or jax arrays).
       tokenizer: for text prompts and streamed text (optional when prompts are token
         ids): ``load_tokenizer``'s ``GGUFTokenizer`` or a transformers tokenizer, anything
@@ -188,11 +212,14 @@ class Engine:
       num_scheduler_steps: decode steps per call when a step holds decodes only (the
         module docstring says when); 1: one step per call. Backends whose metadata cannot
         advance on the device (``supports_decode_advance``) run one.
+      max_finished_requests: finished requests kept for ``completion`` / ``get_request``
+        (default ``MAX_FINISHED_REQUESTS`` = 1024; the oldest leave first).
+      stats_window: calls kept in ``stats`` (default ``STATS_WINDOW`` = 1024).
     """
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: ServingModel,
         params,
         tokenizer=None,
         *,
@@ -206,11 +233,13 @@ class Engine:
         kv_cache_bytes: int = 256 << 20,
         async_scheduling: bool = True,
         num_scheduler_steps: int = 1,
+        max_finished_requests: int = MAX_FINISHED_REQUESTS,
+        stats_window: int = STATS_WINDOW,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         config = model.config
-        self.block_size = model.block_size
+        self.block_size = model.attention_group.block_size
         self.max_num_seqs = validate_positive_int("max_num_seqs", max_num_seqs)
         self.max_num_batched_tokens = validate_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         self.max_model_len = min(config.max_position_embeddings, 2048) if max_model_len is None else max_model_len
@@ -222,10 +251,11 @@ class Engine:
             )
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < SEED_LIMIT:
             raise ValueError(f"seed={seed!r} must be an integer in [0, 2**32)")
+        self.max_finished_requests = validate_positive_int("max_finished_requests", max_finished_requests)
+        validate_positive_int("stats_window", stats_window)
         max_pages = -(-self.max_model_len // self.block_size)
         if num_blocks is None:
-            page_bytes = int(np.prod(model.kv_cache_shape(1))) * model.dtype.itemsize * config.num_layers
-            num_blocks = max(min(max_num_seqs * max_pages, kv_cache_bytes // page_bytes), 1)
+            num_blocks = max(min(max_num_seqs * max_pages, kv_cache_bytes // kv_cache_bytes_per_block(model)), 1)
         self.num_blocks = num_blocks
         validate_positive_int("num_blocks", self.num_blocks)
         if buckets is None:
@@ -248,31 +278,43 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
 
-        self._sharded = None if mesh is None else ShardedStep(model, mesh)
-        self.num_shards = 1 if self._sharded is None else self._sharded.data_size
+        self.runner = ModelRunner(model, params, num_blocks=self.num_blocks, buckets=buckets, mesh=mesh)
+        self.num_shards = self.runner.num_shards
         self.schedulers = [
             Scheduler(BlockAllocator(self.num_blocks), self.block_size, max_num_seqs, max_num_batched_tokens)
             for _ in range(self.num_shards)
         ]
-        self._max_rows = buckets.request_buckets[-1]  # the sampled-token buffer's length
-        if self._sharded is None:
-            self.params = jax.device_put(params)
-            self.kv_caches = model.init_kv_caches(self.num_blocks)
-            self._jit_step = jax.jit(self._device_step, donate_argnums=1, static_argnums=(4, 5, 6))
-            self._last_tokens = jnp.zeros(self._max_rows, jnp.int32)
-        else:
-            self.params = self._sharded.put_params(params)
-            self.kv_caches = self._sharded.init_kv_caches(self.num_blocks)
-            self._jit_step = self._sharded.jit(self._device_step)
-            self._last_tokens = self._sharded.zeros_per_shard(self._max_rows)
         self._in_flight: _InFlight | None = None
+        self._last_end: float = 0.0  # when the last call's tokens were known computed
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
-        self._requests: dict[str, Request] = {}
-        self._texts: dict[str, str] = {}
-        self._shard_of: dict[str, int] = {}
-        self.num_compilations = 0
-        self.stats: list[StepStats] = []
+        self._requests: dict[str, _RequestState] = {}  # live requests (waiting, running, or aborted unreported)
+        self._aborted: list[_RequestState] = []  # aborted, their final event not returned yet
+        self._finished: collections.OrderedDict[str, _Finished] = collections.OrderedDict()
+        self._collectors: list[dict[str, Completion | None]] = []  # generate()'s requests, filled as they finish
+        self.stats = StepStatsLog(stats_window)
+        self.totals = EngineTotals()
+
+    # ------------------------------------------------------------------ device state (the runner's)
+
+    @property
+    def params(self):
+        """The weights on the device."""
+        return self.runner.params
+
+    @property
+    def kv_caches(self):
+        """The paged KV caches (donated to each call: read them between calls only)."""
+        return self.runner.kv_caches
+
+    @kv_caches.setter
+    def kv_caches(self, caches) -> None:
+        self.runner.kv_caches = caches
+
+    @property
+    def num_compilations(self) -> int:
+        """Traces of the jitted step so far."""
+        return self.runner.num_compilations
 
     # ------------------------------------------------------------------ construction
 
@@ -366,6 +408,8 @@ class Engine:
                 f"new tokens, block_size={self.block_size}) but the cache holds {self.num_blocks}: "
                 "lower max_new_tokens or give the engine more num_blocks"
             )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={params.stop!r} needs text: this engine has no tokenizer")
         if request_id is not None:
             request_id = str(request_id)
             if request_id in self._requests:
@@ -374,16 +418,16 @@ class Engine:
 
     def _queue(self, prepared: _Prepared) -> str:
         request_id = f"req-{next(self._ids)}" if prepared.request_id is None else prepared.request_id
-        while request_id in self._requests:  # a user id took the generated name
-            request_id = f"req-{next(self._ids)}"
+        while request_id in self._requests or (prepared.request_id is None and request_id in self._finished):
+            request_id = f"req-{next(self._ids)}"  # a user id took the generated name
         params = prepared.params
         seed = int(self._rng.integers(2**31)) if params.seed is None else int(params.seed)
         request = Request(request_id, prepared.ids, params, seed=seed)
         shard = min(range(self.num_shards), key=lambda s: self._load(self.schedulers[s]))
         self.schedulers[shard].add(request)
-        self._requests[request_id] = request
-        self._texts[request_id] = ""
-        self._shard_of[request_id] = shard
+        self._finished.pop(request_id, None)  # an id reused after its request finished
+        detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.stop)
+        self._requests[request_id] = _RequestState(request, shard, detokenizer, time.perf_counter())
         return request_id
 
     def add_request(
@@ -397,163 +441,96 @@ class Engine:
         """Queues a request; returns its id. ValueError / TypeError (naming the value) for
         an empty prompt, token ids that are not integers or lie outside the vocabulary,
         params that are not a ``SamplingParams``, a prompt longer than ``max_model_len``
-        with its new tokens, a duplicate id, or a request that cannot fit in the cache."""
+        with its new tokens, an id of a request still running, stop strings without a
+        tokenizer, or a request that cannot fit in the cache."""
         return self._queue(self._prepare(prompt, params, request_id, chat))
 
     def abort_request(self, request_id: str) -> None:
         """Cancels a request (waiting or running) and frees its pages; it finishes with
-        reason "abort". Aborting a finished request does nothing."""
-        request = self.get_request(request_id)
+        reason "abort", its final event (token_id -1) coming from the next ``step``.
+        Aborting a finished request does nothing."""
+        state = self._requests.get(request_id) if isinstance(request_id, str) else None
+        if state is None:
+            self.get_request(request_id)  # finished (nothing to do) or unknown (raises)
+            return
+        request = state.request
         if request.status is not RequestStatus.FINISHED:
-            self.schedulers[self._shard_of[request_id]].finish(request, "abort")
+            request.num_pending = 0
+            self.schedulers[state.shard].finish(request, "abort")
+            self._aborted.append(state)
 
     @staticmethod
     def _load(scheduler: Scheduler) -> int:
         return len(scheduler.waiting) + len(scheduler.running)
 
     def has_unfinished(self) -> bool:
-        """Whether any request is waiting or running, or a dispatched step is unread."""
-        return self._in_flight is not None or any(s.has_unfinished() for s in self.schedulers)
+        """Whether any request is waiting or running, a dispatched step is unread, or an
+        abort's final event is still to come."""
+        return self._in_flight is not None or bool(self._aborted) or any(s.has_unfinished() for s in self.schedulers)
 
     def get_request(self, request_id: str) -> Request:
-        """The request with this id (UnknownRequestError, a KeyError, if there is none)."""
+        """The request with this id, live or among the last ``max_finished_requests``
+        finished (UnknownRequestError, a KeyError, if there is none)."""
         try:
-            return self._requests[request_id]
+            return self._requests[request_id].request
         except (KeyError, TypeError):
-            known = list(self._requests)
+            pass
+        try:
+            return self._finished[request_id].request
+        except (KeyError, TypeError):
+            known = list(self._requests) + list(self._finished)
             shown = ", ".join(map(repr, known[-5:])) + (" ..." if len(known) > 5 else "")
             raise UnknownRequestError(
                 f"unknown request_id={request_id!r}; this engine has {len(known)} request(s)"
                 + (f": {shown}" if known else "")
+                + f" (it keeps the last {self.max_finished_requests} finished ones)"
             ) from None
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests the engine still holds state for (waiting, running, or aborted with
+        their final event to come)."""
+        return len(self._requests)
 
     # ------------------------------------------------------------------ the step
 
-    def _device_step(
-        self, params, kv_caches, last_tokens, packed, layout: PackedLayout, num_candidates: int, num_steps: int
-    ):
-        """Traced once per (bucket, sampling mode, steps): forward and sampling, ``num_steps``
-        times (the later steps decodes only, each request's input its previous token).
-
-        ``last_tokens`` i32[R_max] are the previous call's last sampled tokens (still on the
-        device); rows whose ``token_src`` is >= 0 take their input token from there.
-        Returns (i32[num_steps, R_max] sampled tokens, i32[R_max] each row's last sampled
-        token, caches)."""
-        self.num_compilations += 1
-        x = unpack(packed, layout)
-        s, md = x["sampling"], x["md"]
-        num_rows = x["logits_rows"].shape[0]
-
-        def forward(kv_caches, token_ids, positions, md, counters):
-            logits, kv_caches = self.model.step(params, kv_caches, token_ids, positions, md, x["logits_rows"])
-            tokens = sample_tokens(
-                logits, s["temperature"], s["top_p"], s["top_k"], s["seeds"], counters, num_candidates=num_candidates
-            )
-            return jnp.pad(tokens, (0, self._max_rows - num_rows)), kv_caches
-
-        token_ids = jnp.where(x["token_src"] >= 0, last_tokens[jnp.maximum(x["token_src"], 0)], x["token_ids"])
-        tokens, kv_caches = forward(kv_caches, token_ids, x["positions"], md, s["counters"])
-        if num_steps == 1:
-            return tokens[None], tokens, kv_caches
-
-        limits = x["decode_steps"]  # i32[R]: steps each request takes (0 for padding rows)
-        token_rows = jnp.arange(token_ids.shape[0])
-        token_req = jnp.minimum(token_rows, num_rows - 1)  # a decode batch's token r is request r's
-        builder = self.model.attn.metadata_builder
-
-        def decode(carry, step):
-            kv_caches, last = carry
-            steps = jnp.clip(jnp.minimum(step, limits - 1), 0)
-            active = step < limits
-            token_ids = last[jnp.minimum(token_rows, self._max_rows - 1)]
-            positions = x["positions"] + jnp.where(token_rows < num_rows, steps[token_req], 0)
-            new, kv_caches = forward(
-                kv_caches, token_ids, positions, builder.advance_decode(md, steps, active), s["counters"] + steps
-            )
-            last = jnp.where(jnp.pad(active, (0, self._max_rows - num_rows)), new, last)
-            return (kv_caches, last), new
-
-        (kv_caches, last), later = jax.lax.scan(decode, (kv_caches, tokens), jnp.arange(1, num_steps))
-        return jnp.concatenate([tokens[None], later]), last, kv_caches
-
-    @staticmethod
-    def _request_row(request: Request, num_new: int, rows_of_pending: dict[int, int]) -> tuple:
-        """One request's part of the step: (known input token ids, the row of its pending
-        token in the previous step's output or -1, (temperature, top_p, top_k, seed,
-        tokens generated)). Raises for a request whose values do not fit the step's arrays
-        (a seed outside [0, 2**32), say)."""
-        known = request.known_ids(request.num_computed, request.num_computed + num_new)
-        src = -1
-        if len(known) < num_new:  # the last token is the previous step's, still on the device
-            if id(request) not in rows_of_pending:
-                raise RuntimeError("its last token is pending but in no dispatched step")
-            src = rows_of_pending[id(request)]
-        p = request.params
-        for name, value, limit in (("seed", request.seed, SEED_LIMIT), ("top_k", p.top_k, 2**31)):
-            if not 0 <= value < limit:
-                raise OverflowError(f"{name}={value} does not fit the step's arrays: it must be in [0, {limit})")
-        return known, src, (p.temperature, p.top_p, p.top_k, request.seed, request.num_generated)
-
-    def _host_inputs(
-        self, batch: ScheduledBatch, rows: dict[int, tuple], buckets, step_query_lens, decode_steps: list[int]
-    ) -> dict:
-        """One shard's batch as a tree of NumPy arrays, padded to ``buckets`` (tokens,
-        requests, pages per request); ``rows`` holds each request's ``_request_row`` and
-        ``decode_steps`` its steps in this call. Built column by column (one NumPy call per
-        array, not per request)."""
-        token_bucket, req_bucket, page_bucket = buckets
-        reqs = batch.requests
-        n = len(reqs)
-        known, src, values = zip(*(rows[id(r)] for r in reqs), strict=True) if n else ((), (), ())
-        query_lens = np.asarray(batch.num_new, np.int32)
-        starts = np.fromiter((r.num_computed for r in reqs), np.int32, n)
-        ends = np.cumsum(query_lens, dtype=np.int32)
-        num_tokens = int(ends[-1]) if n else 0
-
-        block_table = np.zeros((n, page_bucket), np.int32)
-        _scatter_rows(block_table, np.arange(n) * page_bucket, [r.blocks for r in reqs])
-        token_ids = np.zeros(token_bucket, np.int32)
-        _scatter_rows(token_ids, ends - query_lens, known)
-        token_src = np.full(token_bucket, -1, np.int32)
-        src = np.asarray(src, np.int32)
-        token_src[ends[src >= 0] - 1] = src[src >= 0]
-        positions = np.zeros(token_bucket, np.int32)
-        positions[:num_tokens] = np.arange(num_tokens, dtype=np.int32) - np.repeat(
-            ends - query_lens - starts, query_lens
-        )
-        logits_rows = np.zeros(req_bucket, np.int32)
-        logits_rows[:n] = ends - 1
-        steps = np.zeros(req_bucket, np.int32)
-        steps[:n] = decode_steps
-        columns = np.zeros((5, req_bucket), np.float64)  # exact for every value in range
-        columns[1] = 1.0
-        columns[:, :n] = np.asarray(values, np.float64).reshape(n, 5).T
-        md = build_common_attn_metadata(
-            query_lens, starts + query_lens, block_table, self.block_size, MetadataBuckets(*((b,) for b in buckets))
-        )  # fmt: skip
-        md = self.model.attn.metadata_builder.build_for_jit(md, step_query_lens=step_query_lens)
-        return dict(
-            token_ids=token_ids, token_src=token_src, positions=positions, md=md, logits_rows=logits_rows,
-            decode_steps=steps,
-            sampling=dict(
-                temperature=columns[0].astype(np.float32), top_p=columns[1].astype(np.float32),
-                top_k=columns[2].astype(np.int32), seeds=columns[3].astype(np.uint32),
-                counters=columns[4].astype(np.int32),
-            ),
-        )  # fmt: skip
-
-    def _fail(self, shard: int, request: Request, error: Exception) -> TokenEvent:
+    def _fail(self, state: _RequestState, error: Exception) -> TokenEvent:
         """Ends one request with reason "error" (its pages freed); the others go on."""
+        request = state.request
         message = f"{type(error).__name__}: {error}"
         logger.error("request %r failed and was ended: %s", request.request_id, message)
         request.num_pending = 0
-        self.schedulers[shard].finish(request, "error", message)
+        self.schedulers[state.shard].finish(request, "error", message)
+        self._retire(state)
         return TokenEvent(request.request_id, -1, "", True, "error", message)
 
-    def _schedule(self, events: list[TokenEvent]) -> tuple[list[ScheduledBatch], list, list, int] | None:
-        """Each shard's next batch, its host inputs and its requests' decode steps, and the
-        call's step count (a request whose inputs cannot be built fails alone, with an
-        event in ``events``); None when there is no work."""
+    def _retire(self, state: _RequestState) -> None:
+        """Moves a finished request from the live structures to the bounded record."""
+        request = state.request
+        text = ""
+        if state.detokenizer is not None:
+            try:
+                text = state.detokenizer.text + state.detokenizer.finish(request.output_ids)
+            except Exception:  # the tokenizer failed on this request: keep what was streamed
+                text = state.detokenizer.text
+        ttft = None if state.first_token is None else state.first_token - state.arrival
+        latency = None if state.last_token is None else state.last_token - state.arrival
+        completion = Completion(
+            request.request_id, list(request.prompt_ids), list(request.output_ids), text, request.finish_reason,
+            request.error, ttft, latency,
+        )  # fmt: skip
+        del self._requests[request.request_id]
+        self._finished[request.request_id] = _Finished(request, completion)
+        for wanted in self._collectors:
+            if request.request_id in wanted:
+                wanted[request.request_id] = completion
+        while len(self._finished) > self.max_finished_requests:
+            self._finished.popitem(last=False)
+
+    def _schedule(self, events: list[TokenEvent]) -> tuple[list[ScheduledBatch], dict, list, int] | None:
+        """Each shard's next batch, each request's row of inputs, each request's steps in
+        the call and the call's step count (a request whose inputs cannot be built fails
+        alone, with an event in ``events``); None when there is no work."""
         batches = [s.schedule() for s in self.schedulers]
         if not any(b.requests for b in batches):
             return None
@@ -561,36 +538,28 @@ class Engine:
         if self._in_flight is not None:
             rows_of_pending = {id(r): row for _, _, row, r in self._in_flight.sampled}
         rows = {}
-        for shard, batch in enumerate(batches):
+        for batch in batches:
             for i in reversed(range(len(batch.requests))):
                 request = batch.requests[i]
                 try:
-                    rows[id(request)] = self._request_row(request, batch.num_new[i], rows_of_pending)
+                    rows[id(request)] = ModelRunner.request_row(request, batch.num_new[i], rows_of_pending)
                 except Exception as e:  # one bad request must not stop the others
-                    events.append(self._fail(shard, request, e))
+                    events.append(self._fail(self._requests[request.request_id], e))
                     del batch.requests[i], batch.num_new[i]
         if not any(b.requests for b in batches):
             return None
         steps, num_steps = self._decode_steps(batches)
-        fits = MetadataBuckets.fit
-        token_bucket = fits(self.buckets.token_buckets, max(b.num_tokens for b in batches), "num_tokens")
-        req_bucket = fits(self.buckets.request_buckets, max(len(b.requests) for b in batches), "num_reqs")
-        pages = max((len(r.blocks) for b in batches for r in b.requests), default=1)
-        page_bucket = fits(self.buckets.blocks_per_request_buckets, pages, "blocks per request")
-        step_query_lens = np.concatenate([np.asarray(b.num_new, np.int32) for b in batches])
-        buckets = (token_bucket, req_bucket, page_bucket)
-        inputs = [self._host_inputs(b, rows, buckets, step_query_lens, s) for b, s in zip(batches, steps, strict=True)]
-        return batches, inputs, steps, num_steps
+        return batches, rows, steps, num_steps
 
     def _decode_steps(self, batches: list[ScheduledBatch]) -> tuple[list[list[int]], int]:
         """Each request's steps in this call and the call's step count: a multi-step decode
         (``reserve_decode_steps``) when every shard's batch holds decodes only, no request
-        could be admitted instead, the backend advances its metadata, and the pages are
-        free; else one step (0 for a prefill chunk that samples nothing)."""
+        could be admitted instead, the attention group advances its metadata, and the
+        pages are free; else one step (0 for a prefill chunk that samples nothing)."""
         k = self.num_scheduler_steps
         multi = (
             k > 1
-            and self.model.attn.metadata_builder.supports_decode_advance
+            and self.runner.supports_decode_advance
             and all(
                 n == 1 and r.num_computed + 1 == r.num_tokens
                 for b in batches
@@ -611,113 +580,114 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         """Schedules and dispatches one batch and returns the tokens that have become
         known: with asynchronous scheduling the previous step's (read back while this one
-        runs), else this step's. May return none, e.g. while a long prompt is prefilled in
-        chunks."""
+        runs), else this step's; and the final events of requests aborted since the last
+        call. May return none, e.g. while a long prompt is prefilled in chunks."""
         start = time.perf_counter()
-        events: list[TokenEvent] = []
+        events = [self._report_abort(state) for state in self._aborted]
+        self._aborted.clear()
         scheduled = self._schedule(events)
         if scheduled is None:
             events += self._resolve(self._in_flight)
             self._in_flight = None
             return events
-        batches, inputs, steps, num_steps = scheduled
-        compilations = self.num_compilations
-        packed = [pack(x) for x in inputs]
-        layout = packed[0][1]
-        temps = np.concatenate([x["sampling"]["temperature"] for x in inputs])
-        top_p = np.concatenate([x["sampling"]["top_p"] for x in inputs])
-        top_k = np.concatenate([x["sampling"]["top_k"] for x in inputs])
-        num_candidates = num_candidates_for(temps, top_p, top_k, self.model.config.vocab_size)
-        host_done = time.perf_counter()
-        if self._sharded is None:
-            tokens, self._last_tokens, self.kv_caches = self._jit_step(
-                self.params, self.kv_caches, self._last_tokens, packed[0][0], layout, num_candidates, num_steps
-            )
-        else:
-            tokens, self._last_tokens, self.kv_caches = self._sharded.run(
-                self._jit_step, self.params, self.kv_caches, self._last_tokens, packed, num_candidates, num_steps
-            )
-        dispatched_at = time.perf_counter()
-        tokens.copy_to_host_async()
-        dispatched = self._account(batches, steps, tokens)
+        batches, rows, steps, num_steps = scheduled
+        call = self.runner.execute(batches, rows, steps, num_steps)
+        dispatched = self._account(batches, steps, call, start)
         if self.async_scheduling:
             events += self._resolve(self._in_flight)
             self._in_flight = dispatched
         else:
             events += self._resolve(dispatched)
-        num_prefill = sum(n for b in batches for n in b.num_new if n > 1)
-        num_decode = sum(
-            _computed_tokens(n, k)
-            for b, ks in zip(batches, steps, strict=True)
-            for n, k in zip(b.num_new, ks, strict=True)
-            if n == 1
-        )
-        self.stats.append(
-            StepStats(
-                num_requests=sum(len(b.requests) for b in batches),
-                num_prefill_tokens=num_prefill,
-                num_decode_tokens=num_decode,
-                num_sampled=len(dispatched.sampled),
-                num_steps=num_steps,
-                token_bucket=inputs[0]["token_ids"].shape[0],
-                host_seconds=host_done - start,
-                dispatch_seconds=dispatched_at - host_done,
-                seconds=time.perf_counter() - start,
-                compiled=self.num_compilations > compilations,
-            )
-        )
         return events
 
-    def _account(self, batches: list[ScheduledBatch], steps: list[list[int]], tokens) -> _InFlight:
-        """Advances the host's view of a dispatched call: computed tokens, and a pending
-        token for each token a request samples in it (``steps``: each request's count)."""
+    def _report_abort(self, state: _RequestState) -> TokenEvent:
+        self._retire(state)
+        return TokenEvent(state.request.request_id, -1, "", True, "abort")
+
+    def _account(self, batches: list[ScheduledBatch], steps: list[list[int]], call: DispatchedCall, start) -> _InFlight:
+        """Advances the host's view of a dispatched call: computed tokens, a pending token
+        for each token a request samples in it (``steps``: each request's count), and the
+        call's statistics (timing to come when its tokens are read back)."""
         sampled = []
+        num_prefill = num_decode = 0
         for shard, (batch, counts) in enumerate(zip(batches, steps, strict=True)):
             for row, (request, n, k) in enumerate(zip(batch.requests, batch.num_new, counts, strict=True)):
                 request.num_computed += _computed_tokens(n, k)
                 request.num_pending += k
                 sampled += [(shard, step, row, request) for step in range(k)]
-        return _InFlight(tokens, sampled)
+                if n > 1:
+                    num_prefill += n
+                else:
+                    num_decode += _computed_tokens(n, k)
+        stats = StepStats(
+            num_requests=sum(len(b.requests) for b in batches),
+            num_prefill_tokens=num_prefill,
+            num_decode_tokens=num_decode,
+            num_sampled=len(sampled),
+            num_steps=call.num_steps,
+            token_bucket=call.token_bucket,
+            host_seconds=call.dispatch_start - start,
+            dispatch_seconds=call.dispatch_end - call.dispatch_start,
+            seconds=None,
+            compiled=call.compiled,
+        )
+        return _InFlight(call, sampled, stats, self.stats.append(stats), start)
 
     def _resolve(self, step: _InFlight | None) -> list[TokenEvent]:
-        """Reads a dispatched call's tokens back and appends them (EOS and length end
-        requests); tokens of requests that ended meanwhile are dropped."""
-        if step is None or not step.sampled:
+        """Reads a dispatched call's tokens back (timing the call) and appends them (EOS,
+        length and stop strings end requests); tokens of requests that ended meanwhile
+        are dropped."""
+        if step is None:
             return []
-        tokens = np.asarray(step.tokens)
-        tokens = tokens[None] if tokens.ndim == 2 else tokens
+        tokens = self.runner.read_tokens(step.call.tokens)
+        now = time.perf_counter()
+        end = now if step.call.ready_at is None else step.call.ready_at
+        begin = min(max(step.step_start, self._last_end), end)
+        self._last_end = end
+        stats = dataclasses.replace(step.stats, seconds=end - begin, latency_seconds=now - step.call.dispatch_start)
+        self.stats.replace(step.stats_index, stats)
+        self.totals = self.totals.add(stats)
         events = []
         for shard, k, row, request in step.sampled:
             if request.status is RequestStatus.FINISHED:
                 continue  # stopped (EOS), aborted or failed after this call was dispatched
             request.num_pending -= 1
+            state = self._requests[request.request_id]
             try:
-                events.append(self._append_token(shard, request, int(tokens[shard, k, row])))
+                events.append(self._append_token(state, int(tokens[shard, k, row]), now))
             except Exception as e:  # e.g. the tokenizer fails on this request alone
-                events.append(self._fail(shard, request, e))
+                events.append(self._fail(state, e))
         return events
 
     def synchronize(self) -> None:
         """Waits for the dispatched step to finish on the device (timing)."""
         if self._in_flight is not None:
-            jax.block_until_ready(self._in_flight.tokens)
+            jax.block_until_ready(self._in_flight.call.tokens)
 
-    def _append_token(self, shard: int, request: Request, token: int) -> TokenEvent:
+    def _append_token(self, state: _RequestState, token: int, now: float) -> TokenEvent:
+        request = state.request
         request.output_ids.append(token)
+        if state.first_token is None:
+            state.first_token = now
+        state.last_token = now
         reason = None
         if token in self.eos_token_ids and not request.params.ignore_eos:
             reason = "stop"
         elif len(request.output_ids) >= request.params.max_new_tokens:
             reason = "length"
-        if reason is not None:
-            self.schedulers[shard].finish(request, reason)
         text = ""
-        if self.tokenizer is not None:
-            full = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
-            if not full.endswith("\ufffd"):  # an incomplete multi-byte character waits
-                text = full[len(self._texts[request.request_id]) :]
-                self._texts[request.request_id] = full
-        return TokenEvent(request.request_id, token, text, reason is not None, reason)
+        if state.detokenizer is not None:
+            text, stopped = state.detokenizer.add(token)
+            if stopped:
+                reason = "stop"
+            elif reason is not None:
+                text += state.detokenizer.finish(request.output_ids)
+        if reason is None:
+            return TokenEvent(request.request_id, token, text, False, None)
+        request.num_pending = 0  # tokens of a multi-step call after this one are dropped
+        self.schedulers[state.shard].finish(request, reason)
+        self._retire(state)
+        return TokenEvent(request.request_id, token, text, True, reason)
 
     # ------------------------------------------------------------------ conveniences
 
@@ -727,12 +697,20 @@ class Engine:
             yield from self.step()
 
     def completion(self, request_id: str) -> Completion:
-        """The result of a finished request."""
+        """The result of a finished request (one of the last ``max_finished_requests``)."""
+        finished = self._finished.get(request_id) if isinstance(request_id, str) else None
+        if finished is not None:
+            return finished.completion
         r = self.get_request(request_id)
         if r.finish_reason is None:
             raise ValueError(f"request {request_id!r} has not finished")
+        state = self._requests[request_id]  # aborted, its final event still to come
         text = "" if self.tokenizer is None else self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-        return Completion(r.request_id, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason, r.error)
+        ttft = None if state.first_token is None else state.first_token - state.arrival
+        latency = None if state.last_token is None else state.last_token - state.arrival
+        return Completion(
+            r.request_id, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason, r.error, ttft, latency
+        )
 
     def generate(
         self,
@@ -753,6 +731,11 @@ class Engine:
             raise ValueError(f"{got} for {len(prompts)} prompts: give one SamplingParams for all, or one per prompt")
         prepared = [self._prepare(p, sp, None, chat) for p, sp in zip(prompts, params, strict=True)]
         ids = [self._queue(x) for x in prepared]
-        for _ in self.stream():
-            pass
-        return [self.completion(i) for i in ids]
+        wanted: dict[str, Completion | None] = dict.fromkeys(ids)  # filled as they finish (the record may drop them)
+        self._collectors.append(wanted)
+        try:
+            for _ in self.stream():
+                pass
+        finally:
+            self._collectors = [c for c in self._collectors if c is not wanted]
+        return [wanted[i] for i in ids]

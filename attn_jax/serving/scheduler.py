@@ -31,7 +31,9 @@ class SamplingParams:
     temperature 0 is greedy; otherwise logits / temperature, then top-k (0 = off) and
     top-p (1.0 = off) filtering, then a draw from a key derived from ``seed`` and the
     token's index, so a seeded request gives the same tokens in any batch. ``seed``
-    None: the engine draws one from its own seed.
+    None: the engine draws one from its own seed. ``stop``: strings that end the
+    request (finish reason "stop") where its text first contains one; the text ends
+    before it (the tokens keep the one that completed it).
     """
 
     max_new_tokens: int = 16
@@ -40,6 +42,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     ignore_eos: bool = False
+    stop: str | tuple[str, ...] = ()  # strings that end the output text where they appear (not returned)
 
     def __post_init__(self) -> None:
         # Any real / integral number is accepted (NumPy scalars included) and stored as a Python one.
@@ -66,6 +69,10 @@ class SamplingParams:
             if not 0 <= self.seed < SEED_LIMIT:
                 raise ValueError(f"seed={self.seed!r} is outside [0, 2**32) (sampling keys take a uint32 seed)")
             set_("seed", int(self.seed))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(x, str) and x for x in stop):
+            raise ValueError(f"stop={self.stop!r} must be a non-empty string or a list of non-empty strings")
+        set_("stop", tuple(stop))
 
 
 class RequestStatus(enum.Enum):

@@ -16,17 +16,18 @@ def record_step_call(engine, run: Callable[[], object]) -> tuple[Callable, tuple
     the arguments of its last call (weights, caches, last tokens, packed inputs, layout,
     candidate count), to lower, compile or call again."""
     calls = []
-    jit_step = engine._jit_step
+    target = engine.runner  # the engine's model runner holds the jitted step
+    jit_step = target._jit_step
 
     def recording(*args):
         calls.append(args)
         return jit_step(*args)
 
-    engine._jit_step = recording
+    target._jit_step = recording
     try:
         run()
     finally:
-        engine._jit_step = jit_step
+        target._jit_step = jit_step
     if not calls:
         raise ValueError("run() made the engine run no step")
     return jit_step, calls[-1]

@@ -1,0 +1,132 @@
+"""Incremental detokenisation and stop strings: each new token's text in O(1) amortised.
+
+Decoding a request's whole output again for every token costs O(n) per token (O(n^2)
+per request). ``IncrementalDetokenizer`` decodes only what is new:
+
+- with a ``tokenizers`` backend (``tokenizer.backend_tokenizer``, as the GGUF tokenizer
+  and transformers' fast tokenizers have, when its ``decode`` adds no clean-up): the
+  library's streaming ``DecodeStream``;
+- else a window of trailing ids (vLLM's prefix / read offsets): decode the ids since the
+  last emitted chunk's start, with and without the new ones, and emit the difference
+  once it does not end in an incomplete character (U+FFFD). The window spans the last
+  chunk and any incomplete character: a few tokens.
+
+Stop strings are searched for in the new text plus the text held back before it: while a
+request runs, its last ``max(len(stop)) - 1`` characters are held back (they may start
+a stop string), so each check reads O(new text + longest stop) characters. A match ends
+the text before the stop string (OpenAI's rule: the stop string is not returned).
+
+Example::
+
+    detok = IncrementalDetokenizer(tokenizer, stop=("\\n\\n",))
+    for token in tokens:
+        text, stopped = detok.add(token)           # the text that became final, and a stop string hit
+        print(text, end="")
+        if stopped:
+            break
+    print(detok.finish(all_tokens))                # the held-back rest (when nothing stopped it)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+_REPLACEMENT = "\ufffd"  # what a decoder gives for an incomplete UTF-8 sequence
+
+
+def _stream_backend(tokenizer):
+    """The ``tokenizers.Tokenizer`` behind ``tokenizer`` when decoding with it is exactly
+    ``tokenizer.decode(ids, skip_special_tokens=True)``; else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream  # noqa: F401 (tokenizers >= 0.21)
+    except ImportError:
+        return None
+    return backend if isinstance(backend, Tokenizer) else None
+
+
+class IncrementalDetokenizer:
+    """One request's output text, token by token, special tokens skipped.
+
+    Args:
+      tokenizer: anything with ``decode(ids, skip_special_tokens=True)``; one with a
+        ``tokenizers`` backend (``backend_tokenizer``) streams through ``DecodeStream``.
+      stop: strings that end the text where they first appear (not included).
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self._hold = max(map(len, self.stop), default=1) - 1  # characters a stop string may have begun in
+        self._held = ""  # decoded text not emitted yet (the last ``_hold`` characters at most)
+        self._chunks: list[str] = []  # everything emitted
+        self._num_tokens = 0
+        self.stopped_by: str | None = None  # the stop string that ended the text
+        self._backend = _stream_backend(tokenizer)
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=True)
+        else:
+            self._ids: list[int] = []  # the window: ids from the last emitted chunk's start on
+            self._read = 0  # ids[:_read] are the last emitted chunk's (context for the next)
+
+    @property
+    def text(self) -> str:
+        """The text emitted so far."""
+        return "".join(self._chunks)
+
+    def _decode_new(self, token_id: int) -> str:
+        """The text ``token_id`` completes ("" while a character is incomplete)."""
+        if self._backend is not None:
+            return self._stream.step(self._backend, int(token_id)) or ""
+        self._ids.append(int(token_id))
+        decode = self.tokenizer.decode
+        before = decode(self._ids[: self._read], skip_special_tokens=True) if self._read else ""
+        after = decode(self._ids, skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith(_REPLACEMENT):
+            return ""
+        del self._ids[: self._read]  # the new chunk's ids become the next one's context
+        self._read = len(self._ids)
+        return after[len(before) :]
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Takes the next token; returns the text that became final and whether a stop
+        string was found (then the text ends before it, and nothing more is taken)."""
+        if self.stopped_by is not None:
+            raise RuntimeError(f"the text stopped at {self.stopped_by!r}: no more tokens are taken")
+        self._num_tokens += 1
+        new = self._decode_new(token_id)
+        if not new:
+            return "", False
+        text = self._held + new
+        if self.stop:
+            hits = [(i, s) for s in self.stop if (i := text.find(s)) >= 0]
+            if hits:
+                cut, self.stopped_by = min(hits)
+                self._held = ""
+                return self._emit(text[:cut]), True
+        keep = min(self._hold, len(text))
+        self._held = text[len(text) - keep :]
+        return self._emit(text[: len(text) - keep]), False
+
+    def _emit(self, text: str) -> str:
+        if text:
+            self._chunks.append(text)
+        return text
+
+    def finish(self, output_ids: Sequence[int]) -> str:
+        """The rest of the text once the request has ended (not by a stop string): the held
+        back characters and any incomplete character at the end, so that the emitted text
+        equals ``tokenizer.decode(output_ids, skip_special_tokens=True)`` (one full decode,
+        once per request). ``output_ids``: every token the request generated."""
+        if self.stopped_by is not None:
+            return ""
+        emitted = self.text
+        full = self.tokenizer.decode(list(output_ids), skip_special_tokens=True)
+        rest = full[len(emitted) :] if full.startswith(emitted) else self._held
+        self._held = ""
+        return self._emit(rest)

@@ -1,0 +1,268 @@
+"""The model runner: everything on the device side of a serving step (vLLM v1's
+``GPUModelRunner``, backend-neutral).
+
+It owns the weights, the paged KV caches, the previous call's sampled tokens (kept on
+the device for the next decode's input), the step's host inputs (bucket-padded, built
+column by column, packed into one int32 buffer: one upload), the jitted step (the
+model's forward, the cache update with the caches donated, sampling; ``num_steps`` > 1
+runs a multi-step decode as a ``lax.scan``), and the attention metadata, which it builds
+through the model's ``AttentionGroup`` only. The engine's core hands it each shard's
+``ScheduledBatch`` and gets back the dispatched call's sampled tokens, still on the
+device.
+
+Example::
+
+    runner = ModelRunner(model, params, num_blocks=64, buckets=buckets, max_rows=8)
+    rows = {id(r): ModelRunner.request_row(r, n, {}) for r, n in zip(batch.requests, batch.num_new)}
+    call = runner.execute([batch], rows, [[1] * len(batch.requests)], num_steps=1)
+    tokens = runner.read_tokens(call.tokens)          # i32[data, num_steps, R_max]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
+from attn_jax.models.base import ServingModel
+from attn_jax.serving.sampling import num_candidates_for, sample_tokens
+from attn_jax.serving.scheduler import Request, ScheduledBatch
+from attn_jax.serving.step_inputs import PackedLayout, pack, unpack
+from attn_jax.sharding import ShardedStep
+from attn_jax.types import SEED_LIMIT
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchedCall:
+    """A jitted call that has been enqueued; its tokens may not be computed yet."""
+
+    tokens: jax.Array  # i32[K, R_max] (or [data, K, R_max]): each step's and request row's sampled token
+    num_steps: int  # K
+    token_bucket: int  # the padded token count
+    compiled: bool  # the call traced and compiled a new bucket
+    dispatch_start: float  # time.perf_counter() before the jitted call
+    dispatch_end: float  # ... and when it returned (the step enqueued, not run)
+    ready_at: float | None  # dispatch_end if the tokens were computed by then (a runtime that ran it
+    # inside the call), else None: known when they are read back
+
+
+def kv_cache_bytes_per_block(model: ServingModel) -> int:
+    """Bytes of one KV cache page over every layer (any cache pytree, fp8 scales included)."""
+    shapes = jax.eval_shape(lambda: model.init_kv_caches(1))
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes))
+
+
+def _scatter_rows(out: np.ndarray, offsets: np.ndarray, rows: Sequence[Sequence[int]]) -> None:
+    """Writes each list ``rows[i]`` into the flat view of ``out`` from ``offsets[i]`` on,
+    with one NumPy call for all of them."""
+    lengths = np.fromiter(map(len, rows), np.int64, len(rows))
+    total = int(lengths.sum())
+    if total:
+        flat = np.fromiter(itertools.chain.from_iterable(rows), np.int32, total)
+        within = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        out.reshape(-1)[np.repeat(offsets, lengths) + within] = flat
+
+
+class ModelRunner:
+    """Device state and the jitted step of one engine.
+
+    Args:
+      model: a ``ServingModel`` (``LlamaModel``); its ``attention_group`` builds the metadata.
+      params: its weights (NumPy or jax arrays).
+      num_blocks: KV cache pages (per data shard).
+      buckets: padded sizes of the step's shapes (tokens, requests, pages per request).
+      mesh: a ``make_mesh`` mesh to shard the step over (a model ``ShardedStep`` knows:
+        ``LlamaModel``); None: one device.
+    """
+
+    def __init__(self, model: ServingModel, params, *, num_blocks: int, buckets: MetadataBuckets, mesh=None) -> None:
+        self.model = model
+        self.attention_group = model.attention_group
+        self.block_size = self.attention_group.block_size
+        self.buckets = buckets
+        self.max_rows = buckets.request_buckets[-1]  # the sampled-token buffer's length
+        self.vocab_size = model.config.vocab_size
+        self._sharded = None if mesh is None else ShardedStep(model, mesh)
+        self.num_shards = 1 if self._sharded is None else self._sharded.data_size
+        if self._sharded is None:
+            self.params = jax.device_put(params)
+            self.kv_caches = model.init_kv_caches(num_blocks)
+            self._jit_step = jax.jit(self._device_step, donate_argnums=1, static_argnums=(4, 5, 6))
+            self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)
+        else:
+            self.params = self._sharded.put_params(params)
+            self.kv_caches = self._sharded.init_kv_caches(num_blocks)
+            self._jit_step = self._sharded.jit(self._device_step)
+            self._last_tokens = self._sharded.zeros_per_shard(self.max_rows)
+        self.num_compilations = 0
+
+    @property
+    def supports_decode_advance(self) -> bool:
+        """Whether a call may run several decode steps (the group's metadata advances)."""
+        return self.attention_group.supports_decode_advance
+
+    # ------------------------------------------------------------------ host inputs
+
+    @staticmethod
+    def request_row(request: Request, num_new: int, rows_of_pending: dict[int, int]) -> tuple:
+        """One request's part of the step: (known input token ids, the row of its pending
+        token in the previous call's output or -1, (temperature, top_p, top_k, seed,
+        tokens generated)); ``rows_of_pending`` maps ``id(request)`` to that row. Raises
+        for a request whose values do not fit the step's arrays (a seed outside
+        [0, 2**32), say), so the core can fail it alone."""
+        known = request.known_ids(request.num_computed, request.num_computed + num_new)
+        src = -1
+        if len(known) < num_new:  # the last token is the previous step's, still on the device
+            if id(request) not in rows_of_pending:
+                raise RuntimeError("its last token is pending but in no dispatched step")
+            src = rows_of_pending[id(request)]
+        p = request.params
+        for name, value, limit in (("seed", request.seed, SEED_LIMIT), ("top_k", p.top_k, 2**31)):
+            if not 0 <= value < limit:
+                raise OverflowError(f"{name}={value} does not fit the step's arrays: it must be in [0, {limit})")
+        return known, src, (p.temperature, p.top_p, p.top_k, request.seed, request.num_generated)
+
+    def _host_inputs(
+        self, batch: ScheduledBatch, rows: dict[int, tuple], buckets, step_query_lens, decode_steps: list[int]
+    ) -> dict:
+        """One shard's batch as a tree of NumPy arrays, padded to ``buckets`` (tokens,
+        requests, pages per request); ``rows`` holds each request's ``request_row`` and
+        ``decode_steps`` its steps in this call. Built column by column (one NumPy call per
+        array, not per request)."""
+        token_bucket, req_bucket, page_bucket = buckets
+        reqs = batch.requests
+        n = len(reqs)
+        known, src, values = zip(*(rows[id(r)] for r in reqs), strict=True) if n else ((), (), ())
+        query_lens = np.asarray(batch.num_new, np.int32)
+        starts = np.fromiter((r.num_computed for r in reqs), np.int32, n)
+        ends = np.cumsum(query_lens, dtype=np.int32)
+        num_tokens = int(ends[-1]) if n else 0
+
+        block_table = np.zeros((n, page_bucket), np.int32)
+        _scatter_rows(block_table, np.arange(n) * page_bucket, [r.blocks for r in reqs])
+        token_ids = np.zeros(token_bucket, np.int32)
+        _scatter_rows(token_ids, ends - query_lens, known)
+        token_src = np.full(token_bucket, -1, np.int32)
+        src = np.asarray(src, np.int32)
+        token_src[ends[src >= 0] - 1] = src[src >= 0]
+        positions = np.zeros(token_bucket, np.int32)
+        positions[:num_tokens] = np.arange(num_tokens, dtype=np.int32) - np.repeat(
+            ends - query_lens - starts, query_lens
+        )
+        logits_rows = np.zeros(req_bucket, np.int32)
+        logits_rows[:n] = ends - 1
+        steps = np.zeros(req_bucket, np.int32)
+        steps[:n] = decode_steps
+        columns = np.zeros((5, req_bucket), np.float64)  # exact for every value in range
+        columns[1] = 1.0
+        columns[:, :n] = np.asarray(values, np.float64).reshape(n, 5).T
+        md = build_common_attn_metadata(
+            query_lens, starts + query_lens, block_table, self.block_size, MetadataBuckets(*((b,) for b in buckets))
+        )  # fmt: skip
+        md = self.attention_group.build_for_jit(md, step_query_lens=step_query_lens)
+        return dict(
+            token_ids=token_ids, token_src=token_src, positions=positions, md=md, logits_rows=logits_rows,
+            decode_steps=steps,
+            sampling=dict(
+                temperature=columns[0].astype(np.float32), top_p=columns[1].astype(np.float32),
+                top_k=columns[2].astype(np.int32), seeds=columns[3].astype(np.uint32),
+                counters=columns[4].astype(np.int32),
+            ),
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ the call
+
+    def execute(
+        self, batches: list[ScheduledBatch], rows: dict[int, tuple], steps: list[list[int]], num_steps: int
+    ) -> DispatchedCall:
+        """Builds every shard's inputs (one bucket for all), packs them and dispatches one
+        jitted call of ``num_steps`` steps (``steps``: each request's steps in it; ``rows``:
+        each request's ``request_row`` by ``id``). Returns without waiting for the device."""
+        fits = MetadataBuckets.fit
+        token_bucket = fits(self.buckets.token_buckets, max(b.num_tokens for b in batches), "num_tokens")
+        req_bucket = fits(self.buckets.request_buckets, max(len(b.requests) for b in batches), "num_reqs")
+        pages = max((len(r.blocks) for b in batches for r in b.requests), default=1)
+        page_bucket = fits(self.buckets.blocks_per_request_buckets, pages, "blocks per request")
+        step_query_lens = np.concatenate([np.asarray(b.num_new, np.int32) for b in batches])
+        buckets = (token_bucket, req_bucket, page_bucket)
+        inputs = [self._host_inputs(b, rows, buckets, step_query_lens, s) for b, s in zip(batches, steps, strict=True)]
+        packed = [pack(x) for x in inputs]
+        layout = packed[0][1]
+        temps, top_p, top_k = (
+            np.concatenate([x["sampling"][k] for x in inputs]) for k in ("temperature", "top_p", "top_k")
+        )
+        num_candidates = num_candidates_for(temps, top_p, top_k, self.vocab_size)
+        compilations = self.num_compilations
+        start = time.perf_counter()
+        if self._sharded is None:
+            tokens, self._last_tokens, self.kv_caches = self._jit_step(
+                self.params, self.kv_caches, self._last_tokens, packed[0][0], layout, num_candidates, num_steps
+            )
+        else:
+            tokens, self._last_tokens, self.kv_caches = self._sharded.run(
+                self._jit_step, self.params, self.kv_caches, self._last_tokens, packed, num_candidates, num_steps
+            )
+        end = time.perf_counter()
+        ready = end if tokens.is_ready() else None
+        tokens.copy_to_host_async()
+        return DispatchedCall(tokens, num_steps, token_bucket, self.num_compilations > compilations, start, end, ready)
+
+    @staticmethod
+    def read_tokens(tokens: jax.Array) -> np.ndarray:
+        """A call's sampled tokens on the host, i32[data, K, R_max] (waits for the call)."""
+        out = np.asarray(tokens)
+        return out[None] if out.ndim == 2 else out
+
+    def _device_step(
+        self, params, kv_caches, last_tokens, packed, layout: PackedLayout, num_candidates: int, num_steps: int
+    ):
+        """Traced once per (bucket, sampling mode, steps): forward and sampling, ``num_steps``
+        times (the later steps decodes only, each request's input its previous token).
+
+        ``last_tokens`` i32[R_max] are the previous call's last sampled tokens (still on the
+        device); rows whose ``token_src`` is >= 0 take their input token from there.
+        Returns (i32[num_steps, R_max] sampled tokens, i32[R_max] each row's last sampled
+        token, caches)."""
+        self.num_compilations += 1
+        x = unpack(packed, layout)
+        s, md = x["sampling"], x["md"]
+        num_rows = x["logits_rows"].shape[0]
+        max_rows = self.max_rows
+
+        def forward(kv_caches, token_ids, positions, md, counters):
+            logits, kv_caches = self.model.step(params, kv_caches, token_ids, positions, md, x["logits_rows"])
+            tokens = sample_tokens(
+                logits, s["temperature"], s["top_p"], s["top_k"], s["seeds"], counters, num_candidates=num_candidates
+            )
+            return jnp.pad(tokens, (0, max_rows - num_rows)), kv_caches
+
+        token_ids = jnp.where(x["token_src"] >= 0, last_tokens[jnp.maximum(x["token_src"], 0)], x["token_ids"])
+        tokens, kv_caches = forward(kv_caches, token_ids, x["positions"], md, s["counters"])
+        if num_steps == 1:
+            return tokens[None], tokens, kv_caches
+
+        limits = x["decode_steps"]  # i32[R]: steps each request takes (0 for padding rows)
+        token_rows = jnp.arange(token_ids.shape[0])
+        token_req = jnp.minimum(token_rows, num_rows - 1)  # a decode batch's token r is request r's
+        group = self.attention_group
+
+        def decode(carry, step):
+            kv_caches, last = carry
+            steps = jnp.clip(jnp.minimum(step, limits - 1), 0)
+            active = step < limits
+            token_ids = last[jnp.minimum(token_rows, max_rows - 1)]
+            positions = x["positions"] + jnp.where(token_rows < num_rows, steps[token_req], 0)
+            new, kv_caches = forward(
+                kv_caches, token_ids, positions, group.advance_decode(md, steps, active), s["counters"] + steps
+            )
+            last = jnp.where(jnp.pad(active, (0, max_rows - num_rows)), new, last)
+            return (kv_caches, last), new
+
+        (kv_caches, last), later = jax.lax.scan(decode, (kv_caches, tokens), jnp.arange(1, num_steps))
+        return jnp.concatenate([tokens[None], later]), last, kv_caches
