@@ -31,6 +31,7 @@ import numpy as np
 
 from attn_jax.metadata import CommonAttentionMetadata
 from attn_jax.mla_layer import MLAAttention
+from attn_jax.models.base import AttentionGroup
 from attn_jax.models.llama import rms_norm
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -169,6 +170,12 @@ class DeepSeekModel:
     @property
     def attn_backend(self):
         return self.attn.attn_backend
+
+    @property
+    def attention_group(self) -> AttentionGroup:
+        """Every layer's MLA attention: one backend, one metadata per step (``ServingModel``)."""
+        names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(self.config.num_layers))
+        return AttentionGroup(self.attn.attn_backend, self.attn.metadata_builder, self.block_size, names)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """One layer's latent cache shape: (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim)."""
