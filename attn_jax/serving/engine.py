@@ -49,6 +49,7 @@ import numpy as np
 from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
 from attn_jax.models.llama import LlamaModel
 from attn_jax.serving.block_allocator import BlockAllocator
+from attn_jax.serving.kv_cache_manager import PrefixCacheStats
 from attn_jax.serving.sampling import num_candidates_for, sample_tokens
 from attn_jax.serving.scheduler import Request, RequestStatus, SamplingParams, ScheduledBatch, Scheduler
 from attn_jax.serving.step_inputs import PackedLayout, pack, unpack
@@ -104,6 +105,8 @@ class StepStats:
     dispatch_seconds: float  # the jitted call's return (enqueueing the step, not running it)
     seconds: float  # the whole ``step`` call (with asynchronous scheduling: the device's step time)
     compiled: bool  # the step traced and compiled a new bucket
+    num_queried_tokens: int = 0  # prefix cache: known tokens of the requests admitted in this step
+    num_cached_tokens: int = 0  # prefix cache: of them, found cached (not computed)
 
 
 @dataclasses.dataclass
@@ -188,6 +191,9 @@ class Engine:
       num_scheduler_steps: decode steps per call when a step holds decodes only (the
         module docstring says when); 1: one step per call. Backends whose metadata cannot
         advance on the device (``supports_decode_advance``) run one.
+      enable_prefix_caching: automatic prefix caching (vLLM V1's, on by default): a
+        request starts from the longest cached run of full blocks of its tokens
+        (``serving/kv_cache_manager.py``); ``prefix_cache_stats`` counts the hits.
     """
 
     def __init__(
@@ -206,6 +212,7 @@ class Engine:
         kv_cache_bytes: int = 256 << 20,
         async_scheduling: bool = True,
         num_scheduler_steps: int = 1,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -248,10 +255,14 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
 
+        self.enable_prefix_caching = bool(enable_prefix_caching)
         self._sharded = None if mesh is None else ShardedStep(model, mesh)
         self.num_shards = 1 if self._sharded is None else self._sharded.data_size
         self.schedulers = [
-            Scheduler(BlockAllocator(self.num_blocks), self.block_size, max_num_seqs, max_num_batched_tokens)
+            Scheduler(
+                BlockAllocator(self.num_blocks), self.block_size, max_num_seqs, max_num_batched_tokens,
+                enable_prefix_caching=self.enable_prefix_caching,
+            )  # fmt: skip
             for _ in range(self.num_shards)
         ]
         self._max_rows = buckets.request_buckets[-1]  # the sampled-token buffer's length
@@ -406,6 +417,21 @@ class Engine:
         request = self.get_request(request_id)
         if request.status is not RequestStatus.FINISHED:
             self.schedulers[self._shard_of[request_id]].finish(request, "abort")
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (vLLM's semantics): True when done; False, with a logged
+        warning and nothing changed, while a request still holds KV cache pages (in any
+        shard: then no shard's cache is reset)."""
+        if any(s.allocator.num_used for s in self.schedulers):
+            used = sum(s.allocator.num_used for s in self.schedulers)
+            logger.warning("prefix cache not reset: %d KV cache pages are still held by requests", used)
+            return False
+        return all([s.reset_prefix_cache() for s in self.schedulers])
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prefix cache lookups so far, all shards: tokens queried, hit, and the hit rate."""
+        return sum((s.prefix_cache_stats for s in self.schedulers), PrefixCacheStats())
 
     @staticmethod
     def _load(scheduler: Scheduler) -> int:
@@ -664,6 +690,8 @@ class Engine:
                 dispatch_seconds=dispatched_at - host_done,
                 seconds=time.perf_counter() - start,
                 compiled=self.num_compilations > compilations,
+                num_queried_tokens=sum(b.num_queried_tokens for b in batches),
+                num_cached_tokens=sum(b.num_cached_tokens for b in batches),
             )
         )
         return events
