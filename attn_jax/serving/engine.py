@@ -260,9 +260,12 @@ class Engine:
         self.num_shards = 1 if self._sharded is None else self._sharded.data_size
         self.schedulers = [
             Scheduler(
-                BlockAllocator(self.num_blocks), self.block_size, max_num_seqs, max_num_batched_tokens,
+                BlockAllocator(self.num_blocks),
+                self.block_size,
+                max_num_seqs,
+                max_num_batched_tokens,
                 enable_prefix_caching=self.enable_prefix_caching,
-            )  # fmt: skip
+            )
             for _ in range(self.num_shards)
         ]
         self._max_rows = buckets.request_buckets[-1]  # the sampled-token buffer's length

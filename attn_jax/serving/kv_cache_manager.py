@@ -151,6 +151,23 @@ class KVCacheManager:
         request.blocks += self.allocator.allocate(max(-(-num_tokens // self.block_size) - len(request.blocks), 0))
         return True
 
+    def blocks_completed(self, request: Request, num_new_tokens: int) -> list[bytes]:
+        """The hashes of the full blocks that computing ``num_new_tokens`` more tokens of
+        ``request`` completes (tokens the host knows only); [] with caching off."""
+        if not self.enable_caching:
+            return []
+        num_known = len(request.prompt_ids) + len(request.output_ids)
+        end = min(request.num_computed + num_new_tokens, num_known) // self.block_size
+        self._update_hashes(request, end * self.block_size)
+        return request.block_hashes[request.num_computed // self.block_size : end]
+
+    def next_block_pending(self, request: Request, num_hit_blocks: int, pending: set[bytes]) -> bool:
+        """Whether the block after ``request``'s ``num_hit_blocks`` cached ones is in
+        ``pending`` (being computed in this step) and could be a hit once cached."""
+        num_known = len(request.prompt_ids) + len(request.output_ids)
+        i = num_hit_blocks
+        return bool(pending) and i < (num_known - 1) // self.block_size and request.block_hashes[i] in pending
+
     def record_admission(self, request: Request, num_hit_tokens: int) -> None:
         """Counts one admission's lookup in ``stats`` (its known tokens and hits)."""
         if self.enable_caching:

@@ -12,6 +12,13 @@ request is admitted with the longest cached prefix of its tokens already compute
 ``num_computed`` starts there and only the rest is scheduled. Full blocks are hashed
 into the cache once their k/v are dispatched (at each ``schedule``, and when a request
 finishes or is preempted), so a request admitted in a later step reuses them.
+
+Unlike vLLM, a block is shared only from the step after the one that computes it: the
+attention ops do not promise that one request reads another's k/v written in the same
+call (a fused kernel may write and read them in any order). So that requests arriving
+together still compute a shared prefix once, a waiting request whose next block is
+being computed in this step by another request is skipped for one step (vLLM shares it
+in the same step, relying on its cache write running before attention).
 """
 
 from __future__ import annotations
@@ -208,7 +215,9 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """The next step's batch; running requests first (oldest first), then new ones
-        (each from the longest cached prefix of its tokens, with prefix caching)."""
+        (each from the longest cached prefix of its tokens, with prefix caching). A new
+        request whose next uncached block is one this step computes for another request
+        waits a step and takes it from the cache (skipped, not blocking those behind it)."""
         manager = self.kv_cache_manager
         for request in self.running:  # blocks filled by the dispatched steps join the prefix cache
             manager.cache_blocks(request)
@@ -238,11 +247,15 @@ class Scheduler:
                 break
 
         num_queried = num_cached = 0
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        pending = {h for r, n in zip(scheduled, num_new, strict=True) for h in manager.blocks_completed(r, n)}
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             if request in preempted or request.num_pending:
                 break  # not in the step that preempted it, nor before its last token is known
             hits, num_hit = manager.get_computed_blocks(request)
+            if manager.next_block_pending(request, len(hits), pending):
+                continue  # its next block is computed in this step: it takes it from the cache in the next
             n = min(request.num_tokens - num_hit, budget)
             if not manager.allocate_slots(request, n, hits):
                 if not self._warned_full:
@@ -254,8 +267,9 @@ class Scheduler:
                     )
                     self._warned_full = True
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.num_computed = request.num_cached_tokens = num_hit
+            pending.update(manager.blocks_completed(request, n))
             manager.record_admission(request, num_hit)
             if manager.enable_caching:
                 num_queried += request.num_tokens
