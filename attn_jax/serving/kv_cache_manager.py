@@ -7,8 +7,9 @@ end. A block gets its hash when it is full and its tokens' k/v have been dispatc
 (prompt and generated tokens alike); the pool then maps hash -> page. On admission
 (``get_computed_blocks``) a request takes the longest run of cached full blocks from its
 first token on, at most ``num_tokens - 1`` tokens: its last token is always computed
-again, for its logits, so a prompt cached to its end (or ending on a block boundary)
-recomputes its last block's last token, or the whole last block when that token opens it.
+again, for its logits. So a request of n tokens takes at most (n - 1) // block_size
+blocks: one ending on a block boundary computes its whole last block again, any other
+its partial last block (a single token when that block holds only the last token).
 
 Example::
 
