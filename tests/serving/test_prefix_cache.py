@@ -239,3 +239,21 @@ def test_reset_prefix_cache(fresh):
     assert engine.schedulers[0].allocator.num_free == engine.num_blocks
     _run(engine, PROMPTS[:1])
     assert _cached_tokens(engine, engine.test_ids) == [0]
+
+
+@pytest.mark.parametrize(("flag", "enabled"), [([], True), (["--no-prefix-caching"], False)])
+def test_generate_cli_passes_the_prefix_caching_flag(monkeypatch, capsys, flag, enabled):
+    """``attn-stack generate`` turns prefix caching on unless told otherwise (the engine is
+    stopped at construction: nothing loads)."""
+    from attn_jax.cli import main
+
+    seen = {}
+
+    def from_gguf(*args, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stopped before loading")
+
+    monkeypatch.setattr(Engine, "from_gguf", from_gguf)
+    assert main(["generate", "--prompt", "hi", *flag]) == 2
+    assert seen["enable_prefix_caching"] is enabled
+    assert "stopped before loading" in capsys.readouterr().err
