@@ -152,6 +152,10 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
         "--num-scheduler-steps", type=_positive_int, default=NUM_SCHEDULER_STEPS,
         help=f"decode steps per device call once every request decodes (default: {NUM_SCHEDULER_STEPS})",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-prefix-caching", action="store_true",
+        help="turn automatic prefix caching off (default: on; a prompt's cached full blocks are not recomputed)",
+    )  # fmt: skip
 
 
 def _throughput(totals) -> dict:
@@ -165,6 +169,8 @@ def _throughput(totals) -> dict:
         "prefill_tokens_per_s": totals.prefill_tokens_per_s,
         "decode_tokens_per_s": totals.decode_tokens_per_s,
         "steps": totals.steps,
+        "prefix_cache_queried_tokens": totals.prefix_cache_queried_tokens,
+        "prefix_cache_hit_tokens": totals.prefix_cache_hit_tokens,
         "mean_host_ms_per_step": totals.mean_host_ms_per_step,
     }
 
@@ -314,6 +320,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 engine_kwargs = dict(
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=MAX_MODEL_LEN, seed=args.seed, num_scheduler_steps=args.num_scheduler_steps,
+                    enable_prefix_caching=not args.no_prefix_caching,
                 )  # fmt: skip
                 engine = build_engine(
                     args.model, devices=args.devices if args.devices > 1 else None, progress=on_load, **engine_kwargs
@@ -330,6 +337,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                         )
                 progress.add_task(f"compiling the step (a {WARMUP_TOKENS}-token warm-up generation)", total=None)
                 _warm_up(engine, prompt_ids, args)
+                engine.reset_prefix_cache()  # the user's prompts are not served from the warm-up's blocks
             compilations, warm_totals = engine.num_compilations, engine.totals
             ids = [engine.add_request(p_ids, sp) for p_ids, sp in zip(prompt_ids, params, strict=True)]
             start = time.perf_counter()
@@ -395,6 +403,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         f"{stats['mean_host_ms_per_step']:.2f} ms host time per step; {compilations} step compilations in "
         f"the warm-up, {stats['compilations_after_warmup']} during the run, left out of the rates)"
     )
+    if engine.enable_prefix_caching:
+        queried, hits = stats["prefix_cache_queried_tokens"], stats["prefix_cache_hit_tokens"]
+        print(f"prefix cache: {hits} of {queried} prompt tokens found cached ({hits / max(queried, 1):.0%})")
     return 0
 
 

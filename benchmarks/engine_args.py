@@ -8,8 +8,8 @@ import argparse
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, prompt_len: int, kv_cache_gib: int) -> None:
-    """``--prompt-len``, ``--block-size``, ``--dtype``, ``--backend``, ``--kv-cache-gib`` and
-    ``--num-scheduler-steps``."""
+    """``--prompt-len``, ``--block-size``, ``--dtype``, ``--backend``, ``--kv-cache-gib``,
+    ``--num-scheduler-steps`` and ``--no-prefix-caching``."""
     parser.add_argument("--prompt-len", type=int, default=prompt_len)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -19,6 +19,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, prompt_len: int, kv_cach
         "--num-scheduler-steps", type=int, nargs="+", default=[1],
         help="decode steps per engine call (multi-step decoding); several values: a run for each",
     )  # fmt: skip
+    parser.add_argument("--no-prefix-caching", action="store_true", help="turn the engine's prefix caching off")
 
 
 def parse_engine_args(parser: argparse.ArgumentParser) -> argparse.Namespace:

@@ -61,13 +61,14 @@ def run_engine(config, params, batch: int, args, backend, mesh=None, num_schedul
     engine = Engine(
         model, params, mesh=mesh, max_num_seqs=batch, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.prompt_len + args.new_tokens, kv_cache_bytes=args.kv_cache_gib << 30,
-        num_scheduler_steps=num_scheduler_steps,
+        num_scheduler_steps=num_scheduler_steps, enable_prefix_caching=not args.no_prefix_caching,
     )  # fmt: skip
     prompts = prompts_for(config, batch, args.prompt_len)
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     t = time.perf_counter()
     engine.generate(prompts, sp)
     warmup = time.perf_counter() - t
+    engine.reset_prefix_cache()  # the measured run computes its prompts again, not from the warm-up's blocks
     compiles, first = engine.num_compilations, len(engine.stats)
     t = time.perf_counter()
     results = engine.generate(prompts, sp)

@@ -65,6 +65,7 @@ from attn_jax.models.base import ServingModel
 from attn_jax.models.llama import LlamaModel
 from attn_jax.serving.block_allocator import BlockAllocator
 from attn_jax.serving.detokenizer import IncrementalDetokenizer
+from attn_jax.serving.kv_cache_manager import PrefixCacheStats
 from attn_jax.serving.metrics import EngineTotals, StepStats, StepStatsLog
 from attn_jax.serving.model_runner import DispatchedCall, ModelRunner, kv_cache_bytes_per_block
 from attn_jax.serving.scheduler import Request, RequestStatus, SamplingParams, ScheduledBatch, Scheduler
@@ -215,6 +216,9 @@ class Engine:
       max_finished_requests: finished requests kept for ``completion`` / ``get_request``
         (default ``MAX_FINISHED_REQUESTS`` = 1024; the oldest leave first).
       stats_window: calls kept in ``stats`` (default ``STATS_WINDOW`` = 1024).
+      enable_prefix_caching: automatic prefix caching (vLLM V1's, on by default): a
+        request starts from the longest cached run of full blocks of its tokens
+        (``serving/kv_cache_manager.py``); ``prefix_cache_stats`` counts the hits.
     """
 
     def __init__(
@@ -235,6 +239,7 @@ class Engine:
         num_scheduler_steps: int = 1,
         max_finished_requests: int = MAX_FINISHED_REQUESTS,
         stats_window: int = STATS_WINDOW,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -280,8 +285,15 @@ class Engine:
 
         self.runner = ModelRunner(model, params, num_blocks=self.num_blocks, buckets=buckets, mesh=mesh)
         self.num_shards = self.runner.num_shards
+        self.enable_prefix_caching = bool(enable_prefix_caching)
         self.schedulers = [
-            Scheduler(BlockAllocator(self.num_blocks), self.block_size, max_num_seqs, max_num_batched_tokens)
+            Scheduler(
+                BlockAllocator(self.num_blocks),
+                self.block_size,
+                max_num_seqs,
+                max_num_batched_tokens,
+                enable_prefix_caching=self.enable_prefix_caching,
+            )  # fmt: skip
             for _ in range(self.num_shards)
         ]
         self._in_flight: _InFlight | None = None
@@ -444,6 +456,21 @@ class Engine:
         with its new tokens, an id of a request still running, stop strings without a
         tokenizer, or a request that cannot fit in the cache."""
         return self._queue(self._prepare(prompt, params, request_id, chat))
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (vLLM's semantics): True when done; False, with a logged
+        warning and nothing changed, while a request still holds KV cache pages (in any
+        shard: then no shard's cache is reset)."""
+        if any(s.allocator.num_used for s in self.schedulers):
+            used = sum(s.allocator.num_used for s in self.schedulers)
+            logger.warning("prefix cache not reset: %d KV cache pages are still held by requests", used)
+            return False
+        return all([s.reset_prefix_cache() for s in self.schedulers])
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prefix cache lookups so far, all shards: tokens queried, hit, and the hit rate."""
+        return sum((s.prefix_cache_stats for s in self.schedulers), PrefixCacheStats())
 
     def abort_request(self, request_id: str) -> None:
         """Cancels a request (waiting or running) and frees its pages; it finishes with
@@ -630,6 +657,8 @@ class Engine:
             dispatch_seconds=call.dispatch_end - call.dispatch_start,
             seconds=None,
             compiled=call.compiled,
+            num_queried_tokens=sum(b.num_queried_tokens for b in batches),
+            num_cached_tokens=sum(b.num_cached_tokens for b in batches),
         )
         return _InFlight(call, sampled, stats, self.stats.append(stats), start)
 

@@ -42,6 +42,8 @@ class StepStats:
     seconds: float | None
     compiled: bool  # the call traced and compiled a new bucket
     latency_seconds: float | None = None  # from its dispatch to its tokens being read back
+    num_queried_tokens: int = 0  # prefix cache: known tokens of the requests admitted in this call
+    num_cached_tokens: int = 0  # prefix cache: of them, found cached (not computed)
 
 
 class StepStatsLog:
@@ -116,6 +118,8 @@ class EngineTotals:
     rate_prefill_seconds: float = 0.0
     rate_decode_tokens: int = 0
     rate_decode_seconds: float = 0.0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
     def add(self, s: StepStats) -> EngineTotals:
         """These totals with one more call (read back: its ``seconds`` known)."""
@@ -134,6 +138,8 @@ class EngineTotals:
             rate_prefill_seconds=self.rate_prefill_seconds + (s.seconds if prefill else 0.0),
             rate_decode_tokens=self.rate_decode_tokens + (s.num_decode_tokens if decode else 0),
             rate_decode_seconds=self.rate_decode_seconds + (s.seconds if decode else 0.0),
+            prefix_cache_queried_tokens=self.prefix_cache_queried_tokens + s.num_queried_tokens,
+            prefix_cache_hit_tokens=self.prefix_cache_hit_tokens + s.num_cached_tokens,
         )
 
     def __sub__(self, other: EngineTotals) -> EngineTotals:

@@ -6,6 +6,19 @@ the token budget, the sequence limit and the free pages allow. A request that ne
 page when none is free preempts the newest running request (its pages are freed and it
 is recomputed later from its prompt and the tokens it has generated), so no request
 ever writes into another's pages.
+
+With automatic prefix caching (``enable_prefix_caching``, ``kv_cache_manager.py``) a
+request is admitted with the longest cached prefix of its tokens already computed: its
+``num_computed`` starts there and only the rest is scheduled. Full blocks are hashed
+into the cache once their k/v are dispatched (at each ``schedule``, and when a request
+finishes or is preempted), so a request admitted in a later step reuses them.
+
+Unlike vLLM, a block is shared only from the step after the one that computes it: the
+attention ops do not promise that one request reads another's k/v written in the same
+call (a fused kernel may write and read them in any order). So that requests arriving
+together still compute a shared prefix once, a waiting request whose next block is
+being computed in this step by another request is skipped for one step (vLLM shares it
+in the same step, relying on its cache write running before attention).
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ import numbers
 from collections import deque
 
 from attn_jax.serving.block_allocator import BlockAllocator
+from attn_jax.serving.kv_cache_manager import KVCacheManager
 from attn_jax.types import SEED_LIMIT, validate_positive_int
 
 logger = logging.getLogger(__name__)
@@ -96,6 +110,9 @@ class Request:
     finish_reason: str | None = None  # "stop" (EOS) | "length" (max_new_tokens) | "abort" | "error"
     error: str | None = None  # why the request failed (finish_reason "error")
     num_preemptions: int = 0
+    cache_salt: str | None = None  # an extra key of the first block's hash: only equal salts share a prefix
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)  # chained hashes of its full known blocks
+    num_cached_tokens: int = 0  # tokens taken from the prefix cache at its (last) admission
     # Tokens sampled on the device but not read back yet (asynchronous scheduling: the last
     # call's, one or a multi-step decode's; the next step takes the last one's value from
     # the device).
@@ -134,6 +151,8 @@ class ScheduledBatch:
     requests: list[Request]
     num_new: list[int]
     preempted: list[Request]
+    num_queried_tokens: int = 0  # known tokens of the requests admitted in this step
+    num_cached_tokens: int = 0  # of them, taken from the prefix cache (not computed)
 
     @property
     def num_tokens(self) -> int:
@@ -148,18 +167,31 @@ class Scheduler:
       block_size: tokens per page.
       max_num_seqs: most requests in one step.
       max_num_batched_tokens: the token budget of one step (prefill chunks are cut to it).
+      enable_prefix_caching: share cached full blocks between requests (the module
+        docstring says how); the ``Engine`` turns it on by default.
     """
 
     def __init__(
-        self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        *,
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.allocator = allocator
         self.block_size = validate_positive_int("block_size", block_size)
         self.max_num_seqs = validate_positive_int("max_num_seqs", max_num_seqs)
         self.max_num_batched_tokens = validate_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        self.kv_cache_manager = KVCacheManager(allocator, block_size, enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._warned_full = False
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.kv_cache_manager.enable_caching
 
     def add(self, request: Request) -> None:
         pages = -(-request.max_tokens // self.block_size)
@@ -175,12 +207,8 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _pages_needed(self, request: Request, num_new: int) -> int:
-        return max(-(-(request.num_computed + num_new) // self.block_size) - len(request.blocks), 0)
-
     def _preempt(self, request: Request) -> None:
-        self.allocator.free(request.blocks)
-        request.blocks = []
+        self.kv_cache_manager.free(request)
         request.num_computed = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -193,7 +221,13 @@ class Scheduler:
         )
 
     def schedule(self) -> ScheduledBatch:
-        """The next step's batch; running requests first (oldest first), then new ones."""
+        """The next step's batch; running requests first (oldest first), then new ones
+        (each from the longest cached prefix of its tokens, with prefix caching). A new
+        request whose next uncached block is one this step computes for another request
+        waits a step and takes it from the cache (skipped, not blocking those behind it)."""
+        manager = self.kv_cache_manager
+        for request in self.running:  # blocks filled by the dispatched steps join the prefix cache
+            manager.cache_blocks(request)
         budget = self.max_num_batched_tokens
         scheduled: list[Request] = []
         num_new: list[int] = []
@@ -204,8 +238,7 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed, budget)
             if n <= 0 or request.num_generated >= request.params.max_new_tokens:
                 continue  # nothing to compute, or its last token is pending and ends it
-            need = self._pages_needed(request, n)
-            while not self.allocator.can_allocate(need):
+            while not manager.can_allocate(request, n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
@@ -213,59 +246,80 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue
-            request.blocks += self.allocator.allocate(need)
+            manager.allocate_slots(request, n)
             scheduled.append(request)
             num_new.append(n)
             budget -= n
             if budget == 0:
                 break
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        num_queried = num_cached = 0
+        pending = {h for r, n in zip(scheduled, num_new, strict=True) for h in manager.blocks_completed(r, n)}
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             if request in preempted or request.num_pending:
                 break  # not in the step that preempted it, nor before its last token is known
-            n = min(request.num_tokens - request.num_computed, budget)
-            need = self._pages_needed(request, n)
-            if not self.allocator.can_allocate(need):
+            hits, num_hit = manager.get_computed_blocks(request)
+            if manager.next_block_pending(request, len(hits), pending):
+                continue  # its next block is computed in this step: it takes it from the cache in the next
+            n = min(request.num_tokens - num_hit, budget)
+            if not manager.allocate_slots(request, n, hits):
                 if not self._warned_full:
                     logger.info(
                         "KV cache full: request %r waits (%d pages needed, %d free)",
                         request.request_id,
-                        need,
+                        manager.num_pages_needed(request, n, hits),
                         self.allocator.num_free,
                     )
                     self._warned_full = True
                 break
-            self.waiting.popleft()
-            request.blocks += self.allocator.allocate(need)
+            self.waiting.remove(request)
+            request.num_computed = request.num_cached_tokens = num_hit
+            pending.update(manager.blocks_completed(request, n))
+            manager.record_admission(request, num_hit)
+            if manager.enable_caching:
+                num_queried += request.num_tokens
+                num_cached += num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(request)
             num_new.append(n)
             budget -= n
-        return ScheduledBatch(scheduled, num_new, preempted)
+        return ScheduledBatch(scheduled, num_new, preempted, num_queried, num_cached)
 
     def reserve_decode_steps(self, batch: ScheduledBatch, num_steps: int) -> list[int] | None:
         """Pages for a multi-step decode of ``batch`` (decodes only): each request's steps
         (``num_steps``, or fewer when it has fewer tokens left), with the pages for them
         allocated; None, with nothing allocated, when the free pages do not suffice."""
+        manager = self.kv_cache_manager
         steps = [min(num_steps, r.params.max_new_tokens - r.num_generated) for r in batch.requests]
-        needs = [self._pages_needed(r, n) for r, n in zip(batch.requests, steps, strict=True)]
+        needs = [manager.num_pages_needed(r, n) for r, n in zip(batch.requests, steps, strict=True)]
         if not self.allocator.can_allocate(sum(needs)):
             return None
-        for request, need in zip(batch.requests, needs, strict=True):
-            request.blocks += self.allocator.allocate(need)
+        for request, n in zip(batch.requests, steps, strict=True):
+            manager.allocate_slots(request, n)
         return steps
 
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:
-        """Marks ``request`` (running or waiting) finished and frees its pages."""
+        """Marks ``request`` (running or waiting) finished and frees its pages (its full
+        computed blocks stay in the prefix cache, evictable)."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
-        self.allocator.free(request.blocks)
-        request.blocks = []
+        self.kv_cache_manager.free(request)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self._warned_full = False
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; False (with a logged warning, nothing changed) while
+        any request holds pages, as vLLM's ``reset_prefix_cache``."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    @property
+    def prefix_cache_stats(self):
+        """The ``PrefixCacheStats`` of every admission so far."""
+        return self.kv_cache_manager.stats
