@@ -71,7 +71,7 @@ def test_info_bad_head_size_exit_2(capsys):
 
 def test_info_nothing_usable_prints_report_and_exits_2(capsys, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "PALLAS_TPU")
-    assert main(["info", "--head-size", "96"]) == 2
+    assert main(["info", "--head-size", "112"]) == 2
     captured = capsys.readouterr()
     assert "chosen:     none" in captured.out
     assert captured.err == "attn-stack info: error: no attention backend can serve this configuration (reasons above)\n"

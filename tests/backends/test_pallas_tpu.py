@@ -134,8 +134,8 @@ def test_impl_rejects_other_metadata_and_bad_head_sizes():
     md, q, k, v, cache = _batch()
     with pytest.raises(TypeError, match="PALLAS_TPU needs PallasTPUAttentionMetadata"):
         impl.forward(q.reshape(-1, 8, 128), k.reshape(-1, 2, 128), v.reshape(-1, 2, 128), cache, md)
-    with pytest.raises(ValueError, match=re.escape("head_size=80 is not supported by the TPU kernel")):
-        PallasTPUAttentionImpl(8, 80, 0.1, 2, interpret=True)
+    with pytest.raises(ValueError, match=re.escape("head_size=112 is not supported by the TPU kernel")):
+        PallasTPUAttentionImpl(8, 112, 0.1, 2, interpret=True)
 
 
 def test_layer_rejects_a_reference_layout_cache():

@@ -51,6 +51,7 @@ def _sizes(engine: Engine) -> dict[str, int]:
     owners = {"engine": engine, "runner": engine.runner}
     for i, s in enumerate(engine.schedulers):
         owners[f"scheduler{i}"], owners[f"allocator{i}"] = s, s.allocator
+        owners[f"kv_cache_manager{i}"] = s.kv_cache_manager
     sizes = {}
     for name, owner in owners.items():
         for attr, value in vars(owner).items():
@@ -127,6 +128,10 @@ def _soak(num_requests: int) -> tuple[Engine, dict[str, int], list[tuple[int, in
 def _check_nothing_left(engine: Engine, start: dict[str, int]) -> None:
     end = _sizes(engine)
     bounded = {"engine._finished": MAX_FINISHED, "engine.stats": STATS_WINDOW}
+    for i in range(len(engine.schedulers)):  # the prefix cache keeps freed pages, at most every page
+        free, evictable = end.pop(f"allocator{i}._free"), end.pop(f"allocator{i}._evictable", 0)
+        assert free + evictable == engine.num_blocks, f"allocator{i}: {free} free + {evictable} evictable"
+        bounded |= {f"allocator{i}._hash_of": engine.num_blocks, f"allocator{i}._page_of": engine.num_blocks}
     for name, size in end.items():
         if name in bounded:
             assert size <= bounded[name], name

@@ -65,8 +65,21 @@ def _cached_tokens(engine: Engine, ids) -> list[int]:
     return [engine.get_request(i).num_cached_tokens for i in ids]
 
 
+_MARKS: dict[int, int] = {}
+
+
+def _mark(engine: Engine) -> None:
+    """Counts ``_steps`` from here: the engine's bounded stats log keeps absolute step numbers."""
+    _MARKS[id(engine)] = len(engine.stats)
+
+
+def _steps(engine: Engine):
+    """The engine's ``StepStats`` since its last ``_mark``."""
+    return engine.stats[_MARKS.get(id(engine), 0) :]
+
+
 def _computed(engine: Engine) -> int:
-    return sum(s.num_prefill_tokens + s.num_decode_tokens for s in engine.stats)
+    return sum(s.num_prefill_tokens + s.num_decode_tokens for s in _steps(engine))
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +109,7 @@ def cached_engine() -> Engine:
 def fresh(cached_engine) -> Engine:
     """``cached_engine`` with its prefix cache emptied and its step stats cleared."""
     assert cached_engine.reset_prefix_cache()
-    cached_engine.stats.clear()
+    _mark(cached_engine)
     return cached_engine
 
 
@@ -116,8 +129,8 @@ def test_greedy_tokens_identical_with_caching_off_and_on(reference, limits):
     again = _run(engine, PROMPTS)  # now every prompt's system prompt (and more) is cached
     assert again == reference
     stats = engine.prefix_cache_stats
-    assert stats.hits > 0 and stats.hits == sum(s.num_cached_tokens for s in engine.stats)
-    assert stats.queries == sum(s.num_queried_tokens for s in engine.stats) >= 2 * sum(map(len, PROMPTS))
+    assert stats.hits > 0 and stats.hits == sum(s.num_cached_tokens for s in _steps(engine))
+    assert stats.queries == sum(s.num_queried_tokens for s in _steps(engine)) >= 2 * sum(map(len, PROMPTS))
 
 
 @pytest.mark.parametrize("caching", [False, True])
@@ -125,7 +138,7 @@ def test_prompt_tokens_computed_drop_by_the_cached_blocks(reference, fresh, unca
     """The first request caches the system prompt's 3 full blocks; the others, admitted
     together later, each take them (12 tokens) and compute only the rest."""
     engine = fresh if caching else uncached_engine
-    engine.stats.clear()
+    _mark(engine)
     queried, hit = engine.prefix_cache_stats.queries, engine.prefix_cache_stats.hits
     first = _run(engine, PROMPTS[:1])
     rest = _run(engine, PROMPTS[1:])
@@ -133,7 +146,7 @@ def test_prompt_tokens_computed_drop_by_the_cached_blocks(reference, fresh, unca
     hits = 12 * (len(PROMPTS) - 1) if caching else 0
     new = GREEDY.max_new_tokens - 1  # the last sampled token is never fed back
     assert _computed(engine) == sum(map(len, PROMPTS)) - hits + len(PROMPTS) * new
-    assert engine.prefix_cache_stats.hits - hit == hits == sum(s.num_cached_tokens for s in engine.stats)
+    assert engine.prefix_cache_stats.hits - hit == hits == sum(s.num_cached_tokens for s in _steps(engine))
     assert engine.prefix_cache_stats.queries - queried == (sum(map(len, PROMPTS)) if caching else 0)
     assert (engine.schedulers[0].allocator.num_cached > 0) == caching  # off: nothing is hashed
     assert _cached_tokens(engine, engine.test_ids) == [hits // 5] * 5
