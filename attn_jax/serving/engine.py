@@ -63,6 +63,7 @@ import numpy as np
 from attn_jax.metadata import MetadataBuckets
 from attn_jax.models.base import ServingModel
 from attn_jax.models.llama import LlamaModel
+from attn_jax.ops.ragged_paged_attention.config import next_pow2
 from attn_jax.serving.block_allocator import BlockAllocator
 from attn_jax.serving.detokenizer import IncrementalDetokenizer
 from attn_jax.serving.kv_cache_manager import PrefixCacheStats
@@ -78,6 +79,9 @@ logger = logging.getLogger(__name__)
 
 MAX_FINISHED_REQUESTS = 1024
 """Finished requests whose ``Completion`` an engine keeps by default (oldest dropped first)."""
+
+MIN_STEPS_CAP = 8
+"""A multi-step call is capped at what its requests can still generate, never below this."""
 
 STATS_WINDOW = 1024
 """Calls whose ``StepStats`` an engine keeps by default (``totals`` count every call)."""
@@ -582,8 +586,14 @@ class Engine:
         """Each request's steps in this call and the call's step count: a multi-step decode
         (``reserve_decode_steps``) when every shard's batch holds decodes only, no request
         could be admitted instead, the attention group advances its metadata, and the
-        pages are free; else one step (0 for a prefill chunk that samples nothing)."""
-        k = self.num_scheduler_steps
+        pages are free; else one step (0 for a prefill chunk that samples nothing).
+
+        A call runs no more steps than its batch can still use: K is capped at the power of
+        two >= the most new tokens any of its requests has left, and never below
+        ``MIN_STEPS_CAP`` (a few spare steps cost less than another compiled variant). So
+        ``num_scheduler_steps=100000`` costs a few compiled variants, not 100,000-step calls."""
+        left = max((r.max_tokens - r.num_tokens for b in batches for r in b.requests), default=0)
+        k = min(self.num_scheduler_steps, max(next_pow2(max(left, 1)), MIN_STEPS_CAP))
         multi = (
             k > 1
             and self.runner.supports_decode_advance

@@ -93,6 +93,21 @@ def test_tokens_do_not_depend_on_the_steps_per_call(backend):
     assert [len(t) for t in runs[3]] == [7, 5, 9]
 
 
+def test_a_huge_steps_per_call_is_capped_at_what_the_batch_can_use():
+    """``num_scheduler_steps=100000`` (a typo for 10): each call runs at most the power of two
+    >= the tokens its requests have left (never below 8), with K=1's tokens."""
+    params = init_params(CONFIG, seed=2)
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    sps = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    out = {}
+    for steps in (1, 100_000):
+        engine = Engine(_model("XLA"), params, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32,
+                        num_scheduler_steps=steps)  # fmt: skip
+        out[steps] = [c.output_ids for c in engine.generate(prompts, sps)]
+    assert out[100_000] == out[1]
+    assert max(s.num_steps for s in engine.stats) == 16  # 11 tokens left after the prefill's first
+
+
 def test_bad_steps_per_call_are_refused():
     with pytest.raises(ValueError, match="num_scheduler_steps=0"):
         Engine(_model("XLA"), init_params(CONFIG, seed=2), num_scheduler_steps=0)
