@@ -59,7 +59,7 @@ def cascade_ragged_paged_attention(
             q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
             prefix_len=2048, sm_scale=head_size**-0.5, op=pallas_triton.ragged_paged_attention)
     """
-    page_size = _page_size(kv_cache, block_tables)
+    page_size = _page_size(kv_cache)
     if sliding_window is not None or alibi_slopes is not None:
         raise ValueError(
             f"cascade attention takes no sliding_window ({sliding_window}) or alibi_slopes "
@@ -109,7 +109,7 @@ def cascade_ragged_paged_attention(
     return out, kv_cache
 
 
-def _page_size(kv_cache, block_tables) -> int:
+def _page_size(kv_cache) -> int:
     """Page size S of an XLA-layout cache [2, P, S, Hkv, D]."""
     if kv_cache.ndim != 5:
         raise ValueError(f"cascade attention takes the XLA cache layout [2, P, S, Hkv, D], not {kv_cache.shape}")
