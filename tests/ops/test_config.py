@@ -72,8 +72,9 @@ def test_block_sizes_step_down_to_fit_shared_memory(head_size, q_dtype, mode, li
 
 def test_triton_smem_estimate_matches_what_the_h100_requested():
     """The 'requested' figures of H100 launch failures (issue 21 and the calibration run:
-    float32, page 16, 4 q heads per kv head) against the estimate: within its 1 KiB margin,
-    never under; and 16-bit blocks that launched fit under it."""
+    float32, page 16, 4 q heads per kv head; the sweep's bfloat16 head 256 on one 128-key page)
+    against the estimate: within its 1 KiB margin, never under; and 16-bit blocks that launched
+    fit under it."""
     f32 = dict(group=4, page_size=16, q_dtype="float32", kv_dtype="float32")
     decode_128 = config.GpuBlockSizes(block_q=4, pages_per_tile=8, num_stages=3)
     assert config.triton_smem_bytes(decode_128, head_size=128, **f32) >= 270848
@@ -86,6 +87,9 @@ def test_triton_smem_estimate_matches_what_the_h100_requested():
         config.triton_smem_bytes(launched, head_size=128, **{**f32, "q_dtype": "bfloat16", "kv_dtype": "bfloat16"})
         <= 232448
     )
+    one_page = config.GpuBlockSizes(block_q=64, pages_per_tile=1, num_stages=2)  # bf16, head 256, page 128: failed
+    bf16 = dict(group=1, page_size=128, q_dtype="bfloat16", kv_dtype="bfloat16")
+    assert config.triton_smem_bytes(one_page, head_size=256, **bf16) == 295936
 
 
 def test_pages_larger_than_shared_memory_take_sub_page_tiles():

@@ -96,13 +96,15 @@ def triton_smem_bytes(bs: GpuBlockSizes, *, group: int, page_size: int, head_siz
     BENCHMARKS.md): the K and V tiles (``tile`` keys of ``head_tile(D)`` columns, at the
     wider of the cache and query dtypes, as the dot consumes them) held twice for 32-bit
     data (FMA dots: what the compiler asked for at 2, 3 and 4 stages alike, within 256
-    bytes) and once for 16-bit data (MMA dots: 256-key tiles at 3 stages launched, which
-    twice would not), plus the q block (``block_q * next_pow2(G)`` rows), plus 1 KiB.
+    bytes) and for a tile inside one page (a contiguous copy the compiler double-buffers:
+    bfloat16, head 256, one 128-key page asked for exactly twice), once for 16-bit data
+    gathered from several pages (MMA dots: 256-key tiles at 3 stages launched, which twice
+    would not), plus the q block (``block_q * next_pow2(G)`` rows), plus 1 KiB.
     """
     rows, tile, width = bs.block_q * next_pow2(group), bs.tile(page_size), head_tile(head_size)
     q_bytes = np.dtype(q_dtype).itemsize
     kv_bytes = max(np.dtype(kv_dtype).itemsize, q_bytes)
-    copies = 2 if kv_bytes >= 4 else 1
+    copies = 2 if kv_bytes >= 4 or bs.pages_per_tile == 1 else 1
     return copies * 2 * tile * width * kv_bytes + rows * width * q_bytes + 1024
 
 
