@@ -108,8 +108,7 @@ def run_config(cfg: SweepConfig, interpret: bool = False) -> list[dict]:
     import jax.numpy as jnp
 
     from attn_jax import Attention
-    from attn_jax.backends.pallas_gpu import PallasGPUAttentionBackend
-    from attn_jax.ops.ragged_paged_attention import pallas_mosaic_gpu
+    from attn_jax.backends.pallas_gpu import PallasGPUAttentionBackend, uses_mosaic_gpu
     from attn_jax.ops.ragged_paged_attention.config import triton_smem_bytes
     from attn_jax.registry import AttentionBackendEnum
     from attn_jax.testing.workloads import make_ragged_batch
@@ -159,13 +158,9 @@ def run_config(cfg: SweepConfig, interpret: bool = False) -> list[dict]:
             row["seconds"] = round(time.perf_counter() - t0, 2)
             used = attn_md if not traced else jax.jit(lambda m: layer.metadata_builder.build(0, m))(md)
             bs = used.block_sizes
-            mgpu = used.mgpu_schedule is not None and not interpret and bs.num_kv_splits == 1 and (
-                pallas_mosaic_gpu.unsupported_reason(
-                    head_size=cfg.head_size, page_size=cfg.page_size, dtype=act, cache_dtype=cache.dtype,
-                    sliding_window=options["sliding_window"], logits_soft_cap=options["logits_soft_cap"],
-                    alibi_slopes=options["alibi_slopes"], sinks=options["sinks"], causal=True,
-                    block_sizes=used.mgpu_block_sizes,
-                ) is None
+            mgpu = uses_mosaic_gpu(
+                batch.q, cache, interpret=interpret, block_sizes=bs, mgpu_schedule=used.mgpu_schedule,
+                mgpu_block_sizes=used.mgpu_block_sizes, **options,
             )  # fmt: skip
             row["kernel"] = ("mosaic_gpu+triton" if mgpu else "triton") + f" {dataclasses.astuple(bs)}"
             row["smem_estimate"] = triton_smem_bytes(

@@ -123,6 +123,26 @@ def mgpu_split(
     return dict(mgpu_schedule=mgpu, rest_schedule=None if rest_empty else rest, mgpu_block_sizes=bs)
 
 
+def uses_mosaic_gpu(
+    q, kv_cache, *, interpret: bool, block_sizes: GpuBlockSizes | None, mgpu_schedule,
+    mgpu_block_sizes: MgpuBlockSizes | None, sm_scale=None, causal: bool = True, sliding_window=None,
+    logits_soft_cap=None, alibi_slopes=None, sinks=None,
+) -> bool:  # fmt: skip
+    """Whether ``ragged_paged_attention`` runs a batch's long prefills on the Mosaic GPU kernel:
+    a Mosaic GPU split was built, the kernels are compiled (not interpreted), the Triton blocks
+    are unsplit and ``pallas_mosaic_gpu.unsupported_reason`` accepts the configuration."""
+    del sm_scale  # any scale serves
+    return (
+        mgpu_schedule is not None and not interpret
+        and (block_sizes is None or block_sizes.num_kv_splits == 1)
+        and pallas_mosaic_gpu.unsupported_reason(
+            head_size=q.shape[-1], page_size=kv_cache.shape[2], dtype=q.dtype, cache_dtype=kv_cache.dtype,
+            causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+            alibi_slopes=alibi_slopes, sinks=sinks, block_sizes=mgpu_block_sizes or MgpuBlockSizes(),
+        ) is None
+    )  # fmt: skip
+
+
 def ragged_paged_attention(
     q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, *, sm_scale: float,
     causal: bool = True, sliding_window=None, logits_soft_cap=None, alibi_slopes=None, sinks=None,
@@ -147,14 +167,9 @@ def ragged_paged_attention(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     mgpu_bs = mgpu_block_sizes or MgpuBlockSizes()
-    use_mgpu = (
-        mgpu_schedule is not None and not interpret and not return_lse
-        and (block_sizes is None or block_sizes.num_kv_splits == 1)
-        and pallas_mosaic_gpu.unsupported_reason(
-            head_size=q.shape[-1], page_size=kv_cache.shape[2], dtype=q.dtype, cache_dtype=kv_cache.dtype,
-            causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-            alibi_slopes=alibi_slopes, sinks=sinks, block_sizes=mgpu_bs,
-        ) is None
+    use_mgpu = not return_lse and uses_mosaic_gpu(
+        q, kv_cache, interpret=interpret, block_sizes=block_sizes, mgpu_schedule=mgpu_schedule,
+        mgpu_block_sizes=mgpu_bs, **kwargs,
     )  # fmt: skip
     triton = functools.partial(
         pallas_triton.ragged_paged_attention, query_start_loc=query_start_loc, seq_lens=seq_lens,
