@@ -9,8 +9,9 @@ import sys
 import sysconfig
 import tomllib
 
-import jupytext
 import pytest
+
+jupytext = pytest.importorskip("jupytext", reason="the test extra's jupytext (absent on the GPU machine)")
 
 import attn_jax
 
