@@ -11,9 +11,9 @@ import tomllib
 
 import pytest
 
-jupytext = pytest.importorskip("jupytext", reason="the test extra's jupytext (absent on the GPU machine)")
-
 import attn_jax
+
+jupytext = pytest.importorskip("jupytext", reason="the test extra's jupytext (absent on the GPU machine)")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.md"))
