@@ -649,6 +649,49 @@ def run_fa3(fa3, b: DeviceBatch, ref, ours, pages, splits, cupti_calls: int, rec
 
 
 # --------------------------------------------------------------------------- driver
+TABLE_IMPLS = (
+    ("pallas_gpu_with_write", "attn-stack, write + attend"),
+    ("pallas_gpu", "attn-stack, attention alone"),
+    ("fa3_paged_p16", "FA3 paged, page 16"),
+    ("fa3_paged_p128", "FA3 paged, page 128"),
+    ("fa3_varlen", "FA3 dense varlen"),
+    ("fa3_dense", "FA3 dense"),
+)
+"""The rows ``peer_table`` shows, in order, with their labels."""
+
+
+def peer_table(results: list[dict]) -> str:
+    """A markdown table of device (CUPTI median) times: per workload, attn-stack's rows beside
+    FA3's best rows, with TFLOP/s, % of the floor and the error against the f32 reference."""
+    lines = ["| workload | implementation | device ms | TFLOP/s | % of floor | floor ms | max abs err vs f32 | note |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+    for workload in dict.fromkeys(r["workload"] for r in results):
+        rows = {r["impl"]: r for r in results if r["workload"] == workload}
+        for impl, label in TABLE_IMPLS:
+            r = rows.get(impl)
+            if r is None:
+                continue
+            if "device_ms" not in r:
+                why = r.get("error") or r.get("device_error") or (r.get("device_us_per_step") or {}).get("error")
+                lines.append(f"| {workload} | {label} | | | | | | no device time: {str(why)[:80]} |")
+                continue
+            note = []
+            if "num_splits" in r:
+                note.append(f"num_splits {r['num_splits']}")
+            by_class = (r.get("device_step") or {}).get("median_us_by_class")
+            if by_class:
+                note.append(", ".join(f"{c} {us:.1f} us" for c, us in by_class.items()))
+            err = r.get("max_abs_err_vs_f32")
+            lines.append(
+                f"| {workload} | {label} | {r['device_ms']:.3f} | {r['device_tflop_per_s']:.0f} | "
+                f"{r['device_pct_of_floor']:.1f} | {r['floor_ms']:.3f} | {'' if err is None else f'{err:.2e}'} | "
+                f"{'; '.join(note)} |"
+            )
+        if "fa3" in rows and "error" in rows["fa3"]:
+            lines.append(f"| {workload} | FlashAttention-3 | | | | | | not run: {rows['fa3']['error'][:100]} |")
+    return "\n".join(lines)
+
+
 def rel_l2(x, ref) -> float:
     x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
@@ -794,6 +837,7 @@ def main(argv=None) -> int:
     slug = dev.device_kind.lower().replace(" ", "_")
     out_path = pathlib.Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"attention_{slug}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
     ceilings = measure_ceilings()
     log(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
         f"matmul {ceilings['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")  # fmt: skip
@@ -804,8 +848,9 @@ def main(argv=None) -> int:
     fa3, fa3_reason = None, None
     if "fa3" in impls:
         try:
-            fa3 = fa3_peer.import_fa3()
+            fa3, notes = fa3_peer.import_fa3()
             meta["flash_attn3_jax"] = getattr(fa3, "__version__", "unknown")
+            meta["flash_attn3_jax_notes"] = notes
         except ImportError as e:
             fa3_reason = str(e)
         fa3_reason = fa3_unavailable_reason(fa3_reason, dev)
@@ -820,7 +865,8 @@ def main(argv=None) -> int:
         bound = "memory" if t_bytes >= t_flops else "compute"
         op_args = (b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.slot_mapping)
         ref = xla_fn(b, jnp.float32)(*op_args)
-        log(f"{name}: {nbytes / 1e9:.3f} GB, {flops / 1e12:.3f} TFLOP, floor {floor_s * 1e3:.3f} ms ({bound})")
+        log(f"{name}: {nbytes / 1e9:.3f} GB, {flops / 1e12:.3f} TFLOP, floor {floor_s * 1e3:.3f} ms ({bound})"
+            f"  [{time.perf_counter() - t_start:.0f} s into the run]")  # fmt: skip
         outputs = {}  # PALLAS_GPU's output, for the peers' checks
 
         def record(impl, t, err, extra=None, *, device_s=None, counts=None, name=name, nbytes=nbytes, flops=flops):
@@ -949,7 +995,9 @@ def main(argv=None) -> int:
         write_results(out_path, meta, results)
 
     write_results(out_path, meta, results)
-    log(f"wrote {out_path}")
+    log(f"wrote {out_path} ({time.perf_counter() - t_start:.0f} s)")
+    if "fa3" in impls:
+        log(peer_table(results))
     if args.tune and tuned_entries:
         table = {"device_kind": dev.device_kind, "source": f"benchmarks/attention.py --tune, {meta['date']}, "
                  f"jax {jax.__version__}, median of a sweep per workload", "match_keys": list(GPU_MATCH_KEYS),

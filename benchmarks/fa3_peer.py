@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +32,25 @@ import numpy as np
 
 FA3_MODULE = "flash_attn3_jax"
 FA3_WHEEL = "flash-attn3-jax 0.2.3"
+_MISSING = object()
 
 
 def import_fa3():
-    """The ``flash_attn3_jax`` module; raises ImportError naming what to install where."""
+    """(the ``flash_attn3_jax`` module, notes); raises ImportError naming what to install where.
+
+    The wheel declares einops, which ``pip install --no-deps`` leaves out and the project does
+    not install; the binding uses it only in its vmap batching rules and ring attention, which
+    these single-device calls never reach, so without einops a stub that raises on use stands
+    in for the import (and is taken out of ``sys.modules`` again); the notes say so."""
+    notes = []
+    stub, before = None, sys.modules.get("einops", _MISSING)
+    try:
+        import einops  # noqa: F401
+    except ImportError:
+        stub = types.ModuleType("einops")
+        stub.rearrange = _einops_unavailable
+        sys.modules["einops"] = stub
+        notes.append("einops absent: a stub stood in at import (used only by the binding's vmap and ring paths)")
     try:
         import flash_attn3_jax
     except Exception as e:  # an ImportError, or the .so failing to load its CUDA runtime
@@ -42,7 +59,17 @@ def import_fa3():
             f"pip install --no-index --no-deps --target /tmp/site .whl/flash_attn3_jax-*.whl and "
             f"export PYTHONPATH=/tmp/site:$PYTHONPATH ({FA3_WHEEL}, cp312, Hopper only)"
         ) from e
-    return flash_attn3_jax
+    finally:
+        if stub is not None and sys.modules.get("einops") is stub:  # as it was before
+            if before is _MISSING:
+                del sys.modules["einops"]
+            else:
+                sys.modules["einops"] = before
+    return flash_attn3_jax, notes
+
+
+def _einops_unavailable(*args, **kwargs):
+    raise NotImplementedError("einops is not installed: the FA3 binding's vmap and ring paths are unavailable here")
 
 
 # --------------------------------------------------------------------------- layouts

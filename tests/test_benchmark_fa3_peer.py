@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -245,11 +246,24 @@ def test_fa3_unavailable_reason():
 
 
 def test_import_fa3_says_how_to_install(monkeypatch):
-    import sys
-
     monkeypatch.setitem(sys.modules, "flash_attn3_jax", None)  # import raises ImportError
     with pytest.raises(ImportError, match=r"pip install --no-index --no-deps --target /tmp/site"):
         fa3_peer.import_fa3()
+
+
+def test_import_fa3_stands_a_stub_in_for_einops_only_during_the_import(monkeypatch, tmp_path):
+    """A stand-in package that imports einops at the top, as the wheel's flash.py does."""
+    (tmp_path / "flash_attn3_jax").mkdir()
+    (tmp_path / "flash_attn3_jax" / "__init__.py").write_text("import einops\nrearrange = einops.rearrange\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn3_jax", raising=False)
+    monkeypatch.setitem(sys.modules, "einops", None)  # not installed
+    module, notes = fa3_peer.import_fa3()
+    assert notes == ["einops absent: a stub stood in at import (used only by the binding's vmap and ring paths)"]
+    with pytest.raises(NotImplementedError, match="einops is not installed"):
+        module.rearrange("x")
+    assert sys.modules["einops"] is None  # taken out again: later imports see einops as absent
+    sys.modules.pop("flash_attn3_jax")
 
 
 # --------------------------------------------------------------------------- CUPTI grouping
@@ -320,3 +334,56 @@ def test_run_fa3_rows_check_every_call_and_pick_the_best_splits(small, name, mon
     else:  # no cached context: one split, the dense call, and the best row naming its source
         assert {"fa3_paged_p8_s1", "fa3_dense", "fa3_paged_p8"} == set(rows)
         assert rows["fa3_paged_p8"]["best_of_sweep"] == "fa3_paged_p8_s1"
+
+
+def test_peer_table_puts_fa3_beside_attn_stack_and_says_what_is_missing():
+    dev = {"device_tflop_per_s": 600.0, "device_pct_of_floor": 80.0, "floor_ms": 0.8}
+    results = [
+        {"workload": "P1", "impl": "pallas_gpu_with_write", "device_ms": 1.0, **dev,
+         "device_step": {"median_us_by_class": {"attention_mosaic_gpu": 950.0, "kv_write_pallas": 47.0}}},
+        {"workload": "P1", "impl": "fa3_paged_p16_s1", "device_ms": 0.9, **dev},  # a sweep row: not in the table
+        {"workload": "P1", "impl": "fa3_paged_p16", "device_ms": 0.95, "num_splits": 1, "max_abs_err_vs_f32": 0.004,
+         **dev},
+        {"workload": "P1", "impl": "fa3_dense", "ms": 0.9, "device_error": "RuntimeError: no GPU stream events"},
+        {"workload": "D1", "impl": "pallas_gpu", "device_ms": 0.4, **dev},
+        {"workload": "D1", "impl": "fa3", "error": "flash_attn3_jax did not import (ModuleNotFoundError: x)"},
+    ]  # fmt: skip
+    lines = attention.peer_table(results).splitlines()
+    assert lines[2] == (
+        "| P1 | attn-stack, write + attend | 1.000 | 600 | 80.0 | 0.800 |  | "
+        "attention_mosaic_gpu 950.0 us, kv_write_pallas 47.0 us |"
+    )
+    assert lines[3] == "| P1 | FA3 paged, page 16 | 0.950 | 600 | 80.0 | 0.800 | 4.00e-03 | num_splits 1 |"
+    assert lines[4] == "| P1 | FA3 dense | | | | | | no device time: RuntimeError: no GPU stream events |"
+    assert lines[5].startswith("| D1 | attn-stack, attention alone | 0.400 |")
+    assert (
+        lines[6]
+        == "| D1 | FlashAttention-3 | | | | | | not run: flash_attn3_jax did not import (ModuleNotFoundError: x) |"
+    )
+    assert len(lines) == 7
+
+
+@pytest.mark.slow
+def test_the_wheels_calls_lower_for_cuda(tmp_path, monkeypatch):
+    """With the wheel in the checkout's .whl/ (never installed): every FA3 call the benchmark
+    makes traces through the binding and lowers for CUDA to its FFI target, splits as asked."""
+    import pathlib
+    import zipfile
+
+    wheels = sorted((pathlib.Path(attention.ROOT) / ".whl").glob("flash_attn3_jax-0.2.3-*.whl"))
+    if not wheels:
+        pytest.skip("no flash_attn3_jax 0.2.3 wheel under .whl/")
+    zipfile.ZipFile(wheels[0]).extractall(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.startswith("flash_attn3_jax")]:
+        monkeypatch.delitem(sys.modules, name)
+    fa3, _ = fa3_peer.import_fa3()
+    spec = dataclasses.replace(WORKLOADS["M1"], query_lens=(64, 1, 1), context_lens=(32, 100, 100))
+    b = attention.make_device_batch(spec)
+    configs, per_page = attention.fa3_configs(fa3, b, [16], [3])
+    configs.append(attention.fa3_combined(fa3, b, per_page[16], [1, 3], 16))
+    for c in configs:
+        text = c.fn.trace(*c.args).lower(lowering_platforms=("cuda",)).as_text()
+        calls = re.findall(r"custom_call @flash_mha_fwd.*?num_splits = (\d+)", text)
+        expected = {"fa3_varlen": ["1"], "fa3_paged_p16": ["1", "3"]}.get(c.impl, [str(c.extra.get("num_splits"))])
+        assert calls == expected, c.impl
