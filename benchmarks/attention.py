@@ -45,6 +45,7 @@ import itertools
 import json
 import pathlib
 import platform
+import re
 import statistics
 import sys
 import time
@@ -649,15 +650,14 @@ def run_fa3(fa3, b: DeviceBatch, ref, ours, pages, splits, cupti_calls: int, rec
 
 
 # --------------------------------------------------------------------------- driver
-TABLE_IMPLS = (
-    ("pallas_gpu_with_write", "attn-stack, write + attend"),
-    ("pallas_gpu", "attn-stack, attention alone"),
-    ("fa3_paged_p16", "FA3 paged, page 16"),
-    ("fa3_paged_p128", "FA3 paged, page 128"),
-    ("fa3_varlen", "FA3 dense varlen"),
-    ("fa3_dense", "FA3 dense"),
-)
-"""The rows ``peer_table`` shows, in order, with their labels."""
+def table_impls(impls) -> list[tuple[str, str]]:
+    """(impl, label) of the rows ``peer_table`` shows among ``impls``, in order: attn-stack's,
+    then FA3's best paged row per page size, its varlen and dense rows."""
+    fixed = [("pallas_gpu_with_write", "attn-stack, write + attend"), ("pallas_gpu", "attn-stack, attention alone")]
+    paged = sorted((int(i[len("fa3_paged_p") :]), i) for i in impls if re.fullmatch(r"fa3_paged_p\d+", i))
+    tail = [("fa3_varlen", "FA3 dense varlen"), ("fa3_dense", "FA3 dense")]
+    rows = fixed + [(i, f"FA3 paged, page {page}") for page, i in paged] + tail
+    return [(i, label) for i, label in rows if i in impls]
 
 
 def peer_table(results: list[dict]) -> str:
@@ -667,10 +667,8 @@ def peer_table(results: list[dict]) -> str:
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
     for workload in dict.fromkeys(r["workload"] for r in results):
         rows = {r["impl"]: r for r in results if r["workload"] == workload}
-        for impl, label in TABLE_IMPLS:
-            r = rows.get(impl)
-            if r is None:
-                continue
+        for impl, label in table_impls(rows):
+            r = rows[impl]
             if "device_ms" not in r:
                 why = r.get("error") or r.get("device_error") or (r.get("device_us_per_step") or {}).get("error")
                 lines.append(f"| {workload} | {label} | | | | | | no device time: {str(why)[:80]} |")

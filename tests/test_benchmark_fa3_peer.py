@@ -341,6 +341,7 @@ def test_peer_table_puts_fa3_beside_attn_stack_and_says_what_is_missing():
     results = [
         {"workload": "P1", "impl": "pallas_gpu_with_write", "device_ms": 1.0, **dev,
          "device_step": {"median_us_by_class": {"attention_mosaic_gpu": 950.0, "kv_write_pallas": 47.0}}},
+        {"workload": "P1", "impl": "fa3_paged_p128", "device_ms": 0.85, "num_splits": 1, **dev},
         {"workload": "P1", "impl": "fa3_paged_p16_s1", "device_ms": 0.9, **dev},  # a sweep row: not in the table
         {"workload": "P1", "impl": "fa3_paged_p16", "device_ms": 0.95, "num_splits": 1, "max_abs_err_vs_f32": 0.004,
          **dev},
@@ -354,13 +355,11 @@ def test_peer_table_puts_fa3_beside_attn_stack_and_says_what_is_missing():
         "attention_mosaic_gpu 950.0 us, kv_write_pallas 47.0 us |"
     )
     assert lines[3] == "| P1 | FA3 paged, page 16 | 0.950 | 600 | 80.0 | 0.800 | 4.00e-03 | num_splits 1 |"
-    assert lines[4] == "| P1 | FA3 dense | | | | | | no device time: RuntimeError: no GPU stream events |"
-    assert lines[5].startswith("| D1 | attn-stack, attention alone | 0.400 |")
-    assert (
-        lines[6]
-        == "| D1 | FlashAttention-3 | | | | | | not run: flash_attn3_jax did not import (ModuleNotFoundError: x) |"
-    )
-    assert len(lines) == 7
+    assert lines[4] == "| P1 | FA3 paged, page 128 | 0.850 | 600 | 80.0 | 0.800 |  | num_splits 1 |"
+    assert lines[5] == "| P1 | FA3 dense | | | | | | no device time: RuntimeError: no GPU stream events |"
+    assert lines[6].startswith("| D1 | attn-stack, attention alone | 0.400 |")
+    assert lines[7].endswith("| not run: flash_attn3_jax did not import (ModuleNotFoundError: x) |")
+    assert len(lines) == 8
 
 
 @pytest.mark.slow
