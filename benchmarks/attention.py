@@ -802,6 +802,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="num_splits swept for FA3's paged calls on cached context (>= 1: the binding refuses 0)",
     )
     p.add_argument("--cupti-calls", type=int, default=50, help="calls per CUPTI median (default 50)")
+    p.add_argument(
+        "--skip-split-rows",
+        action="store_true",
+        help="leave out pallas_gpu's other kernel choice (triton_only / mgpu_split) and part_* rows (saves compiles)",
+    )
     return p
 
 
@@ -910,7 +915,7 @@ def main(argv=None) -> int:
                 err = rel_l2(outputs["pallas_gpu"], ref)
                 record("pallas_gpu", time_jax(fn, *op_args), err, extra, device_s=dev_s)
                 forced = schedules(b, bs, "force")
-                if "mgpu_schedule" in forced:  # the other choice of kernels for this batch, and each launch alone
+                if "mgpu_schedule" in forced and not args.skip_split_rows:  # the other kernels' choice, each launch
                     if "mgpu_schedule" in schedules(b, bs, True):
                         impl, fn = "pallas_gpu_triton_only", pallas_gpu_fn(b, bs, mgpu=False)
                     else:

@@ -218,6 +218,7 @@ def test_parse_args_lists_and_defaults():
     assert [s.name for s in args.specs] == ["D1", "P1_p128"]
     assert args.impl_list == ["pallas_gpu", "fa3"]
     assert args.fa3_page_list == [16, 128] and args.fa3_split_list == [1, 8] and args.cupti_calls == 50
+    assert not args.skip_split_rows and attention.parse_args(["--skip-split-rows"]).skip_split_rows
 
 
 @pytest.mark.parametrize(
