@@ -457,10 +457,9 @@ def torch_sdpa_time(b: DeviceBatch) -> float:
     return triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median") / 1e3
 
 
-def device_median_s(fn, *args, calls: int = 50) -> float:
-    """Median seconds of GPU time per call of ``fn(*args)`` over ``calls`` calls (CUPTI)."""
-    groups = cupti_timing.trace_calls({"fn": lambda: fn(*args)}, n=calls)["fn"]
-    return cupti_timing.summarize(groups)["median_us"] / 1e6
+def device_summary(fn, *args, calls: int = 50) -> dict:
+    """``cupti_timing.summarize`` of ``calls`` calls of ``fn(*args)`` (device span per call, medians)."""
+    return cupti_timing.summarize(cupti_timing.trace_calls({"fn": lambda: fn(*args)}, n=calls)["fn"])
 
 
 # --------------------------------------------------------------------------- FlashAttention-3
@@ -661,8 +660,9 @@ def table_impls(impls) -> list[tuple[str, str]]:
 
 
 def peer_table(results: list[dict]) -> str:
-    """A markdown table of device (CUPTI median) times: per workload, attn-stack's rows beside
-    FA3's best rows, with TFLOP/s, % of the floor and the error against the f32 reference."""
+    """A markdown table of device times (CUPTI, median span per call): per workload, attn-stack's
+    rows beside FA3's best rows, with TFLOP/s, % of the floor, the error against the f32
+    reference, and the kernels' summed time (and per class for the write step) in the note."""
     lines = ["| workload | implementation | device ms | TFLOP/s | % of floor | floor ms | max abs err vs f32 | note |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
     for workload in dict.fromkeys(r["workload"] for r in results):
@@ -676,9 +676,11 @@ def peer_table(results: list[dict]) -> str:
             note = []
             if "num_splits" in r:
                 note.append(f"num_splits {r['num_splits']}")
-            by_class = (r.get("device_step") or {}).get("median_us_by_class")
-            if by_class:
-                note.append(", ".join(f"{c} {us:.1f} us" for c, us in by_class.items()))
+            dev = r.get("device") or r.get("device_step") or {}
+            if "median_kernel_sum_us" in dev:
+                note.append(f"kernels sum {dev['median_kernel_sum_us']:.1f} us")
+            if dev.get("median_us_by_class"):
+                note.append(", ".join(f"{c} {us:.1f} us" for c, us in dev["median_us_by_class"].items()))
             err = r.get("max_abs_err_vs_f32")
             lines.append(
                 f"| {workload} | {label} | {r['device_ms']:.3f} | {r['device_tflop_per_s']:.0f} | "
@@ -909,7 +911,8 @@ def main(argv=None) -> int:
                 extra = {"block_sizes": dataclasses.asdict(bs)}
                 outputs["pallas_gpu"] = fn(*op_args)
                 try:
-                    dev_s = device_median_s(fn, *op_args, calls=args.cupti_calls)
+                    extra["device"] = device_summary(fn, *op_args, calls=args.cupti_calls)
+                    dev_s = extra["device"]["median_us"] / 1e6
                 except Exception as e:  # noqa: BLE001 - the host time stands without the trace
                     dev_s, extra["device_error"] = None, f"{type(e).__name__}: {e}"[:300]
                 err = rel_l2(outputs["pallas_gpu"], ref)

@@ -3,8 +3,9 @@
 ``trace_calls`` runs each function ``n`` times under ``jax.profiler.trace`` (CUPTI on a
 GPU), waiting for each call and sleeping ``gap_s`` after it so the device idles between
 calls; ``group_calls`` splits the GPU streams' events into calls at those idle gaps (the
-k-th group is the k-th call) and ``summarize`` gives per-call sums (every event on the
-streams: kernels and the memsets a call issues). No host clock enters the numbers.
+k-th group is the k-th call) and ``summarize`` gives each call's device span and kernel sum
+(every event on the streams: kernels and the memsets a call issues). No host clock enters
+the numbers.
 
     groups = trace_calls({"fa3": lambda: fn(*args)}, n=50)["fa3"]
     summarize(groups)["median_us"]
@@ -86,12 +87,17 @@ def trace_calls(
 
 
 def summarize(groups: list[list[DeviceEvent]], classes: Sequence[tuple[str, str]] = ()) -> dict:
-    """Per-call device microseconds: median, mean, min, max over calls; with ``classes``
-    ((class, substring of the lowercased event name), first match wins, else "other"),
-    the median and mean of each class too."""
-    totals = [sum(e.duration_ns for e in g) / 1e3 for g in groups]
-    out = {"calls": len(groups), "median_us": statistics.median(totals), "mean_us": statistics.fmean(totals),
-           "min_us": min(totals), "max_us": max(totals), "events_per_call": len(groups[0])}  # fmt: skip
+    """Per-call device microseconds over calls: ``median_us`` (and mean, min, max) of each call's
+    span, from its first event's start to its last event's end, which counts launch gaps
+    between its kernels once and overlapping kernels (programmatic dependent launch) once;
+    ``median_kernel_sum_us``: of the sum of its events' durations. With ``classes`` ((class,
+    substring of the lowercased event name), first match wins, else "other"), each class's
+    median and mean sum too."""
+    spans = [(max(e.start_ns + e.duration_ns for e in g) - min(e.start_ns for e in g)) / 1e3 for g in groups]
+    sums = [sum(e.duration_ns for e in g) / 1e3 for g in groups]
+    out = {"calls": len(groups), "median_us": statistics.median(spans), "mean_us": statistics.fmean(spans),
+           "min_us": min(spans), "max_us": max(spans), "median_kernel_sum_us": statistics.median(sums),
+           "events_per_call": len(groups[0])}  # fmt: skip
     if classes:
         per = collections.defaultdict(lambda: [0.0] * len(groups))
         for i, g in enumerate(groups):

@@ -277,8 +277,14 @@ def test_group_calls_splits_at_idle_gaps():
     groups = cupti_timing.group_calls(ev, expected=3, min_gap_ns=500)
     assert [[e.name for e in g] for g in groups] == [["k0", "k1"], ["k2", "k3", "k4"], ["k5"]]
     summary = cupti_timing.summarize(groups, classes=(("short", "k4"),))
-    assert summary["median_us"] == pytest.approx(0.095) and summary["max_us"] == pytest.approx(0.15)
+    assert summary["median_us"] == pytest.approx(0.1) and summary["max_us"] == pytest.approx(0.155)  # spans
+    assert summary["median_kernel_sum_us"] == pytest.approx(0.095)
     assert summary["median_us_by_class"] == {"other": pytest.approx(0.09), "short": 0.0}
+
+
+def test_summarize_counts_overlapping_kernels_once_in_the_span():
+    summary = cupti_timing.summarize([_events([(0, 100), (50, 100)])])  # a dependent launch starting early
+    assert summary["median_us"] == pytest.approx(0.15) and summary["median_kernel_sum_us"] == pytest.approx(0.2)
 
 
 def test_group_calls_treats_overlapping_streams_as_one_call():
@@ -341,7 +347,8 @@ def test_peer_table_puts_fa3_beside_attn_stack_and_says_what_is_missing():
     dev = {"device_tflop_per_s": 600.0, "device_pct_of_floor": 80.0, "floor_ms": 0.8}
     results = [
         {"workload": "P1", "impl": "pallas_gpu_with_write", "device_ms": 1.0, **dev,
-         "device_step": {"median_us_by_class": {"attention_mosaic_gpu": 950.0, "kv_write_pallas": 47.0}}},
+         "device_step": {"median_kernel_sum_us": 997.0,
+                         "median_us_by_class": {"attention_mosaic_gpu": 950.0, "kv_write_pallas": 47.0}}},
         {"workload": "P1", "impl": "fa3_paged_p128", "device_ms": 0.85, "num_splits": 1, **dev},
         {"workload": "P1", "impl": "fa3_paged_p16_s1", "device_ms": 0.9, **dev},  # a sweep row: not in the table
         {"workload": "P1", "impl": "fa3_paged_p16", "device_ms": 0.95, "num_splits": 1, "max_abs_err_vs_f32": 0.004,
@@ -353,7 +360,7 @@ def test_peer_table_puts_fa3_beside_attn_stack_and_says_what_is_missing():
     lines = attention.peer_table(results).splitlines()
     assert lines[2] == (
         "| P1 | attn-stack, write + attend | 1.000 | 600 | 80.0 | 0.800 |  | "
-        "attention_mosaic_gpu 950.0 us, kv_write_pallas 47.0 us |"
+        "kernels sum 997.0 us; attention_mosaic_gpu 950.0 us, kv_write_pallas 47.0 us |"
     )
     assert lines[3] == "| P1 | FA3 paged, page 16 | 0.950 | 600 | 80.0 | 0.800 | 4.00e-03 | num_splits 1 |"
     assert lines[4] == "| P1 | FA3 paged, page 128 | 0.850 | 600 | 80.0 | 0.800 |  | num_splits 1 |"
