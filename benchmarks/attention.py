@@ -916,6 +916,8 @@ def main(argv=None) -> int:
                 except Exception as e:  # noqa: BLE001 - the host time stands without the trace
                     dev_s, extra["device_error"] = None, f"{type(e).__name__}: {e}"[:300]
                 err = rel_l2(outputs["pallas_gpu"], ref)
+                diff = np.asarray(outputs["pallas_gpu"], np.float32) - np.asarray(ref, np.float32)
+                extra["max_abs_err_vs_f32"] = float(np.abs(diff).max())
                 record("pallas_gpu", time_jax(fn, *op_args), err, extra, device_s=dev_s)
                 forced = schedules(b, bs, "force")
                 if "mgpu_schedule" in forced and not args.skip_split_rows:  # the other kernels' choice, each launch
