@@ -309,6 +309,7 @@ def _fake_trace(calls, n=50, gap_s=1e-3):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["M1", "P1"])
 def test_run_fa3_rows_check_every_call_and_pick_the_best_splits(small, name, monkeypatch):
     monkeypatch.setattr(cupti_timing, "trace_calls", _fake_trace)
@@ -327,16 +328,16 @@ def test_run_fa3_rows_check_every_call_and_pick_the_best_splits(small, name, mon
                         "counts": counts, **(extra or {})})  # fmt: skip
 
     pages = [4, 8] if name == "M1" else [8]
-    attention.run_fa3(FakeFA3, b, ref, ref, pages, [1, 2, 4], 5, record, results, lambda *a: None)
+    attention.run_fa3(FakeFA3, b, ref, ref, pages, [1, 2, 3], 5, record, results, lambda *a: None)
     rows = {r["impl"]: r for r in results}
     assert not [r for r in results if "error" in r]
     for r in results:
         assert r["max_abs_err_vs_f32"] < 2e-5 and r["max_abs_err_vs_pallas_gpu"] < 2e-5, r["impl"]
     if name == "M1":
-        expected = {f"fa3_paged_p{p}_s{n}_q{q}" for p in (4, 8) for n in (1, 2, 4) for q in (5, 1)}
+        expected = {f"fa3_paged_p{p}_s{n}_q{q}" for p in (4, 8) for n in (1, 2, 3) for q in (5, 1)}
         assert expected | {"fa3_varlen", "fa3_paged_p4", "fa3_paged_p8"} == set(rows)
         assert rows["fa3_paged_p4"]["num_splits"] == [2, 2] and rows["fa3_paged_p4"]["device_ms"] == 0.01
-        assert rows["fa3_paged_p8_s4_q1"]["counts"] == attention.count_floors(b.spec, [1, 1, 1], [9, 9, 9])
+        assert rows["fa3_paged_p8_s3_q1"]["counts"] == attention.count_floors(b.spec, [1, 1, 1], [9, 9, 9])
         assert rows["fa3_varlen"]["counts"] is None
     else:  # no cached context: one split, the dense call, and the best row naming its source
         assert {"fa3_paged_p8_s1", "fa3_dense", "fa3_paged_p8"} == set(rows)
