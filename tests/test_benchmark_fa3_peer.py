@@ -385,13 +385,17 @@ def test_the_wheels_calls_lower_for_cuda(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m.startswith("flash_attn3_jax")]:
         monkeypatch.delitem(sys.modules, name)
-    fa3, _ = fa3_peer.import_fa3()
-    spec = dataclasses.replace(WORKLOADS["M1"], query_lens=(64, 1, 1), context_lens=(32, 100, 100))
-    b = attention.make_device_batch(spec)
-    configs, per_page = attention.fa3_configs(fa3, b, [16], [3])
-    configs.append(attention.fa3_combined(fa3, b, per_page[16], [1, 3], 16))
-    for c in configs:
-        text = c.fn.trace(*c.args).lower(lowering_platforms=("cuda",)).as_text()
-        calls = re.findall(r"custom_call @flash_mha_fwd.*?num_splits = (\d+)", text)
-        expected = {"fa3_varlen": ["1"], "fa3_paged_p16": ["1", "3"]}.get(c.impl, [str(c.extra.get("num_splits"))])
-        assert calls == expected, c.impl
+    try:
+        fa3, _ = fa3_peer.import_fa3()
+        spec = dataclasses.replace(WORKLOADS["M1"], query_lens=(64, 1, 1), context_lens=(32, 100, 100))
+        b = attention.make_device_batch(spec)
+        configs, per_page = attention.fa3_configs(fa3, b, [16], [3])
+        configs.append(attention.fa3_combined(fa3, b, per_page[16], [1, 3], 16))
+        for c in configs:
+            text = c.fn.trace(*c.args).lower(lowering_platforms=("cuda",)).as_text()
+            calls = re.findall(r"custom_call @flash_mha_fwd.*?num_splits = (\d+)", text)
+            expected = {"fa3_varlen": ["1"], "fa3_paged_p16": ["1", "3"]}.get(c.impl, [str(c.extra.get("num_splits"))])
+            assert calls == expected, c.impl
+    finally:  # the binding imported from tmp_path goes out of sys.modules again
+        for name in [m for m in sys.modules if m.startswith("flash_attn3_jax")]:
+            del sys.modules[name]
