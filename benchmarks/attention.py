@@ -14,11 +14,23 @@ Hopper, prefill batches with the Mosaic GPU split as the opt-in builder makes it
 kernel class from a CUPTI trace and the write alone by the Pallas kernel and by XLA's
 scatter), XLA (the jnp reference), and peers: jax's Pallas ``paged_attention`` (decode), cuDNN through
 ``jax.nn.dot_product_attention`` on the dense equivalent, torch SDPA on the dense
-equivalent (when torch with CUDA is there).
+equivalent (when torch with CUDA is there), and FlashAttention-3 (``fa3``: the
+``flash-attn3-jax`` wheel, Hopper only, installed on the GPU machine; never a dependency):
+its paged ``flash_mha_with_kvcache`` at each of ``--fa3-pages`` with ``num_splits`` swept
+(one call per query length, so M1 is two calls), ``flash_mha_varlen`` on dense packed k/v
+for mixed batches and ``flash_mha`` for uniform prefills; inputs converted outside the timed
+region (``fa3_peer.py``), every output checked against the float32 reference and PALLAS_GPU's.
+
+Besides the host-timed ``ms`` (median of back-to-back calls), rows of pallas_gpu, the write
+step and fa3 carry ``device_ms``: the median over ``--cupti-calls`` calls of each call's
+GPU time from a CUPTI trace (``cupti_timing.py``), with the same floors.
 
     python benchmarks/attention.py                       # all workloads, all implementations
     python benchmarks/attention.py --tune M1,P1          # + block-size sweeps, writes tuned/gpu_*.json
     python benchmarks/attention.py --workloads D1 --impls pallas_gpu
+    python benchmarks/attention.py --workloads D1,D2,M1,P1,P1_p128 --impls pallas_gpu,fa3 --out r.json
+
+A workload name may carry a page size and a head size: ``P1_p128``, ``D1_h80``.
 
 Writes benchmarks/results/attention_<device>.json (or --out).
 """
@@ -33,6 +45,7 @@ import itertools
 import json
 import pathlib
 import platform
+import re
 import statistics
 import sys
 import time
@@ -61,6 +74,10 @@ from attn_jax.registry import AttentionBackendEnum
 from attn_jax.testing.workloads import WORKLOADS, WorkloadSpec
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # benchmarks.fa3_peer and benchmarks.cupti_timing when run as a script
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import cupti_timing, fa3_peer  # noqa: E402 - after the path above
 
 
 # --------------------------------------------------------------------------- inputs
@@ -111,16 +128,22 @@ def make_device_batch(spec: WorkloadSpec, seed: int = 0) -> DeviceBatch:
     )  # fmt: skip
 
 
-def floors(b: DeviceBatch) -> tuple[float, float]:
-    """(bytes, flops): KV read once + q read + out written; 4 * D per visible pair per q head."""
-    s = b.spec
-    item = jnp.dtype(s.dtype).itemsize
-    seq = b.query_lens + b.context_lens
-    kv_bytes = 2 * int(seq.sum()) * s.num_kv_heads * s.head_size * item
-    qo_bytes = 2 * b.num_tokens * s.num_q_heads * s.head_size * item
+def count_floors(spec: WorkloadSpec, query_lens, context_lens) -> tuple[float, float]:
+    """(bytes, flops) of attention over these requests at ``spec``'s shape: KV read once + q read
+    + out written; 4 * D per visible (causal) pair per q head."""
+    item = jnp.dtype(spec.dtype).itemsize
+    query_lens, context_lens = np.asarray(query_lens), np.asarray(context_lens)
+    seq = query_lens + context_lens
+    kv_bytes = 2 * int(seq.sum()) * spec.num_kv_heads * spec.head_size * item
+    qo_bytes = 2 * int(query_lens.sum()) * spec.num_q_heads * spec.head_size * item
     # Query token i of request r (position c + i) sees c + i + 1 keys (causal).
-    pairs = sum(int(q) * int(c) + int(q) * (int(q) + 1) // 2 for q, c in zip(b.query_lens, b.context_lens, strict=True))
-    return kv_bytes + qo_bytes, 4.0 * s.head_size * s.num_q_heads * pairs
+    pairs = sum(int(q) * int(c) + int(q) * (int(q) + 1) // 2 for q, c in zip(query_lens, context_lens, strict=True))
+    return kv_bytes + qo_bytes, 4.0 * spec.head_size * spec.num_q_heads * pairs
+
+
+def floors(b: DeviceBatch) -> tuple[float, float]:
+    """(bytes, flops) of the whole batch (``count_floors``)."""
+    return count_floors(b.spec, b.query_lens, b.context_lens)
 
 
 # --------------------------------------------------------------------------- timing
@@ -202,9 +225,11 @@ def split_part_times(b: DeviceBatch, bs: GpuBlockSizes, sched: dict) -> dict[str
     return times
 
 
-def with_write_ms(b: DeviceBatch, reps: int = 30, inner: int = 5) -> dict[str, float]:
+def with_write_ms(b: DeviceBatch, reps: int = 30, inner: int = 5, cupti_calls: int = 50) -> dict[str, float]:
     """Median ms per step of write + attend (the op as a layer calls it, cache donated, one jit),
-    and of the k/v write alone by the Pallas kernel and by XLA's scatter, each in place."""
+    and of the k/v write alone by the Pallas kernel and by XLA's scatter, each in place; the
+    step's device time per kernel class from a CUPTI trace of ``cupti_calls`` steps
+    (``device_us_per_step``: means; ``device_step``: the median step and class medians)."""
     s = b.spec
     bs = default_block_sizes(b)
     sched = schedules(b, bs, True)
@@ -251,8 +276,11 @@ def with_write_ms(b: DeviceBatch, reps: int = 30, inner: int = 5) -> dict[str, f
         state["cache"] = new_cache
         return out, new_cache
 
-    try:  # per-kernel device times of the same step (CUPTI through jax.profiler)
-        out_ms["device_us_per_step"] = device_kernel_us(one_step)
+    try:  # per-kernel device times of the same step (CUPTI through jax.profiler), medians over steps
+        summary = cupti_timing.summarize(cupti_timing.trace_calls({"step": one_step}, n=cupti_calls)["step"],
+                                         KERNEL_CLASSES)  # fmt: skip
+        out_ms["device_us_per_step"] = summary.pop("mean_us_by_class")
+        out_ms["device_step"] = summary
     except Exception as e:  # noqa: BLE001 - a profiler that cannot run here must not lose the timings
         out_ms["device_us_per_step"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     state.clear()
@@ -269,38 +297,7 @@ KERNEL_CLASSES = (
     ("kv_write_pallas", "kv_write_gpu"),
     ("kv_write_xla_scatter", "scatter"),
 )
-"""(class, substring of the kernel name) for ``device_kernel_us``; first match wins, the rest is "other"."""
-
-
-def device_kernel_us(call, steps: int = 20) -> dict[str, float]:
-    """Device microseconds per step of each kernel class in ``KERNEL_CLASSES``, from a
-    jax.profiler (CUPTI) trace of ``steps`` calls of ``call()`` (which returns what to wait on).
-    Empty on a platform whose trace has no GPU stream events."""
-    import collections
-    import glob
-    import tempfile
-
-    from jax.profiler import ProfileData
-
-    jax.block_until_ready(call())
-    totals = collections.Counter()
-    with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir):
-            for _ in range(steps):
-                out = call()
-            jax.block_until_ready(out)
-        files = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
-        data = ProfileData.from_file(files[0])
-        for plane in data.planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            for line in plane.lines:
-                if not line.name.startswith("Stream"):
-                    continue
-                for ev in line.events:
-                    cls = next((c for c, sub in KERNEL_CLASSES if sub in ev.name.lower()), "other")
-                    totals[cls] += ev.duration_ns
-    return {c: totals[c] / 1e3 / steps for c in sorted(totals)}
+"""(class, substring of the kernel name) for ``cupti_timing.summarize``; first match wins, the rest is "other"."""
 
 
 def default_block_sizes(b: DeviceBatch) -> GpuBlockSizes:
@@ -460,7 +457,241 @@ def torch_sdpa_time(b: DeviceBatch) -> float:
     return triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median") / 1e3
 
 
+def device_summary(fn, *args, calls: int = 50) -> dict:
+    """``cupti_timing.summarize`` of ``calls`` calls of ``fn(*args)`` (device span per call, medians)."""
+    return cupti_timing.summarize(cupti_timing.trace_calls({"fn": lambda: fn(*args)}, n=calls)["fn"])
+
+
+# --------------------------------------------------------------------------- FlashAttention-3
+def fa3_unavailable_reason(fa3_error: str | None, device) -> str | None:
+    """Why FA3 rows cannot run here (the import's error, or a GPU other than Hopper), else None."""
+    if fa3_error:
+        return fa3_error
+    cc = getattr(device, "compute_capability", None)
+    if cc is not None and str(cc) != "9.0":
+        return f"{fa3_peer.FA3_WHEEL} is built for SM90 (Hopper) only; this GPU is {device.device_kind} (sm {cc})"
+    return None
+
+
+@dataclasses.dataclass
+class Fa3Config:
+    """One FA3 call (or the two of a mixed batch) on inputs already in its layout."""
+
+    impl: str
+    fn: object  # jitted
+    args: tuple
+    rows: np.ndarray | None  # i32[n]: the packed rows its output covers; None: all of them
+    to_packed: object  # out -> [n or T, Hq, D]
+    extra: dict
+
+
+def fa3_configs(fa3, b: DeviceBatch, pages: list[int], splits: list[int]) -> tuple[list[Fa3Config], dict]:
+    """Every FA3 call to time on ``b``: the paged call per page size x query-length group x
+    num_splits (splits swept for groups with cached context, 1 for pure prefill), the dense
+    varlen call for batches of several query lengths, dense ``flash_mha`` for a prefill of
+    equal lengths. Also returns, per page size, what ``fa3_combined`` needs."""
+    s = b.spec
+    sm = s.head_size**-0.5
+    seq = b.query_lens + b.context_lens
+    groups = fa3_peer.call_groups(b.query_lens, seq)
+    T, Hq, D = b.q.shape
+    out, per_page = [], {}
+    for page in pages:
+        if page == s.block_size:
+            kv, tables = b.kv_cache, np.asarray(b.block_tables)
+        else:
+            kv, tables = fa3_peer.repage(b.kv_cache, np.asarray(b.block_tables), seq, page)
+        kc, vc = kv[0], kv[1]  # bf16[P, S, Hkv, D] each, FA3's paged layout
+        del kv
+        per_page[page] = []
+        for g in groups:
+            gargs = (fa3_peer.group_q(b.q, g), kc, vc, fa3_peer.group_tables(tables, g, page),
+                     jnp.asarray(seq[g.reqs], jnp.int32))  # fmt: skip
+            sweep = splits if int(b.context_lens[g.reqs].max()) > 0 else [1]
+            per_page[page].append((g, gargs, sweep))
+            for n in sweep:
+                suffix = f"_q{g.q_len}" if len(groups) > 1 else ""
+                out.append(Fa3Config(
+                    f"fa3_paged_p{page}_s{n}{suffix}", jax.jit(fa3_peer.paged_call(fa3, sm_scale=sm, num_splits=n)),
+                    gargs, None if len(groups) == 1 else g.rows, lambda o: o.reshape(-1, Hq, D),
+                    {"page_size": page, "num_splits": n, "q_len": g.q_len, "requests": len(g.reqs),
+                     "call": "flash_mha_with_kvcache"},
+                ))  # fmt: skip
+    if len(groups) > 1 or (b.context_lens == 0).all():
+        k, v, cu_k = fa3_peer.packed_kv(b.kv_cache, np.asarray(b.block_tables), seq)
+        if len(groups) > 1:
+            fn = fa3_peer.varlen_call(fa3, sm_scale=sm, max_q=int(b.query_lens.max()), max_k=int(seq.max()))
+            out.append(Fa3Config("fa3_varlen", jax.jit(fn), (b.q, k, v, b.query_start_loc, cu_k), None,
+                                 lambda o: o, {"call": "flash_mha_varlen", "note": "dense packed k/v"}))  # fmt: skip
+        elif len(set(seq.tolist())) == 1:
+            kd, vd = fa3_peer.dense_kv(k, v, seq)
+            q4 = b.q.reshape(len(seq), int(seq[0]), Hq, D)
+            fn = jax.jit(fa3_peer.dense_call(fa3, sm_scale=sm))
+            out.append(Fa3Config("fa3_dense", fn, (q4, kd, vd), None, lambda o: o.reshape(T, Hq, D),
+                                 {"call": "flash_mha", "note": "dense k/v"}))  # fmt: skip
+    return out, per_page
+
+
+def fa3_combined(fa3, b: DeviceBatch, parts: list, best_splits: list[int], page: int) -> Fa3Config:
+    """The paged calls of every query-length group in one jit, each at its best num_splits."""
+    s = b.spec
+    groups = [g for g, _, _ in parts]
+    calls = [fa3_peer.paged_call(fa3, sm_scale=s.head_size**-0.5, num_splits=n) for n in best_splits]
+
+    @jax.jit
+    def run(*flat):
+        return tuple(c(*flat[5 * i : 5 * i + 5]) for i, c in enumerate(calls))
+
+    args = tuple(a for _, gargs, _ in parts for a in gargs)
+    return Fa3Config(
+        f"fa3_paged_p{page}", run, args, None, lambda outs: fa3_peer.scatter_out(list(outs), groups, b.num_tokens),
+        {"page_size": page, "num_splits": best_splits, "q_lens": [g.q_len for g in groups],
+         "call": f"flash_mha_with_kvcache x {len(groups)}",
+         "note": "one paged call per query length, best splits each"},
+    )  # fmt: skip
+
+
+def run_fa3(fa3, b: DeviceBatch, ref, ours, pages, splits, cupti_calls: int, record, results, log) -> None:
+    """Times every ``fa3_configs`` call (host clock and CUPTI) after checking its first output
+    against the float32 reference and PALLAS_GPU's output (``ours``, may be None); then the
+    best num_splits per page size (by device time) as ``fa3_paged_p<page>`` rows."""
+    s = b.spec
+    configs, per_page = fa3_configs(fa3, b, pages, splits)
+    ref = np.asarray(ref, np.float32)
+    ours = None if ours is None else np.asarray(ours, np.float32)
+
+    def check(c: Fa3Config) -> dict:
+        got = np.asarray(c.to_packed(c.fn(*c.args)), np.float32)
+        rows = slice(None) if c.rows is None else c.rows
+        err = {"max_abs_err_vs_f32": float(np.abs(got - ref[rows]).max()), "rel_l2_vs_f32": rel_l2(got, ref[rows])}
+        if ours is not None:
+            err["max_abs_err_vs_pallas_gpu"] = float(np.abs(got - ours[rows]).max())
+        if not np.isfinite(got).all():
+            err["nonfinite_outputs"] = int((~np.isfinite(got)).sum())
+        return err
+
+    def measure(cs: list[Fa3Config]) -> dict[str, dict]:
+        done = {}
+        for c in cs:
+            try:
+                err = check(c)
+                done[c.impl] = {"err": err, "host_s": time_jax(c.fn, *c.args, reps=10, inner=5)}
+            except Exception as e:  # noqa: BLE001 - a configuration FA3 refuses: say so, go on
+                log(f"  {c.impl}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                record_error(c.impl, e)
+        thunks = {c.impl: (lambda c=c: c.fn(*c.args)) for c in cs if c.impl in done}
+        try:  # one trace for all; if that fails, one trace each, so one bad trace loses one row's device time
+            batches = [thunks] if thunks else []
+            traced = cupti_timing.trace_calls(thunks, n=cupti_calls) if thunks else {}
+        except Exception as e:  # noqa: BLE001
+            log(f"  fa3 CUPTI trace of {len(thunks)} calls failed ({type(e).__name__}: {str(e)[:200]}); one each")
+            batches, traced = [{k: t} for k, t in thunks.items()], {}
+        for batch in batches if not traced else []:
+            try:
+                traced.update(cupti_timing.trace_calls(batch, n=cupti_calls))
+            except Exception as e:  # noqa: BLE001 - host times stand without the trace
+                for impl in batch:
+                    done[impl]["device_error"] = f"{type(e).__name__}: {e}"[:300]
+        for impl, groups in traced.items():
+            done[impl]["device"] = cupti_timing.summarize(groups)
+        for c in cs:
+            if c.impl not in done:
+                continue
+            d = done[c.impl]
+            counts = None
+            if c.rows is not None:
+                reqs = np.unique(np.searchsorted(np.asarray(b.query_start_loc), c.rows, side="right") - 1)
+                counts = count_floors(s, b.query_lens[reqs], b.context_lens[reqs])
+            dev = d.get("device")
+            extra = {**c.extra, **d["err"], "device": dev, **({"device_error": d["device_error"]} if
+                     "device_error" in d else {})}  # fmt: skip
+            record(c.impl, d["host_s"], d["err"]["rel_l2_vs_f32"], extra,
+                   device_s=None if dev is None else dev["median_us"] / 1e6, counts=counts)  # fmt: skip
+        return done
+
+    def record_error(impl, e):
+        results.append({"workload": s.name, "impl": impl, "error": f"{type(e).__name__}: {e}"[:500]})
+
+    done = measure(configs)
+
+    def key(impl):
+        d = done.get(impl)
+        if d is None:
+            return float("inf")
+        return d["device"]["median_us"] / 1e6 if "device" in d else d["host_s"]
+
+    combined = []
+    for page, parts in per_page.items():
+        best = []
+        for g, _, sweep in parts:
+            suffix = f"_q{g.q_len}" if len(parts) > 1 else ""
+            names = [f"fa3_paged_p{page}_s{n}{suffix}" for n in sweep]
+            if all(key(n) == float("inf") for n in names):
+                best = None
+                break
+            best.append(sweep[min(range(len(sweep)), key=lambda i: key(names[i]))])
+        if best is None:
+            continue
+        if len(parts) == 1:  # one call: the best row is the sweep's best, not timed again
+            name = f"fa3_paged_p{page}_s{best[0]}"
+            sweep_ms = {n: (done[f"fa3_paged_p{page}_s{n}"].get("device") or {}).get("median_us")
+                        for n in parts[0][2] if f"fa3_paged_p{page}_s{n}" in done}  # fmt: skip
+            row = next(r for r in reversed(results) if r["impl"] == name and "ms" in r)
+            results_row = {**row, "impl": f"fa3_paged_p{page}", "best_of_sweep": name,
+                           "sweep_device_us_by_num_splits": sweep_ms}  # fmt: skip
+            results.append(results_row)
+            dev_ms = results_row.get("device_ms", float("nan"))
+            log(f"  fa3_paged_p{page}: best num_splits {best[0]}, device {dev_ms:.3f} ms")
+        else:
+            combined.append(fa3_combined(fa3, b, parts, best, page))
+    if combined:
+        measure(combined)
+
+
 # --------------------------------------------------------------------------- driver
+def table_impls(impls) -> list[tuple[str, str]]:
+    """(impl, label) of the rows ``peer_table`` shows among ``impls``, in order: attn-stack's,
+    then FA3's best paged row per page size, its varlen and dense rows."""
+    fixed = [("pallas_gpu_with_write", "attn-stack, write + attend"), ("pallas_gpu", "attn-stack, attention alone")]
+    paged = sorted((int(i[len("fa3_paged_p") :]), i) for i in impls if re.fullmatch(r"fa3_paged_p\d+", i))
+    tail = [("fa3_varlen", "FA3 dense varlen"), ("fa3_dense", "FA3 dense")]
+    rows = fixed + [(i, f"FA3 paged, page {page}") for page, i in paged] + tail
+    return [(i, label) for i, label in rows if i in impls]
+
+
+def peer_table(results: list[dict]) -> str:
+    """A markdown table of device times (CUPTI, median span per call): per workload, attn-stack's
+    rows beside FA3's best rows, with TFLOP/s, % of the floor, the error against the f32
+    reference, and the kernels' summed time (and per class for the write step) in the note."""
+    lines = ["| workload | implementation | device ms | TFLOP/s | % of floor | floor ms | max abs err vs f32 | note |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+    for workload in dict.fromkeys(r["workload"] for r in results):
+        rows = {r["impl"]: r for r in results if r["workload"] == workload}
+        for impl, label in table_impls(rows):
+            r = rows[impl]
+            if "device_ms" not in r:
+                why = r.get("error") or r.get("device_error") or (r.get("device_us_per_step") or {}).get("error")
+                lines.append(f"| {workload} | {label} | | | | | | no device time: {str(why)[:80]} |")
+                continue
+            note = []
+            if "num_splits" in r:
+                note.append(f"num_splits {r['num_splits']}")
+            dev = r.get("device") or r.get("device_step") or {}
+            if "median_kernel_sum_us" in dev:
+                note.append(f"kernels sum {dev['median_kernel_sum_us']:.1f} us")
+            if dev.get("median_us_by_class"):
+                note.append(", ".join(f"{c} {us:.1f} us" for c, us in dev["median_us_by_class"].items()))
+            err = r.get("max_abs_err_vs_f32")
+            lines.append(
+                f"| {workload} | {label} | {r['device_ms']:.3f} | {r['device_tflop_per_s']:.0f} | "
+                f"{r['device_pct_of_floor']:.1f} | {r['floor_ms']:.3f} | {'' if err is None else f'{err:.2e}'} | "
+                f"{'; '.join(note)} |"
+            )
+        if "fa3" in rows and "error" in rows["fa3"]:
+            lines.append(f"| {workload} | FlashAttention-3 | | | | | | not run: {rows['fa3']['error'][:100]} |")
+    return "\n".join(lines)
+
+
 def rel_l2(x, ref) -> float:
     x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
@@ -525,14 +756,84 @@ def write_results(path: pathlib.Path, meta: dict, results: list) -> None:
     path.write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=float))
 
 
-def main(argv=None) -> int:
+IMPLS = ("pallas_gpu", "layer", "xla", "peer_paged", "cudnn", "torch_sdpa", "fa3")
+"""What ``--impls`` may name (``pallas_gpu`` includes its write step and split rows)."""
+
+
+def parse_int_list(name: str, text: str, minimum: int = 1) -> list[int]:
+    """``"16,128"`` -> [16, 128]; raises ValueError naming ``name`` for anything else."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < minimum:
+        raise ValueError(f"{name} must list integers >= {minimum}, got {text!r}")
+    return values
+
+
+def parse_workloads(names: str, head_sizes: str = "") -> list[WorkloadSpec]:
+    """``"D1,P1_p128"`` -> specs: a name of ``WORKLOADS`` with optional ``_p<page size>`` and
+    ``_h<head size>`` suffixes; then every one of them again at each of ``head_sizes``."""
+    specs = []
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        base, *suffixes = name.split("_")
+        if base not in WORKLOADS:
+            raise ValueError(f"unknown workload {name!r}: valid bases are {sorted(WORKLOADS)}, suffixes _p<N>, _h<N>")
+        spec = dataclasses.replace(WORKLOADS[base], name=name)
+        for suf in suffixes:
+            if len(suf) < 2 or suf[0] not in "ph" or not suf[1:].isdigit() or int(suf[1:]) < 1:
+                raise ValueError(f"workload {name!r}: suffix {suf!r} must be p<page size> or h<head size>")
+            field = "block_size" if suf[0] == "p" else "head_size"
+            spec = dataclasses.replace(spec, **{field: int(suf[1:])})
+        specs.append(spec)
+    extra = parse_int_list("--head-sizes", head_sizes) if head_sizes else []
+    return specs + [dataclasses.replace(s, name=f"{s.name}_h{h}", head_size=h) for h in extra for s in specs]
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", default="D1,D2,M1,P1")
-    p.add_argument("--impls", default="pallas_gpu,xla,peer_paged,cudnn,torch_sdpa")
+    p.add_argument("--workloads", default="D1,D2,M1,P1", help="names of WORKLOADS, optionally _p<page>/_h<head>")
+    p.add_argument("--impls", default="pallas_gpu,xla,peer_paged,cudnn,torch_sdpa", help=f"any of {','.join(IMPLS)}")
     p.add_argument("--tune", default="", help="workloads whose block sizes to sweep (e.g. M1,P1); writes a table")
     p.add_argument("--out", default=None)
     p.add_argument("--head-sizes", default="", help="also run each workload at these head sizes (e.g. 80,96)")
+    p.add_argument("--fa3-pages", default="16,128", help="page sizes of FA3's paged calls (default 16,128)")
+    p.add_argument(
+        "--fa3-splits",
+        default="1,2,4,8,16,32",
+        help="num_splits swept for FA3's paged calls on cached context (>= 1: the binding refuses 0)",
+    )
+    p.add_argument("--cupti-calls", type=int, default=50, help="calls per CUPTI median (default 50)")
+    p.add_argument(
+        "--skip-split-rows",
+        action="store_true",
+        help="leave out pallas_gpu's other kernel choice (triton_only / mgpu_split) and part_* rows (saves compiles)",
+    )
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The parsed command line, lists parsed and checked (``args.specs``, ``args.impl_list``,
+    ``args.fa3_page_list``, ``args.fa3_split_list``); exits with the reason on a bad value."""
+    p = build_parser()
     args = p.parse_args(argv)
+    try:
+        args.specs = parse_workloads(args.workloads, args.head_sizes)
+        args.impl_list = [i for i in args.impls.split(",") if i]
+        unknown = sorted(set(args.impl_list) - set(IMPLS))
+        if unknown:
+            raise ValueError(f"unknown --impls {unknown}: valid ones are {list(IMPLS)}")
+        args.fa3_page_list = parse_int_list("--fa3-pages", args.fa3_pages)
+        args.fa3_split_list = parse_int_list("--fa3-splits", args.fa3_splits)
+        if args.cupti_calls < 3:
+            raise ValueError(f"--cupti-calls must be >= 3, got {args.cupti_calls}")
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     dev = jax.devices()[0]
     if dev.platform != "gpu":
         print(f"this benchmark needs a GPU; jax sees {dev.platform}", file=sys.stderr)
@@ -541,18 +842,26 @@ def main(argv=None) -> int:
     slug = dev.device_kind.lower().replace(" ", "_")
     out_path = pathlib.Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"attention_{slug}.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
     ceilings = measure_ceilings()
     log(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
         f"matmul {ceilings['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")  # fmt: skip
     results, tuned_entries = [], []
     meta = run_metadata(dev, ceilings)
-    impls = args.impls.split(",")
-    base = [WORKLOADS[name] for name in args.workloads.split(",")]
-    specs = base + [
-        dataclasses.replace(s, name=f"{s.name}_h{h}", head_size=int(h))
-        for h in filter(None, args.head_sizes.split(","))
-        for s in base
-    ]
+    impls = args.impl_list
+    specs = args.specs
+    fa3, fa3_reason = None, None
+    if "fa3" in impls:
+        try:
+            fa3, notes = fa3_peer.import_fa3()
+            meta["flash_attn3_jax"] = getattr(fa3, "__version__", "unknown")
+            meta["flash_attn3_jax_notes"] = notes
+        except ImportError as e:
+            fa3_reason = str(e)
+        fa3_reason = fa3_unavailable_reason(fa3_reason, dev)
+        log(f"FlashAttention-3: {fa3_reason or 'flash_attn3_jax ' + meta['flash_attn3_jax']}")
+        meta["fa3_unavailable"] = fa3_reason
+    fa3_later = []  # (batch, reference, PALLAS_GPU's output, record, attempt, name) per workload
     for spec in specs:
         name = spec.name
         b = make_device_batch(spec)
@@ -562,15 +871,30 @@ def main(argv=None) -> int:
         bound = "memory" if t_bytes >= t_flops else "compute"
         op_args = (b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.slot_mapping)
         ref = xla_fn(b, jnp.float32)(*op_args)
-        log(f"{name}: {nbytes / 1e9:.3f} GB, {flops / 1e12:.3f} TFLOP, floor {floor_s * 1e3:.3f} ms ({bound})")
+        log(f"{name}: {nbytes / 1e9:.3f} GB, {flops / 1e12:.3f} TFLOP, floor {floor_s * 1e3:.3f} ms ({bound})"
+            f"  [{time.perf_counter() - t_start:.0f} s into the run]")  # fmt: skip
+        outputs = {}  # PALLAS_GPU's output, for the peers' checks
 
-        def record(impl, t, err, extra=None, *, b=b, name=name, nbytes=nbytes, flops=flops, floor_s=floor_s):
-            row = {"workload": name, "impl": impl, "ms": t * 1e3, "gb_per_s": nbytes / t / 1e9,
-                   "tflop_per_s": flops / t / 1e12, "pct_of_floor": 100 * floor_s / t, "rel_l2_vs_f32": err,
-                   **(extra or {})}  # fmt: skip
+        def record(impl, t, err, extra=None, *, device_s=None, counts=None, name=name, nbytes=nbytes, flops=flops):
+            """One result row: host-timed ``t`` seconds and, when given, the CUPTI median ``device_s``,
+            each against the floors of ``counts`` ((bytes, flops) of the rows it covers; default all)."""
+            nb, fl = counts or (nbytes, flops)
+            fs = max(nb / ceilings["copy_bytes_per_s"], fl / ceilings["matmul_flops_per_s"])
+            row = {"workload": name, "impl": impl, "ms": t * 1e3, "gb_per_s": nb / t / 1e9,
+                   "tflop_per_s": fl / t / 1e12, "pct_of_floor": 100 * fs / t, "rel_l2_vs_f32": err,
+                   "floor_ms": fs * 1e3, **(extra or {})}  # fmt: skip
+            line = (f"  {impl:<24} {t * 1e3:9.3f} ms  {row['gb_per_s']:8.0f} GB/s  {row['tflop_per_s']:7.1f} TFLOP/s"
+                    f"  {row['pct_of_floor']:5.1f}% of floor  err {err:.2e}")  # fmt: skip
+            if device_s:
+                row.update(device_ms=device_s * 1e3, device_gb_per_s=nb / device_s / 1e9,
+                           device_tflop_per_s=fl / device_s / 1e12,
+                           device_pct_of_floor=100 * fs / device_s)  # fmt: skip
+                line += (f"  | device {device_s * 1e3:.3f} ms, {row['device_tflop_per_s']:.1f} TFLOP/s, "
+                         f"{row['device_pct_of_floor']:.1f}%")  # fmt: skip
+            if counts is not None:
+                line += f"  (its rows' floor {fs * 1e3:.3f} ms)"
             results.append(row)
-            log(f"  {impl:<22} {t * 1e3:9.3f} ms  {row['gb_per_s']:8.0f} GB/s  {row['tflop_per_s']:7.1f} TFLOP/s"
-                f"  {row['pct_of_floor']:5.1f}% of floor  err {err:.2e}")  # fmt: skip
+            log(line)
 
         def attempt(impl, thunk, *, record=record, name=name):
             try:
@@ -582,13 +906,22 @@ def main(argv=None) -> int:
 
         if "pallas_gpu" in impls:
 
-            def ours(b=b, op_args=op_args, ref=ref, record=record):
+            def ours(b=b, op_args=op_args, ref=ref, record=record, outputs=outputs):
                 bs = default_block_sizes(b)
                 fn = pallas_gpu_fn(b, bs)
                 extra = {"block_sizes": dataclasses.asdict(bs)}
-                record("pallas_gpu", time_jax(fn, *op_args), rel_l2(fn(*op_args), ref), extra)
+                outputs["pallas_gpu"] = fn(*op_args)
+                try:
+                    extra["device"] = device_summary(fn, *op_args, calls=args.cupti_calls)
+                    dev_s = extra["device"]["median_us"] / 1e6
+                except Exception as e:  # noqa: BLE001 - the host time stands without the trace
+                    dev_s, extra["device_error"] = None, f"{type(e).__name__}: {e}"[:300]
+                err = rel_l2(outputs["pallas_gpu"], ref)
+                diff = np.asarray(outputs["pallas_gpu"], np.float32) - np.asarray(ref, np.float32)
+                extra["max_abs_err_vs_f32"] = float(np.abs(diff).max())
+                record("pallas_gpu", time_jax(fn, *op_args), err, extra, device_s=dev_s)
                 forced = schedules(b, bs, "force")
-                if "mgpu_schedule" in forced:  # the other choice of kernels for this batch, and each launch alone
+                if "mgpu_schedule" in forced and not args.skip_split_rows:  # the other kernels' choice, each launch
                     if "mgpu_schedule" in schedules(b, bs, True):
                         impl, fn = "pallas_gpu_triton_only", pallas_gpu_fn(b, bs, mgpu=False)
                     else:
@@ -610,9 +943,11 @@ def main(argv=None) -> int:
             attempt("pallas_gpu", ours)
 
             def write(b=b, name=name, record=record):
-                row = with_write_ms(b)
+                row = with_write_ms(b, cupti_calls=args.cupti_calls)
+                dev_s = row["device_step"]["median_us"] / 1e6 if "device_step" in row else None
                 record("pallas_gpu_with_write", row["write_and_attend_ms"] / 1e3, float("nan"), {**row, "note":
-                       "write + attend in one donated jit, timed in a chain of steps (host clock)"})  # fmt: skip
+                       "write + attend in one donated jit, timed in a chain of steps (host clock); device_ms: "
+                       "CUPTI median step"}, device_s=dev_s)  # fmt: skip
                 log(
                     f"    device us per step (CUPTI): {row['device_us_per_step']}; write alone: Pallas "
                     f"{row['pallas_write_ms'] * 1e3:.0f} us, XLA scatter {row['xla_scatter_write_ms'] * 1e3:.0f} us"
@@ -656,11 +991,29 @@ def main(argv=None) -> int:
                     "torch_sdpa_dense", torch_sdpa_time(b), float("nan"), {"note": "dense equivalent"}
                 ),
             )
+        if "fa3" in impls:  # after every workload's other rows: a crash in the peer cannot lose them
+            ours = outputs.get("pallas_gpu")
+            fa3_later.append((b, np.asarray(ref, np.float32), None if ours is None else np.asarray(ours, np.float32),
+                              record, attempt, name))  # fmt: skip
         del b, ref, op_args
+        outputs.clear()
         write_results(out_path, meta, results)
 
+    for b, ref, ours, record, attempt, name in fa3_later:
+        log(f"{name}: FlashAttention-3  [{time.perf_counter() - t_start:.0f} s into the run]")
+        if fa3_reason is not None:
+            log(f"  fa3: not run: {fa3_reason}")
+            results.append({"workload": name, "impl": "fa3", "error": fa3_reason})
+        else:
+            pages, splits = args.fa3_page_list, args.fa3_split_list
+            attempt("fa3", functools.partial(run_fa3, fa3, b, ref, ours, pages, splits, args.cupti_calls, record,
+                                             results, log))  # fmt: skip
+        write_results(out_path, meta, results)
+    fa3_later.clear()
     write_results(out_path, meta, results)
-    log(f"wrote {out_path}")
+    log(f"wrote {out_path} ({time.perf_counter() - t_start:.0f} s)")
+    if "fa3" in impls:
+        log(peer_table(results))
     if args.tune and tuned_entries:
         table = {"device_kind": dev.device_kind, "source": f"benchmarks/attention.py --tune, {meta['date']}, "
                  f"jax {jax.__version__}, median of a sweep per workload", "match_keys": list(GPU_MATCH_KEYS),
