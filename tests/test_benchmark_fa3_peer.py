@@ -327,17 +327,17 @@ def test_run_fa3_rows_check_every_call_and_pick_the_best_splits(small, name, mon
         results.append({"impl": impl, "ms": t * 1e3, "rel_l2_vs_f32": err, "device_ms": device_s * 1e3,
                         "counts": counts, **(extra or {})})  # fmt: skip
 
-    pages = [4, 8] if name == "M1" else [8]
+    pages = [4] if name == "M1" else [8]
     attention.run_fa3(FakeFA3, b, ref, ref, pages, [1, 2, 3], 5, record, results, lambda *a: None)
     rows = {r["impl"]: r for r in results}
     assert not [r for r in results if "error" in r]
     for r in results:
         assert r["max_abs_err_vs_f32"] < 2e-5 and r["max_abs_err_vs_pallas_gpu"] < 2e-5, r["impl"]
     if name == "M1":
-        expected = {f"fa3_paged_p{p}_s{n}_q{q}" for p in (4, 8) for n in (1, 2, 3) for q in (5, 1)}
-        assert expected | {"fa3_varlen", "fa3_paged_p4", "fa3_paged_p8"} == set(rows)
+        expected = {f"fa3_paged_p4_s{n}_q{q}" for n in (1, 2, 3) for q in (5, 1)}
+        assert expected | {"fa3_varlen", "fa3_paged_p4"} == set(rows)
         assert rows["fa3_paged_p4"]["num_splits"] == [2, 2] and rows["fa3_paged_p4"]["device_ms"] == 0.01
-        assert rows["fa3_paged_p8_s3_q1"]["counts"] == attention.count_floors(b.spec, [1, 1, 1], [9, 9, 9])
+        assert rows["fa3_paged_p4_s3_q1"]["counts"] == attention.count_floors(b.spec, [1, 1, 1], [9, 9, 9])
         assert rows["fa3_varlen"]["counts"] is None
     else:  # no cached context: one split, the dense call, and the best row naming its source
         assert {"fa3_paged_p8_s1", "fa3_dense", "fa3_paged_p8"} == set(rows)
