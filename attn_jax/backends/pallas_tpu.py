@@ -188,11 +188,11 @@ class PallasTPUAttentionBackend(AttentionBackend):
     @classmethod
     def validate_configuration(
         cls, head_size, dtype, kv_cache_dtype, block_size, use_mla=False, has_sink=False, use_sparse=False,
-        attn_type=AttentionType.DECODER, platform: Platform | None = None,
+        attn_type=AttentionType.DECODER, platform: Platform | None = None, query_quant: bool = False,
     ) -> list[str]:  # fmt: skip
         reasons = super().validate_configuration(
             head_size, dtype, kv_cache_dtype, block_size, use_mla=use_mla, has_sink=has_sink,
-            use_sparse=use_sparse, attn_type=attn_type, platform=platform,
+            use_sparse=use_sparse, attn_type=attn_type, platform=platform, query_quant=query_quant,
         )  # fmt: skip
         if is_quantized_kv_cache(kv_cache_dtype) and block_size < pallas_mosaic_tpu.FP8_MIN_PAGE_SIZE:
             reasons.append(
