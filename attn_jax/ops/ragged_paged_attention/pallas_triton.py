@@ -129,7 +129,8 @@ def _kernel(
     group, block_q, group_pad, tile, num_kv_splits, spare_row, has_out_init=False, has_lse=False, fp8=False,
 ):  # fmt: skip
     """One (q-block, kv head, kv split). ``fp8``: FP8 attention (the query quantised to e4m3 here,
-    e4m3 x e4m3 dots with f32 accumulation, the weights quantised for ``p @ v``). rest: [alibi_ref], [sinks_ref], [out_init_ref], out refs
+    e4m3 x e4m3 dots with f32 accumulation, the weights quantised for ``p @ v``).
+    rest: [alibi_ref], [sinks_ref], [out_init_ref], out refs
     (out and, with ``has_lse``, lse; or the split's acc, m and denom)."""
     rest = list(rest)
     alibi_ref = rest.pop(0) if has_alibi else None
