@@ -29,8 +29,8 @@ from attn_jax.kv_cache import calc_kv_scales
 from attn_jax.ops.ragged_paged_attention import common, pallas_triton, reference
 from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes
 from attn_jax.testing.workloads import make_ragged_batch
-from tests.oracle import attention_oracle, cache_contents
 from tests.ops.ragged_checks import make_options, read_back, rel_l2, run_op
+from tests.oracle import attention_oracle, cache_contents
 
 FP8_REL_L2 = 3e-2
 FP8_REL_L2_UNQUANTIZED = 6e-2
