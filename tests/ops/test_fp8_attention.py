@@ -292,3 +292,77 @@ def test_info_says_fp8_attention_runs_on_the_triton_kernel(monkeypatch, capsys):
     monkeypatch.setenv("ATTN_STACK_BACKEND", "PALLAS_GPU")
     assert main(["info", "--kv-cache-dtype", "fp8", "--query-quant"]) == 0
     assert "FP8 attention (query_quant): every batch, prefill included, on the Triton kernel" in capsys.readouterr().out
+
+
+# --- the Mosaic TPU kernel: the TPU interpreter and lowering ----------------------------------------
+
+
+def _tpu_op(block_sizes):
+    from tests.ops.test_pallas_mosaic_tpu import tpu_op
+
+    return tpu_op(block_sizes)
+
+
+@pytest.mark.parametrize(
+    ("head_size", "bs"),
+    [(128, None), pytest.param(64, "small", marks=pytest.mark.slow)],
+    ids=["h128_heuristic", "h64_packed_small_blocks"],
+)
+def test_tpu_kernel_matches_oracle_within_bound_in_tpu_interpreter(head_size, bs):
+    from attn_jax.ops.ragged_paged_attention.config import TpuBlockSizes
+
+    batch = make_ragged_batch(7, [1, 9, 1, 4], [21, 0, 5, 12], num_q_heads=8, num_kv_heads=2, head_size=head_size,
+                              block_size=32, dtype=jnp.bfloat16, cache_dtype_str="fp8_e4m3", extra_blocks=1,
+                              num_tokens=17)  # fmt: skip
+    options = make_options(batch, sinks=True)
+    block_sizes = TpuBlockSizes(4, 1) if bs == "small" else None
+    check_fp8_output(batch, options, *run_fp8(batch, options, _tpu_op(block_sizes)))
+
+
+def test_tpu_kernel_lowers_fp8_matmuls_for_tpu(monkeypatch):
+    """``jax.export`` for TPU: both matmuls are ``tpu.matmul`` on f8E4M3FN operands (v7x's fp8 MXU)."""
+    from jax._src.pallas.mosaic import lowering as mosaic_lowering
+
+    from attn_jax.ops.ragged_paged_attention import pallas_mosaic_tpu
+
+    modules = []
+    lower = mosaic_lowering.lower_jaxpr_to_pipelined_module
+
+    def capture(*args, **kwargs):
+        module = lower(*args, **kwargs)
+        modules.append(module.operation.get_asm())
+        return module
+
+    monkeypatch.setattr(mosaic_lowering, "lower_jaxpr_to_pipelined_module", capture)
+    sds = jax.ShapeDtypeStruct
+
+    def step(*args):
+        return pallas_mosaic_tpu.ragged_paged_attention(
+            *args, sm_scale=128**-0.5, interpret=False, k_scale=jnp.float32(0.5), v_scale=jnp.float32(0.25),
+            q_scale=jnp.float32(0.3), sliding_window=1024, sinks=jnp.zeros(32),
+        )  # fmt: skip
+
+    shapes = (sds((256, 32, 128), jnp.bfloat16), sds((256, 8, 128), jnp.bfloat16), sds((256, 8, 128), jnp.bfloat16),
+              sds(pallas_mosaic_tpu.kv_cache_shape(4096, 32, 8, 128), jnp.float8_e4m3fn), sds((33,), jnp.int32),
+              sds((32,), jnp.int32), sds((32, 128), jnp.int32), sds((256,), jnp.int32))  # fmt: skip
+    exported = jax.export.export(jax.jit(step, donate_argnums=3), platforms=["tpu"])(*shapes)
+    assert "tpu_custom_call" in exported.mlir_module()
+    matmuls = [line for text in modules for line in text.splitlines() if "tpu.matmul" in line]
+    assert matmuls, "no tpu.matmul in the lowered kernel"
+    assert all(line.count("xf8E4M3FN>") >= 2 and "xf32>" in line for line in matmuls), matmuls
+
+
+def test_pallas_tpu_refuses_fp8_attention_without_an_fp8_mxu():
+    from attn_jax.backends.pallas_tpu import PallasTPUAttentionBackend
+    from attn_jax.platforms import Platform
+
+    v6e = Platform(kind="tpu", device_kind="TPU v6 lite", num_devices=1)
+    v7x = Platform(kind="tpu", device_kind="TPU7x", num_devices=1)
+    why = PallasTPUAttentionBackend.validate_configuration(128, jnp.bfloat16, "fp8", 32, platform=v6e,
+                                                           query_quant=True)  # fmt: skip
+    assert why == [
+        "FP8 attention (query_quant=True) needs a TPU with an fp8 MXU ['TPU7x'] (Mosaic lowers e4m3 x e4m3 matmuls "
+        "for TPU v7x only); device 'TPU v6 lite' has none"
+    ]
+    assert PallasTPUAttentionBackend.validate_configuration(128, jnp.bfloat16, "fp8", 32, platform=v7x,
+                                                            query_quant=True) == []  # fmt: skip
