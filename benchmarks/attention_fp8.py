@@ -18,7 +18,7 @@ to e4m3 with q_scale for FP8 attention, keys and values as its cache holds them)
 ``FP8_REL_L2_BOUND`` (3e-2) for FP8 attention, and ``rel_l2_vs_unquantized_oracle`` on the bf16
 inputs (what e4m3 storage of q, k and v costs on top: about 4 % on standard-normal inputs).
 
-    python benchmarks/attention_fp8.py --out /tmp/attention_fp8.json           # FP8 P1 on the GPU
+    python benchmarks/attention_fp8.py --sweep --out /tmp/attention_fp8.json   # FP8 P1 on the GPU
     python benchmarks/attention_fp8.py --query-lens 40,24 --num-q-heads 4 --num-kv-heads 2 \\
         --head-size 32 --rows 16 --reps 1                                       # tiny (CPU: interpreter)
 
@@ -125,6 +125,51 @@ def attention_kernel_us(step, args, cache, attn_md) -> dict[str, float]:
     return device_kernel_us(call)
 
 
+SWEEP = [
+    dict(block_q=bq, pages_per_tile=ppt, num_warps=w, num_stages=st)
+    for bq, ppt, w, st in [
+        (16, 4, 4, 2), (16, 8, 4, 2), (32, 4, 4, 2), (32, 4, 8, 2), (32, 8, 8, 2), (32, 8, 8, 3),
+        (64, 4, 8, 2), (64, 8, 8, 2), (32, 16, 8, 2), (16, 8, 4, 3),
+    ]
+]  # fmt: skip
+"""Triton block sizes ``--sweep`` times for the FP8 attention kernel (block_q x group 4 = 64..256 rows)."""
+
+
+def sweep_block_sizes(layer, q, cache, md, reps: int, log) -> list[dict]:
+    """FP8 attention alone (no k/v write) on the Triton kernel at each of ``SWEEP``: ms and TFLOP/s."""
+    from attn_jax.ops.ragged_paged_attention import pallas_triton
+    from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes
+
+    qsl, seq = np.asarray(md.query_start_loc_cpu), np.asarray(md.seq_lens_cpu)
+    total = flops(np.diff(qsl), q.shape[1], q.shape[2])
+    default = layer.prepare(md).block_sizes
+    rows = []
+    for fields in [None, *SWEEP]:
+        bs = default if fields is None else GpuBlockSizes(**fields)
+        try:
+            schedule = pallas_triton.gpu_schedule(qsl, seq, num_tokens=q.shape[0], block_q=bs.block_q, xp=np)
+            fn = jax.jit(functools.partial(
+                pallas_triton.ragged_paged_attention, sm_scale=q.shape[2] ** -0.5, block_sizes=bs,
+                schedule=jnp.asarray(schedule), k_scale=layer.k_scale, v_scale=layer.v_scale, q_scale=layer.q_scale,
+            ))  # fmt: skip
+            args = (q, None, None, cache, jnp.asarray(qsl), jnp.asarray(seq), jnp.asarray(md.block_table_tensor),
+                    jnp.asarray(md.slot_mapping))  # fmt: skip
+            jax.block_until_ready(fn(*args))
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                times.append(time.perf_counter() - t0)
+            ms = statistics.median(times) * 1e3
+            row = {"block_sizes": str(bs), "default": fields is None, "ms": ms, "tflop_per_s": total / ms / 1e9}
+            log(f"    {'default ' if fields is None else ''}{bs}: {ms:.3f} ms = {row['tflop_per_s']:.0f} TFLOP/s")
+        except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a result too
+            row = {"block_sizes": str(bs), "default": fields is None, "error": f"{type(e).__name__}: {e}"[:300]}
+            log(f"    {bs}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        rows.append(row)
+    return rows
+
+
 def sample_rows(query_lens, rows: int, seed: int = 1) -> np.ndarray:
     """``rows`` distinct token rows spread over the batch (the last row of each request included)."""
     total = int(np.sum(query_lens))
@@ -189,6 +234,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", default=",".join(LAYERS), help=f"which of {list(LAYERS)} (default: all)")
     p.add_argument("--rows", type=int, default=128, help="token rows checked against the oracles (default: 128)")
     p.add_argument("--reps", type=int, default=20, help="timed steps per layer (default: 20)")
+    p.add_argument(
+        "--sweep", action="store_true", help=f"also time FP8 attention alone at {len(SWEEP)} Triton block sizes"
+    )
     add_output_args(p, "attention_fp8_{device}.json")
     args = p.parse_args(argv)
     try:
@@ -242,6 +290,9 @@ def main(argv=None) -> int:
                 "q_scale": float(layer.q_scale), "k_scale": float(layer.k_scale), "v_scale": float(layer.v_scale),
                 "finite": bool(np.isfinite(out).all()),
             }  # fmt: skip
+            if layer.query_quant and args.sweep:
+                log("  FP8 attention alone (no k/v write), Triton block sizes:")
+                row["sweep"] = sweep_block_sizes(layer, q, cache, md, args.reps, log)
             if layer.query_quant:
                 row["bound"] = FP8_REL_L2_BOUND
                 row["within_bound"] = row["rel_l2_vs_quantized_oracle"] <= FP8_REL_L2_BOUND and row["finite"]
