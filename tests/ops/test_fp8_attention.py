@@ -366,3 +366,19 @@ def test_pallas_tpu_refuses_fp8_attention_without_an_fp8_mxu():
     ]
     assert PallasTPUAttentionBackend.validate_configuration(128, jnp.bfloat16, "fp8", 32, platform=v7x,
                                                             query_quant=True) == []  # fmt: skip
+
+
+@pytest.mark.parametrize("op", ["reference", "triton"])
+def test_cascade_with_fp8_attention_within_bound(op):
+    """The shared prefix read once and merged by LSE: both parts FP8 attention (q_scale in op_kwargs)."""
+    from attn_jax.ops.ragged_paged_attention.cascade import cascade_ragged_paged_attention
+
+    batch = make_ragged_batch(8, query_lens=[1, 3, 1], context_lens=[40, 33, 36], num_tokens=6, **_SHAPE,
+                              dtype=jnp.bfloat16).with_shared_prefix(32)  # fmt: skip
+    options = make_options(batch, sinks=True)
+    del options["sliding_window"], options["alibi_slopes"], options["causal"]
+    ops = {"reference": reference.ragged_paged_attention, "triton": _triton(ONE_PASS)}
+    q_scale = query_scale(batch)
+    out, cache = cascade_ragged_paged_attention(*batch.op_args, prefix_len=32, op=ops[op], **options,
+                                                **batch.op_kwargs, q_scale=q_scale)  # fmt: skip
+    check_fp8_output(batch, {**options, "causal": True}, out, cache, q_scale)
