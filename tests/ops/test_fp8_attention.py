@@ -202,6 +202,8 @@ def test_triton_kernel_lowers_to_fp8_dots_for_h100(monkeypatch):
     assert len(fp8_dots) == len(dots), f"every dot must be e4m3 x e4m3 -> f32: {dots}"
     qk = [d for d in fp8_dots if "x128xf8E4M3FN> * tensor<128x" in d]  # q [rows, D] . k^T [D, tile]
     assert qk and len(qk) < len(fp8_dots), "both the QK^T and the PV dots are fp8"
+    fp8_transposes = [line for text in modules for line in text.splitlines() if "tt.trans" in line and "f8" in line]
+    assert not fp8_transposes, f"the key tile is loaded transposed, never transposed as fp8: {fp8_transposes}"
 
 
 # --- bad input ---------------------------------------------------------------------------------
@@ -382,3 +384,31 @@ def test_cascade_with_fp8_attention_within_bound(op):
     out, cache = cascade_ragged_paged_attention(*batch.op_args, prefix_len=32, op=ops[op], **options,
                                                 **batch.op_kwargs, q_scale=q_scale)  # fmt: skip
     check_fp8_output(batch, {**options, "causal": True}, out, cache, q_scale)
+
+
+# NONFINITE_ENTRIES with NaN only: an fp8 cache saturates inf to +-448 (quantize_to_cache), NaN stays NaN.
+_NAN_ENTRIES = (("q", 0, 0, np.nan), ("k", 3, 0, np.nan), ("v", 10, 1, np.nan), ("v_cached", (0, 2), 1, np.nan),
+                ("v_cached", (2, 1), 0, np.nan), ("q", 13, 1, np.nan), ("k", 12, 0, np.nan))  # fmt: skip
+
+
+@pytest.mark.parametrize("op", ["reference", "triton"])
+def test_nan_inputs_reach_exactly_the_rows_that_see_them(op):
+    """A NaN in a request's own q, k or v reaches the FP8 output rows that see it (through the e4m3
+    quantisation of q and the weights), never the others; a window hides one."""
+    from tests.ops.ragged_checks import NONFINITE_BATCH, with_nonfinite_entries
+
+    batch = with_nonfinite_entries(make_ragged_batch(9, **NONFINITE_BATCH, cache_dtype_str="fp8_e4m3"), _NAN_ENTRIES)
+    options = make_options(batch, sliding_window=4)
+    ops = {"reference": reference.ragged_paged_attention, "triton": _triton(GpuBlockSizes(8, 1))}
+    q_scale = jnp.float32(0.02)  # max|q| / 200 on the finite rows: NaN would poison calc_kv_scales
+    out, _ = run_op(batch, options, True, op=functools.partial(ops[op], q_scale=q_scale))
+    out = np.asarray(out, np.float64)
+    n = batch.num_actual_tokens
+    with np.errstate(invalid="ignore"):
+        expected = attention_oracle(np.asarray(batch.q, np.float64), batch.k_seqs, batch.v_seqs, batch.query_lens,
+                                    **options)  # fmt: skip
+    bad_expected = ~np.isfinite(expected).all(-1)
+    assert bad_expected.any() and not bad_expected.all()
+    np.testing.assert_array_equal(~np.isfinite(out[:n]).all(-1), bad_expected, err_msg="non-finite rows differ")
+    assert np.isfinite(out[n:]).all(), "padding rows must be finite"
+    assert rel_l2(out[:n][~bad_expected], expected[~bad_expected]) <= FP8_REL_L2_UNQUANTIZED

@@ -199,24 +199,41 @@ def _kernel(
     # fp8 dots take no precision (tl.dot on e4m3 operands: FP8 wgmma on Hopper).
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
+    def fp8_scores(page, offset, in_range, v, masked):
+        """FP8 attention's q.k: the key tile is loaded transposed, e4m3[Dp, tile] (D runs down the
+        rows, still contiguous in memory), so the dot takes it as is, with no transpose of an fp8
+        tile. A masked tile routes non-finite values (common.route_nonfinite_values) in f32."""
+        d_col = jnp.arange(head_pad, dtype=jnp.int32)[:, None]  # i32[Dp, 1]
+        key_cols = in_range[None, :] & (d_col < head_size) if head_pad != head_size else in_range[None, :]
+        k_t = plgpu.load(kv_ref.at[0, page[None, :], offset[None, :], kv_head, d_col], mask=key_cols, other=0.0)
+        if masked:  # the routing's arithmetic in f32 (exact for e4m3 entries), then e4m3 again
+            v32 = v.astype(jnp.float32)
+            poison = v32 - v32  # f32[tile, Dp]: 0, or NaN where a value is not finite
+            k_t = (k_t.astype(jnp.float32) + poison.T).astype(common.FP8_DTYPE)
+            v = jnp.where(poison == 0, v32, 0.0).astype(common.FP8_DTYPE)
+        dims = (((1,), (0,)), ((), ()))
+        return jax.lax.dot_general(q, k_t, dims, preferred_element_type=jnp.float32), v
+
     def tile_step(t, state, masked: bool):
         j = t * tile + jnp.arange(tile, dtype=jnp.int32)  # i32[tile] cached positions
         in_range = j < hi
         page = plgpu.load(block_tables_ref.at[req, jnp.minimum(j // page_size, pages_per_req - 1)])
         offset = j % page_size
-        page, offset = page[:, None], offset[:, None]
-        k = plgpu.load(kv_ref.at[0, page, offset, kv_head, d], mask=cols(in_range[:, None]), other=0.0)
-        v = plgpu.load(kv_ref.at[1, page, offset, kv_head, d], mask=cols(in_range[:, None]), other=0.0)
-        if not fp8:
+        if fp8:
+            v = plgpu.load(kv_ref.at[1, page[:, None], offset[:, None], kv_head, d], mask=cols(in_range[:, None]),
+                           other=0.0)  # fmt: skip
+            s, v = fp8_scores(page, offset, in_range, v, masked)
+        else:
+            page, offset = page[:, None], offset[:, None]
+            k = plgpu.load(kv_ref.at[0, page, offset, kv_head, d], mask=cols(in_range[:, None]), other=0.0)
+            v = plgpu.load(kv_ref.at[1, page, offset, kv_head, d], mask=cols(in_range[:, None]), other=0.0)
             k = common.dequantize(k, None, q.dtype)  # fp8 scales fold into sm_scale and the output
             v = common.dequantize(v, None, q.dtype)
-        if masked and fp8:  # the routing's arithmetic in f32 (exact for e4m3 entries), then e4m3 again
-            k, v = common.route_nonfinite_values(k.astype(jnp.float32), v.astype(jnp.float32))
-            k, v = k.astype(common.FP8_DTYPE), v.astype(common.FP8_DTYPE)
-        elif masked:  # rows of a masked tile share p @ v: keep a value's NaN from rows that do not see it
-            k, v = common.route_nonfinite_values(k, v)
-        dims = (((1,), (1,)), ((), ()))
-        s = jax.lax.dot_general(q, k, dims, precision=precision, preferred_element_type=jnp.float32)  # f32[rows, tile]
+            if masked:  # rows of a masked tile share p @ v: keep a value's NaN from rows that do not see it
+                k, v = common.route_nonfinite_values(k, v)
+            dims = (((1,), (1,)), ((), ()))
+            s = jax.lax.dot_general(q, k, dims, precision=precision, preferred_element_type=jnp.float32)
+        # s f32[rows, tile]
         s = common.transform_scores(
             s, q_pos, j[None, :], sm_scale=sm_scale * k_scale, soft_cap=soft_cap, alibi_slopes=slopes
         )
