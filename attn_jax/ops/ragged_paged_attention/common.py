@@ -47,9 +47,10 @@ FP8_P_SCALE = 256.0
 """FP8 attention's probability scale: the softmax weights ``p`` in [0, 1] are quantised as
 ``p * FP8_P_SCALE`` to e4m3 for the ``p @ v`` dot and the product divided by it again.
 
-A power of two (exact in every format), below e4m3's largest finite value 448, so no weight
-saturates; it moves the small weights off e4m3's subnormals (below 2**-6), where a bare cast
-would round them to a few levels or to 0 (FA3 casts p unscaled; SageAttention scales by 448)."""
+FlashAttention-3's FP8 choice (its softmax ``Max_offset = 8``: ``exp2(s - max + 8)`` in [0, 256]): a
+power of two (exact in every format), below e4m3's largest finite value 448, so no weight
+saturates, that moves the small weights off e4m3's subnormals (below 2**-6), where a bare cast
+would round them to a few levels or to 0. The denominator is summed from the float32 weights."""
 
 FP8_DTYPE = jnp.float8_e4m3fn
 """The operand dtype of FP8 attention's dots: the query, the cache and the softmax weights."""
