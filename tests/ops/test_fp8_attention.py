@@ -150,7 +150,10 @@ def test_random_ragged_batches_reference_and_triton_within_bound(spec):
 # --- the Triton kernel in the interpreter ---------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "bs"), [("decode", SPLIT), ("prefill", ONE_PASS), ("mixed", ONE_PASS)])
+@pytest.mark.parametrize(
+    ("name", "bs"), [("decode", SPLIT), ("prefill", ONE_PASS), ("mixed", ONE_PASS)],
+    ids=["decode_split_kv_sinks", "prefill_one_pass", "mixed_one_pass"],
+)  # fmt: skip
 def test_triton_matches_oracle_within_bound_interpret(name, bs):
     batch = make_ragged_batch(3, **BATCHES[name], dtype=jnp.bfloat16)
     options = make_options(batch, sinks=bs is SPLIT)
