@@ -68,6 +68,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
             use_mla=args.use_mla,
             use_sparse=args.use_sparse,
             platform=platform,
+            query_quant=args.query_quant,
         )
     except ValueError as e:
         return _error(args, e)
@@ -81,6 +82,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         for line in kernel_plan(
             args.head_size, args.dtype, args.kv_cache_dtype, args.block_size, platform.device_kind,
             causal=AttentionType(args.attn_type).is_causal, has_sink=args.has_sink,
+            **({"query_quant": True} if args.query_quant else {}),
         ):  # fmt: skip
             print(f"  {line}")
     return 0
@@ -542,6 +544,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_selection_args(info)
     info.add_argument("--use-mla", action="store_true", help="a multi-head latent attention (MLA) layer")
     info.add_argument("--use-sparse", action="store_true", help="sparse attention over top-k positions (with MLA)")
+    info.add_argument(
+        "--query-quant", action="store_true",
+        help="FP8 attention: the query quantised to e4m3 against an fp8 cache (with --kv-cache-dtype fp8)",
+    )  # fmt: skip
     info.set_defaults(func=_cmd_info)
     return parser
 

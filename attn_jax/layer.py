@@ -84,6 +84,14 @@ class Attention:
     Arguments follow vLLM's ``Attention``; ``dtype`` is the activation dtype used for
     backend selection (default: JAX's default float). The backend is chosen by
     ``get_attn_backend`` unless ``attn_backend`` is given.
+
+    ``query_quant=True`` (FP8 attention; vLLM's ``query_quant``, which vLLM turns on by itself
+    for an fp8 cache on FA3; opt-in here, since it changes an fp8-cache layer's numerics):
+    with ``kv_cache_dtype`` "fp8" / "fp8_e4m3", the query is quantised per tensor to e4m3 with
+    the static ``layer.q_scale`` (vLLM's ``_q_scale``: 1.0 until ``calc_kv_scales`` or a
+    checkpoint sets it), both dots run e4m3 x e4m3 with float32 accumulation (the softmax
+    weights quantised for ``p @ v``) and the output keeps the activation dtype. Backends
+    without ``supports_quant_query_input`` refuse it with a reason.
     """
 
     def __init__(
@@ -108,6 +116,7 @@ class Attention:
         sinks=None,
         dtype=None,
         attention_chunk_size: int | None = None,
+        query_quant: bool = False,
     ) -> None:
         if use_mla:
             raise NotImplementedError(
@@ -171,11 +180,14 @@ class Attention:
         # vLLM's defaults: 1.0, overwritten by calc_kv_scales or a checkpoint's scales.
         self.k_scale = jnp.float32(1.0)
         self.v_scale = jnp.float32(1.0)
+        self.q_scale = jnp.float32(1.0)  # the query's per-tensor scale under query_quant (vLLM's _q_scale)
+        self.query_quant = bool(query_quant)
+        fp8_query = {"query_quant": True} if self.query_quant else {}  # backends written before it take none
 
         if attn_backend is None:
             attn_backend = get_attn_backend(
                 head_size, self.dtype, kv_cache_dtype, block_size, use_mla=use_mla,
-                has_sink=self.has_sink, use_sparse=use_sparse, attn_type=self.attn_type,
+                has_sink=self.has_sink, use_sparse=use_sparse, attn_type=self.attn_type, **fp8_query,
             )  # fmt: skip
         else:
             if isinstance(attn_backend, AttentionBackendEnum):  # a registry name as well as its class
@@ -183,7 +195,7 @@ class Attention:
             reasons = attn_backend.validate_configuration(
                 head_size, self.dtype, kv_cache_dtype, block_size, use_mla=use_mla,
                 has_sink=self.has_sink, use_sparse=use_sparse, attn_type=self.attn_type,
-                platform=current_platform(),
+                platform=current_platform(), **fp8_query,
             )  # fmt: skip
             if reasons:
                 name = attn_backend.get_name()
@@ -203,6 +215,7 @@ class Attention:
             attention_chunk_size=attention_chunk_size,
             num_q_heads=num_heads,
             cache_dtype=attn_backend.kv_cache_dtype_for(kv_cache_dtype, self.dtype),
+            query_quant=self.query_quant,
         )
         self.metadata_builder = attn_backend.get_builder_cls()(self.kv_cache_spec)
 
@@ -237,8 +250,8 @@ class Attention:
         )
 
     def calc_kv_scales(self, query, key, value) -> None:
-        """Sets k/v scales from the abs max of concrete inputs (once, like vLLM)."""
-        _, self.k_scale, self.v_scale = calc_kv_scales(query, key, value)
+        """Sets q/k/v scales from the abs max of concrete inputs (once, like vLLM)."""
+        self.q_scale, self.k_scale, self.v_scale = calc_kv_scales(query, key, value)
         self.calculate_kv_scales = False
 
     def __call__(self, query, key, value, kv_cache, attn_metadata):
@@ -280,7 +293,10 @@ class Attention:
                 checkify_validate_inputs(
                     *arrays, num_blocks=num_blocks, block_size=self.block_size, causal=self.attn_type.is_causal
                 )
-        out, kv_cache = self.impl.forward(q, k, v, kv_cache, attn_metadata, k_scale=self.k_scale, v_scale=self.v_scale)
+        fp8_query = {"q_scale": self.q_scale} if self.query_quant else {}
+        out, kv_cache = self.impl.forward(
+            q, k, v, kv_cache, attn_metadata, k_scale=self.k_scale, v_scale=self.v_scale, **fp8_query
+        )
         return out.reshape(num_tokens, self.num_heads * self.head_size), kv_cache
 
     def check_inputs(self, query, key, value, dtype_of=None) -> None:
@@ -371,4 +387,6 @@ class Attention:
             fields.append("alibi=True")
         if self.has_sink:
             fields.append("sinks=True")
+        if self.query_quant:
+            fields.append("query_quant=True")
         return f"Attention({', '.join(fields)})"

@@ -93,12 +93,14 @@ class SelectionRequest:
     has_sink: bool
     use_sparse: bool
     attn_type: AttentionType
+    query_quant: bool = False
 
     def __str__(self) -> str:
         return (
             f"head_size={self.head_size}, dtype={self.dtype}, kv_cache_dtype={self.kv_cache_dtype!r}, "
             f"block_size={self.block_size}, use_mla={self.use_mla}, has_sink={self.has_sink}, "
             f"use_sparse={self.use_sparse}, attn_type={self.attn_type.value!r}"
+            + (", query_quant=True" if self.query_quant else "")
         )
 
 
@@ -195,7 +197,7 @@ class SelectionReport:
 
 
 def _make_request(
-    head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse, attn_type
+    head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse, attn_type, query_quant=False
 ) -> SelectionRequest:
     return SelectionRequest(
         head_size=validate_positive_int("head_size", head_size),
@@ -206,6 +208,7 @@ def _make_request(
         has_sink=bool(has_sink),
         use_sparse=bool(use_sparse),
         attn_type=AttentionType.parse(attn_type),
+        query_quant=bool(query_quant),
     )
 
 
@@ -249,6 +252,7 @@ def _backend_reasons(
         use_sparse=request.use_sparse,
         attn_type=request.attn_type,
         platform=platform,
+        **({"query_quant": True} if request.query_quant else {}),  # backends written before it take none
     )
     return path, list(reasons)
 
@@ -320,6 +324,7 @@ def get_attn_backend(
     attn_type: str = AttentionType.DECODER,
     *,
     platform: Platform | None = None,
+    query_quant: bool = False,
 ) -> type[AttentionBackend]:
     """Selects the attention backend class for a layer and imports it.
 
@@ -333,6 +338,8 @@ def get_attn_backend(
       kv_cache_dtype: one of ``attn_jax.types.CACHE_DTYPES`` (else ValueError).
       block_size: tokens per KV-cache page.
       attn_type: an ``AttentionType`` value (else ValueError).
+      query_quant: FP8 attention (the layer's ``query_quant``): only backends with
+        ``supports_quant_query_input`` and an e4m3 cache ("fp8" / "fp8_e4m3") serve it.
 
     Raises ValueError with every reason when the forced or env-named backend cannot
     serve the request, or when no backend in the priority list can.
@@ -341,7 +348,9 @@ def get_attn_backend(
 
         backend = get_attn_backend(128, jnp.bfloat16)  # XLAAttentionBackend on CPU
     """
-    request = _make_request(head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse, attn_type)
+    request = _make_request(
+        head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse, attn_type, query_quant
+    )
     forced, env_backend = _requested_backends()
     backend = _cached_get_attn_backend(
         request, platform or current_platform(), forced, env_backend, overrides_snapshot()
@@ -361,12 +370,15 @@ def explain_attn_backend_selection(
     attn_type: str = AttentionType.DECODER,
     *,
     platform: Platform | None = None,
+    query_quant: bool = False,
 ) -> SelectionReport:
     """What ``get_attn_backend`` with the same arguments chooses, and why, for every backend.
 
     Raises only for invalid arguments or an unknown ``ATTN_STACK_BACKEND``; when no
     backend can serve, ``report.chosen`` is None and ``report.failure_message()`` says why.
     """
-    request = _make_request(head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse, attn_type)
+    request = _make_request(
+        head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse, attn_type, query_quant
+    )
     forced, env_backend = _requested_backends()
     return _build_report(request, platform or current_platform(), forced, env_backend)

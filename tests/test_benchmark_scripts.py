@@ -10,6 +10,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if "__main__" in p.read_text())
 COMMITTED = [ROOT / "benchmarks" / "results", ROOT / "attn_jax" / "ops" / "ragged_paged_attention" / "tuned"]
@@ -60,3 +62,17 @@ def test_a_run_without_write_writes_nothing(tmp_path):
 def test_write_and_out_are_exclusive():
     result = _run(ROOT / "benchmarks" / "metadata_build.py", "--write", "--out", "x.json")
     assert result.returncode == 2 and "not allowed with argument" in result.stderr
+
+
+@pytest.mark.slow
+def test_attention_fp8_runs_tiny_on_the_cpu_within_its_bound(tmp_path):
+    """The FP8 P1 script's whole path at a tiny size (PALLAS_GPU in the interpreter): layers, oracle, JSON."""
+    out = tmp_path / "fp8.json"
+    result = _run(ROOT / "benchmarks" / "attention_fp8.py", "--query-lens", "40,24", "--num-q-heads", "4",
+                  "--num-kv-heads", "2", "--head-size", "32", "--rows", "16", "--reps", "1",
+                  "--layers", "fp8_attention,bf16", "--out", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    fp8, bf16 = json.loads(out.read_text())["results"]
+    assert fp8["layer"] == "fp8_attention" and fp8["within_bound"], fp8
+    assert 0 < fp8["rel_l2_vs_quantized_oracle"] <= fp8["bound"] == 3e-2
+    assert bf16["rel_l2_vs_unquantized_oracle"] < 1e-2, bf16

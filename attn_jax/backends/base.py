@@ -28,6 +28,10 @@ if TYPE_CHECKING:
     from attn_jax.platforms import Platform
 
 
+FP8_QUERY_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+"""The cache dtypes FP8 attention (``query_quant``) runs against: its dots take e4m3 on both sides."""
+
+
 def validate_kv_cache_dims(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str) -> None:
     """ValueError naming the first cache dimension that is not a positive int, or a bad cache dtype."""
     for name, value in (
@@ -142,8 +146,12 @@ class AttentionBackend(abc.ABC):
         use_sparse: bool = False,
         attn_type: str = AttentionType.DECODER,
         platform: Platform | None = None,
+        query_quant: bool = False,
     ) -> list[str]:
-        """Every reason this backend cannot serve the configuration; [] if it can."""
+        """Every reason this backend cannot serve the configuration; [] if it can.
+
+        ``query_quant`` (FP8 attention, vLLM's ``Attention.query_quant``): the query quantised
+        to e4m3 for fp8 x fp8 dots; needs ``supports_quant_query_input`` and an e4m3 cache."""
         reasons: list[str] = []
         if platform is not None and (why := cls.unavailable_reason(platform)) is not None:
             reasons.append(why)
@@ -169,6 +177,14 @@ class AttentionBackend(abc.ABC):
         if attn_type not in cls.supported_attn_types:
             valid = [t.value for t in cls.supported_attn_types]
             reasons.append(f"attn_type={str(attn_type)!r} is not supported; supported: {valid}")
+        if query_quant:
+            if not cls.supports_quant_query_input:
+                reasons.append("FP8 attention (query_quant=True) is not supported")
+            if kv_cache_dtype not in FP8_QUERY_CACHE_DTYPES:
+                reasons.append(
+                    f"query_quant=True with kv_cache_dtype={kv_cache_dtype!r}: FP8 attention needs an e4m3 cache, "
+                    f"kv_cache_dtype one of {list(FP8_QUERY_CACHE_DTYPES)}"
+                )
         return reasons
 
     @classmethod
@@ -197,11 +213,12 @@ class AttentionImpl[M](abc.ABC):
     ) -> None: ...
 
     @abc.abstractmethod
-    def forward(self, query, key, value, kv_cache, attn_metadata: M, k_scale=None, v_scale=None):
+    def forward(self, query, key, value, kv_cache, attn_metadata: M, k_scale=None, v_scale=None, q_scale=None):
         """Writes new k/v into the cache and attends. Returns (output, kv_cache).
 
         query f[T, Hq, D]; key, value f[T, Hkv, D] (None for KV-sharing layers);
-        output has query's dtype and shape.
+        output has query's dtype and shape. ``q_scale`` f32[] (FP8 attention, backends with
+        ``supports_quant_query_input``; an e4m3 cache): the query enters the dots as e4m3.
         """
 
 
@@ -217,6 +234,7 @@ class AttentionSpec:
     attention_chunk_size: int | None = None
     num_q_heads: int | None = None  # lets a builder size q-blocks for the head group; None: unknown
     cache_dtype: Any = None  # what the cache stores (fp8 for a quantized cache); None: ``dtype``
+    query_quant: bool = False  # FP8 attention: the layers quantise their query to e4m3 (q_scale)
 
 
 class AttentionMetadataBuilder[M](abc.ABC):

@@ -101,9 +101,10 @@ class PallasMLAGPUBackend(MLACommonBackend):
 
     @classmethod
     def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla=False, has_sink=False,
-                               use_sparse=False, attn_type="decoder", platform=None) -> list[str]:  # fmt: skip
+                               use_sparse=False, attn_type="decoder", platform=None,
+                               query_quant=False) -> list[str]:  # fmt: skip
         reasons = super().validate_configuration(head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
-                                                 use_sparse, attn_type, platform)  # fmt: skip
+                                                 use_sparse, attn_type, platform, query_quant)  # fmt: skip
         rank = head_size - 64
         if rank < 16 or rank & (rank - 1):
             reasons.append(f"head_size={head_size} is not supported; supported: kv_lora_rank + 64 with kv_lora_rank "
@@ -126,9 +127,10 @@ class PallasMLATPUBackend(MLACommonBackend):
 
     @classmethod
     def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla=False, has_sink=False,
-                               use_sparse=False, attn_type="decoder", platform=None) -> list[str]:  # fmt: skip
+                               use_sparse=False, attn_type="decoder", platform=None,
+                               query_quant=False) -> list[str]:  # fmt: skip
         reasons = super().validate_configuration(head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
-                                                 use_sparse, attn_type, platform)  # fmt: skip
+                                                 use_sparse, attn_type, platform, query_quant)  # fmt: skip
         if block_size % 16:
             reasons.append(f"block_size={block_size} is not supported; supported: multiples of 16 (16, 64, ...)")
         return reasons

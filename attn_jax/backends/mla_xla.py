@@ -297,10 +297,11 @@ class MLACommonBackend(AttentionBackend):
 
     @classmethod
     def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla=False, has_sink=False,
-                               use_sparse=False, attn_type="decoder", platform=None) -> list[str]:  # fmt: skip
+                               use_sparse=False, attn_type="decoder", platform=None,
+                               query_quant=False) -> list[str]:  # fmt: skip
         reasons = super().validate_configuration(
             head_size, dtype, kv_cache_dtype, block_size, use_mla=use_mla, has_sink=has_sink,
-            use_sparse=use_sparse, attn_type=attn_type, platform=platform,
+            use_sparse=use_sparse, attn_type=attn_type, platform=platform, query_quant=query_quant,
         )  # fmt: skip
         if not use_mla:
             reasons.insert(0, "serves only MLA layers (use_mla=True)")

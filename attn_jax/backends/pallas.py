@@ -42,7 +42,7 @@ class PallasKernelImpl(XLAAttentionImpl):
                 )  # fmt: skip
         self.interpret = interpret
 
-    def forward(self, query, key, value, kv_cache, attn_metadata, k_scale=None, v_scale=None):
+    def forward(self, query, key, value, kv_cache, attn_metadata, k_scale=None, v_scale=None, q_scale=None):
         if self.kv_sharing_target_layer_name is not None:
             key = value = None  # the target layer has written this cache already
         md = attn_metadata
@@ -52,14 +52,17 @@ class PallasKernelImpl(XLAAttentionImpl):
                 f"attn_metadata is {type(md).__name__}; {self.backend_name} needs {name} from "
                 f"{builder}MetadataBuilder.build (the Attention layer builds it from CommonAttentionMetadata)"
             )
+        fp8 = {} if q_scale is None else {"q_scale": q_scale}  # FP8 attention: the kernels' q_scale
         if getattr(md, "cascade_prefix_len", None) is not None:  # both parts on this kernel, its own blocks
-            return self.cascade(query, key, value, kv_cache, md, self.op, k_scale, v_scale, interpret=self.interpret)
+            return self.cascade(
+                query, key, value, kv_cache, md, self.op, k_scale, v_scale, interpret=self.interpret, **fp8
+            )
         return self.op(
             query, key, value, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.slot_mapping,
             sm_scale=self.scale, causal=self.attn_type.is_causal, sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap, alibi_slopes=self.alibi_slopes, sinks=self.sinks,
             k_scale=k_scale, v_scale=v_scale, interpret=self.interpret, block_sizes=md.block_sizes,
-            schedule=md.schedule, **self.kernel_kwargs(md),
+            schedule=md.schedule, **self.kernel_kwargs(md), **fp8,
         )  # fmt: skip
 
     def kernel_kwargs(self, md) -> dict:

@@ -42,6 +42,7 @@ from attn_jax.ops.ragged_paged_attention.config import (
 )
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
 from attn_jax.platforms import Platform, current_platform
+from attn_jax.types import AttentionType
 
 Array = Any
 logger = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def ragged_paged_attention(
     causal: bool = True, sliding_window=None, logits_soft_cap=None, alibi_slopes=None, sinks=None,
     k_scale=None, v_scale=None, interpret: bool | None = None, block_sizes: GpuBlockSizes | None = None,
     schedule=None, mgpu_schedule=None, rest_schedule=None,
-    mgpu_block_sizes: MgpuBlockSizes | None = None, return_lse: bool = False,
+    mgpu_block_sizes: MgpuBlockSizes | None = None, return_lse: bool = False, q_scale=None,
 ):  # fmt: skip
     """PALLAS_GPU's op: ``pallas_triton.ragged_paged_attention``'s contract, with a prefill
     batch's long requests on the Mosaic GPU kernel.
@@ -159,6 +160,8 @@ def ragged_paged_attention(
     the Mosaic GPU kernel computes its tiles and the Triton kernel the other rows into the
     same buffer; otherwise the Triton kernel serves every row on ``schedule``. With
     ``return_lse`` (the Mosaic GPU kernel has no LSE output) the Triton kernel serves every row.
+    FP8 attention (``q_scale``, an e4m3 cache) runs on the Triton kernel alone: the Mosaic GPU
+    prefill kernel is 16-bit only (``FP8_PLAN``).
     """
     kwargs = dict(
         sm_scale=sm_scale, causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
@@ -167,14 +170,14 @@ def ragged_paged_attention(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     mgpu_bs = mgpu_block_sizes or MgpuBlockSizes()
-    use_mgpu = not return_lse and uses_mosaic_gpu(
+    use_mgpu = not return_lse and q_scale is None and uses_mosaic_gpu(
         q, kv_cache, interpret=interpret, block_sizes=block_sizes, mgpu_schedule=mgpu_schedule,
         mgpu_block_sizes=mgpu_bs, **kwargs,
     )  # fmt: skip
     triton = functools.partial(
         pallas_triton.ragged_paged_attention, query_start_loc=query_start_loc, seq_lens=seq_lens,
         block_tables=block_tables, slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale,
-        interpret=interpret, block_sizes=block_sizes, **kwargs,
+        interpret=interpret, block_sizes=block_sizes, **kwargs, **({} if q_scale is None else {"q_scale": q_scale}),
     )  # fmt: skip
     if not use_mgpu:
         return triton(q, k, v, kv_cache, schedule=schedule, return_lse=return_lse)
@@ -219,6 +222,17 @@ def mgpu_prefill_setting() -> bool:
     return os.environ.get(MGPU_PREFILL_ENV, "1") != "0"
 
 
+NO_FP8_DOT_GPUS = ("A100", "A800", "A10", "A10G", "A30", "A40", "V100", "T4", "P100", "P40", "RTX 3090", "RTX 3080")
+"""GPUs (words of ``jax.Device.device_kind``) with no fp8 tensor cores (compute capability below 8.9),
+where Triton's ``tl.dot`` takes no e4m3 operands: PALLAS_GPU refuses FP8 attention there."""
+
+FP8_PLAN = (
+    "FP8 attention (query_quant): every batch, prefill included, on the Triton kernel (pallas_triton): "
+    "the query quantised to e4m3 in the kernel, e4m3 x e4m3 dots with float32 accumulation (FP8 wgmma on "
+    "Hopper); the Mosaic GPU prefill kernel is 16-bit only"
+)
+"""What ``kernel_plan`` (``attn-stack info --query-quant``) says for FP8 attention layers."""
+
 MGPU_PREFILL_ENV = "ATTN_STACK_MGPU_PREFILL"
 """``0`` turns the Mosaic GPU prefill split off in ``PallasGPUMetadataBuilder`` (read when a
 builder is made); on by default on Hopper. On the H100 it took P1's attention from 1.81
@@ -261,7 +275,8 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         self.device_kind = device_kind
         if mgpu_prefill is None:  # read once, here at the edge (never under ops/)
             mgpu_prefill = mgpu_prefill_setting()
-        self.mgpu_prefill = mgpu_prefill and mgpu_prefill_available(device_kind)
+        # FP8 attention layers run every batch on the Triton kernel (FP8_PLAN): no split to build.
+        self.mgpu_prefill = mgpu_prefill and mgpu_prefill_available(device_kind) and not kv_cache_spec.query_quant
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         md = self._build(common_attn_metadata)
@@ -378,7 +393,7 @@ class PallasGPUAttentionBackend(XLAAttentionBackend):
     def kernel_plan(
         cls, head_size: int, dtype, kv_cache_dtype, block_size: int, device_kind: str | None, *, causal: bool = True,
         sliding_window=None, logits_soft_cap=None, has_alibi: bool = False, has_sink: bool = False,
-        num_kv_heads: int = 8, group: int = 4,
+        num_kv_heads: int = 8, group: int = 4, query_quant: bool = False,
     ) -> list[str]:  # fmt: skip
         """Which kernel serves which batches for this layer configuration, and the Triton
         kernel's block sizes per batch mode with where they came from, in words (for
@@ -397,6 +412,9 @@ class PallasGPUAttentionBackend(XLAAttentionBackend):
                 device_kind=device_kind,
             )  # fmt: skip
             lines.append(f"Triton {mode} blocks (group {group}): {choice.block_sizes} from {choice.source}")
+        if query_quant:
+            lines.append(FP8_PLAN)
+            return lines
         if not mgpu_prefill_available(device_kind):
             lines.append(
                 f"prefill batches: the Triton kernel (Mosaic GPU prefill needs Hopper; device {device_kind!r})"
@@ -424,3 +442,22 @@ class PallasGPUAttentionBackend(XLAAttentionBackend):
     @classmethod
     def unavailable_reason(cls, platform: Platform) -> str | None:
         return None  # runs everywhere: compiled on a GPU, in the interpreter elsewhere (forced only)
+
+    @classmethod
+    def validate_configuration(
+        cls, head_size, dtype, kv_cache_dtype, block_size, use_mla=False, has_sink=False, use_sparse=False,
+        attn_type=AttentionType.DECODER, platform: Platform | None = None, query_quant: bool = False,
+    ) -> list[str]:  # fmt: skip
+        """The XLA backend's reasons, and for FP8 attention on a GPU without fp8 tensor cores, that."""
+        reasons = super().validate_configuration(
+            head_size, dtype, kv_cache_dtype, block_size, use_mla=use_mla, has_sink=has_sink,
+            use_sparse=use_sparse, attn_type=attn_type, platform=platform, query_quant=query_quant,
+        )  # fmt: skip
+        kind = platform.device_kind if platform is not None and platform.kind == "gpu" else None
+        words = f" {kind} ".replace("-", " ")
+        if query_quant and kind is not None and any(f" {k} " in words for k in NO_FP8_DOT_GPUS):
+            reasons.append(
+                f"FP8 attention (query_quant=True) needs fp8 tensor cores (compute capability 8.9+: Ada, Hopper, "
+                f"Blackwell); device {kind!r} has none"
+            )
+        return reasons

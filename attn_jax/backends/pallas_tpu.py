@@ -135,6 +135,8 @@ class PallasTPUAttentionImpl(PallasKernelImpl):
 class PallasTPUAttentionBackend(AttentionBackend):
     """Ragged paged attention as one Pallas kernel on Mosaic TPU; every feature of the op."""
 
+    supports_quant_query_input = True  # FP8 attention: e4m3 x e4m3 dots on TPU v7x (FP8_QUERY_TPU_KINDS)
+
     supports_sink = True
     supported_dtypes: ClassVar[tuple[np.dtype, ...]] = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
     supported_kv_cache_dtypes: ClassVar[tuple[str, ...]] = (
@@ -188,12 +190,19 @@ class PallasTPUAttentionBackend(AttentionBackend):
     @classmethod
     def validate_configuration(
         cls, head_size, dtype, kv_cache_dtype, block_size, use_mla=False, has_sink=False, use_sparse=False,
-        attn_type=AttentionType.DECODER, platform: Platform | None = None,
+        attn_type=AttentionType.DECODER, platform: Platform | None = None, query_quant: bool = False,
     ) -> list[str]:  # fmt: skip
         reasons = super().validate_configuration(
             head_size, dtype, kv_cache_dtype, block_size, use_mla=use_mla, has_sink=has_sink,
-            use_sparse=use_sparse, attn_type=attn_type, platform=platform,
+            use_sparse=use_sparse, attn_type=attn_type, platform=platform, query_quant=query_quant,
         )  # fmt: skip
+        kind = platform.device_kind if platform is not None and platform.kind == "tpu" else None
+        if query_quant and kind is not None and kind not in pallas_mosaic_tpu.FP8_QUERY_TPU_KINDS:
+            reasons.append(
+                f"FP8 attention (query_quant=True) needs a TPU with an fp8 MXU "
+                f"{list(pallas_mosaic_tpu.FP8_QUERY_TPU_KINDS)} (Mosaic lowers e4m3 x e4m3 matmuls for TPU v7x "
+                f"only); device {kind!r} has none"
+            )
         if is_quantized_kv_cache(kv_cache_dtype) and block_size < pallas_mosaic_tpu.FP8_MIN_PAGE_SIZE:
             reasons.append(
                 f"kv_cache_dtype={kv_cache_dtype!r} with block_size={block_size}: fp8 pages need "

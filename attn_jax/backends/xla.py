@@ -242,14 +242,17 @@ class XLAAttentionImpl(AttentionImpl[XLAAttentionMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sinks = _per_head("sinks", sinks, num_heads)
 
-    def forward(self, query, key, value, kv_cache, attn_metadata, k_scale=None, v_scale=None):
+    def forward(self, query, key, value, kv_cache, attn_metadata, k_scale=None, v_scale=None, q_scale=None):
+        """``q_scale`` (FP8 attention, the layer's ``query_quant``): the reference op serves
+        every batch (the dense path has no FP8 dots)."""
         if self.kv_sharing_target_layer_name is not None:
             key = value = None  # the target layer has written this cache already
         md = attn_metadata
+        fp8 = {} if q_scale is None else {"q_scale": q_scale}
         if md.cascade_prefix_len is not None:
-            return self.cascade(query, key, value, kv_cache, md, ragged_paged_attention, k_scale, v_scale)
-        op, schedule = ragged_paged_attention, {}
-        if md.q_block is not None:
+            return self.cascade(query, key, value, kv_cache, md, ragged_paged_attention, k_scale, v_scale, **fp8)
+        op, schedule = ragged_paged_attention, dict(fp8)
+        if md.q_block is not None and q_scale is None:
             op, schedule = dense.ragged_paged_attention, dict(prefill_reqs=md.prefill_reqs, q_block=md.q_block)
         return op(
             query, key, value, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables,
@@ -283,6 +286,7 @@ class XLAAttentionBackend(AttentionBackend):
     """Pure jnp ragged paged attention; every feature, every platform; not the fastest."""
 
     supports_sink = True
+    supports_quant_query_input = True  # FP8 attention through the reference op
 
     @staticmethod
     def get_name() -> str:

@@ -43,6 +43,29 @@ def dequantize(x, scale, dtype=jnp.float32):
     return x * jnp.asarray(scale, jnp.float32).astype(dtype)
 
 
+FP8_P_SCALE = 256.0
+"""FP8 attention's probability scale: the softmax weights ``p`` in [0, 1] are quantised as
+``p * FP8_P_SCALE`` to e4m3 for the ``p @ v`` dot and the product divided by it again.
+
+FlashAttention-3's FP8 choice (its softmax ``Max_offset = 8``: ``exp2(s - max + 8)`` in [0, 256]): a
+power of two (exact in every format), below e4m3's largest finite value 448, so no weight
+saturates, that moves the small weights off e4m3's subnormals (below 2**-6), where a bare cast
+would round them to a few levels or to 0. The denominator is summed from the float32 weights."""
+
+FP8_DTYPE = jnp.float8_e4m3fn
+"""The operand dtype of FP8 attention's dots: the query, the cache and the softmax weights."""
+
+
+def quantize_fp8(x, inv_scale):
+    """``x * inv_scale`` (``inv_scale`` = 1 / the per-tensor scale) rounded to e4m3, clipped to
+    its finite range (+-448: an overflow saturates; NaN stays NaN). ``x`` of any float dtype."""
+    limit = float(jnp.finfo(FP8_DTYPE).max)
+    scaled = x.astype(jnp.float32) * inv_scale
+    # Two wheres, not jnp.clip: Triton lowers min/max to minnum/maxnum, which drop a NaN.
+    scaled = jnp.where(scaled > limit, limit, jnp.where(scaled < -limit, -limit, scaled))
+    return scaled.astype(FP8_DTYPE)
+
+
 def visible_mask(q_pos, kv_pos, kv_len, *, causal: bool, sliding_window: int | None, row_valid=None):
     """bool[rows, cols]: which cached positions each query row may attend to.
 
@@ -127,16 +150,20 @@ def route_nonfinite_values(k, v):
     return k + poison.astype(k.dtype), jnp.where(poison == 0, v, jnp.zeros_like(v))
 
 
-def online_softmax_update(state, s, visible, v, *, precision=None):
+def online_softmax_update(state, s, visible, v, *, precision=None, p_scale=None):
     """Folds one KV tile into the running state.
 
     state: (m, denom, acc) as from ``init_softmax_state``; s f32[rows, cols] logits;
     visible bool[rows, cols] or None (all visible); v [cols, head_size] in the matmul dtype (rows of v that are
     not visible to any row must be finite: mask or zero them when loading; with ``visible``
     given, non-finite entries must have gone through ``route_nonfinite_values``).
+    ``p_scale`` (FP8 attention, ``FP8_P_SCALE``): the weights enter the dot as ``p * p_scale``
+    in v's dtype, so ``acc`` holds ``p_scale`` times the sum; the caller divides it out.
     """
     m, denom, acc = state
     m_new, denom_new, alpha, p = softmax_tile_update(m, denom, s, visible)
+    if p_scale is not None:
+        p = p * p_scale
     pv = jax.lax.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
     return m_new, denom_new, acc * _col(alpha) + pv
 

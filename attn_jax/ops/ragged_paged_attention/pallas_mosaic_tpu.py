@@ -80,6 +80,11 @@ SUPPORTED_PAGE_SIZES = (16, 32, 64, 128, 256)
 FP8_MIN_PAGE_SIZE = 32
 """fp8 pages: a (32, 128) sublane tile of 8-bit values per page and head."""
 
+FP8_QUERY_TPU_KINDS = ("TPU7x",)
+"""TPUs (``jax.Device.device_kind``) with an fp8 MXU, the only ones for which Mosaic lowers the
+e4m3 x e4m3 matmuls of FP8 attention (its matmul canonicalisation handles fp8 operands for TPU
+generation 7 alone)."""
+
 SMEM_CAPACITY_BYTES = 1024 * 1024
 """SMEM per TensorCore on v5e, v6e and v7x (jax._src.tpu_info)."""
 
@@ -306,6 +311,7 @@ class _Static:
     has_sinks: bool
     has_write: bool
     fp8: bool
+    fp8_query: bool  # FP8 attention: e4m3 q (quantised here), e4m3 x e4m3 dots, e4m3 weights for p @ v
     group: int
     head_size: int
     packed: bool  # D = 64: q and out span the whole [k, v] row
@@ -412,10 +418,29 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
         for live, copy in page_copies(r, blk, slot):
             pl.when(live)(copy.wait)
 
-    k_scale = scales_ref[0] if st.fp8 else None
-    v_scale = scales_ref[1] if st.fp8 else None
-    precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
-    mm_dtype = q_ref.dtype
+    k_scale = scales_ref[0] if st.fp8 and not st.fp8_query else None
+    v_scale = scales_ref[1] if st.fp8 and not st.fp8_query else None
+    precision = jax.lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 and not st.fp8_query else None
+    # FP8 attention: tiles route non-finite values in f32 (exact for e4m3 entries), then enter the dots
+    # as e4m3; q_scale * k_scale multiplies the scores, v_scale / FP8_P_SCALE the output.
+    mm_dtype = common.FP8_DTYPE if st.fp8_query else q_ref.dtype
+    tile_dtype = jnp.float32 if st.fp8_query else mm_dtype
+    p_scale, qk_scale, inv_q_scale, out_scale = None, None, None, None
+    if st.fp8_query:
+        p_scale = common.FP8_P_SCALE
+        qk_scale = scales_ref[2] * scales_ref[0]
+        inv_q_scale = 1.0 / scales_ref[2]
+        out_scale = scales_ref[1] * (1.0 / common.FP8_P_SCALE)
+
+    def load_q(block):
+        """A q block [.., G, Dq] folded to [rows, Dq] in the matmul dtype (e4m3 for FP8 attention)."""
+        q = _fold_rows(block)
+        return common.quantize_fp8(q, inv_q_scale) if st.fp8_query else q
+
+    def finish(state):
+        """f32[rows, W] output of a finished state (FP8 attention: v_scale / FP8_P_SCALE applied)."""
+        out = common.finalize_softmax_state(state)
+        return out * out_scale if st.fp8_query else out
 
     def kv_tile(slot, i, blk, kv_len):
         """(k, v) of KV head i of the block in buffer ``slot``: [bkv, Dq], [bkv, W] in the matmul
@@ -429,15 +454,18 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
         else:
             k = jnp.where(kv_valid, common.dequantize(tile[:, :d], k_scale), 0.0)
             v = jnp.where(kv_valid, common.dequantize(tile[:, d:], v_scale), 0.0)
-        return k.astype(mm_dtype), v.astype(mm_dtype)
+        return k.astype(tile_dtype), v.astype(tile_dtype)
 
     def update(state, q, k, v, q_pos, kv_pos, visible, slopes):
         k, v = common.route_nonfinite_values(k, v)  # rows not seeing a non-finite value stay clean
+        k, v = k.astype(mm_dtype), v.astype(mm_dtype)
         s = jax.lax.dot_general(
             q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
         )  # f32[rows, bkv]
+        if st.fp8_query:
+            s = s * qk_scale
         s = common.transform_scores(s, q_pos, kv_pos, sm_scale=st.sm_scale, soft_cap=st.soft_cap, alibi_slopes=slopes)
-        return common.online_softmax_update(state, s, visible, v, precision=precision)
+        return common.online_softmax_update(state, s, visible, v, precision=precision, p_scale=p_scale)
 
     def heads(i):
         return slice(i * st.group, (i + 1) * st.group)
@@ -455,7 +483,7 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
         new_states = []
         for i in range(hb):
             k, v = kv_tile(slot, i, blk, kv_len)
-            q = _fold_rows(q_ref[:, heads(i), :])  # [rows, Dq]
+            q = load_q(q_ref[:, heads(i), :])  # [rows, Dq]
             slopes = alibi_ref[i] if st.has_alibi else None  # f32[rows, 1]
             new_states.append(update(states[i], q, k, v, q_pos, kv_pos, visible, slopes))
         return tuple(new_states)
@@ -475,14 +503,14 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
             )
             state = jax.tree.map(lambda a, b: jnp.where(blk == blk_lo, a, b), fresh, states[i])
             k, v = kv_tile(slot, i, blk, kv_len)
-            q = _fold_rows(q_ref[pl.ds(j, 1), heads(i), :])  # [G, Dq]
+            q = load_q(q_ref[pl.ds(j, 1), heads(i), :])  # [G, Dq]
             slopes = alibi_ref[i][: st.group] if st.has_alibi else None
             new_states.append(update(state, q, k, v, q_pos, kv_pos, visible, slopes))
 
         @pl.when(blk == blk_hi - 1)
         def _store():
             for i in range(hb):
-                out = common.finalize_softmax_state(new_states[i])  # f32[G, W]
+                out = finish(new_states[i])  # f32[G, W]
                 dec_buf[pl.ds(j, 1), heads(i), :] = out.reshape(1, st.group, acc_width)
             dec_flags[j] = 1
 
@@ -528,7 +556,7 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
     _, _, _, states, _ = jax.lax.while_loop(lambda c: c[0] < r_end, body, init)
 
     for i in range(hb):
-        out = common.finalize_softmax_state(states[i])  # f32[rows, W]
+        out = finish(states[i])  # f32[rows, W]
         o_ref[:, heads(i), :] = out.reshape(bq, st.group, -1).astype(o_ref.dtype)
 
     def decode_rows(j, c):  # decodes replace their (empty) rows of the full state
@@ -579,6 +607,7 @@ def ragged_paged_attention(
     schedule=None,  # i32[2 * NB] from tpu_schedule (the builder's); derived here when None
     device_kind: str | None = None,
     vmem_limit_bytes: int | None = None,
+    q_scale=None,  # f32[] | None: FP8 attention (an e4m3 cache), as the reference's
 ):
     """The reference op (same arguments, same result) as one Mosaic TPU kernel.
 
@@ -591,6 +620,11 @@ def ragged_paged_attention(
     the tuned table for ``device_kind`` (or the heuristic, ``config.tpu_block_sizes``);
     ``schedule`` is ``tpu_schedule(query_start_loc, T_padded, q_tokens_per_block)``.
 
+    With ``q_scale`` (FP8 attention, the reference's semantics) the kernel quantises each q
+    block to e4m3 and runs both dots e4m3 x e4m3 with float32 accumulation. Mosaic lowers fp8 x
+    fp8 matmuls for TPU generation 7 (v7x, fp8 MXU); the PALLAS_TPU backend refuses FP8
+    attention on older TPUs (``FP8_QUERY_TPU_KINDS``).
+
     Example::
 
         out, kv_cache = ragged_paged_attention(
@@ -602,7 +636,7 @@ def ragged_paged_attention(
     check_tpu_cache_layout(kv_cache, num_kv_heads=None, head_size=head_size)
     num_kv_heads = kv_cache.shape[1]
     _validate_static(q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
-                     sm_scale, sliding_window, logits_soft_cap, alibi_slopes, sinks)  # fmt: skip
+                     sm_scale, sliding_window, logits_soft_cap, alibi_slopes, sinks, q_scale)  # fmt: skip
     num_blocks, _, page_size, _ = kv_cache.shape
     check_tpu_shapes(head_size=head_size, page_size=page_size, kv_dtype=kv_cache.dtype)
     num_reqs, pages_per_req = block_tables.shape
@@ -649,13 +683,13 @@ def ragged_paged_attention(
     if fp8:
         one = jnp.float32(1.0)
         scales = jnp.stack([
-            one if k_scale is None else jnp.asarray(k_scale, jnp.float32).reshape(()),
-            one if v_scale is None else jnp.asarray(v_scale, jnp.float32).reshape(()),
+            one if x is None else jnp.asarray(x, jnp.float32).reshape(()) for x in (k_scale, v_scale, q_scale)
         ])  # fmt: skip
     st = _Static(
         sm_scale=float(sm_scale), causal=bool(causal), sliding_window=sliding_window,
         soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         has_alibi=alibi_slopes is not None, has_sinks=sinks is not None, has_write=k is not None, fp8=fp8,
+        fp8_query=q_scale is not None,
         group=group, head_size=head_size, packed=head_size % 128 != 0, num_tokens=padded_tokens,
         num_reqs=num_reqs, pages_per_req=pages_per_req, bs=block_sizes,
     )  # fmt: skip
@@ -666,7 +700,8 @@ def ragged_paged_attention(
     return out, kv_cache
 
 
-def _validate_static(q, k, v, kv_cache, qsl, seq_lens, tables, slots, sm_scale, window, cap, alibi, sinks):
+def _validate_static(q, k, v, kv_cache, qsl, seq_lens, tables, slots, sm_scale, window, cap, alibi, sinks,
+                     q_scale=None):  # fmt: skip
     """The reference's static checks, on the TPU cache seen in the reference's terms (shape only)."""
     num_blocks, num_kv_heads, block_size, width = kv_cache.shape
     if width % 2:
@@ -674,7 +709,7 @@ def _validate_static(q, k, v, kv_cache, qsl, seq_lens, tables, slots, sm_scale, 
     ref_cache = jax.ShapeDtypeStruct((2, num_blocks, block_size, num_kv_heads, width // 2), kv_cache.dtype)
     static_validate_inputs(
         q, k, v, ref_cache, qsl, seq_lens, tables, slots, sm_scale=sm_scale, sliding_window=window,
-        logits_soft_cap=cap, alibi_slopes=alibi, sinks=sinks,
+        logits_soft_cap=cap, alibi_slopes=alibi, sinks=sinks, q_scale=q_scale,
     )  # fmt: skip
 
 

@@ -126,9 +126,11 @@ def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp
 def _kernel(
     sched_ref, block_tables_ref, q_ref, kv_ref, scales_ref, *rest,
     sm_scale, causal, sliding_window, soft_cap, has_alibi, has_sinks,
-    group, block_q, group_pad, tile, num_kv_splits, spare_row, has_out_init=False, has_lse=False,
+    group, block_q, group_pad, tile, num_kv_splits, spare_row, has_out_init=False, has_lse=False, fp8=False,
 ):  # fmt: skip
-    """One (q-block, kv head, kv split). rest: [alibi_ref], [sinks_ref], [out_init_ref], out refs
+    """One (q-block, kv head, kv split). ``fp8``: FP8 attention (the query quantised to e4m3 here,
+    e4m3 x e4m3 dots with f32 accumulation, the weights quantised for ``p @ v``).
+    rest: [alibi_ref], [sinks_ref], [out_init_ref], out refs
     (out and, with ``has_lse``, lse; or the split's acc, m and denom)."""
     rest = list(rest)
     alibi_ref = rest.pop(0) if has_alibi else None
@@ -175,6 +177,13 @@ def _kernel(
     s_hi = jnp.minimum(s_lo + per_split, t_hi)
 
     k_scale, v_scale = scales_ref[0], scales_ref[1]
+    p_scale = None
+    if fp8:  # q / q_scale in e4m3; the scales multiply the dots' f32 results
+        q_scale = scales_ref[2]
+        q = common.quantize_fp8(q, 1.0 / q_scale)
+        k_scale = k_scale * q_scale
+        v_scale = v_scale * (1.0 / common.FP8_P_SCALE)
+        p_scale = common.FP8_P_SCALE
     slopes = None
     if has_alibi:
         slopes = plgpu.load(alibi_ref.at[head], mask=row_valid, other=0.0)[:, None]
@@ -187,22 +196,44 @@ def _kernel(
         state = (state[0], jnp.where(split == 0, state[1], 0.0), state[2])
 
     # f32 dots must not drop to TF32 (Triton's DEFAULT); 16-bit ones take the native MMA.
+    # fp8 dots take no precision (tl.dot on e4m3 operands: FP8 wgmma on Hopper).
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+    def fp8_scores(page, offset, in_range, v, masked):
+        """FP8 attention's q.k: the key tile is loaded transposed, e4m3[Dp, tile] (D runs down the
+        rows, still contiguous in memory), so the dot takes it as is, with no transpose of an fp8
+        tile. A masked tile routes non-finite values (common.route_nonfinite_values) in f32."""
+        d_col = jnp.arange(head_pad, dtype=jnp.int32)[:, None]  # i32[Dp, 1]
+        key_cols = in_range[None, :] & (d_col < head_size) if head_pad != head_size else in_range[None, :]
+        k_t = plgpu.load(kv_ref.at[0, page[None, :], offset[None, :], kv_head, d_col], mask=key_cols, other=0.0)
+        if masked:  # the routing's arithmetic in f32 (exact for e4m3 entries), then e4m3 again
+            v32 = v.astype(jnp.float32)
+            poison = v32 - v32  # f32[tile, Dp]: 0, or NaN where a value is not finite
+            k_t = (k_t.astype(jnp.float32) + poison.T).astype(common.FP8_DTYPE)
+            v = jnp.where(poison == 0, v32, 0.0).astype(common.FP8_DTYPE)
+        dims = (((1,), (0,)), ((), ()))
+        return jax.lax.dot_general(q, k_t, dims, preferred_element_type=jnp.float32), v
 
     def tile_step(t, state, masked: bool):
         j = t * tile + jnp.arange(tile, dtype=jnp.int32)  # i32[tile] cached positions
         in_range = j < hi
         page = plgpu.load(block_tables_ref.at[req, jnp.minimum(j // page_size, pages_per_req - 1)])
         offset = j % page_size
-        page, offset = page[:, None], offset[:, None]
-        k = plgpu.load(kv_ref.at[0, page, offset, kv_head, d], mask=cols(in_range[:, None]), other=0.0)
-        v = plgpu.load(kv_ref.at[1, page, offset, kv_head, d], mask=cols(in_range[:, None]), other=0.0)
-        k = common.dequantize(k, None, q.dtype)  # fp8 scales fold into sm_scale and the output
-        v = common.dequantize(v, None, q.dtype)
-        if masked:  # rows of a masked tile share p @ v: keep a value's NaN from rows that do not see it
-            k, v = common.route_nonfinite_values(k, v)
-        dims = (((1,), (1,)), ((), ()))
-        s = jax.lax.dot_general(q, k, dims, precision=precision, preferred_element_type=jnp.float32)  # f32[rows, tile]
+        if fp8:
+            v = plgpu.load(kv_ref.at[1, page[:, None], offset[:, None], kv_head, d], mask=cols(in_range[:, None]),
+                           other=0.0)  # fmt: skip
+            s, v = fp8_scores(page, offset, in_range, v, masked)
+        else:
+            page, offset = page[:, None], offset[:, None]
+            k = plgpu.load(kv_ref.at[0, page, offset, kv_head, d], mask=cols(in_range[:, None]), other=0.0)
+            v = plgpu.load(kv_ref.at[1, page, offset, kv_head, d], mask=cols(in_range[:, None]), other=0.0)
+            k = common.dequantize(k, None, q.dtype)  # fp8 scales fold into sm_scale and the output
+            v = common.dequantize(v, None, q.dtype)
+            if masked:  # rows of a masked tile share p @ v: keep a value's NaN from rows that do not see it
+                k, v = common.route_nonfinite_values(k, v)
+            dims = (((1,), (1,)), ((), ()))
+            s = jax.lax.dot_general(q, k, dims, precision=precision, preferred_element_type=jnp.float32)
+        # s f32[rows, tile]
         s = common.transform_scores(
             s, q_pos, j[None, :], sm_scale=sm_scale * k_scale, soft_cap=soft_cap, alibi_slopes=slopes
         )
@@ -211,7 +242,7 @@ def _kernel(
             visible = common.visible_mask(
                 q_pos, j[None, :], hi, causal=causal, sliding_window=sliding_window, row_valid=row_valid[:, None]
             )
-        return common.online_softmax_update(state, s, visible, v, precision=precision)
+        return common.online_softmax_update(state, s, visible, v, precision=precision, p_scale=p_scale)
 
     # Tiles every row sees whole (inside the window, before the diagonal, below kv_len) skip
     # the mask; the tiles at the window's edge, the diagonal and kv_len apply it. Rows that
@@ -270,6 +301,7 @@ def ragged_paged_attention(
     schedule=None,  # i32[5, NB] from gpu_schedule (the builder's); derived here when None
     out_init=None,  # f[T, Hq, D] | None: rows another kernel wrote; this launch writes only its schedule's rows
     return_lse: bool = False,
+    q_scale=None,  # f32[] | None: FP8 attention (an e4m3 cache), as the reference's
 ):
     """The reference op's contract (``reference.ragged_paged_attention``) as a Pallas GPU kernel.
 
@@ -283,6 +315,10 @@ def ragged_paged_attention(
     ``schedule`` of the rows it left over) the kernel writes its rows into that buffer in
     place. Compiled, new keys and values are written by ``write_new_kv``.
 
+    With ``q_scale`` (FP8 attention, the reference's semantics) each program quantises its
+    q-block to e4m3 as it loads it, so both dots are e4m3 x e4m3 with float32 accumulation
+    (``tl.dot`` on fp8 operands: FP8 wgmma on Hopper, sm_89+ elsewhere).
+
     Example::
 
         out, kv_cache = ragged_paged_attention(
@@ -294,7 +330,7 @@ def ragged_paged_attention(
     block_sizes = validate_inputs(
         q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, sm_scale=sm_scale, causal=causal,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks,
-        block_sizes=block_sizes,
+        block_sizes=block_sizes, q_scale=q_scale,
     )  # fmt: skip
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
@@ -318,7 +354,7 @@ def ragged_paged_attention(
         )
     out, lse = _attend(
         q, kv_cache, jnp.asarray(schedule, jnp.int32), jnp.asarray(block_tables),
-        alibi_slopes, sinks, k_scale, v_scale, out_init,
+        alibi_slopes, sinks, k_scale, v_scale, out_init, q_scale,
         sm_scale=float(sm_scale), causal=causal, sliding_window=sliding_window,
         soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret, return_lse=return_lse,
     )  # fmt: skip
@@ -334,14 +370,14 @@ def log_sum_exp(m, denom):
 
 def validate_inputs(
     q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, *, sm_scale, causal,
-    sliding_window, logits_soft_cap, alibi_slopes, sinks, block_sizes: GpuBlockSizes | None,
+    sliding_window, logits_soft_cap, alibi_slopes, sinks, block_sizes: GpuBlockSizes | None, q_scale=None,
 ) -> GpuBlockSizes:  # fmt: skip
     """The op's static checks, its dynamic ones when the metadata is concrete, and the GPU
     kernel's shape limits; returns ``block_sizes`` (or the defaults for these shapes) checked."""
     static_validate_inputs(
         q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
         sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        alibi_slopes=alibi_slopes, sinks=sinks,
+        alibi_slopes=alibi_slopes, sinks=sinks, q_scale=q_scale,
     )  # fmt: skip
     num_tokens, num_q_heads, head_size = q.shape
     _, num_blocks, page_size, num_kv_heads, _ = kv_cache.shape
@@ -387,7 +423,7 @@ def check_gpu_shapes(*, head_size: int, page_size: int) -> None:
     jax.jit,
     static_argnames=("sm_scale", "causal", "sliding_window", "soft_cap", "block_sizes", "interpret", "return_lse"),
 )
-def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v_scale, out_init, *,
+def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v_scale, out_init, q_scale=None, *,
             sm_scale, causal, sliding_window, soft_cap, block_sizes, interpret, return_lse=False):  # fmt: skip
     """(out f[T, Hq, D], lse f32[T, Hq] or None)."""
     num_tokens, num_q_heads, head_size = q.shape
@@ -395,8 +431,7 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
     group = num_q_heads // num_kv_heads
     splits = block_sizes.num_kv_splits
     scales = jnp.stack([
-        jnp.float32(1.0) if k_scale is None else jnp.asarray(k_scale, jnp.float32).reshape(()),
-        jnp.float32(1.0) if v_scale is None else jnp.asarray(v_scale, jnp.float32).reshape(()),
+        jnp.float32(1.0) if x is None else jnp.asarray(x, jnp.float32).reshape(()) for x in (k_scale, v_scale, q_scale)
     ])  # fmt: skip
     inputs = [schedule, block_tables, q, kv_cache, scales]
     if alibi_slopes is not None:
@@ -424,7 +459,7 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
         has_alibi=alibi_slopes is not None, has_sinks=sinks is not None, group=group,
         block_q=block_sizes.block_q, group_pad=next_pow2(group),
         tile=block_sizes.tile(kv_cache.shape[2]), num_kv_splits=splits, spare_row=interpret,
-        has_out_init=out_init is not None, has_lse=return_lse,
+        has_out_init=out_init is not None, has_lse=return_lse, fp8=q_scale is not None,
     )  # fmt: skip
     result = pl.pallas_call(
         kernel,

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn_jax.kv_cache import dequantize_from_cache, write_to_kv_cache
-from attn_jax.ops.ragged_paged_attention.common import normalize
+from attn_jax.ops.ragged_paged_attention.common import FP8_P_SCALE, normalize, quantize_fp8
 from attn_jax.ops.ragged_paged_attention.validate import (
     dynamic_validate_inputs,
     is_concrete,
@@ -42,6 +42,7 @@ def ragged_paged_attention(
     k_scale=None,  # f32[] | None: fp8 caches store k / k_scale
     v_scale=None,  # f32[] | None
     return_lse: bool = False,
+    q_scale=None,  # f32[] | None: FP8 attention (an e4m3 cache): q enters the dots as e4m3 q / q_scale
 ):
     """Writes new k/v into the paged cache, then attends. Returns (out, kv_cache), or
     (out, kv_cache, lse) with ``return_lse``: lse f32[T, Hq] is the natural log of each
@@ -62,6 +63,12 @@ def ragged_paged_attention(
     NaN or inf in a request's own q, k or v reaches exactly the rows that see it.
     Softmax and accumulation run in float32; ``out`` has q's dtype and shape.
 
+    FP8 attention (``q_scale`` given; the cache must be float8_e4m3fn): q is quantised per
+    tensor to e4m3 (``q / q_scale``, saturating), ``q.k`` is an e4m3 x e4m3 dot accumulated in
+    float32 and scaled by ``q_scale * k_scale``, and the softmax weights are quantised to
+    e4m3 as ``p * FP8_P_SCALE`` for the ``p @ v`` dot (float32 accumulation, the denominator
+    from the float32 weights), as FlashAttention-3's FP8 path does; ``out`` keeps q's dtype.
+
     Example::
 
         out, kv_cache = ragged_paged_attention(
@@ -71,7 +78,7 @@ def ragged_paged_attention(
     static_validate_inputs(
         q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
         sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        alibi_slopes=alibi_slopes, sinks=sinks,
+        alibi_slopes=alibi_slopes, sinks=sinks, q_scale=q_scale,
     )  # fmt: skip
     _, num_blocks, block_size, _, _ = kv_cache.shape
     if is_concrete(query_start_loc, seq_lens, block_tables, slot_mapping):
@@ -85,14 +92,14 @@ def ragged_paged_attention(
         q, kv_cache, jnp.asarray(query_start_loc), jnp.asarray(seq_lens), jnp.asarray(block_tables),
         sm_scale=sm_scale, causal=causal, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks,
-        k_scale=k_scale, v_scale=v_scale,
+        k_scale=k_scale, v_scale=v_scale, q_scale=q_scale,
     )  # fmt: skip
     return (out, kv_cache, lse) if return_lse else (out, kv_cache)
 
 
 def _attend(
     q, kv_cache, query_start_loc, seq_lens, block_tables, *,
-    sm_scale, causal, sliding_window, logits_soft_cap, alibi_slopes, sinks, k_scale, v_scale,
+    sm_scale, causal, sliding_window, logits_soft_cap, alibi_slopes, sinks, k_scale, v_scale, q_scale=None,
 ):  # fmt: skip
     num_tokens, num_q_heads, head_size = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
@@ -111,11 +118,18 @@ def _attend(
     pages = jnp.clip(block_tables, 0, num_blocks - 1)  # unused entries may hold anything
     slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32)
     sink_logits = None if sinks is None else jnp.asarray(sinks, jnp.float32)
+    fp8 = q_scale is not None
+    if fp8:  # the dots see the e4m3 entries; the scales multiply their f32 results
+        s_scale = sm_scale * _scale(q_scale) * _scale(k_scale)
+        o_scale = _scale(v_scale) / FP8_P_SCALE
+    out_dtype = q.dtype
+    if fp8:
+        q = quantize_fp8(q, 1.0 / _scale(q_scale))  # e4m3[T, Hq, D]
 
     def one_row(args):
         q_row, r, p, real = args  # f[Hq, D], i32[], i32[], bool[]
-        keys = dequantize_from_cache(kv_cache[0, pages[r]], k_scale, jnp.float32)
-        values = dequantize_from_cache(kv_cache[1, pages[r]], v_scale, jnp.float32)
+        keys = dequantize_from_cache(kv_cache[0, pages[r]], None if fp8 else k_scale, jnp.float32)
+        values = dequantize_from_cache(kv_cache[1, pages[r]], None if fp8 else v_scale, jnp.float32)
         keys = keys.reshape(max_kv_len, num_kv_heads, head_size)  # f32[L, Hkv, D]
         values = values.reshape(max_kv_len, num_kv_heads, head_size)
 
@@ -128,7 +142,7 @@ def _attend(
 
         qg = q_row.astype(jnp.float32).reshape(num_kv_heads, group, head_size)
         s = jnp.einsum("kgd,lkd->kgl", qg, keys, precision=jax.lax.Precision.HIGHEST)
-        s = s.reshape(num_q_heads, max_kv_len) * sm_scale  # f32[Hq, L]
+        s = s.reshape(num_q_heads, max_kv_len) * (s_scale if fp8 else sm_scale)  # f32[Hq, L]
         if logits_soft_cap is not None:
             s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
         if slopes is not None:
@@ -145,12 +159,21 @@ def _attend(
             denom = denom + jnp.exp(sink_logits - m)
         values = jnp.where(visible[:, None, None], values, 0.0)  # masked NaNs must not leak
         wg = weights.reshape(num_kv_heads, group, max_kv_len)
+        if fp8:  # e4m3 weights, scaled into e4m3's normal range (exact: 0 stays 0)
+            wg = quantize_fp8(wg, FP8_P_SCALE).astype(jnp.float32)
         o = jnp.einsum("kgl,lkd->kgd", wg, values, precision=jax.lax.Precision.HIGHEST)
         o = o.reshape(num_q_heads, head_size)
+        if fp8:
+            o = o * o_scale
         o = normalize(o, denom[:, None])  # NaN from a visible q, k or v stays NaN
         lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
-        return o.astype(q.dtype), lse
+        return o.astype(out_dtype), lse
 
     per_row = 2 * max_kv_len * num_kv_heads * head_size
     batch = int(np.clip(_GATHER_BUDGET // max(per_row, 1), 1, max(num_tokens, 1)))
     return jax.lax.map(one_row, (q, req, pos, is_real_row), batch_size=batch)
+
+
+def _scale(scale):
+    """A per-tensor scale (None = 1.0) as f32[]."""
+    return jnp.float32(1.0) if scale is None else jnp.asarray(scale, jnp.float32).reshape(())

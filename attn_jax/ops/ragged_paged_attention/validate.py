@@ -61,6 +61,25 @@ def check_query(q) -> None:
         raise ValueError(f"q.shape={tuple(q.shape)} must be [num_tokens, num_q_heads, head_size]")
 
 
+FP8_QUERY_CACHE_DTYPE = np.dtype(jnp.float8_e4m3fn)
+"""The one cache dtype FP8 attention (``q_scale`` given) runs against: its dots take e4m3 on both sides."""
+
+
+def check_fp8_query(q_scale, kv_cache) -> None:
+    """FP8 attention (``q_scale`` not None) needs an e4m3 cache and a scalar scale; ValueError otherwise."""
+    if q_scale is None:
+        return
+    if np.dtype(kv_cache.dtype) != FP8_QUERY_CACHE_DTYPE:
+        raise ValueError(
+            f"q_scale is given (FP8 attention: the query quantised to e4m3 for fp8 x fp8 dots) but "
+            f"kv_cache.dtype={np.dtype(kv_cache.dtype)}; FP8 attention needs kv_cache.dtype={FP8_QUERY_CACHE_DTYPE} "
+            "(kv_cache_dtype 'fp8' or 'fp8_e4m3'), or q_scale=None to attend in the query's dtype"
+        )
+    size = int(np.prod(np.shape(q_scale)))
+    if size != 1:
+        raise ValueError(f"q_scale has shape {tuple(np.shape(q_scale))}; it must be a scalar (one per-tensor scale)")
+
+
 def static_validate_inputs(
     q,
     k,
@@ -76,6 +95,7 @@ def static_validate_inputs(
     logits_soft_cap: float | None = None,
     alibi_slopes=None,
     sinks=None,
+    q_scale=None,
 ) -> None:
     """Checks shapes, dtypes and options; raises ValueError / TypeError naming the bad value."""
     check_query(q)
@@ -93,6 +113,7 @@ def static_validate_inputs(
             "[2, num_blocks, block_size, num_kv_heads, head_size] (k at [0], v at [1])"
         )
     _check_dtype("kv_cache", kv_cache, CACHE_STORAGE_DTYPES)
+    check_fp8_query(q_scale, kv_cache)
     _, _, _, num_kv_heads, cache_head_size = kv_cache.shape
     if cache_head_size != head_size:
         raise ValueError(f"kv_cache head_size={cache_head_size} must equal q head_size={head_size}")
