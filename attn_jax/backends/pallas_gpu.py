@@ -253,8 +253,10 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         cascade = self.cascade_prefix_len(common_prefix_len)
         return md if cascade is None else dataclasses.replace(md, cascade_prefix_len=cascade)
 
-    def build_for_jit(self, common_attn_metadata, step_query_lens=None):
-        return self._build(common_attn_metadata, step_query_lens)
+    def build_for_jit(self, common_attn_metadata, step_query_lens=None, common_prefix_len=0):
+        md = self._build(common_attn_metadata, step_query_lens)
+        cascade = self.cascade_prefix_len(common_prefix_len)
+        return md if cascade is None else dataclasses.replace(md, cascade_prefix_len=cascade)
 
     def advance_decode(self, metadata, steps, active):
         """The XLA builder's move, plus each real q-block's first position and KV length
