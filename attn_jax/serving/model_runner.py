@@ -145,15 +145,11 @@ class ModelRunner:
         config = self.cascade
         if not config.enabled:
             return [0] * len(batches)
+        thresholds = dict(min_prefix_len=config.min_prefix_len, min_requests=config.min_requests)
         lens = []
         for batch, blocks in zip(batches, num_common_blocks, strict=True):
             prefix = common_prefix_len(blocks, self.block_size, [r.num_computed for r in batch.requests])
-            lens.append(
-                self.attention_group.cascade_prefix_len(
-                    prefix, np.asarray(batch.num_new, np.int32), min_prefix_len=config.min_prefix_len,
-                    min_requests=config.min_requests,
-                )  # fmt: skip
-            )
+            lens.append(self.attention_group.cascade_prefix_len(prefix, batch.num_new, **thresholds))
         return lens if all(lens) else [0] * len(batches)
 
     def _host_inputs(
