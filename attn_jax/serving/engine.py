@@ -294,10 +294,10 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
 
-        self.cascade_attention = CascadeConfig.of(cascade_attention)
         self.runner = ModelRunner(
-            model, params, num_blocks=self.num_blocks, buckets=buckets, mesh=mesh, cascade=self.cascade_attention
-        )
+            model, params, num_blocks=self.num_blocks, buckets=buckets, mesh=mesh,
+            cascade=CascadeConfig.of(cascade_attention),
+        )  # fmt: skip
         self.num_shards = self.runner.num_shards
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.schedulers = [
@@ -336,6 +336,16 @@ class Engine:
     @kv_caches.setter
     def kv_caches(self, caches) -> None:
         self.runner.kv_caches = caches
+
+    @property
+    def cascade_attention(self) -> CascadeConfig:
+        """When cascade attention may run (``CascadeConfig``); settable between steps (a bool
+        or a config), e.g. to compare with and without it on one engine's compiled steps."""
+        return self.runner.cascade
+
+    @cascade_attention.setter
+    def cascade_attention(self, setting: CascadeConfig | bool) -> None:
+        self.runner.cascade = CascadeConfig.of(setting)
 
     @property
     def num_compilations(self) -> int:
