@@ -53,7 +53,10 @@ class PallasKernelImpl(XLAAttentionImpl):
                 f"{builder}MetadataBuilder.build (the Attention layer builds it from CommonAttentionMetadata)"
             )
         if getattr(md, "cascade_prefix_len", None) is not None:  # both parts on this kernel, its own blocks
-            return self.cascade(query, key, value, kv_cache, md, self.op, k_scale, v_scale, interpret=self.interpret)
+            return self.cascade(
+                query, key, value, kv_cache, md, self.op, k_scale, v_scale, interpret=self.interpret,
+                **self.cascade_kwargs(md),
+            )  # fmt: skip
         return self.op(
             query, key, value, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.slot_mapping,
             sm_scale=self.scale, causal=self.attn_type.is_causal, sliding_window=self.sliding_window,
@@ -64,4 +67,9 @@ class PallasKernelImpl(XLAAttentionImpl):
 
     def kernel_kwargs(self, md) -> dict:
         """Further keyword arguments for the kernel from the metadata (none by default)."""
+        return {}
+
+    def cascade_kwargs(self, md) -> dict:
+        """Further keyword arguments for ``cascade_ragged_paged_attention`` from the metadata
+        (none by default)."""
         return {}
