@@ -12,17 +12,18 @@ defaults; bfloat16 on an accelerator, float32 on the CPU). Modes:
 - ``no-sharing off`` / ``no-sharing on``: the same shapes with every prompt unique, caching
   off and on (what caching costs where nothing is shared; target: no slowdown).
 
-One engine per caching setting (the ``on`` modes share one, switching
-``engine.cascade_attention``), so each mode's warm-up (the same workload on another random
-prefix; it compiles every bucket the measured run needs, then ``reset_prefix_cache``)
-compiles only what is new. Reported per mode: prompt tokens computed (the steps' tokens
-less the generated tokens fed back), prefix cache hits, calls with cascade attention, time
-to first token per request (from all requests queued to each first token read back: p50,
-p99, mean, max), the decode step's median time (a multi-step call's time over its steps),
-generated tokens/s over the run's wall time (``--repeats``: the fastest run's), and whether the greedy tokens equal mode
-``off``'s (bf16 on a GPU may flip near-ties between kernels: the fraction of equal tokens
-is given too). A JSON is written after every mode (``--out`` / ``--write``), so a run cut
-short keeps what it measured.
+Every mode pads its steps to the same few buckets (``_buckets``). One engine per caching
+setting (the ``on`` modes share one, switching ``engine.cascade_attention``), so each mode's
+warm-up (the same workload on another random prefix; it compiles every bucket the measured
+run needs, then ``reset_prefix_cache``) compiles only what is new. Reported per mode: prompt
+tokens computed (the steps' tokens less the generated tokens fed back), prefix cache hits,
+calls with cascade attention, time to first token per request (from all requests queued to
+each first token read back: p50, p99, mean, max), the decode step's median time (a multi-
+step call's time over its steps), generated tokens/s over the run's wall time
+(``--repeats``: the fastest run's), and whether the greedy tokens equal mode ``off``'s (bf16
+on a GPU may flip near-ties between kernels: the fraction of equal tokens is given too). A
+JSON is written after every mode (``--out`` / ``--write``), so a run cut short keeps what it
+measured.
 
     python benchmarks/prefix_cache.py --out /tmp/s1.json                    # S1, the default device
     JAX_PLATFORMS=cpu python benchmarks/prefix_cache.py --model tiny --requests 8 --prefix-len 256 \\
@@ -71,6 +72,18 @@ def _prompts(args, vocab: int, seed: int, shared: bool) -> list[list[int]]:
         head = prefix if shared else rng.integers(2, vocab, args.prefix_len).tolist()
         out.append(head + rng.integers(2, vocab, args.unique_len).tolist())
     return out
+
+
+def _buckets(args, pages: int):
+    """Few shapes, so few compilations (the same for every mode): every step padded to all
+    the requests and their longest block table; tokens from the requests (a decode step) up
+    by fours to the step's budget."""
+    from attn_jax.metadata import MetadataBuckets
+
+    tokens = [min(args.requests, args.max_num_batched_tokens)]
+    while tokens[-1] < args.max_num_batched_tokens:
+        tokens.append(min(4 * tokens[-1], args.max_num_batched_tokens))
+    return MetadataBuckets(tuple(tokens), (args.requests,), (pages,))
 
 
 def _measure(engine, prompts: list[list[int]], params) -> dict:
@@ -163,6 +176,7 @@ def run(args, path) -> dict:
     # Every request at its longest, with no sharing, plus the warm-up's cached pages' worth.
     num_blocks = args.requests * pages + pages
     cascade = CascadeConfig(min_prefix_len=args.cascade_min_prefix, min_requests=args.cascade_min_requests)
+    buckets = _buckets(args, pages)
     result = {
         "workload": {
             "name": "S1" if (args.requests, args.prefix_len, args.unique_len, args.new_tokens) == (64, 2048, 64, 128)
@@ -171,6 +185,7 @@ def run(args, path) -> dict:
             "unique_len": args.unique_len, "new_tokens": args.new_tokens, "block_size": args.block_size,
             "max_num_batched_tokens": args.max_num_batched_tokens, "num_scheduler_steps": args.num_scheduler_steps,
             "num_blocks": num_blocks, "greedy": True, "weights": "random",
+            "token_buckets": list(buckets.token_buckets),
             "cascade_min_prefix_len": args.cascade_min_prefix, "cascade_min_requests": args.cascade_min_requests,
             "prompt_tokens_if_prefix_computed_once": args.prefix_len + args.requests * args.unique_len,
         },
@@ -195,7 +210,7 @@ def run(args, path) -> dict:
             engines[caching] = Engine(
                 model, params, enable_prefix_caching=caching, max_num_seqs=args.requests,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len, num_blocks=num_blocks,
-                num_scheduler_steps=args.num_scheduler_steps, cascade_attention=cascade,
+                num_scheduler_steps=args.num_scheduler_steps, cascade_attention=cascade, buckets=buckets,
             )  # fmt: skip
             result["backend"] = model.attn_backend.get_name()
         return engines[caching]
