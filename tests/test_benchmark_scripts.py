@@ -10,6 +10,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if "__main__" in p.read_text())
 COMMITTED = [ROOT / "benchmarks" / "results", ROOT / "attn_jax" / "ops" / "ragged_paged_attention" / "tuned"]
@@ -60,3 +62,22 @@ def test_a_run_without_write_writes_nothing(tmp_path):
 def test_write_and_out_are_exclusive():
     result = _run(ROOT / "benchmarks" / "metadata_build.py", "--write", "--out", "x.json")
     assert result.returncode == 2 and "not allowed with argument" in result.stderr
+
+
+@pytest.mark.slow
+def test_prefix_cache_benchmark_runs_s1_small_on_the_cpu(tmp_path):
+    """benchmarks/prefix_cache.py at a tiny size, cascade thresholds lowered: the prefix is
+    computed once with caching on, cascade runs, the tokens agree, and the JSON says so."""
+    out = tmp_path / "s1.json"
+    result = _run(
+        ROOT / "benchmarks" / "prefix_cache.py", "--model", "tiny", "--requests", "4", "--prefix-len", "64",
+        "--unique-len", "8", "--new-tokens", "4", "--max-num-batched-tokens", "128", "--cascade-min-prefix", "16",
+        "--cascade-min-requests", "2", "--num-scheduler-steps", "1", "--modes", "off", "on+cascade", "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    off, cascade = data["results"]["off"], data["results"]["on+cascade"]
+    assert off["prompt_tokens_computed"] == 4 * 72 and cascade["prompt_tokens_computed"] == 64 + 4 * 8
+    assert cascade["cascade_calls"] > 0 and cascade["cascade_prefix_len_max"] == 64
+    assert cascade["greedy_tokens_identical_to_off"]
+    assert "on+cascade" in result.stdout and "TTFT p50" in result.stdout
