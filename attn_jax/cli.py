@@ -83,6 +83,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
             causal=AttentionType(args.attn_type).is_causal, has_sink=args.has_sink,
         ):  # fmt: skip
             print(f"  {line}")
+    print()
+    print(f"cascade attention ({report.chosen.name}): {report.chosen.get_class().get_builder_cls().cascade_summary()}")
     return 0
 
 

@@ -283,6 +283,11 @@ class AttentionMetadataBuilder[M](abc.ABC):
         benchmarks); a builder without cascade attention says False."""
         return False
 
+    @classmethod
+    def cascade_summary(cls) -> str:
+        """When this builder runs cascade attention, in words (``attn-stack info``)."""
+        return "never (this backend's builder has no cascade attention)"
+
     def reorder_batch(self, input_batch, scheduler_output) -> bool:
         """Reorders the batch if the backend wants to; returns whether it did."""
         return False

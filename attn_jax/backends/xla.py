@@ -103,6 +103,17 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
         pages = int(common_prefix_len) // self.kv_cache_spec.block_size
         return np.int32(pages * self.kv_cache_spec.block_size) if pages else None
 
+    @classmethod
+    def cascade_summary(cls) -> str:
+        if not cls.supports_cascade:
+            return "never (this backend's kernel returns no log-sum-exp yet)"
+        return (
+            f"when the running batch shares >= {cls.CASCADE_MIN_PREFIX} tokens (whole pages held by every "
+            f"request through the prefix cache, before all its new tokens) over >= {cls.CASCADE_MIN_REQUESTS} "
+            "requests, without ALiBi, sliding window or chunked attention: the prefix is read once for the "
+            "batch and merged by log-sum-exp (the engine's CascadeConfig may lower the thresholds)"
+        )
+
     def use_cascade_attention(
         self, common_prefix_len, query_lens, num_query_heads, num_kv_heads, use_alibi, use_sliding_window, num_sms,
         *, min_prefix_len=None, min_requests=None,
