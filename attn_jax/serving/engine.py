@@ -299,14 +299,14 @@ class Engine:
             cascade=CascadeConfig.of(cascade_attention),
         )  # fmt: skip
         self.num_shards = self.runner.num_shards
-        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self._enable_prefix_caching = bool(enable_prefix_caching)
         self.schedulers = [
             Scheduler(
                 BlockAllocator(self.num_blocks),
                 self.block_size,
                 max_num_seqs,
                 max_num_batched_tokens,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=self._enable_prefix_caching,
             )  # fmt: skip
             for _ in range(self.num_shards)
         ]
@@ -336,6 +336,24 @@ class Engine:
     @kv_caches.setter
     def kv_caches(self, caches) -> None:
         self.runner.kv_caches = caches
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        """Whether automatic prefix caching is on; settable while no request is live (e.g. to
+        compare both settings on one engine's compiled steps): turning it off empties the cache."""
+        return self._enable_prefix_caching
+
+    @enable_prefix_caching.setter
+    def enable_prefix_caching(self, on: bool) -> None:
+        if self._requests:
+            raise ValueError(
+                f"enable_prefix_caching can change only while no request is live ({len(self._requests)} are)"
+            )
+        if not on:
+            self.reset_prefix_cache()
+        for scheduler in self.schedulers:
+            scheduler.kv_cache_manager.enable_caching = bool(on)
+        self._enable_prefix_caching = bool(on)
 
     @property
     def cascade_attention(self) -> CascadeConfig:

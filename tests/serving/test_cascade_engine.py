@@ -150,3 +150,18 @@ def test_a_new_prefix_length_compiles_nothing_and_cascade_can_be_turned_off(casc
     assert all(s.cascade_prefix_len == 0 for s in engine.stats[first:])
     assert engine.cascade_attention == CascadeConfig(enabled=False)
     engine.cascade_attention = FORCED
+
+
+def test_prefix_caching_switches_only_while_idle(cascade_engine, uncached_tokens):
+    engine = cascade_engine
+    engine.enable_prefix_caching = False
+    first = len(engine.stats)
+    assert [c.output_ids for c in engine.generate(_prompts(64, 72), GREEDY)] == uncached_tokens
+    assert sum(s.num_cached_tokens for s in engine.stats[first:]) == 0
+    engine.add_request(_prompts(64, 72)[0], GREEDY)
+    with pytest.raises(ValueError, match="enable_prefix_caching can change only while no request is live"):
+        engine.enable_prefix_caching = True
+    for _ in engine.stream():
+        pass
+    engine.enable_prefix_caching = True
+    assert engine.enable_prefix_caching and all(s.enable_prefix_caching for s in engine.schedulers)
