@@ -165,3 +165,37 @@ def test_prefix_caching_switches_only_while_idle(cascade_engine, uncached_tokens
         pass
     engine.enable_prefix_caching = True
     assert engine.enable_prefix_caching and all(s.enable_prefix_caching for s in engine.schedulers)
+
+
+@pytest.mark.gpu
+def test_cascade_compiled_on_a_gpu_gives_the_uncached_tokens():
+    """PALLAS_GPU compiled: 8 requests sharing 1024 tokens, cascade by the builder's own
+    thresholds (its prefix part's KV range split 4 ways in the decodes), the same greedy
+    tokens as with caching off."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    from attn_jax.registry import AttentionBackendEnum
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=8, num_kv_heads=2,
+        head_dim=64, max_position_embeddings=2048,
+    )  # fmt: skip
+    params = init_params(config, seed=5)
+    prompts = _prompts(1024, 1040, n=8, seed=4)
+    backend = AttentionBackendEnum.PALLAS_GPU.get_class()
+
+    def run(caching: bool):
+        engine = Engine(
+            LlamaModel(config, block_size=PAGE, attn_backend=backend), params, enable_prefix_caching=caching,
+            cascade_attention=caching, max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=1056,
+            num_scheduler_steps=4,
+        )  # fmt: skip
+        outputs = engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        return [c.output_ids for c in outputs], engine
+
+    reference, _ = run(False)
+    tokens, engine = run(True)
+    assert tokens == reference
+    assert engine.totals.cascade_steps > 0 and {s.cascade_prefix_len for s in engine.stats} == {0, 1024}
