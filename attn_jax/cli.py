@@ -85,6 +85,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
             **({"query_quant": True} if args.query_quant else {}),
         ):  # fmt: skip
             print(f"  {line}")
+    print()
+    print(f"cascade attention ({report.chosen.name}): {report.chosen.get_class().get_builder_cls().cascade_summary()}")
     return 0
 
 

@@ -76,3 +76,22 @@ def test_attention_fp8_runs_tiny_on_the_cpu_within_its_bound(tmp_path):
     assert fp8["layer"] == "fp8_attention" and fp8["within_bound"], fp8
     assert 0 < fp8["rel_l2_vs_quantized_oracle"] <= fp8["bound"] == 3e-2
     assert bf16["rel_l2_vs_unquantized_oracle"] < 1e-2, bf16
+
+
+@pytest.mark.slow
+def test_prefix_cache_benchmark_runs_s1_small_on_the_cpu(tmp_path):
+    """benchmarks/prefix_cache.py at a tiny size, cascade thresholds lowered: the prefix is
+    computed once with caching on, cascade runs, the tokens agree, and the JSON says so."""
+    out = tmp_path / "s1.json"
+    result = _run(
+        ROOT / "benchmarks" / "prefix_cache.py", "--model", "tiny", "--requests", "4", "--prefix-len", "64",
+        "--unique-len", "8", "--new-tokens", "4", "--max-num-batched-tokens", "128", "--cascade-min-prefix", "16",
+        "--cascade-min-requests", "2", "--num-scheduler-steps", "1", "--modes", "off", "on+cascade", "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    off, cascade = data["results"]["off"], data["results"]["on+cascade"]
+    assert off["prompt_tokens_computed"] == 4 * 72 and cascade["prompt_tokens_computed"] == 64 + 4 * 8
+    assert cascade["cascade_calls"] > 0 and cascade["cascade_prefix_len_max"] == 64
+    assert cascade["greedy_tokens_identical_to_off"]
+    assert "on+cascade" in result.stdout and "TTFT p50" in result.stdout

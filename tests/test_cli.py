@@ -42,6 +42,16 @@ def test_info_says_which_kernel_serves_which_batches(capsys, monkeypatch):
     assert "PALLAS_GPU kernels on this device:" in out
     assert "decode and mixed batches: one Triton-lowered Pallas launch (pallas_triton)" in out
     assert "prefill batches: the Triton kernel" in out
+    assert "cascade attention (PALLAS_GPU): when the running batch shares >= 256 tokens" in out
+    assert "over >= 8 requests, without ALiBi, sliding window or chunked attention" in out
+
+
+def test_info_says_a_tpu_builder_never_runs_cascade(capsys, monkeypatch):
+    monkeypatch.setenv("ATTN_STACK_BACKEND", "PALLAS_TPU")
+    assert main(["info"]) == 0
+    assert "cascade attention (PALLAS_TPU): never (this backend's kernel returns no log-sum-exp yet)" in (
+        capsys.readouterr().out
+    )
 
 
 def test_info_other_request(capsys):

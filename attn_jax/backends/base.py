@@ -252,15 +252,19 @@ class AttentionMetadataBuilder[M](abc.ABC):
     ) -> M:
         """Central method that builds attention metadata for one batch."""
 
-    def build_for_jit(self, common_attn_metadata: CommonAttentionMetadata, step_query_lens=None) -> M:
+    def build_for_jit(
+        self, common_attn_metadata: CommonAttentionMetadata, step_query_lens=None, common_prefix_len: int = 0
+    ) -> M:
         """Metadata with static shapes for tracing a jitted step (vLLM's CUDA-graph capture).
 
         ``step_query_lens`` (i32[N], optional): the query lengths of the whole step when it
         runs several data shards, each built separately. A backend makes its static choices
         (block sizes, schedule widths) from them instead of from this batch alone, so every
         shard's metadata has one structure; default: this batch's own.
+        ``common_prefix_len``: as ``build``'s (tokens every request shares, for cascade
+        attention; 0: none), given only when ``use_cascade_attention`` said yes.
         """
-        return self.build(common_prefix_len=0, common_attn_metadata=common_attn_metadata)
+        return self.build(common_prefix_len=common_prefix_len, common_attn_metadata=common_attn_metadata)
 
     @property
     def supports_decode_advance(self) -> bool:
@@ -287,8 +291,20 @@ class AttentionMetadataBuilder[M](abc.ABC):
         use_alibi: bool,
         use_sliding_window: bool,
         num_sms: int,
+        *,
+        min_prefix_len: int | None = None,
+        min_requests: int | None = None,
     ) -> bool:
+        """Whether cascade attention pays for a batch whose requests share
+        ``common_prefix_len`` tokens (vLLM's heuristic; ``query_lens`` i32[R]).
+        ``min_prefix_len`` / ``min_requests`` replace a builder's own thresholds (tests,
+        benchmarks); a builder without cascade attention says False."""
         return False
+
+    @classmethod
+    def cascade_summary(cls) -> str:
+        """When this builder runs cascade attention, in words (``attn-stack info``)."""
+        return "never (this backend's builder has no cascade attention)"
 
     def reorder_batch(self, input_batch, scheduler_output) -> bool:
         """Reorders the batch if the backend wants to; returns whether it did."""

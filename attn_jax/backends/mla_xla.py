@@ -123,8 +123,13 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
             prefill_q_block=next_pow2(int(qlens[prefills].max())) if prefills.size else 0,
         )  # fmt: skip
 
-    def build_for_jit(self, common_attn_metadata, step_query_lens=None) -> MLAMetadata:
-        """``build``: its shapes already depend only on the bucket and the parts present."""
+    def build_for_jit(self, common_attn_metadata, step_query_lens=None, common_prefix_len=0) -> MLAMetadata:
+        """``build``: its shapes already depend only on the bucket and the parts present.
+        No cascade attention (``use_cascade_attention`` says False): a shared prefix is refused."""
+        if common_prefix_len:
+            raise ValueError(
+                f"common_prefix_len={common_prefix_len}: {type(self).__name__} has no cascade attention; build with 0"
+            )
         return self.build(0, common_attn_metadata)
 
     @property

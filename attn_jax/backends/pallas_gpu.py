@@ -33,6 +33,7 @@ from attn_jax.backends.pallas import PallasKernelImpl
 from attn_jax.backends.xla import XLAAttentionBackend, XLAMetadataBuilder
 from attn_jax.ops.ragged_paged_attention import pallas_mosaic_gpu, pallas_triton
 from attn_jax.ops.ragged_paged_attention.config import (
+    H100_NUM_SMS,
     GpuBlockSizes,
     MgpuBlockSizes,
     gpu_batch_mode,
@@ -67,6 +68,9 @@ class PallasGPUAttentionMetadata:
     rest_schedule: Array | None = None  # i32[5, NB]
     mgpu_block_sizes: MgpuBlockSizes | None = dataclasses.field(default=None, metadata=dict(static=True))
     cascade_prefix_len: Array | None = None  # i32[]: as ``XLAAttentionMetadata``'s
+    # Cascade attention's prefix part (every row as one request over the prefix's pages): its
+    # blocks (``PallasGPUMetadataBuilder.cascade_block_sizes``); None: the kernel's defaults.
+    cascade_block_sizes: GpuBlockSizes | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def split_schedules(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, tile: int, xp=jnp):
@@ -279,12 +283,33 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         self.mgpu_prefill = mgpu_prefill and mgpu_prefill_available(device_kind) and not kv_cache_spec.query_quant
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        md = self._build(common_attn_metadata)
-        cascade = self.cascade_prefix_len(common_prefix_len)
-        return md if cascade is None else dataclasses.replace(md, cascade_prefix_len=cascade)
+        return self._with_cascade(self._build(common_attn_metadata), common_prefix_len)
 
-    def build_for_jit(self, common_attn_metadata, step_query_lens=None):
-        return self._build(common_attn_metadata, step_query_lens)
+    def build_for_jit(self, common_attn_metadata, step_query_lens=None, common_prefix_len=0):
+        return self._with_cascade(self._build(common_attn_metadata, step_query_lens), common_prefix_len)
+
+    def _with_cascade(self, md: PallasGPUAttentionMetadata, common_prefix_len) -> PallasGPUAttentionMetadata:
+        cascade = self.cascade_prefix_len(common_prefix_len)
+        if cascade is None:
+            return md
+        num_tokens, pages_per_req = md.slot_mapping.shape[0], md.block_tables.shape[1]
+        return dataclasses.replace(
+            md, cascade_prefix_len=cascade,
+            cascade_block_sizes=self.cascade_block_sizes(num_tokens=num_tokens, pages_per_req=pages_per_req),
+        )  # fmt: skip
+
+    def cascade_block_sizes(self, *, num_tokens: int, pages_per_req: int) -> GpuBlockSizes:
+        """Blocks for cascade attention's prefix part: the bucket's ``num_tokens`` rows as one
+        request over at most ``pages_per_req`` pages. A mixed batch's q-blocks (tuned entry or
+        heuristic), and unless the entry sets it, the KV range split (flash-decoding) while
+        the q-blocks times the KV heads do not fill twice the SMs and each split keeps at
+        least 4 tiles: a decode batch's prefix part is a few q-blocks over a long range."""
+        bs = self.block_choice(num_reqs=1, pages_per_req=pages_per_req, mode="mixed").block_sizes
+        if bs.num_kv_splits != 1:
+            return bs
+        programs = -(-num_tokens // bs.block_q) * self.kv_cache_spec.num_kv_heads
+        tiles = pages_per_req * self.kv_cache_spec.block_size // bs.tile(self.kv_cache_spec.block_size)
+        return dataclasses.replace(bs, num_kv_splits=max(1, min(2 * H100_NUM_SMS // programs, tiles // 4)))
 
     def advance_decode(self, metadata, steps, active):
         """The XLA builder's move, plus each real q-block's first position and KV length
@@ -354,6 +379,11 @@ class PallasGPUAttentionImpl(PallasKernelImpl):
         return dict(
             mgpu_schedule=md.mgpu_schedule, rest_schedule=md.rest_schedule, mgpu_block_sizes=md.mgpu_block_sizes
         )
+
+    def cascade_kwargs(self, md) -> dict:
+        if md.cascade_block_sizes is None:
+            return {}
+        return dict(prefix_kwargs=dict(block_sizes=md.cascade_block_sizes))
 
 
 class PallasGPUAttentionBackend(XLAAttentionBackend):

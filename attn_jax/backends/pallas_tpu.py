@@ -80,7 +80,8 @@ class PallasTPUMetadataBuilder(XLAMetadataBuilder):
         self.cascade_prefix_len(common_prefix_len)  # a shared prefix is an error here, not ignored
         return self._build(common_attn_metadata)
 
-    def build_for_jit(self, common_attn_metadata, step_query_lens=None):
+    def build_for_jit(self, common_attn_metadata, step_query_lens=None, common_prefix_len=0):
+        self.cascade_prefix_len(common_prefix_len)  # as in build: refused, not ignored
         return self._build(common_attn_metadata, step_query_lens)
 
     def _build(self, common_attn_metadata, step_query_lens=None) -> PallasTPUAttentionMetadata:

@@ -69,7 +69,9 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
     """Whether ``build`` honours ``common_prefix_len`` (its impl has a kernel with LSE)."""
 
     CASCADE_MIN_PREFIX = 256
+    """Fewest shared tokens for cascade attention (vLLM's 256)."""
     CASCADE_MIN_REQUESTS = 8
+    """Fewest requests in the batch for cascade attention (vLLM's 8)."""
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         md = common_attn_metadata
@@ -101,25 +103,41 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
         pages = int(common_prefix_len) // self.kv_cache_spec.block_size
         return np.int32(pages * self.kv_cache_spec.block_size) if pages else None
 
+    @classmethod
+    def cascade_summary(cls) -> str:
+        if not cls.supports_cascade:
+            return "never (this backend's kernel returns no log-sum-exp yet)"
+        return (
+            f"when the running batch shares >= {cls.CASCADE_MIN_PREFIX} tokens (whole pages held by every "
+            f"request through the prefix cache, before all its new tokens) over >= {cls.CASCADE_MIN_REQUESTS} "
+            "requests, without ALiBi, sliding window or chunked attention: the prefix is read once for the "
+            "batch and merged by log-sum-exp (the engine's CascadeConfig may lower the thresholds)"
+        )
+
     def use_cascade_attention(
-        self, common_prefix_len, query_lens, num_query_heads, num_kv_heads, use_alibi, use_sliding_window, num_sms
-    ) -> bool:
+        self, common_prefix_len, query_lens, num_query_heads, num_kv_heads, use_alibi, use_sliding_window, num_sms,
+        *, min_prefix_len=None, min_requests=None,
+    ) -> bool:  # fmt: skip
         """vLLM's first tests: a shared prefix of at least ``CASCADE_MIN_PREFIX`` tokens over
-        at least ``CASCADE_MIN_REQUESTS`` requests, no ALiBi, no sliding window, no chunked
-        attention, and a builder whose kernel returns LSE. (vLLM then weighs cascade against
-        flash-decoding's split-KV for decode batches; here cascade's saving, the prefix read
-        once instead of once per request, is taken whenever these hold.)"""
+        at least ``CASCADE_MIN_REQUESTS`` requests (or the thresholds given), no ALiBi, no
+        sliding window, no chunked attention, and a builder whose kernel returns LSE. (vLLM
+        then weighs cascade against flash-decoding's split-KV for decode batches; here
+        cascade's saving, the prefix read once instead of once per request, is taken
+        whenever these hold.)"""
+        min_prefix_len = self.CASCADE_MIN_PREFIX if min_prefix_len is None else min_prefix_len
+        min_requests = self.CASCADE_MIN_REQUESTS if min_requests is None else min_requests
         return (
             self.supports_cascade
-            and common_prefix_len >= self.CASCADE_MIN_PREFIX
-            and len(query_lens) >= self.CASCADE_MIN_REQUESTS
+            and common_prefix_len > 0
+            and common_prefix_len >= min_prefix_len
+            and len(query_lens) >= min_requests
             and not use_alibi
             and not use_sliding_window
             and self.kv_cache_spec.attention_chunk_size is None
         )
 
     def build_for_jit(
-        self, common_attn_metadata: CommonAttentionMetadata, step_query_lens=None
+        self, common_attn_metadata: CommonAttentionMetadata, step_query_lens=None, common_prefix_len: int = 0
     ) -> XLAAttentionMetadata:
         """Metadata for the dense per-request path, built on the host before ``jit``.
 
@@ -134,11 +152,12 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
           the power of two >= its longest prefill.
 
         Needs concrete (NumPy) metadata, ValueError otherwise. Chunked local attention keeps
-        the reference path (``build``).
+        the reference path (``build``), and so does cascade attention (``common_prefix_len``
+        > 0: both of its parts run the reference op; the dense schedule is the whole batch's).
         """
         md = common_attn_metadata
-        built = self.build(0, md)
-        if self.kv_cache_spec.attention_chunk_size is not None:
+        built = self.build(common_prefix_len, md)
+        if self.kv_cache_spec.attention_chunk_size is not None or built.cascade_prefix_len is not None:
             return built
         if not is_concrete(md.query_start_loc_cpu):
             raise ValueError(

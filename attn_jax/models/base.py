@@ -16,7 +16,8 @@ metadata per group.
 Example::
 
     group = model.attention_group
-    md = group.build_for_jit(common_md, step_query_lens=query_lens)   # on the host
+    prefix = group.cascade_prefix_len(common_prefix_len, query_lens)  # 0 unless cascade pays
+    md = group.build_for_jit(common_md, step_query_lens=query_lens, common_prefix_len=prefix)   # on the host
     logits, caches = model.step(params, caches, token_ids, positions, md, logits_rows)
 """
 
@@ -25,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 from attn_jax.backends.base import AttentionMetadataBuilder
 from attn_jax.metadata import CommonAttentionMetadata
@@ -39,16 +42,41 @@ class AttentionGroup:
       metadata_builder: the backend's builder for these layers.
       block_size: tokens per KV cache page.
       layer_names: the layers' names (vLLM's ``prefix``), for messages.
+      use_alibi: the layers add ALiBi biases (cascade attention then never runs).
     """
 
     backend: type
     metadata_builder: AttentionMetadataBuilder
     block_size: int
     layer_names: tuple[str, ...] = ()
+    use_alibi: bool = False
 
-    def build_for_jit(self, common_attn_metadata: CommonAttentionMetadata, step_query_lens=None):
-        """The backend's metadata with static shapes for one step (host side)."""
-        return self.metadata_builder.build_for_jit(common_attn_metadata, step_query_lens=step_query_lens)
+    def build_for_jit(
+        self, common_attn_metadata: CommonAttentionMetadata, step_query_lens=None, common_prefix_len: int = 0
+    ):
+        """The backend's metadata with static shapes for one step (host side); with
+        ``common_prefix_len`` > 0 (``cascade_prefix_len``'s) cascade attention's."""
+        return self.metadata_builder.build_for_jit(
+            common_attn_metadata, step_query_lens=step_query_lens, common_prefix_len=common_prefix_len
+        )
+
+    def cascade_prefix_len(
+        self, common_prefix_len: int, query_lens, *, min_prefix_len: int | None = None, min_requests: int | None = None
+    ) -> int:
+        """``common_prefix_len`` (tokens every request of the step shares, whole pages, before
+        all its query tokens) when the builder's ``use_cascade_attention`` says cascade pays
+        for the step's ``query_lens`` i32[R], else 0. The thresholds replace the builder's."""
+        if common_prefix_len <= 0:
+            return 0
+        builder = self.metadata_builder
+        spec = getattr(builder, "kv_cache_spec", None)
+        num_kv_heads = getattr(spec, "num_kv_heads", 1)
+        use = builder.use_cascade_attention(
+            common_prefix_len, np.asarray(query_lens), getattr(spec, "num_q_heads", None) or num_kv_heads,
+            num_kv_heads, self.use_alibi, getattr(spec, "sliding_window", None) is not None, 0,
+            min_prefix_len=min_prefix_len, min_requests=min_requests,
+        )  # fmt: skip
+        return int(common_prefix_len) if use else 0
 
     @property
     def supports_decode_advance(self) -> bool:

@@ -65,6 +65,7 @@ from attn_jax.models.base import ServingModel
 from attn_jax.models.llama import LlamaModel
 from attn_jax.ops.ragged_paged_attention.config import next_pow2
 from attn_jax.serving.block_allocator import BlockAllocator
+from attn_jax.serving.cascade import CascadeConfig
 from attn_jax.serving.detokenizer import IncrementalDetokenizer
 from attn_jax.serving.kv_cache_manager import PrefixCacheStats
 from attn_jax.serving.metrics import EngineTotals, StepStats, StepStatsLog
@@ -223,6 +224,11 @@ class Engine:
       enable_prefix_caching: automatic prefix caching (vLLM V1's, on by default): a
         request starts from the longest cached run of full blocks of its tokens
         (``serving/kv_cache_manager.py``); ``prefix_cache_stats`` counts the hits.
+      cascade_attention: a ``CascadeConfig`` or a bool (True: the default config; False:
+        off). Each step the pages every running request holds (shared through the prefix
+        cache) are offered to the attention group's builder, which runs cascade attention
+        (the shared prefix read once for the batch) when it pays (``serving/cascade.py``);
+        ``StepStats.cascade_prefix_len`` and ``totals.cascade_steps`` count it.
     """
 
     def __init__(
@@ -244,6 +250,7 @@ class Engine:
         max_finished_requests: int = MAX_FINISHED_REQUESTS,
         stats_window: int = STATS_WINDOW,
         enable_prefix_caching: bool = True,
+        cascade_attention: CascadeConfig | bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -287,16 +294,19 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
 
-        self.runner = ModelRunner(model, params, num_blocks=self.num_blocks, buckets=buckets, mesh=mesh)
+        self.runner = ModelRunner(
+            model, params, num_blocks=self.num_blocks, buckets=buckets, mesh=mesh,
+            cascade=CascadeConfig.of(cascade_attention),
+        )  # fmt: skip
         self.num_shards = self.runner.num_shards
-        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self._enable_prefix_caching = bool(enable_prefix_caching)
         self.schedulers = [
             Scheduler(
                 BlockAllocator(self.num_blocks),
                 self.block_size,
                 max_num_seqs,
                 max_num_batched_tokens,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=self._enable_prefix_caching,
             )  # fmt: skip
             for _ in range(self.num_shards)
         ]
@@ -326,6 +336,34 @@ class Engine:
     @kv_caches.setter
     def kv_caches(self, caches) -> None:
         self.runner.kv_caches = caches
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        """Whether automatic prefix caching is on; settable while no request is live (e.g. to
+        compare both settings on one engine's compiled steps): turning it off empties the cache."""
+        return self._enable_prefix_caching
+
+    @enable_prefix_caching.setter
+    def enable_prefix_caching(self, on: bool) -> None:
+        if self._requests:
+            raise ValueError(
+                f"enable_prefix_caching can change only while no request is live ({len(self._requests)} are)"
+            )
+        if not on:
+            self.reset_prefix_cache()
+        for scheduler in self.schedulers:
+            scheduler.kv_cache_manager.enable_caching = bool(on)
+        self._enable_prefix_caching = bool(on)
+
+    @property
+    def cascade_attention(self) -> CascadeConfig:
+        """When cascade attention may run (``CascadeConfig``); settable between steps (a bool
+        or a config), e.g. to compare with and without it on one engine's compiled steps."""
+        return self.runner.cascade
+
+    @cascade_attention.setter
+    def cascade_attention(self, setting: CascadeConfig | bool) -> None:
+        self.runner.cascade = CascadeConfig.of(setting)
 
     @property
     def num_compilations(self) -> int:
@@ -628,7 +666,8 @@ class Engine:
             self._in_flight = None
             return events
         batches, rows, steps, num_steps = scheduled
-        call = self.runner.execute(batches, rows, steps, num_steps)
+        common = [s.num_common_prefix_blocks() for s in self.schedulers]  # after the failed requests left
+        call = self.runner.execute(batches, rows, steps, num_steps, num_common_blocks=common)
         dispatched = self._account(batches, steps, call, start)
         if self.async_scheduling:
             events += self._resolve(self._in_flight)
@@ -669,6 +708,7 @@ class Engine:
             compiled=call.compiled,
             num_queried_tokens=sum(b.num_queried_tokens for b in batches),
             num_cached_tokens=sum(b.num_cached_tokens for b in batches),
+            cascade_prefix_len=call.cascade_prefix_len,
         )
         return _InFlight(call, sampled, stats, self.stats.append(stats), start)
 

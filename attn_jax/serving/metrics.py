@@ -44,6 +44,7 @@ class StepStats:
     latency_seconds: float | None = None  # from its dispatch to its tokens being read back
     num_queried_tokens: int = 0  # prefix cache: known tokens of the requests admitted in this call
     num_cached_tokens: int = 0  # prefix cache: of them, found cached (not computed)
+    cascade_prefix_len: int = 0  # cascade attention: shared tokens read once for the batch (0: not used)
 
 
 class StepStatsLog:
@@ -120,6 +121,7 @@ class EngineTotals:
     rate_decode_seconds: float = 0.0
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    cascade_steps: int = 0  # calls that ran cascade attention
 
     def add(self, s: StepStats) -> EngineTotals:
         """These totals with one more call (read back: its ``seconds`` known)."""
@@ -140,6 +142,7 @@ class EngineTotals:
             rate_decode_seconds=self.rate_decode_seconds + (s.seconds if decode else 0.0),
             prefix_cache_queried_tokens=self.prefix_cache_queried_tokens + s.num_queried_tokens,
             prefix_cache_hit_tokens=self.prefix_cache_hit_tokens + s.num_cached_tokens,
+            cascade_steps=self.cascade_steps + (s.cascade_prefix_len > 0),
         )
 
     def __sub__(self, other: EngineTotals) -> EngineTotals:

@@ -31,6 +31,7 @@ import numpy as np
 
 from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
 from attn_jax.models.base import ServingModel
+from attn_jax.serving.cascade import CascadeConfig, common_prefix_len
 from attn_jax.serving.sampling import num_candidates_for, sample_tokens
 from attn_jax.serving.scheduler import Request, ScheduledBatch
 from attn_jax.serving.step_inputs import PackedLayout, pack, unpack
@@ -50,6 +51,7 @@ class DispatchedCall:
     dispatch_end: float  # ... and when it returned (the step enqueued, not run)
     ready_at: float | None  # dispatch_end if the tokens were computed by then (a runtime that ran it
     # inside the call), else None: known when they are read back
+    cascade_prefix_len: int = 0  # tokens cascade attention read once for the batch (the largest shard's); 0: off
 
 
 def kv_cache_bytes_per_block(model: ServingModel) -> int:
@@ -79,10 +81,16 @@ class ModelRunner:
       buckets: padded sizes of the step's shapes (tokens, requests, pages per request).
       mesh: a ``make_mesh`` mesh to shard the step over (a model ``ShardedStep`` knows:
         ``LlamaModel``); None: one device.
+      cascade: when the attention group may run cascade attention (``CascadeConfig``;
+        default: whenever its builder says it pays).
     """
 
-    def __init__(self, model: ServingModel, params, *, num_blocks: int, buckets: MetadataBuckets, mesh=None) -> None:
+    def __init__(
+        self, model: ServingModel, params, *, num_blocks: int, buckets: MetadataBuckets, mesh=None,
+        cascade: CascadeConfig | None = None,
+    ) -> None:  # fmt: skip
         self.model = model
+        self.cascade = CascadeConfig() if cascade is None else cascade
         self.attention_group = model.attention_group
         self.block_size = self.attention_group.block_size
         self.buckets = buckets
@@ -128,13 +136,30 @@ class ModelRunner:
                 raise OverflowError(f"{name}={value} does not fit the step's arrays: it must be in [0, {limit})")
         return known, src, (p.temperature, p.top_p, p.top_k, request.seed, request.num_generated)
 
+    def cascade_prefix_lens(self, batches: Sequence[ScheduledBatch], num_common_blocks: Sequence[int]) -> list[int]:
+        """Each shard's cascade prefix (tokens; 0: no cascade attention) from its running
+        requests' ``num_common_blocks`` shared pages (``cascade.num_common_prefix_blocks``):
+        ``cascade.common_prefix_len`` of the shard's batch, kept when the attention group's
+        builder says cascade pays (``CascadeConfig``'s thresholds). Every shard's metadata has
+        one structure, so cascade attention runs only when every shard takes it."""
+        config = self.cascade
+        if not config.enabled:
+            return [0] * len(batches)
+        thresholds = dict(min_prefix_len=config.min_prefix_len, min_requests=config.min_requests)
+        lens = []
+        for batch, blocks in zip(batches, num_common_blocks, strict=True):
+            prefix = common_prefix_len(blocks, self.block_size, [r.num_computed for r in batch.requests])
+            lens.append(self.attention_group.cascade_prefix_len(prefix, batch.num_new, **thresholds))
+        return lens if all(lens) else [0] * len(batches)
+
     def _host_inputs(
-        self, batch: ScheduledBatch, rows: dict[int, tuple], buckets, step_query_lens, decode_steps: list[int]
-    ) -> dict:
+        self, batch: ScheduledBatch, rows: dict[int, tuple], buckets, step_query_lens, decode_steps: list[int],
+        prefix_len: int = 0,
+    ) -> dict:  # fmt: skip
         """One shard's batch as a tree of NumPy arrays, padded to ``buckets`` (tokens,
-        requests, pages per request); ``rows`` holds each request's ``request_row`` and
-        ``decode_steps`` its steps in this call. Built column by column (one NumPy call per
-        array, not per request)."""
+        requests, pages per request); ``rows`` holds each request's ``request_row``,
+        ``decode_steps`` its steps in this call and ``prefix_len`` its cascade prefix (0:
+        none). Built column by column (one NumPy call per array, not per request)."""
         token_bucket, req_bucket, page_bucket = buckets
         reqs = batch.requests
         n = len(reqs)
@@ -165,7 +190,7 @@ class ModelRunner:
         md = build_common_attn_metadata(
             query_lens, starts + query_lens, block_table, self.block_size, MetadataBuckets(*((b,) for b in buckets))
         )  # fmt: skip
-        md = self.attention_group.build_for_jit(md, step_query_lens=step_query_lens)
+        md = self.attention_group.build_for_jit(md, step_query_lens=step_query_lens, common_prefix_len=prefix_len)
         return dict(
             token_ids=token_ids, token_src=token_src, positions=positions, md=md, logits_rows=logits_rows,
             decode_steps=steps,
@@ -179,11 +204,14 @@ class ModelRunner:
     # ------------------------------------------------------------------ the call
 
     def execute(
-        self, batches: list[ScheduledBatch], rows: dict[int, tuple], steps: list[list[int]], num_steps: int
-    ) -> DispatchedCall:
+        self, batches: list[ScheduledBatch], rows: dict[int, tuple], steps: list[list[int]], num_steps: int,
+        num_common_blocks: Sequence[int] | None = None,
+    ) -> DispatchedCall:  # fmt: skip
         """Builds every shard's inputs (one bucket for all), packs them and dispatches one
         jitted call of ``num_steps`` steps (``steps``: each request's steps in it; ``rows``:
-        each request's ``request_row`` by ``id``). Returns without waiting for the device."""
+        each request's ``request_row`` by ``id``; ``num_common_blocks``: each shard's pages
+        every running request holds, for cascade attention, None: none). Returns without
+        waiting for the device."""
         fits = MetadataBuckets.fit
         token_bucket = fits(self.buckets.token_buckets, max(b.num_tokens for b in batches), "num_tokens")
         req_bucket = fits(self.buckets.request_buckets, max(len(b.requests) for b in batches), "num_reqs")
@@ -191,7 +219,13 @@ class ModelRunner:
         page_bucket = fits(self.buckets.blocks_per_request_buckets, pages, "blocks per request")
         step_query_lens = np.concatenate([np.asarray(b.num_new, np.int32) for b in batches])
         buckets = (token_bucket, req_bucket, page_bucket)
-        inputs = [self._host_inputs(b, rows, buckets, step_query_lens, s) for b, s in zip(batches, steps, strict=True)]
+        prefix_lens = [0] * len(batches)
+        if num_common_blocks is not None:
+            prefix_lens = self.cascade_prefix_lens(batches, num_common_blocks)
+        inputs = [
+            self._host_inputs(b, rows, buckets, step_query_lens, s, p)
+            for b, s, p in zip(batches, steps, prefix_lens, strict=True)
+        ]
         packed = [pack(x) for x in inputs]
         layout = packed[0][1]
         temps, top_p, top_k = (
@@ -211,7 +245,9 @@ class ModelRunner:
         end = time.perf_counter()
         ready = end if tokens.is_ready() else None
         tokens.copy_to_host_async()
-        return DispatchedCall(tokens, num_steps, token_bucket, self.num_compilations > compilations, start, end, ready)
+        return DispatchedCall(
+            tokens, num_steps, token_bucket, self.num_compilations > compilations, start, end, ready, max(prefix_lens)
+        )
 
     @staticmethod
     def read_tokens(tokens: jax.Array) -> np.ndarray:

@@ -32,6 +32,7 @@ import numbers
 from collections import deque
 
 from attn_jax.serving.block_allocator import BlockAllocator
+from attn_jax.serving.cascade import num_common_prefix_blocks
 from attn_jax.serving.kv_cache_manager import KVCacheManager
 from attn_jax.types import SEED_LIMIT, validate_positive_int
 
@@ -313,6 +314,11 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self._warned_full = False
+
+    def num_common_prefix_blocks(self) -> int:
+        """Leading pages every running request holds (``cascade.num_common_prefix_blocks``):
+        the prefix cascade attention may read once for the step."""
+        return num_common_prefix_blocks(self.allocator, self.running)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; False (with a logged warning, nothing changed) while

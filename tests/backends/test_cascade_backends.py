@@ -3,10 +3,13 @@ with the common prefix, and the impl reads the prefix once; against the float64 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from attn_jax import Attention
+from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes
 from attn_jax.registry import AttentionBackendEnum as ABE
 from attn_jax.testing.workloads import make_ragged_batch
 from tests.ops.ragged_checks import TOLERANCES, make_options, read_back
@@ -22,8 +25,8 @@ def _batch():
     return make_ragged_batch(0, query_lens, context_lens, **_SHAPE, num_tokens=16).with_shared_prefix(PREFIX)
 
 
-@pytest.mark.parametrize("backend", [ABE.XLA, ABE.PALLAS_GPU])
-def test_builder_chooses_cascade_and_the_layer_matches_the_oracle(backend):
+@pytest.mark.parametrize("backend, prefix_splits", [(ABE.XLA, None), (ABE.PALLAS_GPU, None), (ABE.PALLAS_GPU, 4)])
+def test_builder_chooses_cascade_and_the_layer_matches_the_oracle(backend, prefix_splits):
     batch = _batch()
     options = make_options(batch, logits_soft_cap=10.0, sinks=True)
     layer = Attention(4, 32, options["sm_scale"], 2, logits_soft_cap=10.0, sinks=options["sinks"],
@@ -35,12 +38,24 @@ def test_builder_chooses_cascade_and_the_layer_matches_the_oracle(backend):
     assert not builder.use_cascade_attention(PREFIX, use_alibi=True, use_sliding_window=False, **args)
     md = builder.build(PREFIX + 7, batch.common_metadata())  # rounded down to whole pages
     assert int(md.cascade_prefix_len) == PREFIX
+    if prefix_splits:  # the prefix part's KV range split (flash-decoding), as a decode batch's on a GPU
+        md = dataclasses.replace(md, cascade_block_sizes=GpuBlockSizes(16, 1, num_kv_splits=prefix_splits))
     T = batch.q.shape[0]
     out, cache = layer(batch.q.reshape(T, -1), batch.k.reshape(T, -1), batch.v.reshape(T, -1), batch.kv_cache, md)
     expected = attention_oracle(np.asarray(batch.q), *read_back(batch, cache), batch.query_lens, **options)
     n = batch.num_actual_tokens
     tol = TOLERANCES["float32"]
     np.testing.assert_allclose(np.asarray(out[:n]).reshape(expected.shape), expected, rtol=tol.rtol, atol=tol.atol)
+
+
+def test_pallas_gpu_splits_the_prefix_part_of_a_decode_batch():
+    """The prefix part of 64 decodes over 2048 shared tokens is 4 q-blocks: its KV range is
+    split until the programs fill the GPU; a prefill batch's many q-blocks are not split."""
+    layer = Attention(9, 64, 0.125, 3, attn_backend=ABE.PALLAS_GPU, block_size=16)
+    decode = layer.metadata_builder.cascade_block_sizes(num_tokens=64, pages_per_req=144)
+    assert decode.block_q == 16 and decode.num_kv_splits == 9  # 4 q-blocks x 3 heads; 36 tiles of 64 keys / 4
+    prefill = layer.metadata_builder.cascade_block_sizes(num_tokens=4096, pages_per_req=144)
+    assert prefill.num_kv_splits == 1
 
 
 def test_builders_without_cascade_refuse_a_common_prefix():

@@ -46,12 +46,15 @@ def cascade_ragged_paged_attention(
     k_scale=None,
     v_scale=None,
     op=reference.ragged_paged_attention,
+    prefix_kwargs: dict | None = None,
     **op_kwargs,
 ):
     """(out f[T, Hq, D], kv_cache): ``op``'s attention, with the shared prefix read once.
 
     ``op_kwargs`` go to both calls of ``op`` (``interpret``, say); block sizes and schedules
     built for the whole batch do not fit the two parts and must not be passed.
+    ``prefix_kwargs`` go to the prefix part's call only (block sizes for its one request of
+    every row, say).
 
     Example::
 
@@ -98,7 +101,7 @@ def cascade_ragged_paged_attention(
     # prefix's pages (the columns shifted in past the end are never read).
     out_p, kv_cache, lse_p = op(
         q, k, v, kv_cache, jnp.stack([jnp.int32(0), num_actual]), jnp.reshape(prefix_len, (1,)).astype(jnp.int32),
-        tables[:1], slot_mapping, causal=False, return_lse=True, **common, **op_kwargs,
+        tables[:1], slot_mapping, causal=False, return_lse=True, **common, **op_kwargs, **(prefix_kwargs or {}),
     )  # fmt: skip
     shifted = jnp.take(tables, jnp.minimum(prefix_pages + jnp.arange(width), width - 1), axis=1)
     out_s, kv_cache, lse_s = op(
