@@ -134,21 +134,14 @@ def _step_summary(engine, first: int) -> dict:
 
 
 def run_offline(engine, opts: dict) -> dict:
-    """Warms every batch size's buckets up (powers of two up to the concurrency), then
-    times ``generate`` on ``concurrency`` fresh prompts."""
+    """Compiles the batch's buckets with one ``generate`` at batch ``concurrency``, then
+    times another on fresh prompts (the server phases warm their own shapes up)."""
     from attn_jax.serving import SamplingParams
 
     n, vocab = opts["concurrency"], engine.model.config.vocab_size
     sp = SamplingParams(max_new_tokens=opts["max_tokens"], ignore_eos=True)
     t = time.perf_counter()
-    batch, seed = 1, 1000
-    while True:
-        engine.generate(prompts_for(vocab, batch, opts["prompt_len"], seed), sp)
-        seed += 1
-        if batch == n:
-            break
-        batch = min(2 * batch, n)
-    engine.generate(prompts_for(vocab, n, opts["prompt_len"], seed), sp)  # and once more, compiled
+    engine.generate(prompts_for(vocab, n, opts["prompt_len"], 1000), sp)
     warmup = time.perf_counter() - t
     compiles, first = engine.num_compilations, len(engine.stats)
     prompts = prompts_for(vocab, n, opts["prompt_len"], 1)
@@ -481,6 +474,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (0: no open-loop phase)")
     p.add_argument("--poisson-requests", type=int, default=64)
+    p.add_argument(
+        "--poisson-warmup-requests", type=int, default=None,
+        help="requests of an unmeasured Poisson run first, compiling the step shapes it meets (default: as measured)",
+    )  # fmt: skip
     p.add_argument("--client-procs", type=int, default=4, help="load-generating processes")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=4.0)
@@ -500,6 +497,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("concurrency", "requests_per_client", "prompt_len", "max_tokens", "client_procs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.poisson_warmup_requests is None:
+        args.poisson_warmup_requests = args.poisson_requests
     if args.rate < 0 or args.poisson_requests < 1:
         p.error(f"--rate={args.rate} must be >= 0 and --poisson-requests={args.poisson_requests} >= 1")
     return args
@@ -589,8 +588,9 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
     save()
     if args.rate <= 0 or over_budget("poisson"):
         return
-    warm = prompts_for(vocab, min(8, args.poisson_requests), args.prompt_len, seed + 3)
-    open_loop(pool, base_url, warm, args.rate, args.max_tokens, args.seed + 1)
+    if args.poisson_warmup_requests:  # a run like the measured one: it compiles the shapes that one meets
+        warm = prompts_for(vocab, args.poisson_warmup_requests, args.prompt_len, seed + 3)
+        open_loop(pool, base_url, warm, args.rate, args.max_tokens, args.seed + 1)
     mark = server.ask("mark")
     prompts = prompts_for(vocab, args.poisson_requests, args.prompt_len, seed + 2)
     records, cpu = open_loop(pool, base_url, prompts, args.rate, args.max_tokens, args.seed)
