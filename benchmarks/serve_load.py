@@ -11,7 +11,8 @@ Three processes' kinds, so that neither side's Python slows the other's:
 - ``--client-procs`` load processes run ``AsyncOpenAI`` streaming completions;
 - this process coordinates and reports (it never imports JAX).
 
-Phases, each after an unmeasured warm-up round of the same load:
+Phases, each after unmeasured warm-up rounds of the same load (until one compiles no new
+step shape, at most ``--warmup-rounds``):
 
 - closed loop: ``--concurrency`` clients each send ``--requests-per-client`` requests
   back to back: output tokens/s, TTFT, inter-token latency (gaps between streamed
@@ -46,6 +47,7 @@ import json
 import multiprocessing
 import os
 import platform
+import signal
 import socket
 import statistics
 import sys
@@ -469,14 +471,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="weights (not tiny-random)")
     p.add_argument("--concurrency", type=int, default=64, help="closed-loop clients, and the engine's max_num_seqs")
     p.add_argument("--requests-per-client", type=int, default=4)
-    p.add_argument("--warmup-requests-per-client", type=int, default=1)
+    p.add_argument(
+        "--warmup-requests-per-client", type=int, default=None,
+        help="requests per client of each unmeasured closed-loop round (default: --requests-per-client)",
+    )  # fmt: skip
+    p.add_argument(
+        "--warmup-rounds", type=int, default=3,
+        help="most unmeasured rounds before each phase; they stop at the first that compiles nothing",
+    )  # fmt: skip
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (0: no open-loop phase)")
     p.add_argument("--poisson-requests", type=int, default=64)
     p.add_argument(
         "--poisson-warmup-requests", type=int, default=None,
-        help="requests of an unmeasured Poisson run first, compiling the step shapes it meets (default: as measured)",
+        help="requests of each unmeasured Poisson round (default: --poisson-requests)",
     )  # fmt: skip
     p.add_argument("--client-procs", type=int, default=4, help="load-generating processes")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -494,7 +503,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     add_output_args(p, "serve_load_{model}.json")
     args = p.parse_args(argv)
-    for name in ("concurrency", "requests_per_client", "prompt_len", "max_tokens", "client_procs"):
+    for name in ("concurrency", "requests_per_client", "prompt_len", "max_tokens", "client_procs", "warmup_rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.poisson_warmup_requests is None:
@@ -527,6 +536,9 @@ def _workload(args: argparse.Namespace, procs: int) -> dict:
         "rate": args.rate,
         "poisson_requests": args.poisson_requests,
         "client_procs": procs,
+        "warmup_rounds_max": args.warmup_rounds,
+        "warmup_requests_per_client": args.warmup_requests_per_client or args.requests_per_client,
+        "poisson_warmup_requests": args.poisson_warmup_requests,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "num_scheduler_steps": args.num_scheduler_steps,
         "prefix_caching": not args.no_prefix_caching,
@@ -576,9 +588,31 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
 
     if over_budget("closed_loop"):
         return
-    if args.warmup_requests_per_client:
-        warm = prompts_for(vocab, n * args.warmup_requests_per_client, args.prompt_len, seed)
-        closed_loop(pool, procs, base_url, warm, n, args.warmup_requests_per_client, args.max_tokens)
+
+    def warm_up(phase: str, run) -> None:
+        """Unmeasured runs of the phase's load until one compiles nothing (at most
+        ``--warmup-rounds``): a compilation inside a measured phase would stall it for seconds."""
+        rounds = []
+        for i in range(args.warmup_rounds):
+            before = server.ask("mark")["num_compilations"]
+            t = time.monotonic()
+            run(i)
+            rounds.append(
+                {"seconds": time.monotonic() - t, "compilations": server.ask("mark")["num_compilations"] - before}
+            )
+            if not rounds[-1]["compilations"] or over_budget(f"{phase} warm-up round {i + 2}"):
+                break
+        result["warmup"][phase] = rounds
+        print(f"{phase} warm-up: {rounds}", flush=True)
+
+    per_warm = args.warmup_requests_per_client or k
+    warm_up(
+        "closed_loop",
+        lambda i: closed_loop(
+            pool, procs, base_url, prompts_for(vocab, n * per_warm, args.prompt_len, seed + 100 + i), n, per_warm,
+            args.max_tokens,
+        ),
+    )  # fmt: skip
     mark = server.ask("mark")
     prompts = prompts_for(vocab, n * k, args.prompt_len, seed + 1)
     records, cpu = closed_loop(pool, procs, base_url, prompts, n, k, args.max_tokens)
@@ -588,9 +622,13 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
     save()
     if args.rate <= 0 or over_budget("poisson"):
         return
-    if args.poisson_warmup_requests:  # a run like the measured one: it compiles the shapes that one meets
-        warm = prompts_for(vocab, args.poisson_warmup_requests, args.prompt_len, seed + 3)
-        open_loop(pool, base_url, warm, args.rate, args.max_tokens, args.seed + 1)
+    warm_up(
+        "poisson",
+        lambda i: open_loop(
+            pool, base_url, prompts_for(vocab, args.poisson_warmup_requests, args.prompt_len, seed + 200 + i),
+            args.rate, args.max_tokens, args.seed + 1 + i,
+        ),
+    )  # fmt: skip
     mark = server.ask("mark")
     prompts = prompts_for(vocab, args.poisson_requests, args.prompt_len, seed + 2)
     records, cpu = open_loop(pool, base_url, prompts, args.rate, args.max_tokens, args.seed)
@@ -619,6 +657,7 @@ def main(argv=None) -> dict | None:
         "poisson": None,
         "targets": None,
         "skipped": [],
+        "warmup": {},
         "error": None,
         "server": None,
         "machine": {
@@ -637,6 +676,8 @@ def main(argv=None) -> dict | None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(result, indent=2) + "\n")
 
+    # A SIGTERM (``timeout``) unwinds like an exception: partial results saved, children stopped.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     server = ServerProcess(ctx, opts, port)
     try:
         with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
