@@ -270,11 +270,13 @@ def _client(base_url: str):
 
 
 def _run(coro):
+    """Runs ``coro`` on uvloop where it is installed (less client overhead), else asyncio's loop."""
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+        uvloop = None
+    run = getattr(uvloop, "run", None)  # uvloop >= 0.18
+    return asyncio.run(coro) if run is None else run(coro)
 
 
 async def _closed_loop(base_url: str, jobs: list[list[list[int]]], max_tokens: int, start_at: float) -> list:
