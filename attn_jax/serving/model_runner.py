@@ -109,6 +109,7 @@ class ModelRunner:
             self._jit_step = self._sharded.jit(self._device_step)
             self._last_tokens = self._sharded.zeros_per_shard(self.max_rows)
         self.num_compilations = 0
+        self._exact_buckets: dict[tuple[int, int, int], MetadataBuckets] = {}  # one per bucket combination
 
     @property
     def supports_decode_advance(self) -> bool:
@@ -187,9 +188,10 @@ class ModelRunner:
         columns = np.zeros((5, req_bucket), np.float64)  # exact for every value in range
         columns[1] = 1.0
         columns[:, :n] = np.asarray(values, np.float64).reshape(n, 5).T
-        md = build_common_attn_metadata(
-            query_lens, starts + query_lens, block_table, self.block_size, MetadataBuckets(*((b,) for b in buckets))
-        )  # fmt: skip
+        exact = self._exact_buckets.get(buckets)
+        if exact is None:  # built (and validated) once per combination, not per step
+            exact = self._exact_buckets[buckets] = MetadataBuckets(*((b,) for b in buckets))
+        md = build_common_attn_metadata(query_lens, starts + query_lens, block_table, self.block_size, exact)
         md = self.attention_group.build_for_jit(md, step_query_lens=step_query_lens, common_prefix_len=prefix_len)
         return dict(
             token_ids=token_ids, token_src=token_src, positions=positions, md=md, logits_rows=logits_rows,

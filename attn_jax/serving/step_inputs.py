@@ -26,7 +26,8 @@ ALIGNMENT = 64
 slice of it to a kernel as is, and some kernels (Mosaic GPU's) need 256-byte aligned
 operands."""
 
-_PACKABLE = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.float32))
+_PACKABLE = {np.dtype(np.int32): "int32", np.dtype(np.uint32): "uint32", np.dtype(np.float32): "float32"}
+"""The dtypes a leaf may have, with their names (``dtype.name`` is slow: once per step per leaf)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,19 +41,24 @@ class PackedLayout:
 
 def pack(tree) -> tuple[np.ndarray, PackedLayout]:
     """i32[n] buffer holding every leaf of ``tree`` (NumPy arrays or scalars of int32,
-    uint32 or float32), and its layout. TypeError names a leaf of another dtype."""
+    uint32 or float32), and its layout. TypeError names a leaf of another dtype.
+
+    The buffer is allocated once, zeroed, and each leaf copied into its aligned slice
+    (this runs on the host for every engine step)."""
     leaves, treedef = jax.tree.flatten(tree)
-    parts, specs = [], []
-    for i, leaf in enumerate(leaves):
-        arr = np.asarray(leaf)
-        if arr.dtype not in _PACKABLE:
-            raise TypeError(
-                f"leaf {i} of the step inputs has dtype {arr.dtype}; packable: {[str(d) for d in _PACKABLE]}"
-            )
-        flat = np.ascontiguousarray(arr).reshape(-1).view(np.int32)
-        parts += [flat, np.zeros(-flat.size % ALIGNMENT, np.int32)]
-        specs.append((arr.shape, arr.dtype.name))
-    buffer = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    arrays = [np.asarray(leaf) for leaf in leaves]
+    specs, offsets, total = [], [], 0
+    for i, arr in enumerate(arrays):
+        name = _PACKABLE.get(arr.dtype)
+        if name is None:
+            raise TypeError(f"leaf {i} of the step inputs has dtype {arr.dtype}; packable: {list(_PACKABLE.values())}")
+        specs.append((arr.shape, name))
+        offsets.append(total)
+        total += arr.size + (-arr.size % ALIGNMENT)
+    buffer = np.zeros(total, np.int32)
+    for arr, offset in zip(arrays, offsets, strict=True):
+        if arr.size:
+            buffer[offset : offset + arr.size].view(arr.dtype)[...] = arr.reshape(-1)
     return buffer, PackedLayout(treedef, tuple(specs))
 
 

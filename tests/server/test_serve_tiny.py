@@ -297,3 +297,63 @@ def test_serve_refuses_a_directory_it_cannot_load(tmp_path, capsys):
     assert main(["serve", "--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "config.json" in err, err
+
+
+def test_load_every_stream_completes_and_is_counted_while_one_client_leaves(server, engine):
+    """Load at CPU scale: 8 streaming clients at once (four times the engine's batch) while a
+    ninth, long request disconnects mid-stream: each of the 8 gets exactly its 8 tokens, the
+    text offline generation gives, /metrics counts 8 finished by length and 1 aborted, and
+    every KV page comes back. The leaver disconnects once the others are streaming; if a
+    busy machine let it finish first, the round is run again (up to 3 times)."""
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} (load {i})" for i in range(8)]
+    want = engine.generate(prompts, greedy(8, ignore_eos=True))
+    leaver_ids = engine.encode(PROMPTS[4])
+    leaver = dict(prompt=leaver_ids, max_tokens=LIMITS["max_model_len"] - len(leaver_ids), temperature=0, stream=True)
+
+    async def ask(client, prompt: str, streaming: asyncio.Event) -> tuple[str, int, str]:
+        stream = await client.completions.create(
+            model=TINY_RANDOM, prompt=prompt, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = []
+        async for chunk in stream:
+            chunks.append(chunk)
+            streaming.set()
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage.completion_tokens, reasons[-1]
+
+    async def round_() -> tuple[list, int]:
+        streaming = asyncio.Event()
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http, server.async_client() as client:
+            async with http.stream("POST", "/v1/completions", json={**leaver, "ignore_eos": True}) as response:
+                assert response.status_code == 200
+                lines = response.aiter_lines()
+                seen = 0
+                while not seen:  # the leaver streams before the others start
+                    line = await anext(lines)
+                    seen = line.startswith("data: ") and bool(json.loads(line[6:])["choices"][0]["text"])
+                tasks = [asyncio.create_task(ask(client, p, streaming)) for p in prompts]
+                await streaming.wait()
+            # the leaver's connection is closed here, while the 8 stream
+            return await asyncio.gather(*tasks), len(leaver_ids)
+
+    for _ in range(3):
+        before = _wait_for(server, _idle, "the engine idle before the load")
+        got, leaver_prompt = asyncio.run(round_())
+        assert got == [(w.text, 8, "length") for w in want]
+        after = _wait_for(server, _idle, "the engine idle, every KV page free, after the load")
+
+        def delta(key, after=after, before=before) -> float:
+            return after.get(key, 0) - before.get(key, 0)
+
+        prompt_tokens = sum(len(w.prompt_ids) for w in want) + leaver_prompt
+        assert delta(("attn_stack_prompt_tokens_total", ())) == prompt_tokens
+        assert delta(("attn_stack_time_to_first_token_seconds_count", ())) == 9  # the leaver had its first token
+        assert delta(("attn_stack_e2e_request_latency_seconds_count", ())) == 9
+        generated = delta(("attn_stack_generation_tokens_total", ()))
+        if delta(ABORTED) == 1:
+            assert delta(LENGTH) == 8
+            assert 8 * 8 + 1 <= generated < 8 * 8 + leaver["max_tokens"]
+            return
+        assert delta(LENGTH) == 9 and generated == 8 * 8 + leaver["max_tokens"]  # the leaver finished first
+    pytest.fail("the leaving client's request finished before it left, three times")

