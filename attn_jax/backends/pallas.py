@@ -55,14 +55,9 @@ class PallasKernelImpl(XLAAttentionImpl):
         fp8 = {} if q_scale is None else {"q_scale": q_scale}  # FP8 attention: the kernels' q_scale
         if getattr(md, "cascade_prefix_len", None) is not None:  # both parts on this kernel, its own blocks
             return self.cascade(
-<<<<<<< HEAD
-                query, key, value, kv_cache, md, self.op, k_scale, v_scale, interpret=self.interpret, **fp8
-            )
-=======
                 query, key, value, kv_cache, md, self.op, k_scale, v_scale, interpret=self.interpret,
-                **self.cascade_kwargs(md),
+                **self.cascade_kwargs(md), **fp8,
             )  # fmt: skip
->>>>>>> cascade-engine
         return self.op(
             query, key, value, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables, md.slot_mapping,
             sm_scale=self.scale, causal=self.attn_type.is_causal, sliding_window=self.sliding_window,
