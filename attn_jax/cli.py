@@ -119,6 +119,29 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _add_engine_args(parser: argparse.ArgumentParser, *, num_scheduler_steps: int) -> None:
+    """The engine's flags, shared by ``generate`` and ``serve`` (which differ only in the
+    default number of decode steps per device call)."""
+    parser.add_argument("--backend", default=None, help="force an attention backend, e.g. XLA (default: selected)")
+    parser.add_argument(
+        "--devices", type=int, default=1,
+        help="devices to shard over (requests over a data axis, heads over a model axis); default 1",
+    )  # fmt: skip
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=8, help="requests per step (default: 8)")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=_positive_int, default=256,
+        help="token budget per step; longer prompts are prefilled in chunks (default: 256)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--num-scheduler-steps", type=_positive_int, default=num_scheduler_steps,
+        help=f"decode steps per device call once every request decodes (default: {num_scheduler_steps})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-prefix-caching", action="store_true",
+        help="turn automatic prefix caching off (default: on; a prompt's cached full blocks are not recomputed)",
+    )  # fmt: skip
+
+
 def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompt", action="append", default=None, metavar="TEXT",
@@ -137,29 +160,12 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
         "--json", action="store_true",
         help="print one JSON object instead of text (text is streamed as generated when stdout is a terminal)",
     )  # fmt: skip
-    parser.add_argument("--backend", default=None, help="force an attention backend, e.g. XLA (default: selected)")
-    parser.add_argument(
-        "--devices", type=int, default=1,
-        help="devices to shard over (requests over a data axis, heads over a model axis); default 1",
-    )  # fmt: skip
     parser.add_argument(
         "--model", default=None, metavar="PATH",
         help="a Llama GGUF file or a Hugging Face checkpoint folder (Llama, Mistral, Qwen2 safetensors); "
         "default: embedded SmolLM2",
     )  # fmt: skip
-    parser.add_argument("--max-num-seqs", type=_positive_int, default=8, help="requests per step (default: 8)")
-    parser.add_argument(
-        "--max-num-batched-tokens", type=_positive_int, default=256,
-        help="token budget per step; longer prompts are prefilled in chunks (default: 256)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--num-scheduler-steps", type=_positive_int, default=NUM_SCHEDULER_STEPS,
-        help=f"decode steps per device call once every request decodes (default: {NUM_SCHEDULER_STEPS})",
-    )  # fmt: skip
-    parser.add_argument(
-        "--no-prefix-caching", action="store_true",
-        help="turn automatic prefix caching off (default: on; a prompt's cached full blocks are not recomputed)",
-    )  # fmt: skip
+    _add_engine_args(parser, num_scheduler_steps=NUM_SCHEDULER_STEPS)
 
 
 def _throughput(totals) -> dict:
@@ -440,20 +446,10 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", default=None, metavar="NAME",
         help="the name clients pass as 'model' (default: the model file's name)",
     )  # fmt: skip
-    parser.add_argument("--backend", default=None, help="force an attention backend, e.g. XLA (default: selected)")
-    parser.add_argument("--devices", type=int, default=1, help="devices to shard over (default: 1)")
-    parser.add_argument("--max-num-seqs", type=_positive_int, default=8, help="requests per step (default: 8)")
-    parser.add_argument(
-        "--max-num-batched-tokens", type=_positive_int, default=256,
-        help="token budget per step; longer prompts are prefilled in chunks (default: 256)",
-    )  # fmt: skip
+    _add_engine_args(parser, num_scheduler_steps=SERVE_NUM_SCHEDULER_STEPS)
     parser.add_argument(
         "--max-model-len", type=_positive_int, default=MAX_MODEL_LEN,
         help=f"prompt + completion tokens per request (default: {MAX_MODEL_LEN})",
-    )  # fmt: skip
-    parser.add_argument(
-        "--num-scheduler-steps", type=_positive_int, default=SERVE_NUM_SCHEDULER_STEPS,
-        help=f"decode steps per device call once every request decodes (default: {SERVE_NUM_SCHEDULER_STEPS})",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="draws the seeds of requests that give none (default: 0)")
     parser.add_argument(
@@ -494,6 +490,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 args.model, devices=args.devices if args.devices > 1 else None, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 seed=args.seed, num_scheduler_steps=args.num_scheduler_steps,
+                enable_prefix_caching=not args.no_prefix_caching,
             )  # fmt: skip
         except (ModelLoadError, ValueError, FileNotFoundError) as e:
             return _error(args, e)

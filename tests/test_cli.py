@@ -144,3 +144,17 @@ def test_info_use_mla_chooses_an_mla_backend(capsys):
     assert "use_sparse=True" in capsys.readouterr().out
     assert main(["info", "--use-mla", "--has-sink"]) == 2
     assert "XLA_MLA: attention sinks are not supported." in capsys.readouterr().out
+
+
+def test_generate_and_serve_share_the_engine_flags_with_their_own_step_defaults():
+    from attn_jax.cli import NUM_SCHEDULER_STEPS, SERVE_NUM_SCHEDULER_STEPS, build_parser
+
+    parser = build_parser()
+    flags = ["--backend", "XLA", "--devices", "2", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
+    gen = parser.parse_args(["generate", *flags, "--no-prefix-caching"])
+    serve = parser.parse_args(["serve", *flags, "--no-prefix-caching"])
+    for args in (gen, serve):
+        assert (args.backend, args.devices, args.max_num_seqs, args.max_num_batched_tokens) == ("XLA", 2, 4, 64)
+        assert args.no_prefix_caching
+    assert parser.parse_args(["generate"]).num_scheduler_steps == NUM_SCHEDULER_STEPS
+    assert parser.parse_args(["serve"]).num_scheduler_steps == SERVE_NUM_SCHEDULER_STEPS
