@@ -74,11 +74,14 @@ def test_the_cli_joins_and_only_process_0_prints():
     assert out.count("platform: cpu, device kind 'cpu', 2 device(s)") == 1, out
 
 
-def test_generate_on_two_processes_gives_one_process_tokens(smollm2_gguf):
+def test_generate_on_two_processes_gives_one_process_tokens(hf_smollm2):
     """The README's command: its --json output is the program's alone (the runtime's own
-    connection messages go to stderr), and the tokens are one process's."""
-    args = ("generate", "--max-new-tokens", "6", "--json", "--prompt", "The capital of France is", "--prompt", "Hi")
+    connection messages go to stderr), and the tokens are one process's (greedy: transformers',
+    as tests/serving/test_cli_generate.py checks for one process)."""
+    from tests.serving.hf_reference import hf_greedy
+
+    prompts = ["The capital of France is", "Hi"]
+    args = ("generate", "--max-new-tokens", "6", "--json", "--prompt", prompts[0], "--prompt", prompts[1])
     two = json.loads(_cli(*args, "--devices", "2", processes=2).stdout)
-    one = json.loads(_cli(*args).stdout)
     assert two["devices"] == 2
-    assert [r["token_ids"] for r in two["results"]] == [r["token_ids"] for r in one["results"]]
+    assert [r["token_ids"] for r in two["results"]] == [hf_greedy(*hf_smollm2, p, 6) for p in prompts]

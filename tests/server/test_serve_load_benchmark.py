@@ -67,7 +67,8 @@ def test_the_benchmark_runs_on_the_tiny_model(tmp_path):
     args = [
         "--model", "tiny-random", "--concurrency", str(concurrency), "--requests-per-client", str(per_client),
         "--prompt-len", "12", "--max-tokens", str(max_tokens), "--rate", "20", "--poisson-requests", str(poisson),
-        "--poisson-warmup-requests", "2", "--client-procs", "2", "--max-num-batched-tokens", "64", "--out", str(out),
+        "--poisson-warmup-requests", "2", "--client-procs", "1", "--max-num-batched-tokens", "64",
+        "--warmup-rounds", "1", "--out", str(out),
     ]  # fmt: skip
     env = os.environ | {
         "JAX_PLATFORMS": "cpu",

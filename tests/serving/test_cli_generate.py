@@ -41,15 +41,6 @@ def test_generate_json_matches_transformers(capsys, hf_smollm2, monkeypatch):
     assert out["stats"]["prefill_tokens_per_s"] > 0 and out["stats"]["decode_tokens_per_s"] > 0
 
 
-def test_generate_text(capsys):
-    """One new token: the prefill step alone (one compilation)."""
-    assert main(["generate", "--prompt", "The capital of France is", "--max-new-tokens", "1", "--backend", "xla"]) == 0
-    out = capsys.readouterr().out
-    assert "attention backend: XLA (forced: global_force_attn_backend(XLA))" in out
-    assert "--- 'The capital of France is' (5 prompt tokens, 1 new, length)\nThe capital of France is Paris" in out
-    assert "prefill:" in out and "decode: n/a" in out and "0 during the run" in out
-
-
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -112,13 +103,16 @@ class _Terminal(io.StringIO):
 
 
 def test_text_is_streamed_on_a_terminal(monkeypatch):
+    """The text report (one run serves both: each run loads and compiles the model)."""
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stdout", terminal)
-    assert main([*ARGS, "--max-new-tokens", "3", "--backend", "XLA"]) == 0
+    assert main([*ARGS, "--max-new-tokens", "3", "--backend", "xla"]) == 0
     out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", terminal.getvalue())  # without the terminal's control codes
     assert "generating: 3/3 tokens" in out  # the live region (cleared at the end)
     assert "[1] The capital of France is Paris" in out
-    assert "--- 'The capital of France is' (5 prompt tokens, 3 new, length)" in out
+    assert "--- 'The capital of France is' (5 prompt tokens, 3 new, length)\nThe capital of France is Paris" in out
+    assert "attention backend: XLA (forced: global_force_attn_backend(XLA))" in out
+    assert "prefill:" in out and "decode:" in out and "0 during the run" in out
 
 
 def test_too_long_prompt_is_refused_before_compiling(capsys, monkeypatch):

@@ -37,14 +37,10 @@ def reference() -> list[list[int]]:
     "limits",
     [
         dict(max_num_seqs=8, max_num_batched_tokens=64),  # asynchronous scheduling, the default
-        dict(max_num_seqs=3, max_num_batched_tokens=64),
         dict(max_num_seqs=5, max_num_batched_tokens=7),
-        dict(max_num_seqs=1, max_num_batched_tokens=24),
         dict(max_num_seqs=3, max_num_batched_tokens=24, num_blocks=10),  # preempts
-        dict(max_num_seqs=5, max_num_batched_tokens=7, num_blocks=10, async_scheduling=False),
         dict(max_num_seqs=8, max_num_batched_tokens=64, num_scheduler_steps=4),  # multi-step decoding
         dict(max_num_seqs=3, max_num_batched_tokens=24, num_blocks=10, num_scheduler_steps=4),
-        dict(max_num_seqs=5, max_num_batched_tokens=7, num_scheduler_steps=5, async_scheduling=False),
     ],
     ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()),
 )
