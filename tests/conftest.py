@@ -46,3 +46,14 @@ def hf_smollm2(smollm2_gguf):
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     model.eval()
     return model, tokenizer
+
+
+# The files whose runs take minutes on the 2-core CI machine (each a subprocess of engines or
+# notebooks): collected first, so `--dist loadfile` starts them first and the other worker
+# fills in with short files instead of one worker finishing them alone at the end.
+LONG_FILES = ("tests/test_sharding.py", "tests/test_notebooks.py", "tests/test_distributed.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {path: i for i, path in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONG_FILES)))  # stable: order kept
