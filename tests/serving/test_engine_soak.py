@@ -127,7 +127,9 @@ def _soak(num_requests: int) -> tuple[Engine, dict[str, int], list[tuple[int, in
 
 def _check_nothing_left(engine: Engine, start: dict[str, int]) -> None:
     end = _sizes(engine)
-    bounded = {"engine._finished": MAX_FINISHED, "engine.stats": STATS_WINDOW}
+    b = engine.runner.buckets  # one exact-bucket record per combination of the engine's buckets, at most
+    combinations = len(b.token_buckets) * len(b.request_buckets) * len(b.blocks_per_request_buckets)
+    bounded = {"engine._finished": MAX_FINISHED, "engine.stats": STATS_WINDOW, "runner._exact_buckets": combinations}
     for i in range(len(engine.schedulers)):  # the prefix cache keeps freed pages, at most every page
         free, evictable = end.pop(f"allocator{i}._free"), end.pop(f"allocator{i}._evictable", 0)
         assert free + evictable == engine.num_blocks, f"allocator{i}: {free} free + {evictable} evictable"
