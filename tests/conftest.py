@@ -1,8 +1,27 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and one persistent JAX compilation cache per test session."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import pytest
+
+# Tests build many engines and kernels of the same shapes, each a new jitted closure that XLA
+# would compile again: one session-wide persistent cache (a fresh temporary folder, shared
+# with the xdist workers and the subprocesses tests start through the environment) compiles
+# each program once. Set before any test module imports jax; a cache the caller set is kept.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="attn-stack-jax-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE and not hasattr(config, "workerinput"):  # the session's controller made it
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
