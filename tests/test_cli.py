@@ -46,12 +46,10 @@ def test_info_says_which_kernel_serves_which_batches(capsys, monkeypatch):
     assert "over >= 8 requests, without ALiBi, sliding window or chunked attention" in out
 
 
-def test_info_says_a_tpu_builder_never_runs_cascade(capsys, monkeypatch):
+def test_info_says_when_the_tpu_builder_runs_cascade(capsys, monkeypatch):
     monkeypatch.setenv("ATTN_STACK_BACKEND", "PALLAS_TPU")
     assert main(["info"]) == 0
-    assert "cascade attention (PALLAS_TPU): never (this backend's kernel returns no log-sum-exp yet)" in (
-        capsys.readouterr().out
-    )
+    assert "cascade attention (PALLAS_TPU): when the running batch shares >= 256 tokens" in capsys.readouterr().out
 
 
 def test_info_other_request(capsys):

@@ -8,6 +8,10 @@ Its KV cache is the kernel's layout ``[num_blocks, Hkv, block_size, 2 * D]`` (K 
 interleaved on the last axis; see ``pallas_mosaic_tpu``). ``write_to_kv_cache`` writes it (the
 cross-attention path), ``to_reference_layout`` views it as the reference's
 ``[2, P, S, Hkv, D]`` for tests and notebooks.
+
+Cascade attention (a prefix the whole batch shares, read once) runs as on the other backends:
+``cascade_ragged_paged_attention`` with the kernel for both parts (``return_lse``), chosen by
+the XLA builder's ``use_cascade_attention`` and thresholds.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ class PallasTPUAttentionMetadata:
     slot_mapping: Array  # i32[T]
     schedule: Array  # i32[2 * ceil(T / q_tokens_per_block)]
     block_sizes: TpuBlockSizes = dataclasses.field(metadata=dict(static=True))
+    # Cascade attention (``build(common_prefix_len > 0, ...)``): as ``XLAAttentionMetadata``'s. Its
+    # two parts take the kernel's own block sizes and schedules (``block_sizes`` is the whole batch's).
+    cascade_prefix_len: Array | None = None  # i32[]
 
 
 class PallasTPUMetadataBuilder(XLAMetadataBuilder):
@@ -64,10 +71,9 @@ class PallasTPUMetadataBuilder(XLAMetadataBuilder):
     With concrete (NumPy) metadata everything is computed on the host, the SMEM budget of
     the bucket is checked (ValueError naming the limit), and a decode-only bucket gets
     decode block sizes. Traced metadata (``build`` inside ``jit``) derives the schedule
-    with jnp; block sizes then depend on the shapes only.
+    with jnp; block sizes then depend on the shapes only. A ``common_prefix_len`` (whole
+    pages of it) turns cascade attention on, with the XLA builder's thresholds.
     """
-
-    supports_cascade = False  # the TPU kernel returns no LSE yet: no cascade attention
 
     def __init__(self, kv_cache_spec, device_kind: str | None = None) -> None:
         super().__init__(kv_cache_spec)
@@ -77,15 +83,13 @@ class PallasTPUMetadataBuilder(XLAMetadataBuilder):
         self.device_kind = device_kind
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        self.cascade_prefix_len(common_prefix_len)  # a shared prefix is an error here, not ignored
-        return self._build(common_attn_metadata)
+        return self._build(common_attn_metadata, common_prefix_len=common_prefix_len)
 
     def build_for_jit(self, common_attn_metadata, step_query_lens=None, common_prefix_len=0):
-        self.cascade_prefix_len(common_prefix_len)  # as in build: refused, not ignored
-        return self._build(common_attn_metadata, step_query_lens)
+        return self._build(common_attn_metadata, step_query_lens, common_prefix_len)
 
-    def _build(self, common_attn_metadata, step_query_lens=None) -> PallasTPUAttentionMetadata:
-        base = super().build(0, common_attn_metadata)
+    def _build(self, common_attn_metadata, step_query_lens=None, common_prefix_len=0) -> PallasTPUAttentionMetadata:
+        base = super().build(common_prefix_len, common_attn_metadata)  # its cascade_prefix_len, its refusals
         spec = self.kv_cache_spec
         num_tokens = base.slot_mapping.shape[0]
         num_reqs, pages_per_req = base.block_tables.shape
@@ -115,6 +119,7 @@ class PallasTPUMetadataBuilder(XLAMetadataBuilder):
         return PallasTPUAttentionMetadata(
             query_start_loc=base.query_start_loc, seq_lens=base.seq_lens, block_tables=base.block_tables,
             slot_mapping=base.slot_mapping, schedule=schedule, block_sizes=bs,
+            cascade_prefix_len=base.cascade_prefix_len,
         )  # fmt: skip
 
 

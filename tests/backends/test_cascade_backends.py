@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from attn_jax import Attention
+from attn_jax.backends import pallas_tpu
+from attn_jax.backends.xla import XLAMetadataBuilder
 from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes
 from attn_jax.registry import AttentionBackendEnum as ABE
 from attn_jax.testing.workloads import make_ragged_batch
@@ -58,9 +60,50 @@ def test_pallas_gpu_splits_the_prefix_part_of_a_decode_batch():
     assert prefill.num_kv_splits == 1
 
 
+def test_pallas_tpu_cascade_matches_its_own_non_cascade_output_in_tpu_interpreter():
+    """PALLAS_TPU chooses cascade with the XLA thresholds; both parts on the Mosaic TPU kernel
+    (TPU interpreter, its own cache layout) give the non-cascade layer's output and the oracle's.
+    The kernels run on a 2-page prefix (the interpreter is slow); the thresholds on the 256-token one."""
+    prefix = 32
+    batch = make_ragged_batch(0, [1, 3, 1, 2], [prefix + n for n in (5, 0, 17, 9)], num_q_heads=4, num_kv_heads=2,
+                              head_size=64, block_size=16, num_tokens=9).with_shared_prefix(prefix)  # fmt: skip
+    options = make_options(batch, logits_soft_cap=10.0, sinks=True)
+    layer = Attention(4, 64, options["sm_scale"], 2, logits_soft_cap=10.0, sinks=options["sinks"],
+                      attn_backend=ABE.PALLAS_TPU, block_size=16)  # fmt: skip
+    builder = layer.metadata_builder
+    args = dict(query_lens=_batch().query_lens, num_query_heads=4, num_kv_heads=2, num_sms=132)
+    assert builder.use_cascade_attention(PREFIX, use_alibi=False, use_sliding_window=False, **args)
+    assert not builder.use_cascade_attention(PREFIX - 16, use_alibi=False, use_sliding_window=False, **args)
+    assert not builder.use_cascade_attention(PREFIX, use_alibi=False, use_sliding_window=True, **args)
+    assert not builder.use_cascade_attention(PREFIX, **{**args, "query_lens": np.ones(7)}, use_alibi=False,
+                                             use_sliding_window=False)  # fmt: skip
+    md = builder.build(prefix + 7, batch.common_metadata())  # rounded down to whole pages
+    assert int(md.cascade_prefix_len) == prefix
+    plain = builder.build(0, batch.common_metadata())
+    assert plain.cascade_prefix_len is None
+    T = batch.q.shape[0]
+    qkv = (batch.q.reshape(T, -1), batch.k.reshape(T, -1), batch.v.reshape(T, -1))
+    cache = pallas_tpu.from_reference_layout(batch.kv_cache)
+    out, new_cache = layer(*qkv, cache, md)
+    expected_out, expected_cache = layer(*qkv, cache, plain)
+    n = batch.num_actual_tokens
+    tol = TOLERANCES["float32"]
+    np.testing.assert_array_equal(np.asarray(new_cache), np.asarray(expected_cache))
+    np.testing.assert_allclose(np.asarray(out[:n]), np.asarray(expected_out[:n]), rtol=tol.rtol, atol=tol.atol)
+    expected = attention_oracle(
+        np.asarray(batch.q), *read_back(batch, pallas_tpu.to_reference_layout(new_cache)), batch.query_lens, **options
+    )
+    np.testing.assert_allclose(np.asarray(out[:n]).reshape(expected.shape), expected, rtol=tol.rtol, atol=tol.atol)
+
+
 def test_builders_without_cascade_refuse_a_common_prefix():
-    layer = Attention(4, 64, 0.1, 2, attn_backend=ABE.PALLAS_TPU, block_size=16)
+    class NoCascadeBuilder(XLAMetadataBuilder):
+        supports_cascade = False
+
+    layer = Attention(4, 64, 0.1, 2, attn_backend=ABE.XLA, block_size=16)
+    builder = NoCascadeBuilder(layer.metadata_builder.kv_cache_spec)
     md = _batch().common_metadata()
-    assert not layer.metadata_builder.use_cascade_attention(PREFIX, np.ones(8), 4, 2, False, False, 132)
-    with pytest.raises(ValueError, match=r"common_prefix_len=256: PallasTPUMetadataBuilder has no cascade"):
-        layer.metadata_builder.build(PREFIX, md)
+    assert not builder.use_cascade_attention(PREFIX, np.ones(8), 4, 2, False, False, 132)
+    assert NoCascadeBuilder.cascade_summary().startswith("never")
+    with pytest.raises(ValueError, match=r"common_prefix_len=256: NoCascadeBuilder has no cascade"):
+        builder.build(PREFIX, md)

@@ -25,13 +25,16 @@ from attn_jax.ops.ragged_paged_attention.config import TpuBlockSizes
 from attn_jax.testing.workloads import make_ragged_batch
 from tests.ops.ragged_checks import (
     NONFINITE_BATCH,
+    TOLERANCES,
     check,
     check_nonfinite_output,
     check_output,
     make_options,
+    read_back,
     run_op,
     with_nonfinite_entries,
 )
+from tests.oracle import attention_oracle
 
 
 def tpu_op(block_sizes: TpuBlockSizes | None = None):
@@ -159,3 +162,55 @@ def test_kv_sharing_writes_nothing_eager_with_sinks():
     out, new_cache = run_op(batch, options, use_jit=False, write=False, op=tpu_op(SMALL))
     np.testing.assert_array_equal(np.asarray(new_cache), np.asarray(filled))
     check_output(batch, options, out, new_cache)
+
+
+LSE_CASES = {
+    # name: (make_ragged_batch kwargs, op options, block sizes): decodes, prefills and padding rows
+    "f32_h64_sinks_soft_cap": (dict(_MIXED, **_G4, head_size=64, block_size=16, num_tokens=17),
+                               dict(sinks=True, logits_soft_cap=5.0), SMALL),
+    "bf16_h128_window_two_kv_heads_per_block": (dict(_MIXED, num_q_heads=16, num_kv_heads=4, head_size=128,
+                                                     block_size=16, num_tokens=18, dtype=jnp.bfloat16),
+                                                dict(sliding_window=6), TpuBlockSizes(8, 1, kv_heads_per_block=2)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(LSE_CASES))
+def test_lse_matches_the_oracle_in_tpu_interpreter(name):
+    """``return_lse``: each row's log-sum-exp against the float64 oracle's; padding rows (no key)
+    give the sink, or -inf without sinks."""
+    batch_kwargs, option_kwargs, block_sizes = LSE_CASES[name]
+    batch = make_ragged_batch(1, **batch_kwargs)
+    options = make_options(batch, **option_kwargs)
+    static = {n: options.pop(n) for n in ("sm_scale", "causal", "sliding_window", "logits_soft_cap")}
+    step = jax.jit(
+        lambda *args, **kw: pallas_mosaic_tpu.ragged_paged_attention(
+            *args, **static, block_sizes=block_sizes, return_lse=True, **kw
+        )
+    )  # fmt: skip
+    q, k, v, cache, *rest = batch.op_args
+    out, new_cache, lse = step(q, k, v, pallas_mosaic_tpu.from_reference_layout(cache), *rest, **options)
+    new_cache = pallas_mosaic_tpu.to_reference_layout(new_cache)
+    check_output(batch, {**static, **options}, out, new_cache)
+    k_seqs, v_seqs = read_back(batch, new_cache)
+    _, expected = attention_oracle(
+        np.asarray(batch.q, np.float64), k_seqs, v_seqs, batch.query_lens, **static, **options, return_lse=True
+    )
+    n, num_q_heads = batch.num_actual_tokens, batch.q.shape[1]
+    assert lse.shape == (batch.q.shape[0], num_q_heads) and lse.dtype == jnp.float32
+    tol = TOLERANCES[np.dtype(batch.q.dtype).name]
+    np.testing.assert_allclose(np.asarray(lse[:n]), expected, rtol=tol.rtol, atol=tol.atol)
+    padding = np.asarray(lse[n:])
+    assert padding.shape[0] > 0
+    if options["sinks"] is None:
+        assert np.isneginf(padding).all(), "padding rows see no key: LSE -inf"
+    else:
+        np.testing.assert_allclose(padding, np.broadcast_to(options["sinks"], padding.shape), rtol=1e-6)
+
+
+def test_lse_of_zero_tokens_is_empty():
+    batch = make_ragged_batch(0, [0], [5], **_G4, head_size=64, block_size=16, num_tokens=0)
+    q, k, v, cache, *rest = batch.op_args
+    out, _, lse = pallas_mosaic_tpu.ragged_paged_attention(
+        q, k, v, pallas_mosaic_tpu.from_reference_layout(cache), *rest, sm_scale=0.1, return_lse=True
+    )
+    assert out.shape == (0, 8, 64) and lse.shape == (0, 8) and lse.dtype == jnp.float32

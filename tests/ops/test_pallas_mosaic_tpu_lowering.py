@@ -82,6 +82,12 @@ EXPORTS = {
                              cache_dtype=jnp.bfloat16, num_q_heads=8, num_kv_heads=2, sliding_window=64),
     "bf16_h256_f32_queries": dict(num_tokens=64, num_reqs=4, pages_per_req=16, page_size=128, head_size=256,
                                   cache_dtype=jnp.bfloat16, dtype=jnp.float32, num_q_heads=8, num_kv_heads=2),
+    # return_lse (cascade attention's parts): a third, lane-broadcast f32 output.
+    "bf16_h128_lse_sinks": dict(num_tokens=256, num_reqs=32, pages_per_req=64, page_size=16, head_size=128,
+                                cache_dtype=jnp.bfloat16, sinks=jnp.zeros(32, jnp.float32), return_lse=True),
+    "bf16_h64_lse_non_causal_one_request": dict(num_tokens=64, num_reqs=1, pages_per_req=128, page_size=16,
+                                                head_size=64, cache_dtype=jnp.bfloat16, causal=False,
+                                                return_lse=True),
 }  # fmt: skip
 # Entries of the tuned tables at their own shapes: (table, entry index).
 TABLE_EXPORTS = [("tpu_v5e", 0), ("tpu_v6e", 25), ("tpu_v7x", 59)]
@@ -92,6 +98,9 @@ def test_exports_for_tpu_with_mosaic_custom_call(name):
     exported = _export(**EXPORTS[name])
     assert exported.platforms == ("tpu",)
     assert "tpu_custom_call" in exported.mlir_module()
+    if EXPORTS[name].get("return_lse"):  # (out, kv_cache, lse f32[T, Hq])
+        num_q_heads = EXPORTS[name].get("num_q_heads", 32)
+        assert exported.out_avals[2] == jax.core.ShapedArray((EXPORTS[name]["num_tokens"], num_q_heads), jnp.float32)
 
 
 @pytest.mark.parametrize(("table", "index"), TABLE_EXPORTS)
@@ -134,7 +143,7 @@ def _zeros(*, num_tokens, num_reqs, pages_per_req, page_size, head_size, num_blo
 
 SHARED = (
     "dequantize", "visible_mask", "transform_scores", "init_softmax_state", "online_softmax_update",
-    "finalize_softmax_state",
+    "finalize_softmax_state", "log_sum_exp",
 )  # fmt: skip
 
 

@@ -12,8 +12,9 @@ The batch's attention splits into two parts over disjoint keys, merged by log-su
   both sides of ``j <= p``), with the sinks.
 
 Any kernel module's ``ragged_paged_attention`` with ``return_lse`` serves both parts
-(``op``). Sliding windows and ALiBi depend on each row's absolute position, which the
-one-request prefix part does not have: they are refused, as vLLM's cascade refuses them.
+(``op``), on its own cache layout (the XLA one or the Mosaic TPU kernel's). Sliding windows
+and ALiBi depend on each row's absolute position, which the one-request prefix part does
+not have: they are refused, as vLLM's cascade refuses them.
 """
 
 from __future__ import annotations
@@ -113,7 +114,10 @@ def cascade_ragged_paged_attention(
 
 
 def _page_size(kv_cache) -> int:
-    """Page size S of an XLA-layout cache [2, P, S, Hkv, D]."""
-    if kv_cache.ndim != 5:
-        raise ValueError(f"cascade attention takes the XLA cache layout [2, P, S, Hkv, D], not {kv_cache.shape}")
+    """Page size S of an XLA-layout cache [2, P, S, Hkv, D] or a PALLAS_TPU one [P, Hkv, S, 2D]."""
+    if kv_cache.ndim not in (4, 5):
+        raise ValueError(
+            f"cascade attention takes the XLA cache layout [2, P, S, Hkv, D] or the PALLAS_TPU one "
+            f"[P, Hkv, S, 2D], not {kv_cache.shape}"
+        )
     return int(kv_cache.shape[2])

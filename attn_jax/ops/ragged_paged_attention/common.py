@@ -182,6 +182,13 @@ def finalize_softmax_state(state):
     return normalize(acc, _col(denom))
 
 
+def log_sum_exp(m, denom):
+    """f32 like ``m``: the log of a softmax denominator from its running state (max ``m``,
+    ``denom`` scaled by ``exp(-m)``), ``m + log(denom)``; -inf where nothing was seen (denom 0)."""
+    seen = denom > 0
+    return jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
+
+
 def merge_softmax_states(m, denom, acc):
     """Combines split-KV partial states along axis 0 (flash-decoding's reduce).
 

@@ -37,6 +37,9 @@ an aliased output (``input_output_aliases``), updated in place when donated.
 
 The per-tile math (masks, score transforms, online softmax with sinks, fp8 dequant) is
 ``common.py``'s, shared with the GPU kernel; the row statistics are f32[rows, 1] columns.
+With ``return_lse`` the kernel also writes each row's log-sum-exp ``m + log(denom)`` (-inf for a
+row that saw no key) as a third output, lane-broadcast ``f32[T, Hq, LSE_LANES]`` in q/out's
+blocks (as JAX's TPU flash attention writes its ``l`` and ``m``); the wrapper keeps lane 0.
 Refs are only indexed and sliced, never reshaped or bitcast (``ref.reshape`` and
 ``ref.bitcast`` fail in jax 0.11.2's TPU interpreter): tiles are reshaped as values.
 """
@@ -84,6 +87,10 @@ FP8_QUERY_TPU_KINDS = ("TPU7x",)
 """TPUs (``jax.Device.device_kind``) with an fp8 MXU, the only ones for which Mosaic lowers the
 e4m3 x e4m3 matmuls of FP8 attention (its matmul canonicalisation handles fp8 operands for TPU
 generation 7 alone)."""
+
+LSE_LANES = 128
+"""Lanes of the kernel's LSE output: each row's value broadcast over one lane tile, so its blocks
+are laid out as the output's (``(bq, hb * G, 128)`` f32); the wrapper returns lane 0."""
 
 SMEM_CAPACITY_BYTES = 1024 * 1024
 """SMEM per TensorCore on v5e, v6e and v7x (jax._src.tpu_info)."""
@@ -208,17 +215,18 @@ VMEM_MAX_BYTES = 64 * 1024 * 1024
 
 
 def vmem_bytes_estimate(bs: TpuBlockSizes, *, group: int, head_size: int, page_size: int, q_itemsize: int,
-                        kv_itemsize: int, per_row_inputs: int = 0) -> int:  # fmt: skip
+                        kv_itemsize: int, per_row_inputs: int = 0, lse: bool = False) -> int:  # fmt: skip
     """Approximate VMEM of one program: double-buffered q and out blocks, the KV buffers, the
-    decode buffer, per-row inputs (ALiBi, sinks: a lane tile each), and per KV head the
-    f32 accumulator, the two row statistics (a lane tile per row) and the score tiles."""
+    decode buffer, per-row inputs (ALiBi, sinks: a lane tile each), with ``lse`` the LSE
+    output blocks and their decode buffer (a lane tile per row), and per KV head the f32
+    accumulator, the two row statistics (a lane tile per row) and the score tiles."""
     hb, bq, ppb = bs.kv_heads_per_block or 1, bs.q_tokens_per_block, bs.kv_pages_per_block
     rows, width, bkv = bq * group, 2 * head_size, ppb * page_size
     dq = width if head_size % 128 else head_size
     blocks = 2 * 2 * bq * hb * group * dq * q_itemsize  # q and out, double-buffered
     kv = 2 * hb * bkv * width * kv_itemsize
     decode = bq * hb * group * dq * 4
-    per_row = per_row_inputs * 2 * hb * rows * 128 * 4
+    per_row = (per_row_inputs * 2 + 3 * lse) * hb * rows * LSE_LANES * 4
     live = hb * (rows * dq * 4 + 2 * rows * 128 * 4) + 2 * rows * bkv * 4 + 2 * bkv * width * 4
     return int(blocks + kv + decode + per_row + live)
 
@@ -311,6 +319,7 @@ class _Static:
     has_sinks: bool
     has_write: bool
     fp8: bool
+    has_lse: bool  # a third output: each row's log-sum-exp (LSE_LANES lanes)
     fp8_query: bool  # FP8 attention: e4m3 q (quantised here), e4m3 x e4m3 dots, e4m3 weights for p @ v
     group: int
     head_size: int
@@ -322,7 +331,8 @@ class _Static:
 
 
 def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: _Static):
-    """One (head block, q-block). refs: q, [alibi], [sinks], [scales], [kv_new], kv_in, out, kv_out, scratch.
+    """One (head block, q-block). refs: q, [alibi], [sinks], [scales], [kv_new], kv_in, out, kv_out,
+    [lse], scratch ([lse decode buffer] last).
 
     Integer division is ``lax.div`` / ``lax.rem`` on non-negative values (``//`` lowers
     through ``sign``, which Mosaic lowers per TPU generation).
@@ -333,6 +343,10 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
     sinks_ref = refs.pop(0) if st.has_sinks else None
     scales_ref = refs.pop(0) if st.fp8 else None
     kv_new_ref = refs.pop(0) if st.has_write else None
+    lse_ref = dec_lse = None
+    if st.has_lse:
+        *refs, dec_lse = refs
+        lse_ref = refs.pop(3)
     _kv_in_ref, o_ref, kv_ref, kv_buf, sems, write_sem, dec_buf, dec_flags = refs  # kv_ref aliases _kv_in_ref
 
     hb, bq, ppb = st.bs.kv_heads_per_block, st.bs.q_tokens_per_block, st.bs.kv_pages_per_block
@@ -442,6 +456,11 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
         out = common.finalize_softmax_state(state)
         return out * out_scale if st.fp8_query else out
 
+    def finish_lse(state, n):
+        """f32[n, LSE_LANES]: the state's log-sum-exp per row, over a lane tile; -inf where nothing was seen."""
+        m, denom, _ = state
+        return jnp.broadcast_to(common.log_sum_exp(m, denom), (n, LSE_LANES))
+
     def kv_tile(slot, i, blk, kv_len):
         """(k, v) of KV head i of the block in buffer ``slot``: [bkv, Dq], [bkv, W] in the matmul
         dtype, rows past kv_len zeroed (unused slots may hold NaN)."""
@@ -512,6 +531,10 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
             for i in range(hb):
                 out = finish(new_states[i])  # f32[G, W]
                 dec_buf[pl.ds(j, 1), heads(i), :] = out.reshape(1, st.group, acc_width)
+                if st.has_lse:
+                    dec_lse[pl.ds(j, 1), heads(i), :] = finish_lse(new_states[i], st.group).reshape(
+                        1, st.group, LSE_LANES
+                    )
             dec_flags[j] = 1
 
         return tuple(new_states)
@@ -558,11 +581,15 @@ def _kernel(qsl_ref, seq_lens_ref, tables_ref, slots_ref, sched_ref, *refs, st: 
     for i in range(hb):
         out = finish(states[i])  # f32[rows, W]
         o_ref[:, heads(i), :] = out.reshape(bq, st.group, -1).astype(o_ref.dtype)
+        if st.has_lse:
+            lse_ref[:, heads(i), :] = finish_lse(states[i], rows).reshape(bq, st.group, LSE_LANES)
 
     def decode_rows(j, c):  # decodes replace their (empty) rows of the full state
         @pl.when(dec_flags[j] == 1)
         def _copy():
             o_ref[pl.ds(j, 1)] = dec_buf[pl.ds(j, 1)].astype(o_ref.dtype)
+            if st.has_lse:
+                lse_ref[pl.ds(j, 1)] = dec_lse[pl.ds(j, 1)]
 
         return c
 
@@ -608,10 +635,13 @@ def ragged_paged_attention(
     device_kind: str | None = None,
     vmem_limit_bytes: int | None = None,
     q_scale=None,  # f32[] | None: FP8 attention (an e4m3 cache), as the reference's
+    return_lse: bool = False,
 ):
     """The reference op (same arguments, same result) as one Mosaic TPU kernel.
 
-    Returns ``(out f[T, Hq, D] in q's dtype, kv_cache [P, Hkv, S, 2D])``. kv_cache is in
+    Returns ``(out f[T, Hq, D] in q's dtype, kv_cache [P, Hkv, S, 2D])``, and with
+    ``return_lse`` a third value ``lse f32[T, Hq]`` as the reference's (each row's log
+    softmax denominator, its sink included; -inf for a row that sees no key). kv_cache is in
     the TPU layout (``kv_cache_shape``; ``from_reference_layout`` converts the reference
     one); new k/v are written into it inside the kernel, in place when it is donated.
 
@@ -646,7 +676,8 @@ def ragged_paged_attention(
             num_blocks=num_blocks, block_size=page_size, causal=causal,
         )  # fmt: skip
     if num_tokens == 0:  # nothing to write or attend; a zero-sized grid would not lower
-        return jnp.zeros_like(q), kv_cache
+        empty = (jnp.zeros_like(q), kv_cache)
+        return (*empty, jnp.zeros((0, num_q_heads), jnp.float32)) if return_lse else empty
     group = num_q_heads // num_kv_heads
     if block_sizes is None:
         block_sizes = tpu_block_sizes(
@@ -667,6 +698,7 @@ def ragged_paged_attention(
         vmem_limit_bytes = vmem_limit_for(
             block_sizes, group=group, head_size=head_size, page_size=page_size, q_itemsize=q.dtype.itemsize,
             kv_itemsize=kv_cache.dtype.itemsize, per_row_inputs=(alibi_slopes is not None) + (sinks is not None),
+            lse=return_lse,
         )  # fmt: skip
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
@@ -689,15 +721,15 @@ def ragged_paged_attention(
         sm_scale=float(sm_scale), causal=bool(causal), sliding_window=sliding_window,
         soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
         has_alibi=alibi_slopes is not None, has_sinks=sinks is not None, has_write=k is not None, fp8=fp8,
-        fp8_query=q_scale is not None,
+        fp8_query=q_scale is not None, has_lse=bool(return_lse),
         group=group, head_size=head_size, packed=head_size % 128 != 0, num_tokens=padded_tokens,
         num_reqs=num_reqs, pages_per_req=pages_per_req, bs=block_sizes,
     )  # fmt: skip
-    out, kv_cache = _call(
+    out, kv_cache, lse = _call(
         st, q, kv_cache, qsl, jnp.asarray(seq_lens, jnp.int32), jnp.asarray(block_tables, jnp.int32), slots,
         jnp.asarray(schedule, jnp.int32), alibi_slopes, sinks, scales, kv_new, interpret, vmem_limit_bytes,
     )  # fmt: skip
-    return out, kv_cache
+    return (out, kv_cache, lse) if return_lse else (out, kv_cache)
 
 
 def _validate_static(q, k, v, kv_cache, qsl, seq_lens, tables, slots, sm_scale, window, cap, alibi, sinks,
@@ -752,11 +784,14 @@ def _call(st: _Static, q, kv_cache, qsl, seq_lens, tables, slots, schedule, alib
     prefetch = (qsl, seq_lens, tables.reshape(-1), slots, schedule)
     cache_index = len(prefetch) + len(args) - 1
 
-    out_shape = (
+    out_shape = [
         jax.ShapeDtypeStruct((padded, num_q_heads, out_width), q.dtype),
         jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
-    )
-    out_specs = (pl.BlockSpec((bq, hb * group, out_width), blk), pl.BlockSpec(memory_space=pl.ANY))
+    ]
+    out_specs = [pl.BlockSpec((bq, hb * group, out_width), blk), pl.BlockSpec(memory_space=pl.ANY)]
+    if st.has_lse:  # each row's LSE over a lane tile, in the output's blocks
+        out_shape.append(jax.ShapeDtypeStruct((padded, num_q_heads, LSE_LANES), jnp.float32))
+        out_specs.append(pl.BlockSpec((bq, hb * group, LSE_LANES), blk))
     scratch = [
         pltpu.VMEM((2, hb, ppb, page_size, width), kv_cache.dtype),
         pltpu.SemaphoreType.DMA((2,)),
@@ -764,6 +799,8 @@ def _call(st: _Static, q, kv_cache, qsl, seq_lens, tables, slots, schedule, alib
         pltpu.VMEM((bq, hb * group, out_width), jnp.float32),  # decode results
         pltpu.SMEM((bq,), jnp.int32),  # which tokens of the q-block are decodes
     ]
+    if st.has_lse:
+        scratch.append(pltpu.VMEM((bq, hb * group, LSE_LANES), jnp.float32))  # decode LSEs
     cost = cost_estimate(
         num_tokens=padded, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_size=head_size,
         num_reqs=tables.shape[0], pages_per_req=tables.shape[1], page_size=page_size, num_blocks=num_blocks,
@@ -775,10 +812,10 @@ def _call(st: _Static, q, kv_cache, qsl, seq_lens, tables, slots, schedule, alib
             num_scalar_prefetch=len(prefetch),
             grid=grid,
             in_specs=in_specs,
-            out_specs=out_specs,
+            out_specs=tuple(out_specs),
             scratch_shapes=scratch,
         ),  # fmt: skip
-        out_shape=out_shape,
+        out_shape=tuple(out_shape),
         input_output_aliases={cache_index: 1},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit_bytes
@@ -787,10 +824,10 @@ def _call(st: _Static, q, kv_cache, qsl, seq_lens, tables, slots, schedule, alib
         interpret=pltpu.InterpretParams() if interpret else False,
         name="ragged_paged_attention_tpu",
     )
-    out, kv_cache = kernel(*prefetch, *args)
+    out, kv_cache, *lse = kernel(*prefetch, *args)
     if padded != num_tokens or st.packed:
         out = out[:num_tokens, :, out_width - head_size :]  # the value half when packed
-    return out, kv_cache
+    return out, kv_cache, (lse[0][:num_tokens, :, 0] if st.has_lse else None)
 
 
 def cost_estimate(*, num_tokens, num_q_heads, num_kv_heads, head_size, num_reqs, pages_per_req, page_size,

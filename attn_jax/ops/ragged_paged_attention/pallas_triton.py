@@ -270,7 +270,7 @@ def _kernel(
         out = common.finalize_softmax_state(state) * v_scale
         plgpu.store(out_ref.at[tok_s[:, None], head_s[:, None], d], out.astype(out_ref.dtype), mask=store_mask)
         if has_lse:
-            plgpu.store(rest[1].at[tok_s, head_s], log_sum_exp(m, denom), mask=row_valid)
+            plgpu.store(rest[1].at[tok_s, head_s], common.log_sum_exp(m, denom), mask=row_valid)
     else:
         acc_ref, m_ref, denom_ref = rest
         plgpu.store(acc_ref.at[split, tok_s[:, None], head_s[:, None], d], acc * v_scale, mask=store_mask)
@@ -359,13 +359,6 @@ def ragged_paged_attention(
         soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret, return_lse=return_lse,
     )  # fmt: skip
     return (out, kv_cache, lse) if return_lse else (out, kv_cache)
-
-
-def log_sum_exp(m, denom):
-    """The log of a softmax denominator from its running state (max m, denom scaled by
-    exp(-m)); -inf where nothing was seen."""
-    seen = denom > 0
-    return jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
 
 
 def validate_inputs(
@@ -477,4 +470,4 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
     acc, m, denom = result[0][:, :num_tokens, :, :head_size], result[1][:, :num_tokens], result[2][:, :num_tokens]
     m, denom, acc = common.merge_softmax_states(m, denom, acc)
     out = common.finalize_softmax_state((m.reshape(-1), denom.reshape(-1), acc.reshape(-1, head_size)))
-    return out.reshape(q.shape).astype(q.dtype), log_sum_exp(m, denom) if return_lse else None
+    return out.reshape(q.shape).astype(q.dtype), common.log_sum_exp(m, denom) if return_lse else None
