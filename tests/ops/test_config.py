@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from attn_jax.ops.ragged_paged_attention import config
@@ -126,17 +125,3 @@ def test_a_tuned_entry_that_does_not_fit_is_named(monkeypatch):
     with pytest.raises(ValueError, match=r"block_q=1 gives 4 rows for a head group of 4 .* needs at least 16"):
         config.gpu_block_sizes(num_reqs=1, pages_per_req=4, page_size=16, head_size=64, num_kv_heads=2, group=4,
                                mode="decode", device_kind="X")  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("head_size", "chunks"),
-    [(128, ((0, 128),)), (80, ((0, 64), (64, 16))), (96, ((0, 64), (64, 32))), (192, ((0, 128), (128, 64))),
-     (112, ((0, 64), (64, 32), (96, 16))), (40, ((0, 32), (32, 16))), (8, ((0, 16),)), (256, ((0, 256),))],
-)  # fmt: skip
-def test_head_chunks_are_powers_of_two_covering_the_head(head_size, chunks):
-    assert config.head_chunks(head_size) == chunks
-    for d in range(8, 257, 8):  # every head the Triton kernel takes: contiguous chunks, >= 16, < 16 past D
-        got = config.head_chunks(d)
-        assert all(w >= 16 and w & (w - 1) == 0 for _, w in got)
-        assert [c0 for c0, _ in got] == [0, *np.cumsum([w for _, w in got])[:-1].tolist()]
-        assert 0 <= sum(got[-1]) - d < 16

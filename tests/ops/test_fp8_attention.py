@@ -50,7 +50,7 @@ BATCHES = {
         extra_blocks=2,
         **_SHAPE,
     ),  # fmt: skip
-    # 80 = 64 + 16 columns: each chunk's key tile is loaded transposed, the dots summed
+    # a head that is not a power of two: the transposed key tile's rows past D masked
     "mixed_head_80": dict(query_lens=[1, 11, 3], context_lens=[30, 0, 17], num_tokens=20, **dict(_SHAPE, head_size=80)),
 }
 ONE_PASS = GpuBlockSizes(block_q=4, pages_per_tile=1)

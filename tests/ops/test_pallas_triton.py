@@ -65,8 +65,7 @@ CASES: dict[str, tuple[dict, dict, GpuBlockSizes]] = {
     "float16": (dict(_MIXED, dtype=jnp.float16), dict(alibi=True), ONE_PASS),
     "fp8_e4m3": (dict(_MIXED, cache_dtype_str="fp8_e4m3", extra_blocks=2), {}, ONE_PASS),
     "fp8_e5m2_bf16": (dict(_MIXED, dtype=jnp.bfloat16, cache_dtype_str="fp8_e5m2"), dict(sliding_window=9), SPLIT),
-    # Head sizes that are not powers of two: split into power-of-two column chunks (80 = 64 + 16,
-    # 112 = 64 + 32 + 16), a last chunk past D masked (24 = 16 + 16 with 8 masked).
+    # Head sizes that are not powers of two: loaded into a power-of-two tile, the rest masked.
     "head_80_mixed": (dict(_MIXED, head_size=80, extra_blocks=1), dict(sinks=True), ONE_PASS),
     "head_96_decode_split_kv": (dict(query_lens=[1, 1], context_lens=[70, 3], **dict(_SHAPE, head_size=96)), {}, SPLIT),
     "sub_page_tiles_split_kv": (

@@ -98,22 +98,15 @@ def transform_scores(s, q_pos, kv_pos, *, sm_scale: float, soft_cap: float | Non
     return s
 
 
-def init_softmax_state(rows: int, head_size: int | tuple[int, ...], sinks=None, *, column: bool = False):
+def init_softmax_state(rows: int, head_size: int, sinks=None, *, column: bool = False):
     """(m f32[rows], denom f32[rows], acc f32[rows, head_size]) before any key; sinks f32[rows] or None.
 
-    ``head_size`` a tuple of widths: ``acc`` is a tuple of f32[rows, width] column chunks (the
-    Triton kernel's split head, ``config.head_chunks``); the functions below take either.
     ``column=True`` keeps m and denom as f32[rows, 1] column vectors (sinks f32[rows, 1]):
     the TPU kernel's choice, since Mosaic lays out 2-D row statistics natively. Every
     function below accepts either shape and keeps it.
     """
     shape = (rows, 1) if column else (rows,)
-    widths = head_size if isinstance(head_size, tuple) else None
-    acc = (
-        tuple(jnp.zeros((rows, w), jnp.float32) for w in widths)
-        if widths
-        else jnp.zeros((rows, head_size), jnp.float32)
-    )
+    acc = jnp.zeros((rows, head_size), jnp.float32)
     if sinks is None:
         return jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32), acc
     return sinks.astype(jnp.float32).reshape(shape), jnp.ones(shape, jnp.float32), acc
@@ -161,8 +154,7 @@ def online_softmax_update(state, s, visible, v, *, precision=None, p_scale=None)
     """Folds one KV tile into the running state.
 
     state: (m, denom, acc) as from ``init_softmax_state``; s f32[rows, cols] logits;
-    visible bool[rows, cols] or None (all visible); v [cols, head_size] in the matmul dtype, or a tuple of
-    column chunks matching ``acc``'s (rows of v that are
+    visible bool[rows, cols] or None (all visible); v [cols, head_size] in the matmul dtype (rows of v that are
     not visible to any row must be finite: mask or zero them when loading; with ``visible``
     given, non-finite entries must have gone through ``route_nonfinite_values``).
     ``p_scale`` (FP8 attention, ``FP8_P_SCALE``): the weights enter the dot as ``p * p_scale``
@@ -172,12 +164,8 @@ def online_softmax_update(state, s, visible, v, *, precision=None, p_scale=None)
     m_new, denom_new, alpha, p = softmax_tile_update(m, denom, s, visible)
     if p_scale is not None:
         p = p * p_scale
-
-    def fold(a, vc):
-        pv = jax.lax.dot(p.astype(vc.dtype), vc, precision=precision, preferred_element_type=jnp.float32)
-        return a * _col(alpha) + pv
-
-    return m_new, denom_new, jax.tree.map(fold, acc, v)
+    pv = jax.lax.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+    return m_new, denom_new, acc * _col(alpha) + pv
 
 
 def normalize(acc, denom):
@@ -188,10 +176,10 @@ def normalize(acc, denom):
 
 
 def finalize_softmax_state(state):
-    """f32[rows, head_size] ``acc / denom`` (a tuple of chunks for a chunked ``acc``); rows that
-    saw no key (denom == 0) give 0, rows that saw a non-finite score or value give NaN."""
+    """f32[rows, head_size] ``acc / denom``; rows that saw no key (denom == 0) give 0,
+    rows that saw a non-finite score or value give NaN."""
     _, denom, acc = state
-    return jax.tree.map(lambda a: normalize(a, _col(denom)), acc)
+    return normalize(acc, _col(denom))
 
 
 def log_sum_exp(m, denom):

@@ -66,18 +66,10 @@ def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def head_chunks(head_size: int) -> tuple[tuple[int, int], ...]:
-    """(first column, width) of the power-of-two column chunks the Triton kernel splits a head
-    of ``head_size`` elements into: the binary digits of ``head_size`` from the largest, each
-    at least 16 (a dot's minimum), so 80 is 64 + 16, 96 is 64 + 32, 192 is 128 + 64 and a
-    power of two is one chunk. Only a last chunk of 16 can run past ``head_size`` (a head that
-    is not a multiple of 16: 40 is 32 + 16, its last 8 columns masked off)."""
-    chunks, start = [], 0
-    while start < head_size:
-        width = max(16, 1 << ((head_size - start).bit_length() - 1))
-        chunks.append((start, width))
-        start += width
-    return tuple(chunks)
+def head_tile(head_size: int) -> int:
+    """The power-of-two tile width the Triton kernel loads a head of ``head_size`` elements
+    into (>= 16: a dot's minimum); the columns past ``head_size`` are masked off."""
+    return max(16, next_pow2(head_size))
 
 
 GPU_SMEM_BYTES = {"H100": 232448, "H200": 232448, "H800": 232448, "H20": 232448, "GH200": 232448,
@@ -101,7 +93,7 @@ def gpu_smem_limit(device_kind: str | None) -> int:
 def triton_smem_bytes(bs: GpuBlockSizes, *, group: int, page_size: int, head_size: int, q_dtype, kv_dtype) -> int:
     """An estimate of the Triton kernel's shared memory for one program (bytes), fitted to
     what the H100's compiler requested (``benchmarks/gpu_launch_sweep.py --calibrate``,
-    BENCHMARKS.md): the K and V tiles (``tile`` keys of ``next_pow2(D)`` columns, at the
+    BENCHMARKS.md): the K and V tiles (``tile`` keys of ``head_tile(D)`` columns, at the
     wider of the cache and query dtypes, as the dot consumes them) held twice for 32-bit
     data (FMA dots: what the compiler asked for at 2, 3 and 4 stages alike, within 256
     bytes) and for a tile inside one page (a contiguous copy the compiler double-buffers:
@@ -109,8 +101,7 @@ def triton_smem_bytes(bs: GpuBlockSizes, *, group: int, page_size: int, head_siz
     gathered from several pages (MMA dots: 256-key tiles at 3 stages launched, which twice
     would not), plus the q block (``block_q * next_pow2(G)`` rows), plus 1 KiB.
     """
-    # next_pow2(D), not the chunks' span (config.head_chunks): an upper bound, as calibrated.
-    rows, tile, width = bs.block_q * next_pow2(group), bs.tile(page_size), max(16, next_pow2(head_size))
+    rows, tile, width = bs.block_q * next_pow2(group), bs.tile(page_size), head_tile(head_size)
     q_bytes = np.dtype(q_dtype).itemsize
     kv_bytes = max(np.dtype(kv_dtype).itemsize, q_bytes)
     copies = 2 if kv_bytes >= 4 or bs.pages_per_tile == 1 else 1

@@ -23,11 +23,9 @@ P1's 16384 tokens in 59 us where XLA's two scatters took 436 us; BENCHMARKS.md);
 interpreter keeps ``write_to_kv_cache``'s scatter.
 
 Head sizes are any multiple of 8 up to 256: Triton's tiles are powers of two, so a head
-of D elements is split into power-of-two column chunks (``config.head_chunks``: 80 is
-64 + 16), each loaded and multiplied whole; the q.k scores are the sum of the chunks' dots
-and each chunk keeps its own accumulator. No padded copy of q or the cache is made, and no
-lane of a load idles on a column past D (only a last chunk of a head that is not a multiple
-of 16 masks 8 columns).
+of D elements is loaded into a ``next_pow2(D)``-wide tile (at least 16, a dot's minimum)
+with the columns past D masked off: no padded copy of q or the cache is made, and the
+masked columns cost no memory traffic.
 
 When the PALLAS_GPU backend runs a prefill batch's long requests in the Mosaic GPU kernel
 (``pallas_mosaic_gpu``; the dispatch is ``attn_jax.backends.pallas_gpu``), this kernel
@@ -51,7 +49,7 @@ from attn_jax.ops.ragged_paged_attention.config import (
     GpuBlockSizes,
     check_block_sizes,
     gpu_block_sizes,
-    head_chunks,
+    head_tile,
     next_pow2,
 )
 from attn_jax.ops.ragged_paged_attention.validate import (
@@ -61,8 +59,8 @@ from attn_jax.ops.ragged_paged_attention.validate import (
 )
 
 SUPPORTED_HEAD_SIZES = tuple(range(8, 257, 8))
-"""Multiples of 8 up to 256 (vLLM's FlashAttention range): loaded as the power-of-two column
-chunks of ``config.head_chunks``."""
+"""Multiples of 8 up to 256 (vLLM's FlashAttention range): loaded into a power-of-two tile of
+``head_tile(D)`` columns with the rest masked off."""
 
 
 SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -155,31 +153,17 @@ def _kernel(
     tok_c = jnp.minimum(tok, num_tokens - 1)
     head = jnp.minimum(kv_head * group + g, num_q_heads - 1)
     # Every index is an array (no ':'), which both the Triton lowering and the interpreter take.
-    # The head's columns go in power-of-two chunks (config.head_chunks), each a plain arange
-    # (no clamp): Triton then sees contiguous columns and issues 16-byte loads. Only a last
-    # chunk past D masks columns (to 0; they are never read).
-    chunks = head_chunks(head_size)
-    widths = tuple(w for _, w in chunks)
-    col_idx = [c0 + jnp.arange(w, dtype=jnp.int32)[None, :] for c0, w in chunks]  # i32[1, w] each
-    # bool[1, w] of a chunk running past D, else None (no column mask)
-    col_ok = [c < head_size if c0 + w > head_size else None for c, (c0, w) in zip(col_idx, chunks, strict=True)]
+    # A head narrower than its power-of-two tile loads its D columns and masks the rest to 0.
+    # The column index stays a plain arange (no clamp): Triton then sees contiguous columns
+    # and issues 16-byte loads; masked-off columns are never read.
+    head_pad = head_tile(head_size)
+    d = jnp.arange(head_pad, dtype=jnp.int32)[None, :]  # i32[1, Dp]
+    d_valid = d < head_size if head_pad != head_size else True
 
-    def narrow(mask, ok):  # a row (or key) mask, narrowed to a chunk's real columns
-        return mask if ok is None else mask & ok
+    def cols(mask):  # a row mask, narrowed to the head's real columns
+        return mask & d_valid
 
-    def load_head(index, row_mask):
-        """(f[n, w] per chunk): the head's columns at ``index(columns)``, rows where ``row_mask``."""
-        return tuple(
-            plgpu.load(index(c), mask=narrow(row_mask, ok), other=0.0) for c, ok in zip(col_idx, col_ok, strict=True)
-        )
-
-    def dot_sum(a, b, dims, **kw):  # f32: the chunks' dots summed (q.k over the whole head)
-        parts = [
-            jax.lax.dot_general(x, y, dims, preferred_element_type=jnp.float32, **kw) for x, y in zip(a, b, strict=True)
-        ]
-        return functools.reduce(jnp.add, parts)
-
-    q = load_head(lambda c: q_ref.at[tok_c[:, None], head[:, None], c], row_valid[:, None])  # [rows, w] chunks
+    q = plgpu.load(q_ref.at[tok_c[:, None], head[:, None], d], mask=cols(row_valid[:, None]), other=0.0)  # [rows, Dp]
     q_pos = (pos_start + (tok - tok_start))[:, None]  # i32[rows, 1]
 
     # KV range of this q-block: [lo, hi) positions, then this split's share of its tiles.
@@ -196,7 +180,7 @@ def _kernel(
     p_scale = None
     if fp8:  # q / q_scale in e4m3; the scales multiply the dots' f32 results
         q_scale = scales_ref[2]
-        q = tuple(common.quantize_fp8(qc, 1.0 / q_scale) for qc in q)
+        q = common.quantize_fp8(q, 1.0 / q_scale)
         k_scale = k_scale * q_scale
         v_scale = v_scale * (1.0 / common.FP8_P_SCALE)
         p_scale = common.FP8_P_SCALE
@@ -207,53 +191,48 @@ def _kernel(
     if has_sinks:
         sinks = plgpu.load(sinks_ref.at[head], mask=row_valid, other=common.MASK_VALUE)
         sinks = jnp.where(split == 0, sinks, common.MASK_VALUE)  # the sink joins one split only
-    state = common.init_softmax_state(rows, widths, sinks=sinks)
+    state = common.init_softmax_state(rows, head_pad, sinks=sinks)
     if has_sinks:  # splits other than 0 start empty: denom = 0
         state = (state[0], jnp.where(split == 0, state[1], 0.0), state[2])
 
     # f32 dots must not drop to TF32 (Triton's DEFAULT); 16-bit ones take the native MMA.
     # fp8 dots take no precision (tl.dot on e4m3 operands: FP8 wgmma on Hopper).
-    q_dtype = q[0].dtype
-    precision = jax.lax.Precision.HIGHEST if q_dtype == jnp.float32 else None
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
     def fp8_scores(page, offset, in_range, v, masked):
-        """FP8 attention's q.k: each key chunk is loaded transposed, e4m3[w, tile] (D runs down the
+        """FP8 attention's q.k: the key tile is loaded transposed, e4m3[Dp, tile] (D runs down the
         rows, still contiguous in memory), so the dot takes it as is, with no transpose of an fp8
         tile. A masked tile routes non-finite values (common.route_nonfinite_values) in f32."""
-        k_t = tuple(
-            plgpu.load(kv_ref.at[0, page[None, :], offset[None, :], kv_head, c.T],
-                       mask=narrow(in_range[None, :], None if ok is None else ok.T), other=0.0)
-            for c, ok in zip(col_idx, col_ok, strict=True)
-        )  # fmt: skip
+        d_col = jnp.arange(head_pad, dtype=jnp.int32)[:, None]  # i32[Dp, 1]
+        key_cols = in_range[None, :] & (d_col < head_size) if head_pad != head_size else in_range[None, :]
+        k_t = plgpu.load(kv_ref.at[0, page[None, :], offset[None, :], kv_head, d_col], mask=key_cols, other=0.0)
         if masked:  # the routing's arithmetic in f32 (exact for e4m3 entries), then e4m3 again
-            v32 = tuple(vc.astype(jnp.float32) for vc in v)
-            poison = tuple(vc - vc for vc in v32)  # f32[tile, w]: 0, or NaN where a value is not finite
-            k_t = tuple(
-                (kc.astype(jnp.float32) + pc.T).astype(common.FP8_DTYPE) for kc, pc in zip(k_t, poison, strict=True)
-            )
-            v = tuple(jnp.where(pc == 0, vc, 0.0).astype(common.FP8_DTYPE) for vc, pc in zip(v32, poison, strict=True))
-        return dot_sum(q, k_t, (((1,), (0,)), ((), ()))), v
+            v32 = v.astype(jnp.float32)
+            poison = v32 - v32  # f32[tile, Dp]: 0, or NaN where a value is not finite
+            k_t = (k_t.astype(jnp.float32) + poison.T).astype(common.FP8_DTYPE)
+            v = jnp.where(poison == 0, v32, 0.0).astype(common.FP8_DTYPE)
+        dims = (((1,), (0,)), ((), ()))
+        return jax.lax.dot_general(q, k_t, dims, preferred_element_type=jnp.float32), v
 
     def tile_step(t, state, masked: bool):
         j = t * tile + jnp.arange(tile, dtype=jnp.int32)  # i32[tile] cached positions
         in_range = j < hi
         page = plgpu.load(block_tables_ref.at[req, jnp.minimum(j // page_size, pages_per_req - 1)])
         offset = j % page_size
-        page, offset = page[:, None], offset[:, None]
-
-        def load_kv(kv):  # chunks of f[tile, w]: keys (kv=0) or values (1)
-            return load_head(lambda c: kv_ref.at[kv, page, offset, kv_head, c], in_range[:, None])
-
         if fp8:
-            s, v = fp8_scores(page[:, 0], offset[:, 0], in_range, load_kv(1), masked)
+            v = plgpu.load(kv_ref.at[1, page[:, None], offset[:, None], kv_head, d], mask=cols(in_range[:, None]),
+                           other=0.0)  # fmt: skip
+            s, v = fp8_scores(page, offset, in_range, v, masked)
         else:
-            k, v = load_kv(0), load_kv(1)
-            k = tuple(common.dequantize(kc, None, q_dtype) for kc in k)  # fp8 scales fold into sm_scale and the output
-            v = tuple(common.dequantize(vc, None, q_dtype) for vc in v)
+            page, offset = page[:, None], offset[:, None]
+            k = plgpu.load(kv_ref.at[0, page, offset, kv_head, d], mask=cols(in_range[:, None]), other=0.0)
+            v = plgpu.load(kv_ref.at[1, page, offset, kv_head, d], mask=cols(in_range[:, None]), other=0.0)
+            k = common.dequantize(k, None, q.dtype)  # fp8 scales fold into sm_scale and the output
+            v = common.dequantize(v, None, q.dtype)
             if masked:  # rows of a masked tile share p @ v: keep a value's NaN from rows that do not see it
-                routed = [common.route_nonfinite_values(kc, vc) for kc, vc in zip(k, v, strict=True)]
-                k, v = tuple(r[0] for r in routed), tuple(r[1] for r in routed)
-            s = dot_sum(q, k, (((1,), (1,)), ((), ())), precision=precision)
+                k, v = common.route_nonfinite_values(k, v)
+            dims = (((1,), (1,)), ((), ()))
+            s = jax.lax.dot_general(q, k, dims, precision=precision, preferred_element_type=jnp.float32)
         # s f32[rows, tile]
         s = common.transform_scores(
             s, q_pos, j[None, :], sm_scale=sm_scale * k_scale, soft_cap=soft_cap, alibi_slopes=slopes
@@ -282,26 +261,19 @@ def _kernel(
     # masked-off rows must not alias real ones: there they go to a spare token row.
     tok_s = jnp.where(row_valid, tok_c, num_tokens) if spare_row else tok_c
     head_s = jnp.where(row_valid, head, 0) if spare_row else head
-    # The interpreter's outputs span every chunk's columns (sliced by the caller) and its
-    # masked stores write every index they name: there every column is stored.
-
-    def store_head(index, chunk_values, dtype):
-        for c, ok, x in zip(col_idx, col_ok, chunk_values, strict=True):
-            mask = row_valid[:, None] if spare_row else narrow(row_valid[:, None], ok)
-            plgpu.store(index(c), x.astype(dtype), mask=mask)
-
+    # The interpreter's outputs are head_pad wide (sliced by the caller) and its masked
+    # stores write every index they name: there every column is stored.
+    store_mask = row_valid[:, None] if spare_row else cols(row_valid[:, None])
     m, denom, acc = state
     if num_kv_splits == 1:
         out_ref = rest[0]
-        out = tuple(x * v_scale for x in common.finalize_softmax_state(state))
-        store_head(lambda c: out_ref.at[tok_s[:, None], head_s[:, None], c], out, out_ref.dtype)
+        out = common.finalize_softmax_state(state) * v_scale
+        plgpu.store(out_ref.at[tok_s[:, None], head_s[:, None], d], out.astype(out_ref.dtype), mask=store_mask)
         if has_lse:
             plgpu.store(rest[1].at[tok_s, head_s], common.log_sum_exp(m, denom), mask=row_valid)
     else:
         acc_ref, m_ref, denom_ref = rest
-        store_head(
-            lambda c: acc_ref.at[split, tok_s[:, None], head_s[:, None], c], [a * v_scale for a in acc], acc_ref.dtype
-        )
+        plgpu.store(acc_ref.at[split, tok_s[:, None], head_s[:, None], d], acc * v_scale, mask=store_mask)
         plgpu.store(m_ref.at[split, tok_s, head_s], m, mask=row_valid)
         plgpu.store(denom_ref.at[split, tok_s, head_s], denom, mask=row_valid)
 
@@ -460,7 +432,7 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
     if sinks is not None:
         inputs.append(jnp.asarray(sinks, jnp.float32))
     out_tokens = num_tokens + 1 if interpret else num_tokens  # the interpreter's spare row
-    out_cols = sum(head_chunks(head_size)[-1]) if interpret else head_size  # and its chunks' full width
+    out_cols = head_tile(head_size) if interpret else head_size  # and its full-width tiles
     aliases = {}
     if out_init is not None:  # rows another kernel wrote: this launch writes only its own rows
         aliases = {len(inputs): 0}
