@@ -160,7 +160,7 @@ def run_config(cfg: SweepConfig, interpret: bool = False) -> list[dict]:
             bs = used.block_sizes
             mgpu = uses_mosaic_gpu(
                 batch.q, cache, interpret=interpret, block_sizes=bs, mgpu_schedule=used.mgpu_schedule,
-                mgpu_block_sizes=used.mgpu_block_sizes, **options,
+                mgpu_block_sizes=used.mgpu_block_sizes, **{k: v for k, v in options.items() if k != "sm_scale"},
             )  # fmt: skip
             row["kernel"] = ("mosaic_gpu+triton" if mgpu else "triton") + f" {dataclasses.astuple(bs)}"
             row["smem_estimate"] = triton_smem_bytes(

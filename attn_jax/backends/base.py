@@ -52,6 +52,22 @@ def describe_sizes(sizes) -> str:
     return str(sizes)
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """One layer configuration as ``AttentionBackend.validate_configuration`` takes it."""
+
+    head_size: int
+    dtype: np.dtype
+    kv_cache_dtype: str
+    block_size: int
+    use_mla: bool
+    has_sink: bool
+    use_sparse: bool
+    attn_type: str
+    platform: Platform | None
+    query_quant: bool
+
+
 class AttentionBackend(abc.ABC):
     """Abstract attention backend: a bundle of impl, metadata and builder classes."""
 
@@ -135,6 +151,12 @@ class AttentionBackend(abc.ABC):
         return None
 
     @classmethod
+    def backend_reasons(cls, config: AttentionConfig) -> list[str]:
+        """A subclass's own reasons beyond the capability flags ``validate_configuration`` checks
+        (a kernel's shape limits, a device's missing units); [] by default."""
+        return []
+
+    @classmethod
     def validate_configuration(
         cls,
         head_size: int,
@@ -185,7 +207,9 @@ class AttentionBackend(abc.ABC):
                     f"query_quant=True with kv_cache_dtype={kv_cache_dtype!r}: FP8 attention needs an e4m3 cache, "
                     f"kv_cache_dtype one of {list(FP8_QUERY_CACHE_DTYPES)}"
                 )
-        return reasons
+        config = AttentionConfig(head_size, np.dtype(dtype), kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
+                                 str(attn_type), platform, query_quant)  # fmt: skip
+        return reasons + cls.backend_reasons(config)
 
     @classmethod
     def kv_cache_dtype_for(cls, cache_dtype_str: str, model_dtype) -> np.dtype:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import ClassVar
 
+from attn_jax.backends.base import AttentionConfig
 from attn_jax.backends.mla_xla import MLACommonBackend, XLAMLAImpl
 from attn_jax.ops.mla import pallas_mosaic_tpu, pallas_triton, prefill_pallas_triton, sparse_pallas_triton
 from attn_jax.platforms import current_platform
@@ -100,11 +101,10 @@ class PallasMLAGPUBackend(MLACommonBackend):
         return PallasMLAGPUImpl
 
     @classmethod
-    def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla=False, has_sink=False,
-                               use_sparse=False, attn_type="decoder", platform=None,
-                               query_quant=False) -> list[str]:  # fmt: skip
-        reasons = super().validate_configuration(head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
-                                                 use_sparse, attn_type, platform, query_quant)  # fmt: skip
+    def backend_reasons(cls, config: AttentionConfig) -> list[str]:
+        """The latent width (kv_lora_rank a power of two) and power-of-two pages the kernel tiles."""
+        reasons = super().backend_reasons(config)
+        head_size, block_size = config.head_size, config.block_size
         rank = head_size - 64
         if rank < 16 or rank & (rank - 1):
             reasons.append(f"head_size={head_size} is not supported; supported: kv_lora_rank + 64 with kv_lora_rank "
@@ -126,11 +126,9 @@ class PallasMLATPUBackend(MLACommonBackend):
         return PallasMLATPUImpl
 
     @classmethod
-    def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla=False, has_sink=False,
-                               use_sparse=False, attn_type="decoder", platform=None,
-                               query_quant=False) -> list[str]:  # fmt: skip
-        reasons = super().validate_configuration(head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
-                                                 use_sparse, attn_type, platform, query_quant)  # fmt: skip
-        if block_size % 16:
-            reasons.append(f"block_size={block_size} is not supported; supported: multiples of 16 (16, 64, ...)")
+    def backend_reasons(cls, config: AttentionConfig) -> list[str]:
+        """Pages in multiples of 16 rows (the kernel's sublane tiles)."""
+        reasons = super().backend_reasons(config)
+        if config.block_size % 16:
+            reasons.append(f"block_size={config.block_size} is not supported; supported: multiples of 16 (16, 64, ...)")
         return reasons

@@ -18,7 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax.backends.base import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, validate_kv_cache_dims
+from attn_jax.backends.base import (
+    AttentionBackend,
+    AttentionConfig,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    validate_kv_cache_dims,
+)
 from attn_jax.ops.mla import reference, sparse_reference
 from attn_jax.ops.mla.dense import mla_prefill_dense
 from attn_jax.ops.mla.validate import is_concrete
@@ -301,14 +307,10 @@ class MLACommonBackend(AttentionBackend):
                                             k_scale=k_scale)  # fmt: skip
 
     @classmethod
-    def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla=False, has_sink=False,
-                               use_sparse=False, attn_type="decoder", platform=None,
-                               query_quant=False) -> list[str]:  # fmt: skip
-        reasons = super().validate_configuration(
-            head_size, dtype, kv_cache_dtype, block_size, use_mla=use_mla, has_sink=has_sink,
-            use_sparse=use_sparse, attn_type=attn_type, platform=platform, query_quant=query_quant,
-        )  # fmt: skip
-        if not use_mla:
+    def backend_reasons(cls, config: AttentionConfig) -> list[str]:
+        """MLA backends serve only MLA layers."""
+        reasons = super().backend_reasons(config)
+        if not config.use_mla:
             reasons.insert(0, "serves only MLA layers (use_mla=True)")
         return reasons
 

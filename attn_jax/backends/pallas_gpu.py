@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_jax.backends.base import AttentionConfig
 from attn_jax.backends.pallas import PallasKernelImpl
 from attn_jax.backends.xla import XLAAttentionBackend, XLAMetadataBuilder
 from attn_jax.ops.ragged_paged_attention import pallas_mosaic_gpu, pallas_triton
@@ -43,7 +44,6 @@ from attn_jax.ops.ragged_paged_attention.config import (
 )
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
 from attn_jax.platforms import Platform, current_platform
-from attn_jax.types import AttentionType
 
 Array = Any
 logger = logging.getLogger(__name__)
@@ -130,13 +130,12 @@ def mgpu_split(
 
 def uses_mosaic_gpu(
     q, kv_cache, *, interpret: bool, block_sizes: GpuBlockSizes | None, mgpu_schedule,
-    mgpu_block_sizes: MgpuBlockSizes | None, sm_scale=None, causal: bool = True, sliding_window=None,
+    mgpu_block_sizes: MgpuBlockSizes | None, causal: bool = True, sliding_window=None,
     logits_soft_cap=None, alibi_slopes=None, sinks=None,
 ) -> bool:  # fmt: skip
     """Whether ``ragged_paged_attention`` runs a batch's long prefills on the Mosaic GPU kernel:
     a Mosaic GPU split was built, the kernels are compiled (not interpreted), the Triton blocks
     are unsplit and ``pallas_mosaic_gpu.unsupported_reason`` accepts the configuration."""
-    del sm_scale  # any scale serves
     return (
         mgpu_schedule is not None and not interpret
         and (block_sizes is None or block_sizes.num_kv_splits == 1)
@@ -167,16 +166,17 @@ def ragged_paged_attention(
     FP8 attention (``q_scale``, an e4m3 cache) runs on the Triton kernel alone: the Mosaic GPU
     prefill kernel is 16-bit only (``FP8_PLAN``).
     """
-    kwargs = dict(
-        sm_scale=sm_scale, causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        alibi_slopes=alibi_slopes, sinks=sinks,
+    features = dict(
+        causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )  # fmt: skip
+    kwargs = dict(sm_scale=sm_scale, **features)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     mgpu_bs = mgpu_block_sizes or MgpuBlockSizes()
     use_mgpu = not return_lse and q_scale is None and uses_mosaic_gpu(
         q, kv_cache, interpret=interpret, block_sizes=block_sizes, mgpu_schedule=mgpu_schedule,
-        mgpu_block_sizes=mgpu_bs, **kwargs,
+        mgpu_block_sizes=mgpu_bs, **features,
     )  # fmt: skip
     triton = functools.partial(
         pallas_triton.ragged_paged_attention, query_start_loc=query_start_loc, seq_lens=seq_lens,
@@ -474,18 +474,13 @@ class PallasGPUAttentionBackend(XLAAttentionBackend):
         return None  # runs everywhere: compiled on a GPU, in the interpreter elsewhere (forced only)
 
     @classmethod
-    def validate_configuration(
-        cls, head_size, dtype, kv_cache_dtype, block_size, use_mla=False, has_sink=False, use_sparse=False,
-        attn_type=AttentionType.DECODER, platform: Platform | None = None, query_quant: bool = False,
-    ) -> list[str]:  # fmt: skip
-        """The XLA backend's reasons, and for FP8 attention on a GPU without fp8 tensor cores, that."""
-        reasons = super().validate_configuration(
-            head_size, dtype, kv_cache_dtype, block_size, use_mla=use_mla, has_sink=has_sink,
-            use_sparse=use_sparse, attn_type=attn_type, platform=platform, query_quant=query_quant,
-        )  # fmt: skip
+    def backend_reasons(cls, config: AttentionConfig) -> list[str]:
+        """FP8 attention on a GPU without fp8 tensor cores."""
+        reasons = super().backend_reasons(config)
+        platform = config.platform
         kind = platform.device_kind if platform is not None and platform.kind == "gpu" else None
         words = f" {kind} ".replace("-", " ")
-        if query_quant and kind is not None and any(f" {k} " in words for k in NO_FP8_DOT_GPUS):
+        if config.query_quant and kind is not None and any(f" {k} " in words for k in NO_FP8_DOT_GPUS):
             reasons.append(
                 f"FP8 attention (query_quant=True) needs fp8 tensor cores (compute capability 8.9+: Ada, Hopper, "
                 f"Blackwell); device {kind!r} has none"

@@ -23,14 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax.backends.base import AttentionBackend, validate_kv_cache_dims
+from attn_jax.backends.base import AttentionBackend, AttentionConfig, validate_kv_cache_dims
 from attn_jax.backends.pallas import PallasKernelImpl
 from attn_jax.backends.xla import XLAMetadataBuilder
 from attn_jax.ops.ragged_paged_attention import pallas_mosaic_tpu
 from attn_jax.ops.ragged_paged_attention.config import TpuBlockSizes, tpu_block_sizes
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
-from attn_jax.platforms import Platform, current_platform
-from attn_jax.types import AttentionType, is_quantized_kv_cache
+from attn_jax.platforms import current_platform
+from attn_jax.types import is_quantized_kv_cache
 
 Array = Any
 
@@ -194,16 +194,12 @@ class PallasTPUAttentionBackend(AttentionBackend):
         return "HND"
 
     @classmethod
-    def validate_configuration(
-        cls, head_size, dtype, kv_cache_dtype, block_size, use_mla=False, has_sink=False, use_sparse=False,
-        attn_type=AttentionType.DECODER, platform: Platform | None = None, query_quant: bool = False,
-    ) -> list[str]:  # fmt: skip
-        reasons = super().validate_configuration(
-            head_size, dtype, kv_cache_dtype, block_size, use_mla=use_mla, has_sink=has_sink,
-            use_sparse=use_sparse, attn_type=attn_type, platform=platform, query_quant=query_quant,
-        )  # fmt: skip
+    def backend_reasons(cls, config: AttentionConfig) -> list[str]:
+        """FP8 attention on a TPU without an fp8 MXU; fp8 pages below the sublane packing."""
+        reasons = super().backend_reasons(config)
+        platform, kv_cache_dtype, block_size = config.platform, config.kv_cache_dtype, config.block_size
         kind = platform.device_kind if platform is not None and platform.kind == "tpu" else None
-        if query_quant and kind is not None and kind not in pallas_mosaic_tpu.FP8_QUERY_TPU_KINDS:
+        if config.query_quant and kind is not None and kind not in pallas_mosaic_tpu.FP8_QUERY_TPU_KINDS:
             reasons.append(
                 f"FP8 attention (query_quant=True) needs a TPU with an fp8 MXU "
                 f"{list(pallas_mosaic_tpu.FP8_QUERY_TPU_KINDS)} (Mosaic lowers e4m3 x e4m3 matmuls for TPU v7x "
