@@ -37,7 +37,10 @@ from attn_jax.ops.ragged_paged_attention.config import next_pow2
 from attn_jax.serving.model_runner import ModelRunner
 from attn_jax.serving.scheduler import Request, SamplingParams, ScheduledBatch
 
-__all__ = ["SAMPLING_VARIANTS", "WarmupReport", "decode_step_counts", "query_len_patterns", "warm_up"]
+__all__ = [
+    "SAMPLING_VARIANTS", "WarmupReport", "check_sampling_variants", "decode_step_counts", "query_len_patterns",
+    "warm_up",
+]  # fmt: skip
 
 SAMPLING_VARIANTS = ("greedy", "random", "top_p")
 """The sampling variants warmed by default: greedy (temperature 0), sampling without
@@ -147,6 +150,14 @@ def _sampling_params(variant: str) -> SamplingParams:
     raise ValueError(f"sampling variant {variant!r} is not one of {list(SAMPLING_VARIANTS)} or 'top_k=<int >= 1>'")
 
 
+def check_sampling_variants(variants: Sequence[str]) -> None:
+    """ValueError naming a variant that is not ``SAMPLING_VARIANTS``' or ``"top_k=<k>"``, or none given."""
+    if not variants:
+        raise ValueError("no sampling variant given: name at least one of " + repr(list(SAMPLING_VARIANTS)))
+    for v in variants:
+        _sampling_params(v)
+
+
 def _dummy_batch(query_lens: Sequence[int], capacity: int, block_size: int, params: SamplingParams) -> ScheduledBatch:
     """Requests with these query lengths whose contexts fill ``capacity`` tokens, every page
     of every block table the scratch page."""
@@ -179,9 +190,10 @@ def warm_up(
         raise ValueError(
             f"warmup needs an idle engine: {engine.num_live_requests} request(s) are live; warm up before adding any"
         )
+    check_sampling_variants(sampling)
     variants = [_sampling_params(v) for v in sampling]
-    if not variants:
-        raise ValueError("sampling=() warms nothing: give at least one of " + repr(list(SAMPLING_VARIANTS)))
+    if max_shapes is not None and (isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 0):
+        raise ValueError(f"max_shapes={max_shapes!r} must be an int >= 0 or None (all)")
     start = time.perf_counter()
     runner: ModelRunner = engine.runner
     block_size, max_model_len = engine.block_size, engine.max_model_len
