@@ -6,6 +6,11 @@ give the tokens an engine that never warmed up gives."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -129,3 +134,21 @@ def test_patterns_cover_every_bucket_pair():
     assert pairs == want
     assert all(sum(p) <= 64 and len(p) <= 8 and min(p) >= 1 for p in patterns)
     assert decode_step_counts(4, 256, 8) == [4] and decode_step_counts(100, 256, 8) == [8, 16, 32, 64, 100]
+
+
+@pytest.mark.slow
+def test_sharded_engine_warmup_compiles_everything():
+    """A 2 x 2 mesh (data x model) on 4 forced CPU devices, in a subprocess (about a minute on 2 cores)."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = os.environ | {
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.serving.sharded_warmup_worker"], cwd=root, env=env, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["shapes"] > 0 and out["compiles"] == 0 and out["traces"] == 0, out
+    assert out["same"] and out["before_warmup_same"], out
