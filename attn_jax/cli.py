@@ -437,6 +437,17 @@ def _port(text: str) -> int:
     return value
 
 
+CPU_WARMUP_MAX_SHAPES = 32
+"""``attn-stack serve``'s default bound on the warm-up's step shapes on a CPU (all elsewhere):
+SmolLM2 at serve's default limits has about 675 shapes at 3-5 s each on a 2-core CPU."""
+
+
+def _max_shapes(text: str) -> int | str:
+    if text.strip().lower() == "all":
+        return "all"
+    return _positive_int(text)
+
+
 def _sampling_variants(text: str) -> tuple[str, ...]:
     from attn_jax.serving.warmup import check_sampling_variants
 
@@ -481,8 +492,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "> 0, no filter), top_p, top_k=<k> (one per power of two) (default: greedy,random,top_p)",
     )  # fmt: skip
     parser.add_argument(
-        "--warmup-max-shapes", type=_positive_int, default=None, metavar="N",
-        help="compile at most N step shapes before listening, the likeliest first (default: all)",
+        "--warmup-max-shapes", type=_max_shapes, default=None, metavar="N|all",
+        help="compile at most N step shapes before listening, the likeliest first (default: all on a GPU or "
+        f"TPU; {CPU_WARMUP_MAX_SHAPES} on a CPU, where each takes seconds and the defaults give hundreds)",
     )  # fmt: skip
 
 
@@ -532,12 +544,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 if done == 1 or done == total or done % 25 == 0:
                     print(
                         f"attn-stack serve: compiled {done} of {total} step shapes before listening "
-                        f"({time.perf_counter() - start:.0f} s; --warmup-max-shapes N bounds them, --no-warmup skips)",
+                        f"({time.perf_counter() - start:.0f} s; --warmup-max-shapes N|all sets how many, --no-warmup "
+                        "skips them)",
                         file=sys.stderr, flush=True,
                     )  # fmt: skip
 
+            import jax
+
+            max_shapes = args.warmup_max_shapes
+            if max_shapes is None and jax.default_backend() == "cpu":
+                max_shapes = CPU_WARMUP_MAX_SHAPES
             sampling = {} if args.warmup_sampling is None else {"sampling": args.warmup_sampling}
-            report = engine.warmup(max_shapes=args.warmup_max_shapes, progress=progress, **sampling)
+            max_shapes = None if max_shapes == "all" else max_shapes
+            report = engine.warmup(max_shapes=max_shapes, progress=progress, **sampling)
             print(f"attn-stack serve: {report.summary()}", file=sys.stderr, flush=True)
         print(
             f"attn-stack serve: {name!r} ({engine.model.config.num_layers} layers, attention backend {backend}, "

@@ -169,6 +169,7 @@ def test_serve_warmup_flags(capsys):
         ["serve", "--no-warmup", "--warmup-sampling", "random, top_k=40", "--warmup-max-shapes", "9"]
     )
     assert args.no_warmup and args.warmup_sampling == ("random", "top_k=40") and args.warmup_max_shapes == 9
+    assert parser.parse_args(["serve", "--warmup-max-shapes", "ALL"]).warmup_max_shapes == "all"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--help"])
     assert "(default: " + ",".join(SAMPLING_VARIANTS) + ")" in " ".join(capsys.readouterr().out.split())
@@ -176,3 +177,7 @@ def test_serve_warmup_flags(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "--warmup-sampling", bad])
         assert words in capsys.readouterr().err
+    for bad in ("0", "some"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--warmup-max-shapes", bad])
+        assert "--warmup-max-shapes" in capsys.readouterr().err

@@ -12,7 +12,8 @@ without changes here. Nothing here names an attention backend.
 Each ``Engine.step`` asks the schedulers for a batch (decodes and prefill chunks under a
 token budget) and hands it to the runner, which dispatches one jitted call; shapes are
 padded to buckets, so the step compiles once per bucket (and sampling mode);
-``num_compilations`` counts the traces.
+``num_compilations`` counts the traces. ``warmup()`` compiles every one of them before the
+first request (``serving/warmup.py``), as ``attn-stack serve`` does before it listens.
 
 Asynchronous scheduling (the default, vLLM's ``async_scheduling``): ``step`` dispatches
 the next batch before it reads back the previous one's sampled tokens, so the host

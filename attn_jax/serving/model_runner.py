@@ -8,7 +8,9 @@ model's forward, the cache update with the caches donated, sampling; ``num_steps
 runs a multi-step decode as a ``lax.scan``), and the attention metadata, which it builds
 through the model's ``AttentionGroup`` only. The engine's core hands it each shard's
 ``ScheduledBatch`` and gets back the dispatched call's sampled tokens, still on the
-device.
+device. ``execute`` is ``prepare`` (host work only; ``PreparedCall.key`` names the
+compiled step the call needs) then ``dispatch``; ``Engine.warmup`` (``warmup.py``) uses the
+two halves to compile each distinct key once, inside ``preserving_page``.
 
 Example::
 
