@@ -419,9 +419,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-SERVE_NUM_SCHEDULER_STEPS = 1
-"""Decode steps per device call in ``attn-stack serve``: one, so tokens stream one at a time
-and a new request joins the batch at the next step."""
+SERVE_NUM_SCHEDULER_STEPS = 8
+"""Decode steps per device call in ``attn-stack serve`` once every running request decodes
+and none waits for room (the engine's multi-step decoding): the host's scheduling and
+dispatch are paid once per 8 tokens. Each token still streams as its own chunk (the 8
+arrive together); stop strings and max_tokens end a request at its exact token; a request
+that arrives meanwhile is admitted at the next call, at most 8 decode steps later."""
 
 
 def _port(text: str) -> int:
@@ -432,6 +435,28 @@ def _port(text: str) -> int:
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a TCP port: give 0 to 65535")
     return value
+
+
+CPU_WARMUP_MAX_SHAPES = 32
+"""``attn-stack serve``'s default bound on the warm-up's step shapes on a CPU (all elsewhere):
+SmolLM2 at serve's default limits has about 675 shapes at 3-5 s each on a 2-core CPU."""
+
+
+def _max_shapes(text: str) -> int | str:
+    if text.strip().lower() == "all":
+        return "all"
+    return _positive_int(text)
+
+
+def _sampling_variants(text: str) -> tuple[str, ...]:
+    from attn_jax.serving.warmup import check_sampling_variants
+
+    variants = tuple(v.strip() for v in text.split(",") if v.strip())
+    try:
+        check_sampling_variants(variants)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return variants
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -456,14 +481,30 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn's log level (default: info)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-warmup", action="store_true",
+        help="listen at once, compiling each step shape when traffic first meets it (default: compile every "
+        "shape first; the port opens after)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--warmup-sampling", type=_sampling_variants, default=None, metavar="V1,V2",
+        help="sampling variants to compile before listening, most used first: greedy, random (temperature "
+        "> 0, no filter), top_p, top_k=<k> (one per power of two) (default: greedy,random,top_p)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--warmup-max-shapes", type=_max_shapes, default=None, metavar="N|all",
+        help="compile at most N step shapes before listening, the likeliest first (default: all on a GPU or "
+        f"TPU; {CPU_WARMUP_MAX_SHAPES} on a CPU, where each takes seconds and the defaults give hundreds)",
+    )  # fmt: skip
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     """Serves a model over an OpenAI-compatible HTTP API.
 
     Routes: /v1/models, /v1/completions, /v1/chat/completions (streaming with
-    "stream": true), /health and /metrics (Prometheus). The model loads first; the server
-    listens once it has."""
+    "stream": true), /health and /metrics (Prometheus). The model loads first, then every
+    step shape the engine can meet is compiled (unless --no-warmup); the server listens
+    once both are done, so no compilation stalls traffic."""
     try:
         import uvicorn
 
@@ -496,6 +537,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             return _error(args, e)
         name = args.served_model_name or default_served_name(args.model)
         backend = engine.model.attn_backend.get_name()
+        if not args.no_warmup:
+            start = time.perf_counter()
+
+            def progress(done: int, total: int) -> None:
+                if done == 1 or done == total or done % 25 == 0:
+                    print(
+                        f"attn-stack serve: compiled {done} of {total} step shapes before listening "
+                        f"({time.perf_counter() - start:.0f} s; --warmup-max-shapes N|all sets how many, --no-warmup "
+                        "skips them)",
+                        file=sys.stderr, flush=True,
+                    )  # fmt: skip
+
+            import jax
+
+            max_shapes = args.warmup_max_shapes
+            if max_shapes is None and jax.default_backend() == "cpu":
+                max_shapes = CPU_WARMUP_MAX_SHAPES
+            sampling = {} if args.warmup_sampling is None else {"sampling": args.warmup_sampling}
+            max_shapes = None if max_shapes == "all" else max_shapes
+            report = engine.warmup(max_shapes=max_shapes, progress=progress, **sampling)
+            print(f"attn-stack serve: {report.summary()}", file=sys.stderr, flush=True)
         print(
             f"attn-stack serve: {name!r} ({engine.model.config.num_layers} layers, attention backend {backend}, "
             f"max_model_len {engine.max_model_len}) at http://{args.host}:{args.port}/v1",

@@ -4,8 +4,9 @@ beside the offline engine on the same GPU: the figures ``vllm bench serve`` repo
 Three processes' kinds, so that neither side's Python slows the other's:
 
 - the server process builds the engine (``--model``: ``tiny-random`` on a CPU, or a model
-  shape of random weights such as ``smollm2-135m`` with the SmolLM2 tokenizer), warms its
-  buckets up, times the offline engine (``Engine.generate`` at batch ``--concurrency``,
+  shape of random weights such as ``smollm2-135m`` with the SmolLM2 tokenizer), compiles
+  every step shape with ``Engine.warmup`` as ``attn-stack serve`` does (unless
+  ``--no-engine-warmup``), times the offline engine (``Engine.generate`` at batch ``--concurrency``,
   the same prompt and output lengths), then serves that same engine with
   ``attn_jax.server.app.build_app`` under uvicorn;
 - ``--client-procs`` load processes run ``AsyncOpenAI`` streaming completions;
@@ -185,7 +186,13 @@ def serve_process(opts: dict, port: int, conn) -> None:
 
         engine = build_engine(opts)
         device = jax.devices()[0]
+        warmup = None
+        if not opts["no_engine_warmup"]:  # what attn-stack serve does before it listens
+            sampling = tuple(v for v in opts["warmup_sampling"].split(",") if v)
+            report = engine.warmup(sampling=sampling, max_shapes=opts["warmup_max_shapes"])
+            warmup = dataclasses.asdict(report) | {"sampling": list(sampling)}
         offline = run_offline(engine, opts)
+        offline["engine_warmup"] = warmup
         offline["device"] = device.device_kind
         offline["backend"] = engine.model.attn_backend.get_name()
         offline["num_blocks"] = engine.num_blocks
@@ -499,7 +506,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=4.0)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per call (serve's default: 1)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per call (serve's default: 8)")
+    p.add_argument(
+        "--no-engine-warmup", action="store_true",
+        help="skip Engine.warmup before serving (attn-stack serve --no-warmup); default: every shape compiled first",
+    )  # fmt: skip
+    p.add_argument(
+        "--warmup-sampling", default="greedy", help="Engine.warmup's sampling variants (default: greedy, the load's)"
+    )
+    p.add_argument("--warmup-max-shapes", type=int, default=None, help="Engine.warmup's max_shapes (default: all)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--backend", default=None, help="force an attention backend (default: selected)")
     p.add_argument("--tokenizer-dir", default=None, help="a folder --save-tokenizer wrote (default: the GGUF's)")
@@ -550,6 +565,7 @@ def _workload(args: argparse.Namespace, procs: int) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "num_scheduler_steps": args.num_scheduler_steps,
         "prefix_caching": not args.no_prefix_caching,
+        "engine_warmup": not args.no_engine_warmup,
     }
 
 
@@ -572,7 +588,14 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
     result["offline"] = offline
     result["machine"]["device"] = offline["device"]
     print(
-        f"offline: {offline['tokens_per_s']:.1f} tokens/s at batch {offline['batch']} "
+        (
+            "engine warm-up: skipped\n"
+            if offline.get("engine_warmup") is None
+            else "engine warm-up: {num_shapes} step shapes, {num_compilations} compiled, {seconds:.1f} s\n".format(
+                **offline["engine_warmup"]
+            )
+        )
+        + f"offline: {offline['tokens_per_s']:.1f} tokens/s at batch {offline['batch']} "
         f"(warm-up {offline['warmup_seconds']:.1f} s, {time.monotonic() - t0:.0f} s since the start)",
         flush=True,
     )

@@ -156,3 +156,28 @@ def test_generate_and_serve_share_the_engine_flags_with_their_own_step_defaults(
         assert args.no_prefix_caching
     assert parser.parse_args(["generate"]).num_scheduler_steps == NUM_SCHEDULER_STEPS
     assert parser.parse_args(["serve"]).num_scheduler_steps == SERVE_NUM_SCHEDULER_STEPS
+
+
+def test_serve_warmup_flags(capsys):
+    from attn_jax.cli import build_parser
+    from attn_jax.serving.warmup import SAMPLING_VARIANTS
+
+    parser = build_parser()
+    default = parser.parse_args(["serve"])
+    assert not default.no_warmup and default.warmup_sampling is None and default.warmup_max_shapes is None
+    args = parser.parse_args(
+        ["serve", "--no-warmup", "--warmup-sampling", "random, top_k=40", "--warmup-max-shapes", "9"]
+    )
+    assert args.no_warmup and args.warmup_sampling == ("random", "top_k=40") and args.warmup_max_shapes == 9
+    assert parser.parse_args(["serve", "--warmup-max-shapes", "ALL"]).warmup_max_shapes == "all"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    assert "(default: " + ",".join(SAMPLING_VARIANTS) + ")" in " ".join(capsys.readouterr().out.split())
+    for bad, words in (("beam", "'beam' is not one of"), ("top_k=x", "'top_k=x'"), (",", "no sampling variant")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--warmup-sampling", bad])
+        assert words in capsys.readouterr().err
+    for bad in ("0", "some"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--warmup-max-shapes", bad])
+        assert "--warmup-max-shapes" in capsys.readouterr().err

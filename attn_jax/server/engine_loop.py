@@ -4,8 +4,11 @@ The HTTP side never calls the engine: ``submit`` and ``abort`` put a command on 
 (under a lock held only to swap that list) and wake the engine thread, which owns the
 ``Engine`` alone: it encodes prompts (chat template included), adds and aborts requests,
 steps while any request is unfinished, and sleeps otherwise. After each step it hands
-each request's new text, coalesced, to that request's ``asyncio.Queue`` with one
-``call_soon_threadsafe``, so the event loop only ever moves finished data around.
+each request its new tokens' text, one ``Delta`` per token (a multi-step call's K tokens
+stream as K chunks), to that request's ``asyncio.Queue`` with one ``call_soon_threadsafe``
+for the whole step, so the event loop only ever moves finished data around. A step that
+compiled a new shape (none after a complete ``Engine.warmup``) is counted in
+``attn_stack_step_compilations_total`` and logged.
 
 Stop strings (``stop``) are matched here, on each request's new text only; a match ends
 the request at once (``abort_request`` frees its pages before the next step). A request
@@ -144,6 +147,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._live: dict[str, _Live] = {}  # engine thread only
+        self._compilations: int | None = None  # the engine's step compilations so far (engine thread only)
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ event loop side
@@ -207,10 +211,11 @@ class EngineLoop:
             future.set_exception(error)
 
     @staticmethod
-    def _deliver(batch: list[tuple[RequestHandle, Delta]]) -> None:
-        """(On the event loop.) Hands each request its delta."""
-        for handle, delta in batch:
-            handle._queue.put_nowait(delta)
+    def _deliver(batch: list[tuple[RequestHandle, list[Delta]]]) -> None:
+        """(On the event loop.) Hands each request its deltas, in order."""
+        for handle, deltas in batch:
+            for delta in deltas:
+                handle._queue.put_nowait(delta)
 
     def _post(self, callback, *args) -> None:
         try:
@@ -221,6 +226,7 @@ class EngineLoop:
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
+        self._compilations = getattr(self.engine, "num_compilations", None)  # the warm-up's are not counted
         try:
             self._update_counts()
             while self._iterate():
@@ -251,9 +257,24 @@ class EngineLoop:
         if self.engine.has_unfinished():
             events = self.engine.step()
             self._on_events(events, time.perf_counter(), out)
+            self._count_compilations()
         self._send(out)
         self._update_counts()
         return True
+
+    def _count_compilations(self) -> None:
+        """Counts (and logs) step shapes compiled while serving: each stalled every stream."""
+        total = getattr(self.engine, "num_compilations", None)
+        if total is None:
+            return
+        new, self._compilations = total - (self._compilations or 0), total
+        if new > 0:
+            self.metrics.step_compilations.inc(new)
+            logger.warning(
+                "the engine compiled %d new step shape(s) while serving (every stream waited for it); "
+                "start without --no-warmup, or with a larger --warmup-max-shapes / more --warmup-sampling variants",
+                new,
+            )
 
     def _update_counts(self) -> None:
         """The request and KV page gauges (the server's own counts where the engine's are unknown)."""
@@ -374,20 +395,29 @@ class EngineLoop:
 
     @staticmethod
     def _add(out: dict, live: _Live, text: str, num_tokens: int) -> None:
-        entry = out.setdefault(live.handle.request_id, [live.handle, [], 0, None, None])
-        entry[1].append(text)
-        entry[2] += num_tokens
+        """Queues a request's next piece: a token's text as a delta of its own (so a
+        multi-step call's tokens stream one chunk each), text without a token joined to
+        the piece before it."""
+        entry = out.setdefault(live.handle.request_id, [live.handle, [], None, None])
+        if num_tokens or not entry[1]:
+            entry[1].append([text, num_tokens])
+        else:
+            entry[1][-1][0] += text
 
     def _finish(self, live: _Live, reason: str, error: str | None, out: dict) -> None:
         self._add(out, live, "", 0)
-        out[live.handle.request_id][3:] = [reason, error]
+        out[live.handle.request_id][2:] = [reason, error]
         del self._live[live.handle.request_id]
         self.metrics.request_finished(reason)
         self.metrics.e2e_request_latency.observe(time.perf_counter() - live.arrival)
 
     def _send(self, out: dict) -> None:
         if out:
-            batch = [(h, Delta("".join(parts), n, reason, error)) for h, parts, n, reason, error in out.values()]
+            batch = []
+            for handle, pieces, reason, error in out.values():
+                deltas = [Delta(text, n) for text, n in pieces]
+                deltas[-1] = Delta(deltas[-1].text, deltas[-1].num_tokens, reason, error)
+                batch.append((handle, deltas))
             self._post(self._deliver, batch)
 
     def _end_all(self, reason: str, error: str | None) -> None:

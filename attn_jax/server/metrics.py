@@ -61,6 +61,10 @@ class ServerMetrics:
         self.prompt_tokens = Counter("attn_stack_prompt_tokens", "Prompt tokens admitted.", m, registry=r).labels(
             model_name
         )
+        self.step_compilations = Counter(
+            "attn_stack_step_compilations", "Step shapes compiled while serving (0 after a complete warm-up).",
+            m, registry=r,
+        ).labels(model_name)  # fmt: skip
         self._finished = Counter(
             "attn_stack_request_success", "Requests ended, by finish reason.", [*m, "finished_reason"], registry=r
         )

@@ -12,7 +12,8 @@ without changes here. Nothing here names an attention backend.
 Each ``Engine.step`` asks the schedulers for a batch (decodes and prefill chunks under a
 token budget) and hands it to the runner, which dispatches one jitted call; shapes are
 padded to buckets, so the step compiles once per bucket (and sampling mode);
-``num_compilations`` counts the traces.
+``num_compilations`` counts the traces. ``warmup()`` compiles every one of them before the
+first request (``serving/warmup.py``), as ``attn-stack serve`` does before it listens.
 
 Asynchronous scheduling (the default, vLLM's ``async_scheduling``): ``step`` dispatches
 the next batch before it reads back the previous one's sampled tokens, so the host
@@ -71,6 +72,7 @@ from attn_jax.serving.kv_cache_manager import PrefixCacheStats
 from attn_jax.serving.metrics import EngineTotals, StepStats, StepStatsLog
 from attn_jax.serving.model_runner import DispatchedCall, ModelRunner, kv_cache_bytes_per_block
 from attn_jax.serving.scheduler import Request, RequestStatus, SamplingParams, ScheduledBatch, Scheduler
+from attn_jax.serving.warmup import SAMPLING_VARIANTS, WarmupReport, warm_up
 from attn_jax.sharding import check_num_devices, local_model_kwargs, make_mesh
 from attn_jax.types import SEED_LIMIT, validate_positive_int
 
@@ -369,6 +371,21 @@ class Engine:
     def num_compilations(self) -> int:
         """Traces of the jitted step so far."""
         return self.runner.num_compilations
+
+    def warmup(
+        self,
+        *,
+        sampling: Sequence[str] = SAMPLING_VARIANTS,
+        max_shapes: int | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> WarmupReport:
+        """Compiles every step shape this engine can meet (its buckets, the query-length
+        patterns a backend may key on, cascade attention, multi-step counts, the
+        ``sampling`` variants) with dummy calls that change no state a request can see;
+        returns how many shapes, compilations and seconds (``serving/warmup.py``). Call it
+        on an idle engine, before the first request (ValueError otherwise); ``max_shapes``
+        bounds the shapes warmed (the likeliest first; the report counts those skipped)."""
+        return warm_up(self, sampling=sampling, max_shapes=max_shapes, progress=progress)
 
     # ------------------------------------------------------------------ construction
 

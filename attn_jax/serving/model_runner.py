@@ -8,7 +8,9 @@ model's forward, the cache update with the caches donated, sampling; ``num_steps
 runs a multi-step decode as a ``lax.scan``), and the attention metadata, which it builds
 through the model's ``AttentionGroup`` only. The engine's core hands it each shard's
 ``ScheduledBatch`` and gets back the dispatched call's sampled tokens, still on the
-device.
+device. ``execute`` is ``prepare`` (host work only; ``PreparedCall.key`` names the
+compiled step the call needs) then ``dispatch``; ``Engine.warmup`` (``warmup.py``) uses the
+two halves to compile each distinct key once, inside ``preserving_page``.
 
 Example::
 
@@ -20,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -52,6 +55,22 @@ class DispatchedCall:
     ready_at: float | None  # dispatch_end if the tokens were computed by then (a runtime that ran it
     # inside the call), else None: known when they are read back
     cascade_prefix_len: int = 0  # tokens cascade attention read once for the batch (the largest shard's); 0: off
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedCall:
+    """A call's packed host inputs, not dispatched yet (``ModelRunner.prepare``)."""
+
+    packed: list  # each data shard's (i32[n] buffer, PackedLayout); one layout for all
+    num_candidates: int  # the sampling variant (``sampling.num_candidates_for``)
+    num_steps: int  # K
+    token_bucket: int
+    cascade_prefix_len: int  # the largest shard's; 0: no cascade attention
+
+    @property
+    def key(self) -> tuple:
+        """What selects the compiled step: (layout, num_candidates, num_steps)."""
+        return (self.packed[0][1], self.num_candidates, self.num_steps)
 
 
 def kv_cache_bytes_per_block(model: ServingModel) -> int:
@@ -108,7 +127,9 @@ class ModelRunner:
             self.kv_caches = self._sharded.init_kv_caches(num_blocks)
             self._jit_step = self._sharded.jit(self._device_step)
             self._last_tokens = self._sharded.zeros_per_shard(self.max_rows)
+        self.num_blocks = num_blocks
         self.num_compilations = 0
+        self.dispatched_keys: set[tuple] = set()  # ``PreparedCall.key`` of every call dispatched so far
         self._exact_buckets: dict[tuple[int, int, int], MetadataBuckets] = {}  # one per bucket combination
 
     @property
@@ -205,15 +226,15 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the call
 
-    def execute(
+    def prepare(
         self, batches: list[ScheduledBatch], rows: dict[int, tuple], steps: list[list[int]], num_steps: int,
         num_common_blocks: Sequence[int] | None = None,
-    ) -> DispatchedCall:  # fmt: skip
-        """Builds every shard's inputs (one bucket for all), packs them and dispatches one
-        jitted call of ``num_steps`` steps (``steps``: each request's steps in it; ``rows``:
-        each request's ``request_row`` by ``id``; ``num_common_blocks``: each shard's pages
-        every running request holds, for cascade attention, None: none). Returns without
-        waiting for the device."""
+    ) -> PreparedCall:  # fmt: skip
+        """Builds and packs every shard's inputs (one bucket for all) for one call of
+        ``num_steps`` steps (``steps``: each request's steps in it; ``rows``: each request's
+        ``request_row`` by ``id``; ``num_common_blocks``: each shard's pages every running
+        request holds, for cascade attention, None: none). Host work only: nothing is
+        dispatched, and ``PreparedCall.key`` says which compiled step it needs."""
         fits = MetadataBuckets.fit
         token_bucket = fits(self.buckets.token_buckets, max(b.num_tokens for b in batches), "num_tokens")
         req_bucket = fits(self.buckets.request_buckets, max(len(b.requests) for b in batches), "num_reqs")
@@ -229,27 +250,82 @@ class ModelRunner:
             for b, s, p in zip(batches, steps, prefix_lens, strict=True)
         ]
         packed = [pack(x) for x in inputs]
-        layout = packed[0][1]
         temps, top_p, top_k = (
             np.concatenate([x["sampling"][k] for x in inputs]) for k in ("temperature", "top_p", "top_k")
         )
         num_candidates = num_candidates_for(temps, top_p, top_k, self.vocab_size)
+        return PreparedCall(packed, num_candidates, num_steps, token_bucket, max(prefix_lens))
+
+    def dispatch(self, prepared: PreparedCall) -> DispatchedCall:
+        """Enqueues a prepared call on the device; returns without waiting for it."""
         compilations = self.num_compilations
+        packed, num_candidates, num_steps = prepared.packed, prepared.num_candidates, prepared.num_steps
         start = time.perf_counter()
         if self._sharded is None:
             tokens, self._last_tokens, self.kv_caches = self._jit_step(
-                self.params, self.kv_caches, self._last_tokens, packed[0][0], layout, num_candidates, num_steps
+                self.params, self.kv_caches, self._last_tokens, packed[0][0], packed[0][1], num_candidates, num_steps
             )
         else:
             tokens, self._last_tokens, self.kv_caches = self._sharded.run(
                 self._jit_step, self.params, self.kv_caches, self._last_tokens, packed, num_candidates, num_steps
             )
         end = time.perf_counter()
+        self.dispatched_keys.add(prepared.key)
         ready = end if tokens.is_ready() else None
         tokens.copy_to_host_async()
         return DispatchedCall(
-            tokens, num_steps, token_bucket, self.num_compilations > compilations, start, end, ready, max(prefix_lens)
-        )
+            tokens, num_steps, prepared.token_bucket, self.num_compilations > compilations, start, end, ready,
+            prepared.cascade_prefix_len,
+        )  # fmt: skip
+
+    def execute(
+        self, batches: list[ScheduledBatch], rows: dict[int, tuple], steps: list[list[int]], num_steps: int,
+        num_common_blocks: Sequence[int] | None = None,
+    ) -> DispatchedCall:  # fmt: skip
+        """``prepare`` then ``dispatch``: one jitted call of ``num_steps`` steps for these
+        batches (the arguments are ``prepare``'s). Returns without waiting for the device."""
+        return self.dispatch(self.prepare(batches, rows, steps, num_steps, num_common_blocks))
+
+    # ------------------------------------------------------------------ scratch pages (warm-up)
+
+    def _page_axes(self) -> list[int | None]:
+        """Each cache leaf's page axis (the one that grows with ``num_blocks``; None: a leaf
+        without pages, e.g. a scale)."""
+        one, two = (jax.tree.leaves(jax.eval_shape(lambda n=n: self.model.init_kv_caches(n))) for n in (1, 2))
+        axes = []
+        for a, b in zip(one, two, strict=True):
+            grown = [i for i, (x, y) in enumerate(zip(a.shape, b.shape, strict=True)) if x != y]
+            axes.append(grown[0] if grown else None)
+        return axes
+
+    @contextlib.contextmanager
+    def preserving_page(self, page: int):
+        """Inside, calls may write KV page ``page`` (of every data shard) and the sampled-token
+        buffer freely: on exit both hold what they held before (a copy of one page per
+        shard and cache leaf is kept meanwhile). The warm-up's dummy calls run inside."""
+        if not 0 <= page < self.num_blocks:
+            raise ValueError(f"page={page} is outside the cache's pages [0, {self.num_blocks})")
+        pages = jnp.asarray([s * self.num_blocks + page for s in range(self.num_shards)], jnp.int32)
+        axes = self._page_axes()
+        leaves, treedef = jax.tree.flatten(self.kv_caches)
+        saved = [x if a is None else jnp.take(x, pages, axis=a) for x, a in zip(leaves, axes, strict=True)]
+        saved = [jnp.copy(x) if a is None else x for x, a in zip(saved, axes, strict=True)]
+        last_tokens = jnp.copy(self._last_tokens)
+        try:
+            yield
+        finally:
+            # Sharded arrays go back to their shardings; one device's stay uncommitted, as the
+            # step's own outputs are: either way the next call hits the compiled step's cache.
+            def like(new, old):
+                return new if self._sharded is None else jax.device_put(new, old.sharding)
+
+            leaves = jax.tree.leaves(self.kv_caches)
+            restored = [
+                like(keep if a is None else x.at[(slice(None),) * a + (pages,)].set(keep), x)
+                for x, keep, a in zip(leaves, saved, axes, strict=True)
+            ]
+            self.kv_caches = jax.tree.unflatten(treedef, restored)
+            self._last_tokens = like(last_tokens, self._last_tokens)
 
     @staticmethod
     def read_tokens(tokens: jax.Array) -> np.ndarray:

@@ -134,3 +134,30 @@ def test_engine_with_pallas_mla_gpu_kernels_gives_transformers_tokens():
     )  # fmt: skip
     outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert [c.output_ids for c in outputs] == want
+
+
+@pytest.mark.slow
+def test_engine_warmup_compiles_every_shape_of_the_mla_model(models):
+    """``Engine.warmup`` on a second model family (MLA caches): nothing compiles after it,
+    and the tokens are still transformers'."""
+    import jax
+
+    model, params, want = models
+    engine = Engine(
+        model, params, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, num_blocks=8, num_scheduler_steps=4
+    )
+    report = engine.warmup(sampling=("greedy",))
+    compiles = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+        engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert report.num_shapes > 0 and compiles == []
+    assert [c.output_ids for c in outputs] == want

@@ -14,7 +14,7 @@ from attn_jax.serving import Engine, SamplingParams
 from tests.server.conftest import Server
 
 LIMITS = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16)
-ARGS = [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
+ARGS = ["--no-warmup"] + [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
 NAME = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France?"
 PROMPT = "The capital of France is"

@@ -28,7 +28,7 @@ from attn_jax.testing.models import TINY_RANDOM, tiny_random_engine
 from tests.server.conftest import Server, sse_data
 
 LIMITS = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16)
-ARGS = ["--model", TINY_RANDOM] + [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
+ARGS = ["--model", TINY_RANDOM, "--no-warmup"] + [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",

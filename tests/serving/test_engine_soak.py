@@ -130,6 +130,7 @@ def _check_nothing_left(engine: Engine, start: dict[str, int]) -> None:
     b = engine.runner.buckets  # one exact-bucket record per combination of the engine's buckets, at most
     combinations = len(b.token_buckets) * len(b.request_buckets) * len(b.blocks_per_request_buckets)
     bounded = {"engine._finished": MAX_FINISHED, "engine.stats": STATS_WINDOW, "runner._exact_buckets": combinations}
+    bounded["runner.dispatched_keys"] = engine.num_compilations  # one key per compiled step shape
     for i in range(len(engine.schedulers)):  # the prefix cache keeps freed pages, at most every page
         free, evictable = end.pop(f"allocator{i}._free"), end.pop(f"allocator{i}._evictable", 0)
         assert free + evictable == engine.num_blocks, f"allocator{i}: {free} free + {evictable} evictable"

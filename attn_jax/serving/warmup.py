@@ -1,0 +1,236 @@
+"""Compiling every step shape an engine can meet before it serves (``Engine.warmup``).
+
+A jitted step compiles once per key: the packed inputs' layout (token, request and page
+buckets, and the metadata's structure, which a backend may key on the step's prefill
+count and longest prefill, or on cascade attention), the sampling variant
+(``num_candidates``) and the steps per call. A compilation inside traffic stalls every
+stream for as long as it takes, so a server compiles them all first.
+
+The warm-up does not model each backend's rules. It enumerates batches that cover every
+bucket combination the engine's limits allow, crossed with the query-length patterns a
+backend could tell apart (decode-only; 1, 2, 4, ... and all requests prefilling; the
+longest prefill at 2, 3 and every power of two and one past it, and at the budget;
+contexts that fill the page bucket, with and without a prefix every request shares for
+cascade attention), the sampling variants asked for, and each multi-step decode count the
+engine can choose. ``ModelRunner.prepare`` computes each batch's compile key on the host
+(the same code traffic runs); each distinct key is dispatched once with dummy inputs.
+Every dummy request's block table points at one scratch page, which
+``ModelRunner.preserving_page`` saves and restores, so no page a request can see (live,
+or cached for prefix reuse) is changed.
+
+Example::
+
+    report = engine.warmup()        # before taking requests
+    print(report.summary())         # "warmed up 42 step shapes (42 compiled) in 12.3 s ..."
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import jax
+
+from attn_jax.metadata import MetadataBuckets
+from attn_jax.ops.ragged_paged_attention.config import next_pow2
+from attn_jax.serving.model_runner import ModelRunner
+from attn_jax.serving.scheduler import Request, SamplingParams, ScheduledBatch
+
+__all__ = [
+    "SAMPLING_VARIANTS", "WarmupReport", "check_sampling_variants", "decode_step_counts", "query_len_patterns",
+    "warm_up",
+]  # fmt: skip
+
+SAMPLING_VARIANTS = ("greedy", "random", "top_p")
+"""The sampling variants warmed by default: greedy (temperature 0), sampling without
+filters (any temperature, top_k 0, top_p 1) and top-p filtering (the whole vocabulary as
+candidates). Top-k filtering compiles one variant per power of two >= top_k: name them as
+``"top_k=<k>"`` to warm them too."""
+
+SCRATCH_PAGE = 0
+"""The KV page every dummy request writes (saved and restored around the warm-up)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupReport:
+    """What a warm-up ran: the distinct step shapes (compile keys) it dispatched, the batches
+    it enumerated to find them, the compilations that took (0 for shapes already compiled)
+    and its wall time."""
+
+    num_shapes: int
+    num_probes: int
+    num_compilations: int
+    seconds: float
+    num_skipped: int = 0  # shapes past ``max_shapes``, left to compile when traffic meets them
+
+    def summary(self) -> str:
+        skipped = f"; {self.num_skipped} rarer shapes skipped (max_shapes)" if self.num_skipped else ""
+        return (
+            f"warmed up {self.num_shapes} step shapes ({self.num_compilations} compiled, from {self.num_probes} "
+            f"candidate batches) in {self.seconds:.1f} s{skipped}"
+        )
+
+
+def _lengths_up_to(limit: int) -> list[int]:
+    """2, 3 and each power of two and one past it, up to ``limit``, and ``limit``."""
+    out = {2, 3, limit}
+    out.update(x for k in range(1, limit.bit_length() + 1) for x in (1 << k, (1 << k) + 1))
+    return sorted(x for x in out if 2 <= x <= limit)
+
+
+def _counts_up_to(n: int) -> list[int]:
+    """1, 2, 4, ... up to ``n``, and ``n``."""
+    return sorted({1 << k for k in range(n.bit_length()) if 1 << k <= n} | {n})
+
+
+def query_len_patterns(buckets: MetadataBuckets, max_num_seqs: int, max_num_batched_tokens: int) -> Iterator[tuple]:
+    """Query-length tuples (one entry per request) that reach every (token bucket, request
+    bucket) pair the limits allow, decode-only or with 1, 2, 4, ... or all requests
+    prefilling, the longest prefill at each of ``_lengths_up_to`` the room left."""
+    token_buckets = [t for t in buckets.token_buckets]
+    request_buckets = [r for r in buckets.request_buckets]
+    fit = MetadataBuckets.fit
+    seen = set()
+    for i, r in enumerate(request_buckets):
+        low_r = request_buckets[i - 1] if i else 0
+        if low_r >= max_num_seqs:
+            break
+        for n in sorted({low_r + 1, min(r, max_num_seqs)}):
+            if n > max_num_batched_tokens:
+                continue
+            decode = (1,) * n
+            if decode not in seen:
+                seen.add(decode)
+                yield decode
+            for j, t in enumerate(token_buckets):
+                low_t = token_buckets[j - 1] if j else 0
+                high = min(t, max_num_batched_tokens)
+                if high <= low_t:
+                    break
+                for num_prefill in _counts_up_to(n):
+                    decodes = n - num_prefill
+                    for longest in _lengths_up_to(high - decodes - 2 * (num_prefill - 1)):
+                        smallest = decodes + longest + 2 * (num_prefill - 1)  # the others at 2 tokens
+                        largest = decodes + longest * num_prefill  # the others at ``longest``
+                        total = min(high, largest)
+                        if total < smallest or total <= low_t:
+                            continue
+                        extra, others = total - smallest, []
+                        for _ in range(num_prefill - 1):
+                            take = min(extra, longest - 2)
+                            others.append(2 + take)
+                            extra -= take
+                        lens = (longest, *others, *(1,) * decodes)
+                        if fit(token_buckets, sum(lens), "num_tokens") == t and lens not in seen:
+                            seen.add(lens)
+                            yield lens
+
+
+def decode_step_counts(num_scheduler_steps: int, max_model_len: int, min_steps_cap: int) -> list[int]:
+    """The steps per call an engine's multi-step decodes can take: its ``num_scheduler_steps``
+    capped at the power of two >= the tokens a request has left (never below
+    ``min_steps_cap``), over every count of tokens left."""
+    counts = {min(num_scheduler_steps, max(next_pow2(left), min_steps_cap)) for left in range(1, max_model_len + 1)}
+    return sorted(k for k in counts if k > 1)
+
+
+def _sampling_params(variant: str) -> SamplingParams:
+    if variant == "greedy":
+        return SamplingParams(temperature=0.0)
+    if variant == "random":
+        return SamplingParams(temperature=1.0)
+    if variant == "top_p":
+        return SamplingParams(temperature=1.0, top_p=0.5)
+    if variant.startswith("top_k="):
+        try:
+            return SamplingParams(temperature=1.0, top_k=int(variant.removeprefix("top_k=")))
+        except ValueError:
+            pass
+    raise ValueError(f"sampling variant {variant!r} is not one of {list(SAMPLING_VARIANTS)} or 'top_k=<int >= 1>'")
+
+
+def check_sampling_variants(variants: Sequence[str]) -> None:
+    """ValueError naming a variant that is not ``SAMPLING_VARIANTS``' or ``"top_k=<k>"``, or none given."""
+    if not variants:
+        raise ValueError("no sampling variant given: name at least one of " + repr(list(SAMPLING_VARIANTS)))
+    for v in variants:
+        _sampling_params(v)
+
+
+def _dummy_batch(query_lens: Sequence[int], capacity: int, block_size: int, params: SamplingParams) -> ScheduledBatch:
+    """Requests with these query lengths whose contexts fill ``capacity`` tokens, every page
+    of every block table the scratch page."""
+    requests = []
+    for i, q in enumerate(query_lens):
+        request = Request(f"warmup-{i}", [0] * capacity, params, seed=0)
+        request.num_computed = capacity - q
+        request.blocks = [SCRATCH_PAGE] * -(-capacity // block_size)
+        requests.append(request)
+    return ScheduledBatch(requests, list(query_lens), [])
+
+
+def warm_up(
+    engine,
+    *,
+    sampling: Sequence[str] = SAMPLING_VARIANTS,
+    max_shapes: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> WarmupReport:
+    """Dispatches (and so compiles) every distinct step shape ``engine`` can meet; see the
+    module docstring. ``sampling``: the variants to warm, most important first
+    (``SAMPLING_VARIANTS``' names, or ``"top_k=<k>"``); ``max_shapes``: warm at most this
+    many, in order of likelihood (the first sampling variant's before the next's, decode
+    batches before prefills, without cascade before with), the rest counted in
+    ``WarmupReport.num_skipped``; ``progress(done, total)`` after each shape. The engine
+    must hold no request (ValueError)."""
+    from attn_jax.serving.engine import MIN_STEPS_CAP
+
+    if engine.has_unfinished() or engine.num_live_requests:
+        raise ValueError(
+            f"warmup needs an idle engine: {engine.num_live_requests} request(s) are live; warm up before adding any"
+        )
+    check_sampling_variants(sampling)
+    variants = [_sampling_params(v) for v in sampling]
+    if max_shapes is not None and (isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 0):
+        raise ValueError(f"max_shapes={max_shapes!r} must be an int >= 0 or None (all)")
+    start = time.perf_counter()
+    runner: ModelRunner = engine.runner
+    block_size, max_model_len = engine.block_size, engine.max_model_len
+    page_buckets = [p for p in engine.buckets.blocks_per_request_buckets]
+    max_pages = -(-max_model_len // block_size)
+    step_counts = [1]
+    if runner.supports_decode_advance:
+        step_counts += decode_step_counts(engine.num_scheduler_steps, max_model_len, MIN_STEPS_CAP)
+    calls, num_probes = {}, 0  # key -> (priority, PreparedCall)
+    for lens in query_len_patterns(engine.buckets, engine.max_num_seqs, engine.max_num_batched_tokens):
+        decode_only = max(lens) == 1
+        for p in page_buckets:
+            capacity = min(p * block_size, max_model_len)
+            if max(lens) > capacity:
+                continue
+            for v, params in enumerate(variants):
+                batch = _dummy_batch(lens, capacity, block_size, params)
+                batches = [batch] * runner.num_shards
+                rows = {id(r): ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, lens, strict=True)}
+                for k in step_counts if decode_only else [1]:
+                    for common in (None, [min(p, max_pages)] * runner.num_shards):
+                        steps = [[k] * len(lens)] * runner.num_shards
+                        prepared = runner.prepare(batches, rows, steps, k, common)
+                        num_probes += 1
+                        calls.setdefault(prepared.key, ((v, not decode_only, common is not None), prepared))
+            if capacity >= max_model_len:
+                break
+    ordered = [prepared for _, prepared in sorted(calls.values(), key=lambda x: x[0])]
+    chosen = ordered if max_shapes is None else ordered[:max_shapes]
+    compilations = runner.num_compilations
+    with runner.preserving_page(SCRATCH_PAGE):
+        for i, prepared in enumerate(chosen):
+            if prepared.key not in runner.dispatched_keys:
+                jax.block_until_ready(runner.dispatch(prepared).tokens)
+            if progress is not None:
+                progress(i + 1, len(chosen))
+    seconds = time.perf_counter() - start
+    return WarmupReport(
+        len(chosen), num_probes, runner.num_compilations - compilations, seconds, len(ordered) - len(chosen)
+    )

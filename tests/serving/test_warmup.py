@@ -1,0 +1,154 @@
+"""``Engine.warmup``: after it, traffic of any prompt length, batch size and step count
+compiles nothing (counted by JAX's own backend-compile events, any function, and the
+jitted step's cache), its dummy calls change no KV page a request can see, and requests
+give the tokens an engine that never warmed up gives."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from attn_jax.serving import SamplingParams
+from attn_jax.serving.warmup import decode_step_counts, query_len_patterns
+from attn_jax.testing.models import tiny_random_engine
+
+# 16-token steps, 1 / 2 requests, 4 pages of 16: few shapes, so the warm-up takes seconds on 2 cores.
+LIMITS = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_scheduler_steps=4)
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+
+
+@contextlib.contextmanager
+def count_backend_compiles():
+    """Counts every XLA compilation inside (jitted or eager, any function)."""
+    events = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            events.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.fixture(scope="module")
+def warmed():
+    engine = tiny_random_engine(**LIMITS)
+    report = engine.warmup(sampling=("greedy", "random"))
+    return engine, report
+
+
+def traffic(engine) -> list:
+    """Prompts of 1 to 40 tokens, alone and in pairs, greedy and sampled, some stopping
+    early; returns the completions."""
+    rng = np.random.default_rng(0)
+    vocab = engine.model.config.vocab_size
+    out = []
+    for lengths in ([1], [5], [16], [17], [40], [3, 30], [2, 9], [12, 12, 7]):
+        prompts = [rng.integers(0, vocab, n).tolist() for n in lengths]
+        params = [
+            SamplingParams(max_new_tokens=m, temperature=t, seed=i, ignore_eos=True)
+            for i, (m, t) in enumerate(zip([3, 20, 7], [0.0, 0.8, 0.0], strict=False))
+        ][: len(prompts)]
+        out += engine.generate(prompts, params)
+    return out
+
+
+def test_report_counts_shapes_and_time(warmed):
+    engine, report = warmed
+    assert report.num_shapes == report.num_compilations == engine.num_compilations > 0
+    assert report.num_probes >= report.num_shapes and report.seconds > 0 and report.num_skipped == 0
+    assert engine.runner._jit_step._cache_size() == report.num_shapes
+    assert f"{report.num_shapes} step shapes" in report.summary()
+
+
+def test_traffic_after_warmup_compiles_nothing(warmed):
+    engine, report = warmed
+    before, cache = engine.num_compilations, engine.runner._jit_step._cache_size()
+    with count_backend_compiles() as compiles:
+        done = traffic(engine)
+    assert compiles == [] and engine.num_compilations == before and engine.runner._jit_step._cache_size() == cache
+    assert any(s.num_steps == 4 for s in engine.stats) and any(s.num_prefill_tokens for s in engine.stats)
+    assert all(c.finish_reason == "length" for c in done)
+
+
+def test_warmed_engine_gives_the_cold_engines_tokens(warmed):
+    engine, _ = warmed
+    cold = tiny_random_engine(**LIMITS)
+    got, want = traffic(engine), traffic(cold)
+    assert [c.output_ids for c in got] == [c.output_ids for c in want]
+
+
+def test_warmup_preserves_cached_pages():
+    """A prefix cached before the warm-up is still served, and gives the same tokens."""
+    engine = tiny_random_engine(**LIMITS)
+    prompt = list(range(100, 140))
+    (first,) = engine.generate([prompt], SamplingParams(max_new_tokens=4))
+    caches = [np.asarray(x) for x in jax.tree.leaves(engine.kv_caches)]
+    axis = engine.runner._page_axes()[0]
+    assert np.abs(np.take(caches[0], 0, axis=axis)).sum() > 0  # the scratch page held this prompt's keys
+    engine.warmup(sampling=("greedy",))
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(caches, jax.tree.leaves(engine.kv_caches), strict=True))
+    hits = engine.prefix_cache_stats.hits
+    (again,) = engine.generate([prompt], SamplingParams(max_new_tokens=4))
+    assert engine.prefix_cache_stats.hits > hits and again.output_ids == first.output_ids
+
+
+def test_warmup_refuses_a_busy_engine_and_bad_variants():
+    engine = tiny_random_engine(**LIMITS)
+    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="1 request"):
+        engine.warmup()
+    with pytest.raises(ValueError, match="'beam'"):
+        tiny_random_engine(**LIMITS).warmup(sampling=("beam",))
+
+
+def test_max_shapes_warms_the_likeliest_first():
+    engine = tiny_random_engine(**LIMITS)
+    report = engine.warmup(sampling=("greedy",), max_shapes=2)
+    assert report.num_shapes == 2 and report.num_skipped > 0
+    with count_backend_compiles() as compiles:  # a single decoding request: warmed
+        engine.generate([[5]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert compiles == []
+
+
+def test_patterns_cover_every_bucket_pair():
+    engine = tiny_random_engine(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
+    patterns = list(query_len_patterns(engine.buckets, 8, 64))
+    fit = type(engine.buckets).fit
+    pairs = {
+        (fit(engine.buckets.token_buckets, sum(p), "t"), fit(engine.buckets.request_buckets, len(p), "r"))
+        for p in patterns
+    }
+    want = {(t, r) for t in engine.buckets.token_buckets for r in engine.buckets.request_buckets if r // 2 + 1 <= t}
+    assert pairs == want
+    assert all(sum(p) <= 64 and len(p) <= 8 and min(p) >= 1 for p in patterns)
+    assert decode_step_counts(4, 256, 8) == [4] and decode_step_counts(100, 256, 8) == [8, 16, 32, 64, 100]
+
+
+@pytest.mark.slow
+def test_sharded_engine_warmup_compiles_everything():
+    """A 2 x 2 mesh (data x model) on 4 forced CPU devices, in a subprocess (about a minute on 2 cores)."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = os.environ | {
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.serving.sharded_warmup_worker"], cwd=root, env=env, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["shapes"] > 0 and out["compiles"] == 0 and out["traces"] == 0, out
+    assert out["same"] and out["before_warmup_same"], out
