@@ -492,6 +492,11 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "> 0, no filter), top_p, top_k=<k> (one per power of two) (default: greedy,random,top_p)",
     )  # fmt: skip
     parser.add_argument(
+        "--no-compilation-cache", action="store_true",
+        help="compile every step program afresh (default: JAX's persistent compilation cache in "
+        "$ATTN_STACK_CACHE_DIR/jax-compilation, or JAX_COMPILATION_CACHE_DIR when set, so a restart loads them)",
+    )  # fmt: skip
+    parser.add_argument(
         "--warmup-max-shapes", type=_max_shapes, default=None, metavar="N|all",
         help="compile at most N step shapes before listening, the likeliest first (default: all on a GPU or "
         f"TPU; {CPU_WARMUP_MAX_SHAPES} on a CPU, where each takes seconds and the defaults give hundreds)",
@@ -524,6 +529,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         forced = None if args.backend is None else AttentionBackendEnum[args.backend.strip().upper()]
     except ValueError as e:
         return _error(args, e)
+    if not args.no_compilation_cache:
+        from attn_jax.cache_dir import enable_compilation_cache
+
+        print(f"attn-stack serve: compilation cache {enable_compilation_cache()}", file=sys.stderr, flush=True)
     force = global_force_attn_backend_context_manager(forced) if forced is not None else contextlib.nullcontext()
     with force:
         try:

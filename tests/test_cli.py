@@ -165,6 +165,9 @@ def test_serve_warmup_flags(capsys):
     parser = build_parser()
     default = parser.parse_args(["serve"])
     assert not default.no_warmup and default.warmup_sampling is None and default.warmup_max_shapes is None
+    assert (
+        not default.no_compilation_cache and parser.parse_args(["serve", "--no-compilation-cache"]).no_compilation_cache
+    )
     args = parser.parse_args(
         ["serve", "--no-warmup", "--warmup-sampling", "random, top_k=40", "--warmup-max-shapes", "9"]
     )

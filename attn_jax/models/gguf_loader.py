@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from attn_jax.cache_dir import cache_root
 from attn_jax.models.llama import LlamaConfig, assemble_params
 
 logger = logging.getLogger(__name__)
@@ -184,15 +185,11 @@ def load_gguf(
     return config, assemble_params(config, get, dtype)
 
 
-CACHE_ENV = "ATTN_STACK_CACHE_DIR"
-
-
 def tokenizer_cache_dir(path: pathlib.Path) -> pathlib.Path:
-    """Where the tokenizer built from ``path`` is saved: ``$ATTN_STACK_CACHE_DIR`` or
-    ``~/.cache/attn-stack``, then ``tokenizers/<file name>-<size>-<mtime>``."""
-    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "attn-stack")
+    """Where the tokenizer built from ``path`` is saved: ``cache_dir.cache_root()``, then
+    ``tokenizers/<file name>-<size>-<mtime>``."""
     stat = path.stat()
-    return pathlib.Path(root) / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    return cache_root() / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
 
 
 def _transformers_tokenizer(path: pathlib.Path, reason: Exception):
