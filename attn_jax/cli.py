@@ -437,9 +437,11 @@ def _port(text: str) -> int:
     return value
 
 
-CPU_WARMUP_MAX_SHAPES = 32
-"""``attn-stack serve``'s default bound on the warm-up's step shapes on a CPU (all elsewhere):
-SmolLM2 at serve's default limits has about 675 shapes at 3-5 s each on a 2-core CPU."""
+DEFAULT_WARMUP_MAX_SHAPES = {"cpu": 32, "accelerator": 128}
+"""``attn-stack serve``'s default bound on the warm-up's step shapes, the likeliest first: SmolLM2
+at serve's default limits has about 675 shapes, at 3-5 s each on a 2-core CPU and 3.5 s each on
+an H200 (BENCHMARKS.md): all of them would keep the port closed for 40 minutes. The
+persistent compilation cache makes a restart load what an earlier start compiled."""
 
 
 def _max_shapes(text: str) -> int | str:
@@ -498,8 +500,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--warmup-max-shapes", type=_max_shapes, default=None, metavar="N|all",
-        help="compile at most N step shapes before listening, the likeliest first (default: all on a GPU or "
-        f"TPU; {CPU_WARMUP_MAX_SHAPES} on a CPU, where each takes seconds and the defaults give hundreds)",
+        help="compile at most N step shapes before listening, the likeliest first (default: "
+        f"{DEFAULT_WARMUP_MAX_SHAPES['accelerator']} on a GPU or TPU, {DEFAULT_WARMUP_MAX_SHAPES['cpu']} on a CPU: "
+        "each takes seconds and the defaults give hundreds)",
     )  # fmt: skip
 
 
@@ -561,8 +564,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             import jax
 
             max_shapes = args.warmup_max_shapes
-            if max_shapes is None and jax.default_backend() == "cpu":
-                max_shapes = CPU_WARMUP_MAX_SHAPES
+            if max_shapes is None:
+                max_shapes = DEFAULT_WARMUP_MAX_SHAPES["cpu" if jax.default_backend() == "cpu" else "accelerator"]
             sampling = {} if args.warmup_sampling is None else {"sampling": args.warmup_sampling}
             max_shapes = None if max_shapes == "all" else max_shapes
             report = engine.warmup(max_shapes=max_shapes, progress=progress, **sampling)
