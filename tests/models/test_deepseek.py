@@ -137,6 +137,7 @@ def test_engine_with_pallas_mla_gpu_kernels_gives_transformers_tokens():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("models", [32], indirect=True, ids=["q_lora"])  # either q projection: the same shapes
 def test_engine_warmup_compiles_every_shape_of_the_mla_model(models):
     """``Engine.warmup`` on a second model family (MLA caches): nothing compiles after it,
     and the tokens are still transformers'."""
