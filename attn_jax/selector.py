@@ -17,9 +17,7 @@ import os
 from collections.abc import Iterator
 from typing import Literal
 
-import numpy as np
-
-from attn_jax.backends.base import AttentionBackend
+from attn_jax.backends.base import AttentionBackend, AttentionConfig
 from attn_jax.platforms import Platform, current_platform
 from attn_jax.registry import AttentionBackendEnum, overrides_snapshot
 from attn_jax.types import AttentionType, validate_activation_dtype, validate_cache_dtype, validate_positive_int
@@ -82,29 +80,6 @@ def global_force_attn_backend_context_manager(attn_backend: AttentionBackendEnum
 
 
 @dataclasses.dataclass(frozen=True)
-class SelectionRequest:
-    """The normalised arguments of one ``get_attn_backend`` call; hashable."""
-
-    head_size: int
-    dtype: np.dtype
-    kv_cache_dtype: str
-    block_size: int
-    use_mla: bool
-    has_sink: bool
-    use_sparse: bool
-    attn_type: AttentionType
-    query_quant: bool = False
-
-    def __str__(self) -> str:
-        return (
-            f"head_size={self.head_size}, dtype={self.dtype}, kv_cache_dtype={self.kv_cache_dtype!r}, "
-            f"block_size={self.block_size}, use_mla={self.use_mla}, has_sink={self.has_sink}, "
-            f"use_sparse={self.use_sparse}, attn_type={self.attn_type.value!r}"
-            + (", query_quant=True" if self.query_quant else "")
-        )
-
-
-@dataclasses.dataclass(frozen=True)
 class BackendRow:
     """One backend's line in a ``SelectionReport``."""
 
@@ -126,7 +101,7 @@ class SelectionReport:
     registered or requested. ``requested`` is the forced or env-named backend.
     """
 
-    request: SelectionRequest
+    request: AttentionConfig
     platform: Platform
     how: SelectionHow
     requested: AttentionBackendEnum | None
@@ -198,8 +173,8 @@ class SelectionReport:
 
 def _make_request(
     head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse, attn_type, query_quant=False
-) -> SelectionRequest:
-    return SelectionRequest(
+) -> AttentionConfig:
+    return AttentionConfig(
         head_size=validate_positive_int("head_size", head_size),
         dtype=validate_activation_dtype(dtype),
         kv_cache_dtype=validate_cache_dtype(kv_cache_dtype),
@@ -229,7 +204,7 @@ def _requested_backends() -> tuple[AttentionBackendEnum | None, AttentionBackend
 
 
 def _backend_reasons(
-    member: AttentionBackendEnum, request: SelectionRequest, platform: Platform
+    member: AttentionBackendEnum, request: AttentionConfig, platform: Platform
 ) -> tuple[str | None, list[str]]:
     """(class path or None, every reason ``member`` cannot serve ``request`` on ``platform``)."""
     try:
@@ -258,7 +233,7 @@ def _backend_reasons(
 
 
 def _build_report(
-    request: SelectionRequest,
+    request: AttentionConfig,
     platform: Platform,
     forced: AttentionBackendEnum | None,
     env_backend: AttentionBackendEnum | None,
@@ -286,7 +261,7 @@ def _build_report(
 
 @functools.lru_cache(maxsize=256)
 def _cached_get_attn_backend(
-    request: SelectionRequest,
+    request: AttentionConfig,
     platform: Platform,
     forced: AttentionBackendEnum | None,
     env_backend: AttentionBackendEnum | None,

@@ -54,7 +54,8 @@ def describe_sizes(sizes) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """One layer configuration as ``AttentionBackend.validate_configuration`` takes it."""
+    """One layer configuration: the arguments of ``validate_configuration`` (and, normalised,
+    of one ``get_attn_backend`` call: the selector's request); hashable."""
 
     head_size: int
     dtype: np.dtype
@@ -63,9 +64,16 @@ class AttentionConfig:
     use_mla: bool
     has_sink: bool
     use_sparse: bool
-    attn_type: str
-    platform: Platform | None
-    query_quant: bool
+    attn_type: AttentionType | str
+    query_quant: bool = False
+
+    def __str__(self) -> str:
+        return (
+            f"head_size={self.head_size}, dtype={self.dtype}, kv_cache_dtype={self.kv_cache_dtype!r}, "
+            f"block_size={self.block_size}, use_mla={self.use_mla}, has_sink={self.has_sink}, "
+            f"use_sparse={self.use_sparse}, attn_type={str(self.attn_type)!r}"
+            + (", query_quant=True" if self.query_quant else "")
+        )
 
 
 class AttentionBackend(abc.ABC):
@@ -151,7 +159,7 @@ class AttentionBackend(abc.ABC):
         return None
 
     @classmethod
-    def backend_reasons(cls, config: AttentionConfig) -> list[str]:
+    def backend_reasons(cls, config: AttentionConfig, platform: Platform | None) -> list[str]:
         """A subclass's own reasons beyond the capability flags ``validate_configuration`` checks
         (a kernel's shape limits, a device's missing units); [] by default."""
         return []
@@ -208,8 +216,8 @@ class AttentionBackend(abc.ABC):
                     f"kv_cache_dtype one of {list(FP8_QUERY_CACHE_DTYPES)}"
                 )
         config = AttentionConfig(head_size, np.dtype(dtype), kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
-                                 str(attn_type), platform, query_quant)  # fmt: skip
-        return reasons + cls.backend_reasons(config)
+                                 attn_type, query_quant)  # fmt: skip
+        return reasons + cls.backend_reasons(config, platform)
 
     @classmethod
     def kv_cache_dtype_for(cls, cache_dtype_str: str, model_dtype) -> np.dtype:

@@ -17,7 +17,7 @@ from typing import ClassVar
 from attn_jax.backends.base import AttentionConfig
 from attn_jax.backends.mla_xla import MLACommonBackend, XLAMLAImpl
 from attn_jax.ops.mla import pallas_mosaic_tpu, pallas_triton, prefill_pallas_triton, sparse_pallas_triton
-from attn_jax.platforms import current_platform
+from attn_jax.platforms import Platform, current_platform
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +101,9 @@ class PallasMLAGPUBackend(MLACommonBackend):
         return PallasMLAGPUImpl
 
     @classmethod
-    def backend_reasons(cls, config: AttentionConfig) -> list[str]:
+    def backend_reasons(cls, config: AttentionConfig, platform: Platform | None) -> list[str]:
         """The latent width (kv_lora_rank a power of two) and power-of-two pages the kernel tiles."""
-        reasons = super().backend_reasons(config)
+        reasons = super().backend_reasons(config, platform)
         head_size, block_size = config.head_size, config.block_size
         rank = head_size - 64
         if rank < 16 or rank & (rank - 1):
@@ -126,9 +126,9 @@ class PallasMLATPUBackend(MLACommonBackend):
         return PallasMLATPUImpl
 
     @classmethod
-    def backend_reasons(cls, config: AttentionConfig) -> list[str]:
+    def backend_reasons(cls, config: AttentionConfig, platform: Platform | None) -> list[str]:
         """Pages in multiples of 16 rows (the kernel's sublane tiles)."""
-        reasons = super().backend_reasons(config)
+        reasons = super().backend_reasons(config, platform)
         if config.block_size % 16:
             reasons.append(f"block_size={config.block_size} is not supported; supported: multiples of 16 (16, 64, ...)")
         return reasons

@@ -28,6 +28,7 @@ from attn_jax.backends.base import (
 from attn_jax.ops.mla import reference, sparse_reference
 from attn_jax.ops.mla.dense import mla_prefill_dense
 from attn_jax.ops.mla.validate import is_concrete
+from attn_jax.platforms import Platform
 from attn_jax.types import AttentionType, validate_cache_dtype
 
 Array = Any
@@ -307,9 +308,9 @@ class MLACommonBackend(AttentionBackend):
                                             k_scale=k_scale)  # fmt: skip
 
     @classmethod
-    def backend_reasons(cls, config: AttentionConfig) -> list[str]:
+    def backend_reasons(cls, config: AttentionConfig, platform: Platform | None) -> list[str]:
         """MLA backends serve only MLA layers."""
-        reasons = super().backend_reasons(config)
+        reasons = super().backend_reasons(config, platform)
         if not config.use_mla:
             reasons.insert(0, "serves only MLA layers (use_mla=True)")
         return reasons

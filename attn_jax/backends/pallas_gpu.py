@@ -474,10 +474,9 @@ class PallasGPUAttentionBackend(XLAAttentionBackend):
         return None  # runs everywhere: compiled on a GPU, in the interpreter elsewhere (forced only)
 
     @classmethod
-    def backend_reasons(cls, config: AttentionConfig) -> list[str]:
+    def backend_reasons(cls, config: AttentionConfig, platform: Platform | None) -> list[str]:
         """FP8 attention on a GPU without fp8 tensor cores."""
-        reasons = super().backend_reasons(config)
-        platform = config.platform
+        reasons = super().backend_reasons(config, platform)
         kind = platform.device_kind if platform is not None and platform.kind == "gpu" else None
         words = f" {kind} ".replace("-", " ")
         if config.query_quant and kind is not None and any(f" {k} " in words for k in NO_FP8_DOT_GPUS):

@@ -29,7 +29,7 @@ from attn_jax.backends.xla import XLAMetadataBuilder
 from attn_jax.ops.ragged_paged_attention import pallas_mosaic_tpu
 from attn_jax.ops.ragged_paged_attention.config import TpuBlockSizes, tpu_block_sizes
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
-from attn_jax.platforms import current_platform
+from attn_jax.platforms import Platform, current_platform
 from attn_jax.types import is_quantized_kv_cache
 
 Array = Any
@@ -194,10 +194,10 @@ class PallasTPUAttentionBackend(AttentionBackend):
         return "HND"
 
     @classmethod
-    def backend_reasons(cls, config: AttentionConfig) -> list[str]:
+    def backend_reasons(cls, config: AttentionConfig, platform: Platform | None) -> list[str]:
         """FP8 attention on a TPU without an fp8 MXU; fp8 pages below the sublane packing."""
-        reasons = super().backend_reasons(config)
-        platform, kv_cache_dtype, block_size = config.platform, config.kv_cache_dtype, config.block_size
+        reasons = super().backend_reasons(config, platform)
+        kv_cache_dtype, block_size = config.kv_cache_dtype, config.block_size
         kind = platform.device_kind if platform is not None and platform.kind == "tpu" else None
         if config.query_quant and kind is not None and kind not in pallas_mosaic_tpu.FP8_QUERY_TPU_KINDS:
             reasons.append(
