@@ -28,10 +28,13 @@ def test_selects_xla_mla_on_cpu_and_allocates_latent_cache():
     assert "backend=XLA_MLA" in repr(layer)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_two_steps_prefill_then_decode_match_oracle(kv_cache_dtype):
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "context_chunk"), [("auto", 8192), ("fp8", 8192), ("auto", 16)]
+)  # 16: the 17/18-token contexts prefilled in chunks of one page
+def test_two_steps_prefill_then_decode_match_oracle(kv_cache_dtype, context_chunk, monkeypatch):
     rng = np.random.default_rng(0)
     layer = _layer(kv_cache_dtype=kv_cache_dtype)
+    monkeypatch.setattr(type(layer.impl), "prefill_context_chunk", context_chunk)
     kv_b_proj = (rng.standard_normal((C, H * (NOPE + DV))) * C**-0.5).astype(np.float32)
     w = kv_b_proj.reshape(C, H, NOPE + DV)
     w_uk, w_uv = w[..., :NOPE], w[..., NOPE:]

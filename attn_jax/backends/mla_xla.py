@@ -169,7 +169,13 @@ class XLAMLAImpl(AttentionImpl[MLAMetadata]):
     ``forward(q, kv_c_normed, k_pe, kv_cache, attn_metadata, *, w_uk, w_uv)``: q f[T, H, nope + R],
     kv_c_normed f[T, C], k_pe f[T, R] (both None for a layer that shares another's cache),
     w_uk f[C, H, nope], w_uv f[C, H, Dv]; returns (out f[T, H, Dv], kv_cache).
+
+    ``prefill_context_chunk``: contexts longer than this many tokens are prefilled a chunk at
+    a time (``ops/mla/dense.py``: vLLM's chunked-context prefill), bounding the up-projected
+    keys and values and the scores to one chunk's.
     """
+
+    prefill_context_chunk: ClassVar[int] = 8192
 
     def __init__(
         self,
@@ -221,7 +227,16 @@ class XLAMLAImpl(AttentionImpl[MLAMetadata]):
         return mla_prefill_dense(
             q, kv_cache, w_uk, w_uv, md.prefill_query_start_loc, md.prefill_seq_lens, md.prefill_block_tables,
             sm_scale=self.scale, kv_lora_rank=self.kv_lora_rank, q_block=md.prefill_q_block, k_scale=k_scale,
+            context_chunk=self._context_chunk(kv_cache, md.prefill_block_tables),
         )  # fmt: skip
+
+    def _context_chunk(self, kv_cache, block_tables) -> int | None:
+        """``prefill_context_chunk`` rounded down to whole pages, or None when the block table
+        (its static width) holds no more than that."""
+        page = kv_cache.shape[1]
+        if block_tables.shape[1] * page <= self.prefill_context_chunk:
+            return None
+        return max(self.prefill_context_chunk // page, 1) * page
 
     def sparse(self, q_abs, kv_cache, topk_positions, md, k_scale=None):
         """Sparse absorbed op over every row: q_abs f[T, H, C + R] -> f[T, H, C]; overridden by kernels."""

@@ -13,9 +13,12 @@ from tests.ops.mla_oracle import mla_prefill_oracle
 C, ROPE, NOPE, DV, H = 32, 16, 24, 20, 4
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    ("causal", "context_chunk"),
+    [(True, None), (False, None), (True, 16), (False, 32)],  # 16: a 40-token context in three chunks
+)
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
-def test_dense_prefill_matches_oracle(causal, dtype, tol):
+def test_dense_prefill_matches_oracle(causal, context_chunk, dtype, tol):
     rng = np.random.default_rng(4)
     query_lens, seq_lens = [3, 1, 0, 20], [3, 40, 5, 29]
     b = make_mla_batch(4, seq_lens=seq_lens, num_heads=H, kv_lora_rank=C, rope_dim=ROPE, block_size=16, dtype=dtype)
@@ -26,7 +29,7 @@ def test_dense_prefill_matches_oracle(causal, dtype, tol):
     qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
     scale = (NOPE + ROPE) ** -0.5
     out = mla_prefill_dense(q, b.kv_cache, w_uk, w_uv, qsl, b.seq_lens, b.block_tables, sm_scale=scale,
-                            kv_lora_rank=C, q_block=32, causal=causal)  # fmt: skip
+                            kv_lora_rank=C, q_block=32, causal=causal, context_chunk=context_chunk)  # fmt: skip
     f64 = [np.asarray(x.astype(jnp.float32), np.float64) for x in (q, w_uk, w_uv)]
     want, _ = mla_prefill_oracle(*f64[:1], b.latents, *f64[1:], query_lens, sm_scale=scale, causal=causal)
     assert out.dtype == dtype and out.shape == (num_tokens, H, DV)
@@ -39,3 +42,14 @@ def test_error_q_block_too_small():
     with pytest.raises(ValueError, match=r"q_block=8 must cover the longest query, 9 tokens"):
         mla_prefill_dense(q, b.kv_cache, jnp.zeros((C, H, NOPE)), jnp.zeros((C, H, DV)), np.array([0, 9], np.int32),
                           b.seq_lens, b.block_tables, sm_scale=0.1, kv_lora_rank=C, q_block=8)  # fmt: skip
+
+
+@pytest.mark.parametrize("context_chunk", [0, 24])
+def test_error_context_chunk_not_a_multiple_of_the_page(context_chunk):
+    b = make_mla_batch(0, seq_lens=[9], num_heads=H, kv_lora_rank=C, rope_dim=ROPE, block_size=16)
+    q = jnp.zeros((9, H, NOPE + ROPE))
+    match = rf"context_chunk={context_chunk} must be a positive multiple of the page size 16"
+    with pytest.raises(ValueError, match=match):
+        mla_prefill_dense(q, b.kv_cache, jnp.zeros((C, H, NOPE)), jnp.zeros((C, H, DV)), np.array([0, 9], np.int32),
+                          b.seq_lens, b.block_tables, sm_scale=0.1, kv_lora_rank=C, q_block=16,
+                          context_chunk=context_chunk)  # fmt: skip
