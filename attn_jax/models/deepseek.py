@@ -4,13 +4,18 @@ Each block: RMSNorm, multi-head latent attention (the query straight from ``q_pr
 through the ``q_a_proj -> RMSNorm -> q_b_proj`` LoRA when ``q_lora_rank`` is set; the latent
 ``kv_a_proj_with_mqa -> [c_kv | k_pe]``, ``c_kv`` RMS-normalised; RoPE on ``q_pe`` and the
 shared ``k_pe``, interleaved pairs as DeepSeek's checkpoints lay them out when
-``rope_interleave``), ``o_proj``, RMSNorm, a SwiGLU MLP. The cache holds one latent row
-``[c_kv | k_pe]`` per token and layer.
+``rope_interleave``), ``o_proj``, RMSNorm, a SwiGLU MLP, or from layer ``first_k_dense_replace`` on DeepSeek-V3's
+mixture of experts: a sigmoid router with a score-correction bias picks ``num_experts_per_tok``
+routed experts from the ``topk_group`` best of ``n_group`` groups (a group scored by its two
+best experts), their weights normalised (``norm_topk_prob``) and scaled by
+``routed_scaling_factor``, plus ``n_shared_experts`` always-on experts as one SwiGLU MLP. The
+cache holds one latent row ``[c_kv | k_pe]`` per token and layer.
 
-Every MLP is dense: the routed mixture of experts of layers past ``first_k_dense_replace``
-is not implemented (``DeepSeekConfig`` refuses a config that would need it), so this serves
-DeepSeek-shaped test models and dense MLA models; YaRN RoPE scaling is not implemented
-either. The step interface is ``LlamaModel``'s, so ``attn_jax.serving.Engine`` serves it.
+The routed experts are evaluated densely (every expert on every token, weighted by the
+router's top-k, 0 elsewhere): transformers' numbers, at ``n_routed_experts`` times the
+expert FLOPs, so this serves DeepSeek-shaped test models, not DeepSeek-V3's 256 experts
+at speed. YaRN RoPE scaling is not implemented. The step interface is ``LlamaModel``'s,
+so ``attn_jax.serving.Engine`` serves it.
 
 Example::
 
@@ -59,6 +64,18 @@ class DeepSeekConfig:
     bos_token_id: int = -1
     eos_token_ids: tuple[int, ...] = ()
     name: str = "deepseek"
+    first_k_dense_replace: int | None = None  # None: every layer's MLP is dense
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    n_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.first_k_dense_replace is not None and i >= self.first_k_dense_replace
 
     def __post_init__(self) -> None:
         if self.qk_rope_head_dim % 2:
@@ -68,11 +85,20 @@ class DeepSeekConfig:
     def from_hf(cls, hf_config) -> DeepSeekConfig:
         """From a transformers DeepseekV3Config (or V2's); ValueError naming what is not supported."""
         c = hf_config
-        if getattr(c, "first_k_dense_replace", c.num_hidden_layers) < c.num_hidden_layers:
-            raise ValueError(
-                f"first_k_dense_replace={c.first_k_dense_replace} < num_hidden_layers={c.num_hidden_layers}: "
-                "layers past it are mixtures of experts, which DeepSeekModel does not implement (only dense MLPs)"
-            )
+        first_dense = getattr(c, "first_k_dense_replace", c.num_hidden_layers)
+        moe = {}
+        if first_dense < c.num_hidden_layers:
+            if c.n_routed_experts % c.n_group or c.topk_group > c.n_group:
+                raise ValueError(
+                    f"n_routed_experts={c.n_routed_experts} must split into n_group={c.n_group} equal groups, "
+                    f"topk_group={c.topk_group} of them at most"
+                )
+            moe = dict(
+                first_k_dense_replace=first_dense, n_routed_experts=c.n_routed_experts,
+                num_experts_per_tok=c.num_experts_per_tok, n_group=c.n_group, topk_group=c.topk_group,
+                n_shared_experts=c.n_shared_experts, moe_intermediate_size=c.moe_intermediate_size,
+                routed_scaling_factor=float(c.routed_scaling_factor), norm_topk_prob=bool(c.norm_topk_prob),
+            )  # fmt: skip
         rope = getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": c.rope_theta}
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"rope_type={rope['rope_type']!r} is not supported (valid: 'default')")
@@ -87,7 +113,7 @@ class DeepSeekConfig:
             rope_interleave=bool(getattr(c, "rope_interleave", True)), rms_norm_eps=c.rms_norm_eps,
             max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=bool(c.tie_word_embeddings),
             bos_token_id=-1 if c.bos_token_id is None else c.bos_token_id,
-            eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,),
+            eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,), **moe,
         )  # fmt: skip
 
 
@@ -108,10 +134,26 @@ def params_from_hf(hf_model, dtype=np.float32) -> dict:
             "kv_a_norm": sd[p + "self_attn.kv_a_layernorm.weight"].astype(dtype),
             "kv_b_proj": t(p + "self_attn.kv_b_proj.weight"),
             "o_proj": t(p + "self_attn.o_proj.weight"),
-            "w_gate": t(p + "mlp.gate_proj.weight"),
-            "w_up": t(p + "mlp.up_proj.weight"),
-            "w_down": t(p + "mlp.down_proj.weight"),
         }
+        if p + "mlp.gate.weight" in sd:  # a mixture of experts
+            inter = hf_model.config.moe_intermediate_size
+            gate_up = sd[p + "mlp.experts.gate_up_proj"]  # [E, 2I, D]
+            layer |= {
+                "router": sd[p + "mlp.gate.weight"].astype(np.float32),  # [E, D], used in f32
+                "router_bias": sd[p + "mlp.gate.e_score_correction_bias"].astype(np.float32),
+                "experts_gate": np.ascontiguousarray(gate_up[:, :inter].transpose(0, 2, 1)).astype(dtype),  # [E, D, I]
+                "experts_up": np.ascontiguousarray(gate_up[:, inter:].transpose(0, 2, 1)).astype(dtype),
+                "experts_down": np.ascontiguousarray(sd[p + "mlp.experts.down_proj"].transpose(0, 2, 1)).astype(dtype),
+                "w_gate": t(p + "mlp.shared_experts.gate_proj.weight"),
+                "w_up": t(p + "mlp.shared_experts.up_proj.weight"),
+                "w_down": t(p + "mlp.shared_experts.down_proj.weight"),
+            }
+        else:
+            layer |= {
+                "w_gate": t(p + "mlp.gate_proj.weight"),
+                "w_up": t(p + "mlp.up_proj.weight"),
+                "w_down": t(p + "mlp.down_proj.weight"),
+            }
         if hf_model.config.q_lora_rank is None:
             layer["q_proj"] = t(p + "self_attn.q_proj.weight")
         else:
@@ -142,6 +184,43 @@ def rope(x, positions, theta: float, interleave: bool):
     else:
         x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def route(x, router, bias, c: DeepSeekConfig):
+    """f32[T, E]: each token's weight for each routed expert (0 where not chosen), DeepSeek-V3's
+    router as transformers' ``DeepseekV3TopkRouter``: x f[T, D], router f32[E, D], bias f32[E]."""
+    num_experts, per_group = c.n_routed_experts, c.n_routed_experts // c.n_group
+    scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), jnp.asarray(router).T, precision=_HIGHEST))
+    choice = scores + jnp.asarray(bias)
+    grouped = choice.reshape(-1, c.n_group, per_group)
+    group_scores = jax.lax.top_k(grouped, min(2, per_group))[0].sum(axis=-1)  # f32[T, n_group]
+    keep = jax.nn.one_hot(jax.lax.top_k(group_scores, c.topk_group)[1], c.n_group).sum(axis=1) > 0
+    choice = jnp.where(jnp.repeat(keep, per_group, axis=1), choice, -jnp.inf)
+    idx = jax.lax.top_k(choice, c.num_experts_per_tok)[1]  # i32[T, k]
+    weights = jnp.take_along_axis(scores, idx, axis=1)
+    if c.norm_topk_prob:
+        weights = weights / (weights.sum(axis=1, keepdims=True) + 1e-20)
+    weights = weights * c.routed_scaling_factor
+    return (jax.nn.one_hot(idx, num_experts, dtype=jnp.float32) * weights[..., None]).sum(axis=1)
+
+
+def moe(x, w, c: DeepSeekConfig):
+    """f[T, D]: the routed experts (evaluated densely, weighted by ``route``) plus the shared ones."""
+    weights = route(x, w["router"], w["router_bias"], c).astype(x.dtype)  # [T, E]
+    gate = jnp.einsum("td,edi->tei", x, jnp.asarray(w["experts_gate"]).astype(x.dtype), precision=_HIGHEST)
+    up = jnp.einsum("td,edi->tei", x, jnp.asarray(w["experts_up"]).astype(x.dtype), precision=_HIGHEST)
+    hidden = jax.nn.silu(gate) * up * weights[..., None]
+    routed = jnp.einsum("tei,eid->td", hidden, jnp.asarray(w["experts_down"]).astype(x.dtype), precision=_HIGHEST)
+    return routed + swiglu(x, w)
+
+
+def swiglu(x, w):
+    """f[T, D]: ``down(silu(x @ gate) * (x @ up))`` with the layer's w_gate, w_up, w_down."""
+
+    def dot(a, b):
+        return jnp.dot(a, jnp.asarray(b).astype(a.dtype), precision=_HIGHEST)
+
+    return dot(jax.nn.silu(dot(x, w["w_gate"])) * dot(x, w["w_up"]), w["w_down"])
 
 
 class DeepSeekModel:
@@ -203,7 +282,7 @@ class DeepSeekModel:
             return jnp.dot(x, jnp.asarray(w).astype(x.dtype), precision=_HIGHEST)
 
         new_caches = []
-        for w, cache in zip(params["layers"], kv_caches, strict=True):
+        for i, (w, cache) in enumerate(zip(params["layers"], kv_caches, strict=True)):
             x = rms_norm(h, w["attn_norm"], c.rms_norm_eps)
             if c.q_lora_rank is None:
                 q = dot(x, w["q_proj"])
@@ -218,7 +297,7 @@ class DeepSeekModel:
             o, cache = self.attn(q, kv_c, k_pe, cache, attn_metadata, jnp.asarray(w["kv_b_proj"]).astype(self.dtype))
             h = h + dot(o, w["o_proj"])
             x = rms_norm(h, w["ffn_norm"], c.rms_norm_eps)
-            h = h + dot(jax.nn.silu(dot(x, w["w_gate"])) * dot(x, w["w_up"]), w["w_down"])
+            h = h + (moe(x, w, c) if c.is_moe_layer(i) else swiglu(x, w))
             new_caches.append(cache)
         h = rms_norm(h[logits_rows], params["final_norm"], c.rms_norm_eps)
         head = params.get("lm_head")

@@ -1,6 +1,6 @@
 """The DeepSeek-shaped MLA decoder against transformers' DeepseekV3ForCausalLM with the same
-random weights (a tiny config whose every MLP is dense): greedy tokens through a plain
-prefill/mixed/decode loop and through the serving engine."""
+random weights (tiny configs, dense MLPs and a mixture of experts): greedy tokens through a
+plain prefill/mixed/decode loop and through the serving engine."""
 
 from __future__ import annotations
 
@@ -98,10 +98,56 @@ def test_engine_serves_it_with_transformers_tokens(models, num_scheduler_steps):
     assert bool(advanced) == (num_scheduler_steps > 1)  # multi-step decoding ran through advance_decode
 
 
-def test_moe_config_is_refused():
-    config = transformers.DeepseekV3Config(num_hidden_layers=4, first_k_dense_replace=1)
-    with pytest.raises(ValueError, match=r"first_k_dense_replace=1 < num_hidden_layers=4: layers past it are"):
-        DeepSeekConfig.from_hf(config)
+def test_mixture_of_experts_gives_transformers_tokens():
+    """DeepSeek-V3's routed experts from layer 1 on: 8 experts in 4 groups, the 2 best groups
+    kept, 2 experts a token, a random score-correction bias, one shared expert; greedy tokens
+    through the engine equal transformers'."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, first_k_dense_replace=1, max_position_embeddings=128, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
+        routed_scaling_factor=2.5, norm_topk_prob=True,
+    )  # fmt: skip
+    torch.manual_seed(2)
+    hf = transformers.DeepseekV3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 else torch.randn_like(p) * p.shape[-1] ** -0.5)
+        hf.model.layers[1].mlp.gate.e_score_correction_bias.copy_(0.1 * torch.randn(8))
+        want = []
+        for prompt in PROMPTS:
+            ids = list(prompt)
+            for _ in range(NEW_TOKENS):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+            want.append(ids[len(prompt) :])
+    ds = DeepSeekConfig.from_hf(config)
+    assert (ds.is_moe_layer(0), ds.is_moe_layer(1)) == (False, True)
+    engine = Engine(
+        DeepSeekModel(ds, block_size=16), params_from_hf(hf), max_num_seqs=2, max_num_batched_tokens=16,
+        max_model_len=64, num_blocks=8, buckets=MetadataBuckets((16,), (2,), (4,)),
+    )  # fmt: skip
+    outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [c.output_ids for c in outputs] == want
+
+
+def test_route_picks_from_the_best_groups_with_the_bias_and_weights_by_the_scores():
+    """One token, 4 experts in 2 groups of 2, 1 group kept, 1 expert: the bias decides the
+    choice (expert 3 over expert 0), the weight is the unbiased score, normalised and scaled."""
+    import jax.numpy as jnp
+
+    from attn_jax.models.deepseek import route
+
+    c = DeepSeekConfig(vocab_size=8, hidden_size=4, intermediate_size=8, num_layers=2, num_heads=1, kv_lora_rank=4,
+                       qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4, first_k_dense_replace=1,
+                       n_routed_experts=4, num_experts_per_tok=1, n_group=2, topk_group=1, routed_scaling_factor=2.0,
+                       norm_topk_prob=False)  # fmt: skip
+    router = np.diag([2.0, 0.0, 0.0, 1.0]).astype(np.float32)  # expert e scores token dims e
+    x = jnp.ones((1, 4), jnp.float32)
+    weights = np.asarray(route(x, router, np.array([0.0, 0.0, 0.0, 0.5], np.float32), c))
+    sigmoid = 1 / (1 + np.exp(-np.array([2.0, 0.0, 0.0, 1.0])))
+    assert sigmoid[3] + 0.5 > sigmoid[0]  # the biased choice
+    np.testing.assert_allclose(weights, [[0.0, 0.0, 0.0, 2.0 * sigmoid[3]]], rtol=1e-6)
 
 
 @pytest.mark.slow
