@@ -11,10 +11,10 @@ best experts), their weights normalised (``norm_topk_prob``) and scaled by
 ``routed_scaling_factor``, plus ``n_shared_experts`` always-on experts as one SwiGLU MLP. The
 cache holds one latent row ``[c_kv | k_pe]`` per token and layer.
 
-The routed experts are evaluated densely (every expert on every token, weighted by the
-router's top-k, 0 elsewhere): transformers' numbers, at ``n_routed_experts`` times the
-expert FLOPs, so this serves DeepSeek-shaped test models, not DeepSeek-V3's 256 experts
-at speed. YaRN RoPE scaling is not implemented. The step interface is ``LlamaModel``'s,
+The routed experts run as grouped matmuls (``jax.lax.ragged_dot``): the step's
+(token, expert) pairs sorted by expert, each expert's rows multiplied by its weights only,
+so the expert FLOPs are ``num_experts_per_tok`` per token, not ``n_routed_experts``; no
+expert parallelism across devices yet. YaRN RoPE scaling is not implemented. The step interface is ``LlamaModel``'s,
 so ``attn_jax.serving.Engine`` serves it.
 
 Example::
@@ -187,9 +187,9 @@ def rope(x, positions, theta: float, interleave: bool):
 
 
 def route(x, router, bias, c: DeepSeekConfig):
-    """f32[T, E]: each token's weight for each routed expert (0 where not chosen), DeepSeek-V3's
-    router as transformers' ``DeepseekV3TopkRouter``: x f[T, D], router f32[E, D], bias f32[E]."""
-    num_experts, per_group = c.n_routed_experts, c.n_routed_experts // c.n_group
+    """(i32[T, k] experts, f32[T, k] weights) of each token, DeepSeek-V3's router as
+    transformers' ``DeepseekV3TopkRouter``: x f[T, D], router f32[E, D], bias f32[E]."""
+    per_group = c.n_routed_experts // c.n_group
     scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), jnp.asarray(router).T, precision=_HIGHEST))
     choice = scores + jnp.asarray(bias)
     grouped = choice.reshape(-1, c.n_group, per_group)
@@ -200,17 +200,26 @@ def route(x, router, bias, c: DeepSeekConfig):
     weights = jnp.take_along_axis(scores, idx, axis=1)
     if c.norm_topk_prob:
         weights = weights / (weights.sum(axis=1, keepdims=True) + 1e-20)
-    weights = weights * c.routed_scaling_factor
-    return (jax.nn.one_hot(idx, num_experts, dtype=jnp.float32) * weights[..., None]).sum(axis=1)
+    return idx, weights * c.routed_scaling_factor
 
 
 def moe(x, w, c: DeepSeekConfig):
-    """f[T, D]: the routed experts (evaluated densely, weighted by ``route``) plus the shared ones."""
-    weights = route(x, w["router"], w["router_bias"], c).astype(x.dtype)  # [T, E]
-    gate = jnp.einsum("td,edi->tei", x, jnp.asarray(w["experts_gate"]).astype(x.dtype), precision=_HIGHEST)
-    up = jnp.einsum("td,edi->tei", x, jnp.asarray(w["experts_up"]).astype(x.dtype), precision=_HIGHEST)
-    hidden = jax.nn.silu(gate) * up * weights[..., None]
-    routed = jnp.einsum("tei,eid->td", hidden, jnp.asarray(w["experts_down"]).astype(x.dtype), precision=_HIGHEST)
+    """f[T, D]: the routed experts (grouped matmuls over the (token, expert) pairs sorted by
+    expert, weighted by ``route``) plus the shared ones."""
+    k = c.num_experts_per_tok
+    idx, weights = route(x, w["router"], w["router_bias"], c)
+    flat = idx.reshape(-1)  # i32[T * k]
+    order = jnp.argsort(flat, stable=True)
+    token = order // k  # the token of each sorted pair
+    sizes = jnp.bincount(flat, length=c.n_routed_experts).astype(jnp.int32)
+
+    def grouped(a, experts):  # a f[T * k, in] sorted by expert; experts [E, in, out]
+        return jax.lax.ragged_dot(a, jnp.asarray(experts).astype(a.dtype), sizes, precision=_HIGHEST)
+
+    rows = x[token]
+    hidden = jax.nn.silu(grouped(rows, w["experts_gate"])) * grouped(rows, w["experts_up"])
+    out = grouped(hidden, w["experts_down"]) * weights.reshape(-1)[order][:, None].astype(x.dtype)
+    routed = jnp.zeros_like(x).at[token].add(out)
     return routed + swiglu(x, w)
 
 

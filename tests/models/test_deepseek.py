@@ -144,10 +144,11 @@ def test_route_picks_from_the_best_groups_with_the_bias_and_weights_by_the_score
                        norm_topk_prob=False)  # fmt: skip
     router = np.diag([2.0, 0.0, 0.0, 1.0]).astype(np.float32)  # expert e scores token dims e
     x = jnp.ones((1, 4), jnp.float32)
-    weights = np.asarray(route(x, router, np.array([0.0, 0.0, 0.0, 0.5], np.float32), c))
+    idx, weights = route(x, router, np.array([0.0, 0.0, 0.0, 0.5], np.float32), c)
     sigmoid = 1 / (1 + np.exp(-np.array([2.0, 0.0, 0.0, 1.0])))
     assert sigmoid[3] + 0.5 > sigmoid[0]  # the biased choice
-    np.testing.assert_allclose(weights, [[0.0, 0.0, 0.0, 2.0 * sigmoid[3]]], rtol=1e-6)
+    assert np.asarray(idx).tolist() == [[3]]
+    np.testing.assert_allclose(np.asarray(weights), [[2.0 * sigmoid[3]]], rtol=1e-6)
 
 
 @pytest.mark.slow
