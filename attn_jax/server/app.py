@@ -253,17 +253,29 @@ def build_app(engine, served_model_name: str, *, metrics: ServerMetrics | None =
     return app
 
 
+def _engine_error(d) -> str:
+    return _sse(ErrorResponse(error=ErrorInfo(message=f"the engine failed: {d.error}", type="server_error")))
+
+
 async def _completion_stream(handle: RequestHandle, model: str, include_usage: bool) -> AsyncIterator[str]:
+    """One server-sent event per token; the tokens that arrived together (a multi-step call's)
+    go out in one write."""
     tokens = 0
     try:
-        async for d in handle.deltas():
-            tokens += d.num_tokens
+        async for batch in handle.delta_batches():
+            events = []
+            for d in batch:
+                tokens += d.num_tokens
+                if d.finish_reason == "error":
+                    events.append(_engine_error(d))
+                    break
+                if d.text or d.finish_reason is not None:
+                    choice = CompletionChoice(text=d.text, finish_reason=d.finish_reason)
+                    events.append(_sse(CompletionResponse(id=handle.request_id, model=model, choices=[choice])))
+            if events:
+                yield "".join(events)
             if d.finish_reason == "error":
-                yield _sse(ErrorResponse(error=ErrorInfo(message=f"the engine failed: {d.error}", type="server_error")))
                 break
-            if d.text or d.finish_reason is not None:
-                choice = CompletionChoice(text=d.text, finish_reason=d.finish_reason)
-                yield _sse(CompletionResponse(id=handle.request_id, model=model, choices=[choice]))
         if include_usage:
             total = handle.prompt_tokens + tokens
             u = Usage(prompt_tokens=handle.prompt_tokens, completion_tokens=tokens, total_tokens=total)
@@ -274,18 +286,25 @@ async def _completion_stream(handle: RequestHandle, model: str, include_usage: b
 
 
 async def _chat_stream(handle: RequestHandle, model: str, include_usage: bool) -> AsyncIterator[str]:
+    """As ``_completion_stream``, with the role in a first chunk of its own."""
     tokens = 0
     try:
         first = ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))
         yield _sse(ChatCompletionChunk(id=handle.request_id, model=model, choices=[first]))
-        async for d in handle.deltas():
-            tokens += d.num_tokens
+        async for batch in handle.delta_batches():
+            events = []
+            for d in batch:
+                tokens += d.num_tokens
+                if d.finish_reason == "error":
+                    events.append(_engine_error(d))
+                    break
+                if d.text or d.finish_reason is not None:
+                    choice = ChatChunkChoice(delta=DeltaMessage(content=d.text or None), finish_reason=d.finish_reason)
+                    events.append(_sse(ChatCompletionChunk(id=handle.request_id, model=model, choices=[choice])))
+            if events:
+                yield "".join(events)
             if d.finish_reason == "error":
-                yield _sse(ErrorResponse(error=ErrorInfo(message=f"the engine failed: {d.error}", type="server_error")))
                 break
-            if d.text or d.finish_reason is not None:
-                choice = ChatChunkChoice(delta=DeltaMessage(content=d.text or None), finish_reason=d.finish_reason)
-                yield _sse(ChatCompletionChunk(id=handle.request_id, model=model, choices=[choice]))
         if include_usage:
             total = handle.prompt_tokens + tokens
             u = Usage(prompt_tokens=handle.prompt_tokens, completion_tokens=tokens, total_tokens=total)

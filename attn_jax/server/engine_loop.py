@@ -5,7 +5,8 @@ The HTTP side never calls the engine: ``submit`` and ``abort`` put a command on 
 ``Engine`` alone: it encodes prompts (chat template included), adds and aborts requests,
 steps while any request is unfinished, and sleeps otherwise. After each step it hands
 each request its new tokens' text, one ``Delta`` per token (a multi-step call's K tokens
-stream as K chunks), to that request's ``asyncio.Queue`` with one ``call_soon_threadsafe``
+stream as K events, written in one send: ``RequestHandle.delta_batches``), to that request's
+``asyncio.Queue`` with one ``call_soon_threadsafe``
 for the whole step, so the event loop only ever moves finished data around. A step that
 compiled a new shape (none after a complete ``Engine.warmup``) is counted in
 ``attn_stack_step_compilations_total`` and logged.
@@ -97,10 +98,19 @@ class RequestHandle:
         self._queue: asyncio.Queue[Delta] = asyncio.Queue()
 
     async def deltas(self) -> AsyncIterator[Delta]:
+        async for batch in self.delta_batches():
+            for delta in batch:
+                yield delta
+
+    async def delta_batches(self) -> AsyncIterator[list[Delta]]:
+        """The deltas in order, each batch all that had arrived when it was taken (a multi-step
+        call's K tokens come together): a stream writes them in one send, one event each."""
         while not self.finished:
-            delta = await self._queue.get()
-            self.finished = delta.finish_reason is not None
-            yield delta
+            batch = [await self._queue.get()]
+            while batch[-1].finish_reason is None and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            self.finished = batch[-1].finish_reason is not None
+            yield batch
 
     async def collect(self) -> tuple[str, int, str, str | None]:
         """Waits for the end: (text, generated tokens, finish reason, error)."""

@@ -1,0 +1,52 @@
+"""A request's deltas as the streams take them: everything that arrived together in one batch
+(one write of one event per token), in order, ending at the finishing delta."""
+
+from __future__ import annotations
+
+import asyncio
+
+from attn_jax.server.engine_loop import Delta, RequestHandle
+
+
+class _Owner:
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def test_deltas_that_arrived_together_come_as_one_batch_up_to_the_finish():
+    async def scenario():
+        owner = _Owner()
+        handle = RequestHandle("r", owner)
+        for text in ("a", "b", "c"):  # one multi-step call's three tokens
+            handle._queue.put_nowait(Delta(text, 1))
+        batches = []
+        stream = handle.delta_batches()
+        batches.append([d.text for d in await anext(stream)])
+        handle._queue.put_nowait(Delta("d", 1))
+        handle._queue.put_nowait(Delta("e", 1, finish_reason="length"))
+        handle._queue.put_nowait(Delta("late", 1))  # nothing is read past the finish
+        batches.append([d.text for d in await anext(stream)])
+        assert [b async for b in stream] == []
+        handle.close()  # finished: no abort
+        return batches, handle.finished, owner.aborted
+
+    batches, finished, aborted = asyncio.run(scenario())
+    assert batches == [["a", "b", "c"], ["d", "e"]]
+    assert finished and aborted == []
+
+
+def test_deltas_flattens_the_batches_and_close_aborts_an_unfinished_request():
+    async def scenario():
+        owner = _Owner()
+        handle = RequestHandle("r", owner)
+        handle._queue.put_nowait(Delta("x", 1))
+        handle._queue.put_nowait(Delta("y", 1, finish_reason="stop"))
+        texts = [d.text async for d in handle.deltas()]
+        other = RequestHandle("s", owner)
+        other.close()
+        return texts, owner.aborted
+
+    assert asyncio.run(scenario()) == (["x", "y"], ["s"])
