@@ -257,58 +257,55 @@ def _engine_error(d) -> str:
     return _sse(ErrorResponse(error=ErrorInfo(message=f"the engine failed: {d.error}", type="server_error")))
 
 
-async def _completion_stream(handle: RequestHandle, model: str, include_usage: bool) -> AsyncIterator[str]:
-    """One server-sent event per token; the tokens that arrived together (a multi-step call's)
-    go out in one write."""
+async def _stream(handle: RequestHandle, chunk, usage_chunk, include_usage: bool, first=None) -> AsyncIterator[str]:
+    """One server-sent event per token (``chunk(delta)``, a response model), the tokens that
+    arrived together (a multi-step call's) in one write; then the usage (``usage_chunk``) if
+    asked, and ``[DONE]``. ``first``: a response model sent before any token."""
     tokens = 0
     try:
+        if first is not None:
+            yield _sse(first)
         async for batch in handle.delta_batches():
             events = []
             for d in batch:
                 tokens += d.num_tokens
                 if d.finish_reason == "error":
                     events.append(_engine_error(d))
-                    break
-                if d.text or d.finish_reason is not None:
-                    choice = CompletionChoice(text=d.text, finish_reason=d.finish_reason)
-                    events.append(_sse(CompletionResponse(id=handle.request_id, model=model, choices=[choice])))
+                elif d.text or d.finish_reason is not None:
+                    events.append(_sse(chunk(d)))
             if events:
                 yield "".join(events)
-            if d.finish_reason == "error":
+            if batch[-1].finish_reason == "error":  # a finishing delta is always its batch's last
                 break
         if include_usage:
             total = handle.prompt_tokens + tokens
             u = Usage(prompt_tokens=handle.prompt_tokens, completion_tokens=tokens, total_tokens=total)
-            yield _sse(CompletionResponse(id=handle.request_id, model=model, choices=[], usage=u))
+            yield _sse(usage_chunk(u))
         yield "data: [DONE]\n\n"
     finally:
         handle.close()
 
 
-async def _chat_stream(handle: RequestHandle, model: str, include_usage: bool) -> AsyncIterator[str]:
-    """As ``_completion_stream``, with the role in a first chunk of its own."""
-    tokens = 0
-    try:
-        first = ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))
-        yield _sse(ChatCompletionChunk(id=handle.request_id, model=model, choices=[first]))
-        async for batch in handle.delta_batches():
-            events = []
-            for d in batch:
-                tokens += d.num_tokens
-                if d.finish_reason == "error":
-                    events.append(_engine_error(d))
-                    break
-                if d.text or d.finish_reason is not None:
-                    choice = ChatChunkChoice(delta=DeltaMessage(content=d.text or None), finish_reason=d.finish_reason)
-                    events.append(_sse(ChatCompletionChunk(id=handle.request_id, model=model, choices=[choice])))
-            if events:
-                yield "".join(events)
-            if d.finish_reason == "error":
-                break
-        if include_usage:
-            total = handle.prompt_tokens + tokens
-            u = Usage(prompt_tokens=handle.prompt_tokens, completion_tokens=tokens, total_tokens=total)
-            yield _sse(ChatCompletionChunk(id=handle.request_id, model=model, choices=[], usage=u))
-        yield "data: [DONE]\n\n"
-    finally:
-        handle.close()
+def _completion_stream(handle: RequestHandle, model: str, include_usage: bool) -> AsyncIterator[str]:
+    def chunk(d):
+        choice = CompletionChoice(text=d.text, finish_reason=d.finish_reason)
+        return CompletionResponse(id=handle.request_id, model=model, choices=[choice])
+
+    def usage_chunk(u):
+        return CompletionResponse(id=handle.request_id, model=model, choices=[], usage=u)
+
+    return _stream(handle, chunk, usage_chunk, include_usage)
+
+
+def _chat_stream(handle: RequestHandle, model: str, include_usage: bool) -> AsyncIterator[str]:
+    def chunk(d):
+        choice = ChatChunkChoice(delta=DeltaMessage(content=d.text or None), finish_reason=d.finish_reason)
+        return ChatCompletionChunk(id=handle.request_id, model=model, choices=[choice])
+
+    def usage_chunk(u):
+        return ChatCompletionChunk(id=handle.request_id, model=model, choices=[], usage=u)
+
+    first = ChatCompletionChunk(
+        id=handle.request_id, model=model, choices=[ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))]
+    )
+    return _stream(handle, chunk, usage_chunk, include_usage, first=first)
