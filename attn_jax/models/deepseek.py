@@ -223,13 +223,14 @@ def moe(x, w, c: DeepSeekConfig):
     return routed + swiglu(x, w)
 
 
+def _dot(x, w):
+    """``x @ w`` in x's dtype at full precision (w a weight array, cast to x's dtype)."""
+    return jnp.dot(x, jnp.asarray(w).astype(x.dtype), precision=_HIGHEST)
+
+
 def swiglu(x, w):
     """f[T, D]: ``down(silu(x @ gate) * (x @ up))`` with the layer's w_gate, w_up, w_down."""
-
-    def dot(a, b):
-        return jnp.dot(a, jnp.asarray(b).astype(a.dtype), precision=_HIGHEST)
-
-    return dot(jax.nn.silu(dot(x, w["w_gate"])) * dot(x, w["w_up"]), w["w_down"])
+    return _dot(jax.nn.silu(_dot(x, w["w_gate"])) * _dot(x, w["w_up"]), w["w_down"])
 
 
 class DeepSeekModel:
@@ -286,29 +287,25 @@ class DeepSeekModel:
         if isinstance(attn_metadata, CommonAttentionMetadata):
             attn_metadata = self.attn.metadata_builder.build(0, attn_metadata)  # once, not per layer
         h = jnp.asarray(params["embed"])[token_ids].astype(self.dtype)  # f[T, D]
-
-        def dot(x, w):
-            return jnp.dot(x, jnp.asarray(w).astype(x.dtype), precision=_HIGHEST)
-
         new_caches = []
         for i, (w, cache) in enumerate(zip(params["layers"], kv_caches, strict=True)):
             x = rms_norm(h, w["attn_norm"], c.rms_norm_eps)
             if c.q_lora_rank is None:
-                q = dot(x, w["q_proj"])
+                q = _dot(x, w["q_proj"])
             else:
-                q = dot(rms_norm(dot(x, w["q_a_proj"]), w["q_a_norm"], c.rms_norm_eps), w["q_b_proj"])
+                q = _dot(rms_norm(_dot(x, w["q_a_proj"]), w["q_a_norm"], c.rms_norm_eps), w["q_b_proj"])
             q = q.reshape(num_tokens, c.num_heads, qk)
-            latent = dot(x, w["kv_a_proj"])  # f[T, C + R]
+            latent = _dot(x, w["kv_a_proj"])  # f[T, C + R]
             kv_c = rms_norm(latent[:, : c.kv_lora_rank], w["kv_a_norm"], c.rms_norm_eps)
             k_pe = rope(latent[:, None, c.kv_lora_rank :], positions, c.rope_theta, c.rope_interleave)[:, 0]
             q_pe = rope(q[..., nope:], positions, c.rope_theta, c.rope_interleave)
             q = jnp.concatenate([q[..., :nope], q_pe], axis=-1)
             o, cache = self.attn(q, kv_c, k_pe, cache, attn_metadata, jnp.asarray(w["kv_b_proj"]).astype(self.dtype))
-            h = h + dot(o, w["o_proj"])
+            h = h + _dot(o, w["o_proj"])
             x = rms_norm(h, w["ffn_norm"], c.rms_norm_eps)
             h = h + (moe(x, w, c) if c.is_moe_layer(i) else swiglu(x, w))
             new_caches.append(cache)
         h = rms_norm(h[logits_rows], params["final_norm"], c.rms_norm_eps)
         head = params.get("lm_head")
-        logits = dot(h, jnp.asarray(params["embed"]).T) if head is None else dot(h, head)
+        logits = _dot(h, jnp.asarray(params["embed"]).T) if head is None else _dot(h, head)
         return logits.astype(jnp.float32), new_caches

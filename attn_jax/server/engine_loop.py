@@ -5,9 +5,9 @@ The HTTP side never calls the engine: ``submit`` and ``abort`` put a command on 
 ``Engine`` alone: it encodes prompts (chat template included), adds and aborts requests,
 steps while any request is unfinished, and sleeps otherwise. After each step it hands
 each request its new tokens' text, one ``Delta`` per token (a multi-step call's K tokens
-stream as K events, written in one send: ``RequestHandle.delta_batches``), to that request's
-``asyncio.Queue`` with one ``call_soon_threadsafe``
-for the whole step, so the event loop only ever moves finished data around. A step that
+stream as K events, written in one send: ``RequestHandle.delta_batches``), to that
+request's ``asyncio.Queue`` with one ``call_soon_threadsafe`` for the whole step, so the
+event loop only ever moves finished data around. A step that
 compiled a new shape (none after a complete ``Engine.warmup``) is counted in
 ``attn_stack_step_compilations_total`` and logged.
 
@@ -425,9 +425,8 @@ class EngineLoop:
         if out:
             batch = []
             for handle, pieces, reason, error in out.values():
-                deltas = [Delta(text, n) for text, n in pieces]
-                deltas[-1] = Delta(deltas[-1].text, deltas[-1].num_tokens, reason, error)
-                batch.append((handle, deltas))
+                *first, (text, n) = pieces
+                batch.append((handle, [*(Delta(t, k) for t, k in first), Delta(text, n, reason, error)]))
             self._post(self._deliver, batch)
 
     def _end_all(self, reason: str, error: str | None) -> None:

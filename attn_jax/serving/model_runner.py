@@ -308,8 +308,7 @@ class ModelRunner:
         pages = jnp.asarray([s * self.num_blocks + page for s in range(self.num_shards)], jnp.int32)
         axes = self._page_axes()
         leaves, treedef = jax.tree.flatten(self.kv_caches)
-        saved = [x if a is None else jnp.take(x, pages, axis=a) for x, a in zip(leaves, axes, strict=True)]
-        saved = [jnp.copy(x) if a is None else x for x, a in zip(saved, axes, strict=True)]
+        saved = [jnp.copy(x) if a is None else jnp.take(x, pages, axis=a) for x, a in zip(leaves, axes, strict=True)]
         last_tokens = jnp.copy(self._last_tokens)
         try:
             yield

@@ -18,34 +18,38 @@ NEW_TOKENS = 6
 PROMPTS = [[3, 17, 99, 42, 8], [120, 5, 64, 64, 2, 77, 31, 90, 11]]
 
 
-def _hf_model(q_lora_rank):
-    config = transformers.DeepseekV3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, first_k_dense_replace=2, max_position_embeddings=128,
-    )  # fmt: skip
-    torch.manual_seed(0)
+def _random_hf_model(config, seed: int):
+    """transformers' DeepseekV3ForCausalLM (float32, eval) with random weights: RMSNorm weights
+    near 1, matrices scaled by their fan-in."""
+    torch.manual_seed(seed)
     model = transformers.DeepseekV3ForCausalLM(config).float().eval()
     with torch.no_grad():
         for p in model.parameters():
-            if p.ndim == 1:  # RMSNorm weights
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+            p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 else torch.randn_like(p) * p.shape[-1] ** -0.5)
     return model
 
 
-@pytest.fixture(scope="module", params=[32, pytest.param(None, marks=pytest.mark.slow)], ids=["q_lora", "q_proj"])
-def models(request):
-    hf = _hf_model(request.param)
+def _hf_greedy(hf, new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens for each of PROMPTS (full forward per token, no cache)."""
     want = []
     with torch.no_grad():
         for prompt in PROMPTS:
             ids = list(prompt)
-            for _ in range(NEW_TOKENS):
-                logits = hf(torch.tensor([ids])).logits[0, -1]
-                ids.append(int(logits.argmax()))
+            for _ in range(new_tokens):
+                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
             want.append(ids[len(prompt) :])
+    return want
+
+
+@pytest.fixture(scope="module", params=[32, pytest.param(None, marks=pytest.mark.slow)], ids=["q_lora", "q_proj"])
+def models(request):
+    config = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=request.param, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, first_k_dense_replace=2, max_position_embeddings=128,
+    )  # fmt: skip
+    hf = _random_hf_model(config, seed=0)
+    want = _hf_greedy(hf, NEW_TOKENS)
     config = DeepSeekConfig.from_hf(hf.config)
     return DeepSeekModel(config, block_size=16), params_from_hf(hf), want
 
@@ -109,18 +113,10 @@ def test_mixture_of_experts_gives_transformers_tokens():
         num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, moe_intermediate_size=32,
         routed_scaling_factor=2.5, norm_topk_prob=True,
     )  # fmt: skip
-    torch.manual_seed(2)
-    hf = transformers.DeepseekV3ForCausalLM(config).float().eval()
+    hf = _random_hf_model(config, seed=2)
     with torch.no_grad():
-        for p in hf.parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 else torch.randn_like(p) * p.shape[-1] ** -0.5)
         hf.model.layers[1].mlp.gate.e_score_correction_bias.copy_(0.1 * torch.randn(8))
-        want = []
-        for prompt in PROMPTS:
-            ids = list(prompt)
-            for _ in range(NEW_TOKENS):
-                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-            want.append(ids[len(prompt) :])
+    want = _hf_greedy(hf, NEW_TOKENS)
     ds = DeepSeekConfig.from_hf(config)
     assert (ds.is_moe_layer(0), ds.is_moe_layer(1)) == (False, True)
     engine = Engine(
@@ -163,17 +159,8 @@ def test_engine_with_pallas_mla_gpu_kernels_gives_transformers_tokens():
         num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=64,
         v_head_dim=32, first_k_dense_replace=2, max_position_embeddings=128,
     )  # fmt: skip
-    torch.manual_seed(1)
-    hf = transformers.DeepseekV3ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 else torch.randn_like(p) * p.shape[-1] ** -0.5)
-        want = []
-        for prompt in PROMPTS:
-            ids = list(prompt)
-            for _ in range(4):
-                ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-            want.append(ids[len(prompt) :])
+    hf = _random_hf_model(config, seed=1)
+    want = _hf_greedy(hf, 4)
     model = DeepSeekModel(DeepSeekConfig.from_hf(config), block_size=16, attn_backend=PallasMLAGPUBackend)
     engine = Engine(
         model, params_from_hf(hf), max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, num_blocks=8,
