@@ -40,7 +40,8 @@ On a GPU image without the serve extra (no network there), carry its wheels and 
 them with ``pip install --no-index --no-deps --target``: fastapi, starlette, uvicorn,
 pydantic, pydantic-core, annotated-types, typing-inspection, opentelemetry-api (fastapi's),
 openai, httpx2, httpcore2, truststore, jiter, sniffio (openai's), and, to pin versions
-these need, typing-extensions, anyio, idna, h11, annotated-doc, click, prometheus-client.
+these need, typing-extensions, anyio, idna, h11, annotated-doc, click, prometheus-client, and
+uvicorn's httptools and uvloop (the serve extra's).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -118,6 +119,25 @@ class EventStreamResponse(StreamingResponse):
 def _sse(payload) -> str:
     """One server-sent event carrying a response model as JSON."""
     return f"data: {payload.model_dump_json()}\n\n"
+
+
+_TEXT_MARK = "@attn-stack-text@"
+
+
+def _token_events(build):
+    """``delta -> str``, the server-sent event of one streamed delta, where ``build(text,
+    finish_reason)`` makes the chunk's response model. A delta that only carries text (every
+    one but a request's last) fills a template serialised once per stream with the JSON of
+    its text, the same bytes as ``_sse(build(text, None))`` in a tenth of the time (it runs
+    once per token, on the event loop that shares the engine thread's GIL)."""
+    head, tail = _sse(build(_TEXT_MARK, None)).split(json.dumps(_TEXT_MARK))
+
+    def event(d) -> str:
+        if d.finish_reason is None and d.text:
+            return head + json.dumps(d.text, ensure_ascii=False) + tail
+        return _sse(build(d.text, d.finish_reason))
+
+    return event
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -258,9 +278,11 @@ def _engine_error(d) -> str:
 
 
 async def _stream(handle: RequestHandle, chunk, usage_chunk, include_usage: bool, first=None) -> AsyncIterator[str]:
-    """One server-sent event per token (``chunk(delta)``, a response model), the tokens that
-    arrived together (a multi-step call's) in one write; then the usage (``usage_chunk``) if
-    asked, and ``[DONE]``. ``first``: a response model sent before any token."""
+    """One server-sent event per token (``chunk(text, finish_reason)``, a response model),
+    the tokens that arrived together (a multi-step call's) in one write; then the usage
+    (``usage_chunk``) if asked, and ``[DONE]``. ``first``: a response model sent before any
+    token."""
+    event = _token_events(chunk)
     tokens = 0
     try:
         if first is not None:
@@ -272,7 +294,7 @@ async def _stream(handle: RequestHandle, chunk, usage_chunk, include_usage: bool
                 if d.finish_reason == "error":
                     events.append(_engine_error(d))
                 elif d.text or d.finish_reason is not None:
-                    events.append(_sse(chunk(d)))
+                    events.append(event(d))
             if events:
                 yield "".join(events)
             if batch[-1].finish_reason == "error":  # a finishing delta is always its batch's last
@@ -287,25 +309,30 @@ async def _stream(handle: RequestHandle, chunk, usage_chunk, include_usage: bool
 
 
 def _completion_stream(handle: RequestHandle, model: str, include_usage: bool) -> AsyncIterator[str]:
-    def chunk(d):
-        choice = CompletionChoice(text=d.text, finish_reason=d.finish_reason)
-        return CompletionResponse(id=handle.request_id, model=model, choices=[choice])
+    created = int(time.time())  # one timestamp for every chunk of a response, as OpenAI's
+
+    def chunk(text, finish_reason):
+        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+        return CompletionResponse(id=handle.request_id, created=created, model=model, choices=[choice])
 
     def usage_chunk(u):
-        return CompletionResponse(id=handle.request_id, model=model, choices=[], usage=u)
+        return CompletionResponse(id=handle.request_id, created=created, model=model, choices=[], usage=u)
 
     return _stream(handle, chunk, usage_chunk, include_usage)
 
 
 def _chat_stream(handle: RequestHandle, model: str, include_usage: bool) -> AsyncIterator[str]:
-    def chunk(d):
-        choice = ChatChunkChoice(delta=DeltaMessage(content=d.text or None), finish_reason=d.finish_reason)
-        return ChatCompletionChunk(id=handle.request_id, model=model, choices=[choice])
+    created = int(time.time())
+
+    def chunk(text, finish_reason):
+        choice = ChatChunkChoice(delta=DeltaMessage(content=text or None), finish_reason=finish_reason)
+        return ChatCompletionChunk(id=handle.request_id, created=created, model=model, choices=[choice])
 
     def usage_chunk(u):
-        return ChatCompletionChunk(id=handle.request_id, model=model, choices=[], usage=u)
+        return ChatCompletionChunk(id=handle.request_id, created=created, model=model, choices=[], usage=u)
 
     first = ChatCompletionChunk(
-        id=handle.request_id, model=model, choices=[ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))]
-    )
+        id=handle.request_id, created=created, model=model,
+        choices=[ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))],
+    )  # fmt: skip
     return _stream(handle, chunk, usage_chunk, include_usage, first=first)

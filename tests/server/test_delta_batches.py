@@ -50,3 +50,17 @@ def test_deltas_flattens_the_batches_and_close_aborts_an_unfinished_request():
         return texts, owner.aborted
 
     assert asyncio.run(scenario()) == (["x", "y"], ["s"])
+
+
+def test_token_events_from_the_template_are_the_bytes_pydantic_writes():
+    from attn_jax.server.app import _sse, _token_events
+    from attn_jax.server.protocol import ChatChunkChoice, ChatCompletionChunk, DeltaMessage
+
+    def build(text, finish_reason):
+        choice = ChatChunkChoice(delta=DeltaMessage(content=text or None), finish_reason=finish_reason)
+        return ChatCompletionChunk(id="chatcmpl-1", created=7, model="m", choices=[choice])
+
+    event = _token_events(build)
+    for text in (" hi", 'a"b\\c\n\t', "é中🙂", "\x01\x1f\x7f\u2028", "\ufffd", "@attn-stack-text@"):
+        assert event(Delta(text, 1)) == _sse(build(text, None))
+    assert event(Delta("end", 1, finish_reason="stop")) == _sse(build("end", "stop"))
