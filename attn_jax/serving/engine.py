@@ -184,6 +184,8 @@ def _token_ids(prompt) -> list[int]:
         ids = list(prompt)
     except TypeError:
         raise TypeError(f"prompt={prompt!r} must be text (str) or a sequence of int token ids") from None
+    if set(map(type, ids)) <= {int}:  # the common case, checked at C speed (the loop below: 2 us a token)
+        return ids
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
             raise TypeError(f"prompt token {i} is {t!r} ({type(t).__name__}): token ids must be integers")

@@ -46,6 +46,7 @@ def test_extra_keys_and_their_errors():
     ids = list(range(8))
     plain, salted, other = block_hashes(ids, 4), block_hashes(ids, 4, ("a",)), block_hashes(ids, 4, ("b",))
     assert len({plain[0], salted[0], other[0]}) == 3 and len({plain[1], salted[1]}) == 2  # the chain carries it
+    assert salted == [hash_block(ROOT_HASH, ids[:4], ("a",)), hash_block(salted[0], ids[4:])]  # one chain, two ways
     assert hash_block(ROOT_HASH, ids[:4], (7,)) != hash_block(ROOT_HASH, ids[:4], ("7",))
     with pytest.raises(TypeError, match=r"extra key 1.5 \(float\) must be a str or an int"):
         hash_block(ROOT_HASH, ids, (1.5,))
