@@ -131,6 +131,36 @@ def _measure(engine, prompts: list[list[int]], params) -> dict:
     }
 
 
+def _profile_decode(engine, prompts: list[list[int]], params, calls: int) -> dict:
+    """A CUPTI trace (``jax.profiler``) of ``calls`` decode-only engine calls once every
+    request of ``prompts`` decodes, summarised per kernel category and decode step
+    (``engine_step_profile.summarise_trace``); the requests then run to the end."""
+    import tempfile
+
+    import jax
+    from engine_step_profile import _sync, summarise_trace  # benchmarks/, the script's folder
+
+    engine.reset_prefix_cache()
+    ids = [engine.add_request(p, params) for p in prompts]
+    while any(not engine.get_request(i).output_ids for i in ids) or engine.stats[-1].num_prefill_tokens:
+        engine.step()
+    _sync(engine)
+    first = len(engine.stats)
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir):
+            for _ in range(calls):
+                engine.step()
+            _sync(engine)
+        stats = engine.stats[first : first + calls]
+        steps = sum(s.num_steps for s in stats)
+        summary = summarise_trace(log_dir, steps)
+    while engine.has_unfinished():
+        engine.step()
+    summary["decode_steps"] = steps
+    summary["cascade_calls"] = sum(s.cascade_prefix_len > 0 for s in stats)
+    return summary
+
+
 def _agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict:
     tokens = sum(map(len, reference))
     equal = sum(a == b for x, y in zip(outputs, reference, strict=True) for a, b in zip(x, y, strict=True))
@@ -246,6 +276,11 @@ def run(args, path) -> dict:
             write_json(path, result)
             continue
         r = min(runs, key=lambda x: x["wall_s"])
+        if args.profile_calls:
+            prompts = _prompts(args, config.vocab_size, seed=1 if shared else 2, shared=shared)
+            r["decode_profile"] = profile = _profile_decode(engine, prompts, sampling, args.profile_calls)
+            per_step = profile.get("per_step_us", {})
+            print(f"  {mode} decode step, us by kernel category: {per_step}", flush=True)
         r["warmup_s"] = warmup
         r["wall_s_runs"] = [x["wall_s"] for x in runs]
         outputs = r.pop("output_ids")
@@ -295,6 +330,10 @@ def main() -> None:
     parser.add_argument("--cascade-min-requests", type=int, default=None, help="default: the builder's (8)")
     parser.add_argument("--repeats", type=int, default=1, help="measured runs per mode (the fastest is reported)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, metavar="MODE", help=str(MODES))
+    parser.add_argument(
+        "--profile-calls", type=int, default=0,
+        help="also trace this many decode-only calls per mode (CUPTI: per-kernel-category time per step; GPU)",
+    )  # fmt: skip
     add_output_args(parser, "prefix_cache_{platform}.json")
     args = parser.parse_args()
     import jax
