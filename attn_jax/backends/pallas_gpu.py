@@ -161,8 +161,8 @@ def ragged_paged_attention(
     the rows they leave over or None when they serve every row) compiled on a GPU, and a
     configuration ``pallas_mosaic_gpu.unsupported_reason`` accepts, the new k/v are written,
     the Mosaic GPU kernel computes its tiles and the Triton kernel the other rows into the
-    same buffer; otherwise the Triton kernel serves every row on ``schedule``. With
-    ``return_lse`` (the Mosaic GPU kernel has no LSE output) the Triton kernel serves every row.
+    same buffer (with ``return_lse``, their LSE too); otherwise the Triton kernel serves every
+    row on ``schedule``.
     FP8 attention (``q_scale``, an e4m3 cache) runs on the Triton kernel alone: the Mosaic GPU
     prefill kernel is 16-bit only (``FP8_PLAN``).
     """
@@ -174,7 +174,7 @@ def ragged_paged_attention(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     mgpu_bs = mgpu_block_sizes or MgpuBlockSizes()
-    use_mgpu = not return_lse and q_scale is None and uses_mosaic_gpu(
+    use_mgpu = q_scale is None and uses_mosaic_gpu(
         q, kv_cache, interpret=interpret, block_sizes=block_sizes, mgpu_schedule=mgpu_schedule,
         mgpu_block_sizes=mgpu_bs, **features,
     )  # fmt: skip
@@ -191,11 +191,12 @@ def ragged_paged_attention(
     kv_cache = pallas_triton.write_new_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale, interpret=False)
     out = pallas_mosaic_gpu.prefill_attention(
         q, kv_cache, jnp.asarray(mgpu_schedule, jnp.int32), jnp.asarray(block_tables), sm_scale=sm_scale,
-        block_sizes=mgpu_bs,
+        block_sizes=mgpu_bs, return_lse=return_lse,
     )  # fmt: skip
+    out, lse = out if return_lse else (out, None)
     if rest_schedule is None:  # every row is the Mosaic GPU kernel's: no second launch
-        return out, kv_cache
-    return triton(q, None, None, kv_cache, schedule=rest_schedule, out_init=out)
+        return (out, kv_cache, lse) if return_lse else (out, kv_cache)
+    return triton(q, None, None, kv_cache, schedule=rest_schedule, out_init=out, lse_init=lse, return_lse=return_lse)
 
 
 TRACED_METADATA_COST = (

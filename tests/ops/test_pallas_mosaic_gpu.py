@@ -19,10 +19,11 @@ import pytest
 
 from attn_jax.backends import pallas_gpu as pallas_gpu_backend
 from attn_jax.kv_cache import write_to_kv_cache
-from attn_jax.ops.ragged_paged_attention import kv_write, pallas_mosaic_gpu
+from attn_jax.ops.ragged_paged_attention import kv_write, pallas_mosaic_gpu, pallas_triton
 from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes, MgpuBlockSizes, mgpu_prefill_available
 from attn_jax.testing.workloads import make_ragged_batch
-from tests.ops.ragged_checks import check, make_options
+from tests.ops.ragged_checks import check, make_options, read_back
+from tests.oracle import attention_oracle
 
 ON_GPU = jax.default_backend() == "gpu"
 ON_HOPPER = ON_GPU and mgpu_prefill_available(jax.devices()[0].device_kind)
@@ -207,6 +208,14 @@ def test_op_with_split_schedules_matches_oracle_interpret():
     check(batch, make_options(batch), use_jit=True, op=op)
 
 
+def test_lse_init_goes_with_out_init_and_return_lse():
+    batch = make_ragged_batch(1, query_lens=[3, 1], context_lens=[2, 4], **_SHAPE)
+    lse_init = jnp.zeros(batch.q.shape[:2], jnp.float32)
+    for kwargs in (dict(lse_init=lse_init), dict(out_init=jnp.zeros_like(batch.q), return_lse=True)):
+        with pytest.raises(ValueError, match="lse_init goes with out_init and return_lse=True"):
+            pallas_triton.ragged_paged_attention(*batch.op_args, **make_options(batch), interpret=True, **kwargs)
+
+
 # ------------------------------------------------------------------ the k/v write
 @pytest.mark.parametrize("cache_dtype", ["auto", "fp8_e4m3"])
 def test_write_kernel_matches_scatter_interpret(cache_dtype):
@@ -274,3 +283,34 @@ def test_mgpu_split_matches_oracle_compiled(name):
     op = functools.partial(pallas_gpu_backend.ragged_paged_attention, block_sizes=bs, mgpu_schedule=mgpu,
                            rest_schedule=rest, mgpu_block_sizes=mgpu_bs)  # fmt: skip
     check(batch, make_options(batch), use_jit=True, op=op)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("split_rows", [True, False], ids=["with_triton_rest", "mgpu_alone"])
+def test_mgpu_lse_matches_oracle_compiled(split_rows):
+    """``return_lse``: the Mosaic GPU tiles' LSE and the Triton kernel's rows (written into the
+    same buffers) against the float64 oracle; padding rows see no key (LSE -inf)."""
+    from attn_jax.backends.pallas_gpu import mgpu_split
+
+    if split_rows:
+        batch = make_ragged_batch(0, **_LENS, **_SHAPE, dtype=jnp.bfloat16, num_tokens=880, num_padding_requests=1,
+                                  extra_blocks=3)  # fmt: skip
+    else:
+        batch = make_ragged_batch(3, query_lens=[256, 128], context_lens=[0, 72], **_SHAPE, dtype=jnp.bfloat16,
+                                  num_tokens=384, extra_blocks=2)  # fmt: skip
+    split = mgpu_split(batch.query_start_loc, batch.seq_lens, num_tokens=batch.q.shape[0], block_q=16)
+    assert (split["rest_schedule"] is None) != split_rows
+    options = make_options(batch)
+    out, cache, lse = pallas_gpu_backend.ragged_paged_attention(
+        *batch.op_args, **options, block_sizes=GpuBlockSizes(block_q=16, pages_per_tile=4), return_lse=True, **split
+    )
+    k_seqs, v_seqs = read_back(batch, cache)
+    expected_out, expected_lse = attention_oracle(
+        np.asarray(batch.q, np.float64), k_seqs, v_seqs, batch.query_lens, **options, return_lse=True
+    )
+    n = batch.num_actual_tokens
+    assert lse.shape == batch.q.shape[:2] and lse.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(lse[:n]), expected_lse, rtol=1e-3, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(out[:n], np.float32), expected_out, rtol=2e-2, atol=2e-2)
+    assert np.isneginf(np.asarray(lse[n:])).all()

@@ -153,13 +153,13 @@ def mgpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, tile: int, xp=j
     return xp.stack(rows)[:, order].astype(np.int32), (lo.astype(np.int32), hi.astype(np.int32))
 
 
-def _kernel(sched_ref, bt_ref, q_ref, kv_ref, out_ref, scoped, *, bs: MgpuBlockSizes, page_size: int,
+def _kernel(sched_ref, bt_ref, q_ref, kv_ref, out_ref, lse_ref, scoped, *, bs: MgpuBlockSizes, page_size: int,
             group: int, sm_scale: float, num_slots: int, zero_tail: bool = True):  # fmt: skip
     block_q, block_kv, steps = bs.block_q, bs.block_kv, bs.steps_in_flight
     head_dim = q_ref.shape[-1]
     dtype = q_ref.dtype
     pages_per_req = bt_ref.shape[1]
-    (qo_smem2, k_smem, v_smem), (k_bars, v_bars, q_bars), (k_consumed, v_consumed), schedule_barrier = scoped
+    (qo_smem2, k_smem, v_smem, lse_smem2), (k_bars, v_bars, q_bars), (k_consumed, v_consumed), schedule_barrier = scoped
     tile = lax.axis_index("tile")
     q_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -258,8 +258,12 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, out_ref, scoped, *, bs: MgpuBlockS
         pl.when(wg == 0)(schedule_sync)
         acc /= lax.broadcast_in_dim(l_i, (block_q, head_dim), [0])
         qo_smem[...] = acc.astype(dtype)
+        if lse_ref is not None:  # natural log: m_i is log2-scaled, exp2(m_i) = exp(m_i * ln 2)
+            lse_smem2.at[wg][...] = m_i * math.log(2.0) + jnp.log(l_i)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[pl.ds(tok0 + row0, block_q), q_head])
+        if lse_ref is not None:
+            plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[q_head, pl.ds(tok0 + row0, block_q)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(valid & (wg == 2))
@@ -304,8 +308,11 @@ def prefill_attention(
     block_sizes: MgpuBlockSizes | None = None,
     interpret=False,
     zero_tail: bool = True,
+    return_lse: bool = False,
 ):
     """f[T, Hq, D]: causal attention for the rows of the schedule's tiles; other rows are undefined.
+    With ``return_lse``, (out, lse f32[T, Hq]): each row's log-sum-exp of its scaled scores
+    (natural log, as ``reference.ragged_paged_attention``'s), undefined where out is.
 
     The caller fills the rest (``pallas_triton.ragged_paged_attention`` passes this output to
     the Triton kernel, which writes the other rows in place). Compiled on Hopper only (no
@@ -316,13 +323,12 @@ def prefill_attention(
     """
     return _prefill(
         q, kv_cache, schedule, block_tables, sm_scale=float(sm_scale), bs=block_sizes or MgpuBlockSizes(),
-        interpret=interpret,
-        zero_tail=zero_tail,
+        interpret=interpret, zero_tail=zero_tail, return_lse=return_lse,
     )  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "bs", "interpret", "zero_tail"))
-def _prefill(q, kv_cache, schedule, block_tables, *, sm_scale, bs, interpret, zero_tail):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "bs", "interpret", "zero_tail", "return_lse"))
+def _prefill(q, kv_cache, schedule, block_tables, *, sm_scale, bs, interpret, zero_tail, return_lse):
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_blocks, page_size, num_kv_heads, _ = kv_cache.shape
     num_slots = num_blocks * page_size
@@ -335,14 +341,15 @@ def _prefill(q, kv_cache, schedule, block_tables, *, sm_scale, bs, interpret, ze
     swizzle = 128 if head_dim * q.dtype.itemsize >= 128 else head_dim * q.dtype.itemsize
     transforms = (plgpu.TilingTransform((8, swizzle // q.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
 
-    def entry(sched_ref, bt_ref, q_ref, kv_ref, out_ref):
+    def entry(sched_ref, bt_ref, q_ref, kv_ref, out_ref, lse_ref=None):
         scratch = (
             plgpu.SMEM((2, bs.block_q, head_dim), q.dtype, transforms=transforms),
             plgpu.SMEM((bs.steps_in_flight, bs.block_kv, head_dim), q.dtype, transforms=transforms),
             plgpu.SMEM((bs.steps_in_flight, bs.block_kv, head_dim), q.dtype, transforms=transforms),
+            plgpu.SMEM((2, bs.block_q), jnp.float32) if return_lse else None,
         )
         body = functools.partial(
-            _kernel, sched_ref, bt_ref, q_ref, kv_ref, out_ref, bs=bs, page_size=page_size,
+            _kernel, sched_ref, bt_ref, q_ref, kv_ref, out_ref, lse_ref, bs=bs, page_size=page_size,
             group=num_q_heads // num_kv_heads, sm_scale=sm_scale, num_slots=num_slots, zero_tail=zero_tail,
         )  # fmt: skip
         pl.run_scoped(
@@ -358,9 +365,12 @@ def _prefill(q, kv_cache, schedule, block_tables, *, sm_scale, bs, interpret, ze
             collective_axes="wg",
         )
 
+    out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    if return_lse:  # tokens minor: a warpgroup's block_q rows of one head are one 1-D TMA box
+        out_type = (out_type, jax.ShapeDtypeStruct((num_q_heads, q.shape[0]), jnp.float32))
     out = plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_type=out_type,
         grid=(num_q_heads, num_tiles),
         grid_names=("heads", "tile"),
         num_threads=3,
@@ -369,4 +379,7 @@ def _prefill(q, kv_cache, schedule, block_tables, *, sm_scale, bs, interpret, ze
         interpret=interpret,
         kernel_name="ragged_paged_prefill_mgpu",
     )(schedule, block_tables, q, kv)
-    return out[:num_tokens] if pad else out
+    if not return_lse:
+        return out[:num_tokens]
+    out, lse = out
+    return out[:num_tokens], lse[:, :num_tokens].T

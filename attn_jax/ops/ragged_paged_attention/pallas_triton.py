@@ -130,13 +130,13 @@ def _kernel(
 ):  # fmt: skip
     """One (q-block, kv head, kv split). ``fp8``: FP8 attention (the query quantised to e4m3 here,
     e4m3 x e4m3 dots with f32 accumulation, the weights quantised for ``p @ v``).
-    rest: [alibi_ref], [sinks_ref], [out_init_ref], out refs
+    rest: [alibi_ref], [sinks_ref], [out_init_ref and, with ``has_lse``, lse_init_ref], out refs
     (out and, with ``has_lse``, lse; or the split's acc, m and denom)."""
     rest = list(rest)
     alibi_ref = rest.pop(0) if has_alibi else None
     sinks_ref = rest.pop(0) if has_sinks else None
     if has_out_init:
-        rest.pop(0)  # aliased to the output ref
+        del rest[: 2 if has_lse else 1]  # aliased to the output refs
     b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_tokens, num_q_heads, head_size = q_ref.shape
     _, _, page_size, _, _ = kv_ref.shape
@@ -301,6 +301,7 @@ def ragged_paged_attention(
     schedule=None,  # i32[5, NB] from gpu_schedule (the builder's); derived here when None
     out_init=None,  # f[T, Hq, D] | None: rows another kernel wrote; this launch writes only its schedule's rows
     return_lse: bool = False,
+    lse_init=None,  # f32[T, Hq] | None: with out_init and return_lse, the other kernel's rows' LSE
     q_scale=None,  # f32[] | None: FP8 attention (an e4m3 cache), as the reference's
 ):
     """The reference op's contract (``reference.ragged_paged_attention``) as a Pallas GPU kernel.
@@ -313,7 +314,8 @@ def ragged_paged_attention(
 
     With ``out_init`` (the PALLAS_GPU backend passes the Mosaic GPU prefill's output, and a
     ``schedule`` of the rows it left over) the kernel writes its rows into that buffer in
-    place. Compiled, new keys and values are written by ``write_new_kv``.
+    place (and with ``return_lse`` its LSE into ``lse_init``). Compiled, new keys and values
+    are written by ``write_new_kv``.
 
     With ``q_scale`` (FP8 attention, the reference's semantics) each program quantises its
     q-block to e4m3 as it loads it, so both dots are e4m3 x e4m3 with float32 accumulation
@@ -338,8 +340,8 @@ def ragged_paged_attention(
     if num_tokens == 0:  # nothing to attend; a zero-sized grid would not lower
         empty = jnp.zeros_like(q), kv_cache
         return (*empty, jnp.zeros(q.shape[:2], jnp.float32)) if return_lse else empty
-    if return_lse and out_init is not None:
-        raise ValueError("return_lse=True with out_init: the other kernel's rows have no LSE here")
+    if (return_lse and out_init is not None) != (lse_init is not None):
+        raise ValueError("lse_init goes with out_init and return_lse=True (the other kernel's rows' LSE), not alone")
     if schedule is None:
         schedule = gpu_schedule(
             jnp.asarray(query_start_loc), jnp.asarray(seq_lens), num_tokens=num_tokens, block_q=block_sizes.block_q
@@ -354,7 +356,7 @@ def ragged_paged_attention(
         )
     out, lse = _attend(
         q, kv_cache, jnp.asarray(schedule, jnp.int32), jnp.asarray(block_tables),
-        alibi_slopes, sinks, k_scale, v_scale, out_init, q_scale,
+        alibi_slopes, sinks, k_scale, v_scale, out_init, q_scale, lse_init,
         sm_scale=float(sm_scale), causal=causal, sliding_window=sliding_window,
         soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret, return_lse=return_lse,
     )  # fmt: skip
@@ -416,8 +418,9 @@ def check_gpu_shapes(*, head_size: int, page_size: int) -> None:
     jax.jit,
     static_argnames=("sm_scale", "causal", "sliding_window", "soft_cap", "block_sizes", "interpret", "return_lse"),
 )
-def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v_scale, out_init, q_scale=None, *,
-            sm_scale, causal, sliding_window, soft_cap, block_sizes, interpret, return_lse=False):  # fmt: skip
+def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v_scale, out_init, q_scale=None,
+            lse_init=None, *, sm_scale, causal, sliding_window, soft_cap, block_sizes, interpret,
+            return_lse=False):  # fmt: skip
     """(out f[T, Hq, D], lse f32[T, Hq] or None)."""
     num_tokens, num_q_heads, head_size = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -437,6 +440,9 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
     if out_init is not None:  # rows another kernel wrote: this launch writes only its own rows
         aliases = {len(inputs): 0}
         inputs.append(out_init)
+        if return_lse:
+            aliases[len(inputs)] = 1
+            inputs.append(lse_init)
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((out_tokens, num_q_heads, out_cols), q.dtype)
         if return_lse:
