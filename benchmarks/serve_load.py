@@ -180,8 +180,15 @@ def serve_process(opts: dict, port: int, conn) -> None:
     Messages to the parent: ("offline", dict), ("ready", dict), ("mark", dict) after each
     "mark" request, ("final", dict); ("error", traceback) if anything fails."""
     try:
+        if opts["gil_switch_interval_ms"] is not None:  # how soon a thread waiting for the GIL gets it
+            sys.setswitchinterval(opts["gil_switch_interval_ms"] / 1e3)
         import jax
         import uvicorn
+
+        if not opts["no_compilation_cache"]:  # as attn-stack serve: a rerun loads its step programs
+            from attn_jax.cache_dir import enable_compilation_cache
+
+            enable_compilation_cache()
 
         from attn_jax.server.app import build_app
 
@@ -517,6 +524,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--warmup-max-shapes", type=int, default=None, help="Engine.warmup's max_shapes (default: all)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--no-compilation-cache", action="store_true",
+        help="no persistent JAX compilation cache (attn-stack serve's default: on, under $ATTN_STACK_CACHE_DIR)",
+    )  # fmt: skip
+    p.add_argument(
+        "--gil-switch-interval-ms", type=float, default=None,
+        help="the server process's sys.setswitchinterval in ms (default: Python's 5 ms)",
+    )  # fmt: skip
     p.add_argument("--backend", default=None, help="force an attention backend (default: selected)")
     p.add_argument("--tokenizer-dir", default=None, help="a folder --save-tokenizer wrote (default: the GGUF's)")
     p.add_argument("--save-tokenizer", default=None, metavar="DIR", help="only write the SmolLM2 tokenizer to DIR")
@@ -567,6 +582,8 @@ def _workload(args: argparse.Namespace, procs: int) -> dict:
         "num_scheduler_steps": args.num_scheduler_steps,
         "prefix_caching": not args.no_prefix_caching,
         "engine_warmup": not args.no_engine_warmup,
+        "compilation_cache": not args.no_compilation_cache,
+        "gil_switch_interval_ms": args.gil_switch_interval_ms,
     }
 
 
