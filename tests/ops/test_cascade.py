@@ -81,19 +81,41 @@ def test_merge_of_empty_parts():
         merge_attn_states(out, lse, jnp.zeros((3, 2, 5)), lse)
 
 
-@pytest.mark.parametrize("name", ["reference", "triton_one_pass"])
-def test_cascade_matches_the_oracle(name):
-    """Four requests sharing 32 cached tokens (two pages) read once, then their own pages."""
-    batch = make_ragged_batch(3, query_lens=[1, 6, 1, 3], context_lens=[40, 33, 32, 47], **_SHAPE,
-                              num_tokens=14, extra_blocks=2).with_shared_prefix(32)  # fmt: skip
+def _shared_batch(**kwargs):
+    """Four requests sharing 32 cached tokens (two pages), then their own pages."""
+    return make_ragged_batch(3, query_lens=[1, 6, 1, 3], context_lens=[40, 33, 32, 47], **_SHAPE,
+                             num_tokens=14, extra_blocks=2, **kwargs).with_shared_prefix(32)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, fuse_merge",
+    [("reference", False), ("triton_one_pass", False), ("triton_one_pass", True), ("triton_split_kv", True)],
+)
+def test_cascade_matches_the_oracle(name, fuse_merge):
+    """The prefix read once, then each request's own pages; merged by LSE after both parts, or
+    (``fuse_merge``) inside the suffix part's kernel, which starts from the prefix part's state."""
+    batch = _shared_batch()
     options = make_options(batch, logits_soft_cap=5.0, sinks=True)
     del options["sliding_window"], options["alibi_slopes"], options["causal"]
-    out, cache = cascade_ragged_paged_attention(*batch.op_args, prefix_len=32, op=OPS[name], **options)
+    fuse = {"fuse_merge": True} if fuse_merge else {}
+    out, cache = cascade_ragged_paged_attention(*batch.op_args, prefix_len=32, op=OPS[name], **options, **fuse)
     expected, _ = _oracle(batch, {**options, "causal": True}, cache)
     n = batch.num_actual_tokens
     tol = TOLERANCES["float32"]
     np.testing.assert_allclose(np.asarray(out[:n]), expected, rtol=tol.rtol, atol=tol.atol)
     assert np.isfinite(np.asarray(out[n:])).all()
+
+
+def test_fused_merge_folds_an_fp8_cache_scale_as_the_merge_does():
+    """With an fp8 cache the kernel's state is in cache units (times v_scale at the end): the
+    prefix part's output joins it divided by v_scale."""
+    batch = _shared_batch(cache_dtype_str="fp8_e4m3")
+    options = dict(sm_scale=0.2, k_scale=batch.k_scale, v_scale=batch.v_scale)
+    run = functools.partial(cascade_ragged_paged_attention, *batch.op_args, prefix_len=32, op=OPS["triton_one_pass"])
+    fused, _ = run(**options, fuse_merge=True)
+    merged, _ = run(**options)
+    n = batch.num_actual_tokens
+    np.testing.assert_allclose(np.asarray(fused[:n]), np.asarray(merged[:n]), rtol=1e-5, atol=1e-5)
 
 
 def test_cascade_refusals_are_named():

@@ -48,6 +48,7 @@ def cascade_ragged_paged_attention(
     v_scale=None,
     op=reference.ragged_paged_attention,
     prefix_kwargs: dict | None = None,
+    fuse_merge: bool = False,
     **op_kwargs,
 ):
     """(out f[T, Hq, D], kv_cache): ``op``'s attention, with the shared prefix read once.
@@ -55,7 +56,8 @@ def cascade_ragged_paged_attention(
     ``op_kwargs`` go to both calls of ``op`` (``interpret``, say); block sizes and schedules
     built for the whole batch do not fit the two parts and must not be passed.
     ``prefix_kwargs`` go to the prefix part's call only (block sizes for its one request of
-    every row, say).
+    every row, say). ``fuse_merge``: ``op`` takes ``state_init`` (``pallas_triton``'s): the
+    suffix part starts from the prefix part's output and LSE, and no merge runs after it.
 
     Example::
 
@@ -105,10 +107,10 @@ def cascade_ragged_paged_attention(
         tables[:1], slot_mapping, causal=False, return_lse=True, **common, **op_kwargs, **(prefix_kwargs or {}),
     )  # fmt: skip
     shifted = jnp.take(tables, jnp.minimum(prefix_pages + jnp.arange(width), width - 1), axis=1)
-    out_s, kv_cache, lse_s = op(
-        q, None, None, kv_cache, query_start_loc, jnp.asarray(seq_lens) - prefix_len, shifted, slot_mapping,
-        causal=True, sinks=sinks, return_lse=True, **common, **op_kwargs,
-    )  # fmt: skip
+    suffix = (q, None, None, kv_cache, query_start_loc, jnp.asarray(seq_lens) - prefix_len, shifted, slot_mapping)
+    if fuse_merge:
+        return op(*suffix, causal=True, sinks=sinks, state_init=(out_p, lse_p), **common, **op_kwargs)
+    out_s, kv_cache, lse_s = op(*suffix, causal=True, sinks=sinks, return_lse=True, **common, **op_kwargs)
     out, _ = merge_attn_states(out_p, lse_p, out_s, lse_s)
     return out, kv_cache
 

@@ -189,6 +189,16 @@ def log_sum_exp(m, denom):
     return jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), -jnp.inf)
 
 
+def fold_softmax_state(state, other):
+    """Two states over disjoint keys as one: ``merge_softmax_states`` of two, without stacking
+    (which the Triton lowering has not). state, other: (m f32[rows], denom f32[rows], acc
+    f32[rows, head_size])."""
+    (m, denom, acc), (m_o, denom_o, acc_o) = state, other
+    m_new = jnp.maximum(m, m_o)
+    w, w_o = jnp.exp(m - m_new), jnp.exp(m_o - m_new)
+    return m_new, denom * w + denom_o * w_o, acc * _col(w) + acc_o * _col(w_o)
+
+
 def merge_softmax_states(m, denom, acc):
     """Combines split-KV partial states along axis 0 (flash-decoding's reduce).
 

@@ -127,14 +127,19 @@ def _kernel(
     sched_ref, block_tables_ref, q_ref, kv_ref, scales_ref, *rest,
     sm_scale, causal, sliding_window, soft_cap, has_alibi, has_sinks,
     group, block_q, group_pad, tile, num_kv_splits, spare_row, has_out_init=False, has_lse=False, fp8=False,
+    has_state_init=False,
 ):  # fmt: skip
     """One (q-block, kv head, kv split). ``fp8``: FP8 attention (the query quantised to e4m3 here,
     e4m3 x e4m3 dots with f32 accumulation, the weights quantised for ``p @ v``).
-    rest: [alibi_ref], [sinks_ref], [out_init_ref and, with ``has_lse``, lse_init_ref], out refs
+    ``has_state_init``: each row's softmax state starts from another part's attention over
+    other keys (``init_out_ref`` and ``init_lse_ref``), as ``merge_attn_states`` would merge it.
+    rest: [alibi_ref], [sinks_ref], [init_out_ref, init_lse_ref], [out_init_ref and, with
+    ``has_lse``, lse_init_ref], out refs
     (out and, with ``has_lse``, lse; or the split's acc, m and denom)."""
     rest = list(rest)
     alibi_ref = rest.pop(0) if has_alibi else None
     sinks_ref = rest.pop(0) if has_sinks else None
+    init_out_ref, init_lse_ref = (rest.pop(0), rest.pop(0)) if has_state_init else (None, None)
     if has_out_init:
         del rest[: 2 if has_lse else 1]  # aliased to the output refs
     b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -194,6 +199,16 @@ def _kernel(
     state = common.init_softmax_state(rows, head_pad, sinks=sinks)
     if has_sinks:  # splits other than 0 start empty: denom = 0
         state = (state[0], jnp.where(split == 0, state[1], 0.0), state[2])
+    if has_state_init:  # the other part joins split 0 as the state (lse, 1, out / v_scale)
+        lse0 = plgpu.load(init_lse_ref.at[tok_c, head], mask=row_valid, other=-jnp.inf)
+        seen = (lse0 > -jnp.inf) & (split == 0)
+        out0 = plgpu.load(init_out_ref.at[tok_c[:, None], head[:, None], d], mask=cols(row_valid[:, None]), other=0.0)
+        part = (
+            jnp.where(seen, lse0, common.MASK_VALUE),
+            seen.astype(jnp.float32),
+            jnp.where(seen[:, None], out0.astype(jnp.float32) / v_scale, 0.0),
+        )
+        state = common.fold_softmax_state(state, part)
 
     # f32 dots must not drop to TF32 (Triton's DEFAULT); 16-bit ones take the native MMA.
     # fp8 dots take no precision (tl.dot on e4m3 operands: FP8 wgmma on Hopper).
@@ -303,6 +318,7 @@ def ragged_paged_attention(
     return_lse: bool = False,
     lse_init=None,  # f32[T, Hq] | None: with out_init and return_lse, the other kernel's rows' LSE
     q_scale=None,  # f32[] | None: FP8 attention (an e4m3 cache), as the reference's
+    state_init=None,  # (f[T, Hq, D] out, f32[T, Hq] lse) | None: attention over other keys to fold in
 ):
     """The reference op's contract (``reference.ragged_paged_attention``) as a Pallas GPU kernel.
 
@@ -316,6 +332,11 @@ def ragged_paged_attention(
     ``schedule`` of the rows it left over) the kernel writes its rows into that buffer in
     place (and with ``return_lse`` its LSE into ``lse_init``). Compiled, new keys and values
     are written by ``write_new_kv``.
+
+    With ``state_init`` (another part's output and LSE over keys this call does not see, as
+    cascade attention's prefix part) each row's softmax starts from that part: the result is
+    ``merge_attn_states`` of the two, in this one launch (a row the other part gave no key,
+    LSE -inf, is this call's alone).
 
     With ``q_scale`` (FP8 attention, the reference's semantics) each program quantises its
     q-block to e4m3 as it loads it, so both dots are e4m3 x e4m3 with float32 accumulation
@@ -356,7 +377,7 @@ def ragged_paged_attention(
         )
     out, lse = _attend(
         q, kv_cache, jnp.asarray(schedule, jnp.int32), jnp.asarray(block_tables),
-        alibi_slopes, sinks, k_scale, v_scale, out_init, q_scale, lse_init,
+        alibi_slopes, sinks, k_scale, v_scale, out_init, q_scale, lse_init, state_init,
         sm_scale=float(sm_scale), causal=causal, sliding_window=sliding_window,
         soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret, return_lse=return_lse,
     )  # fmt: skip
@@ -419,7 +440,7 @@ def check_gpu_shapes(*, head_size: int, page_size: int) -> None:
     static_argnames=("sm_scale", "causal", "sliding_window", "soft_cap", "block_sizes", "interpret", "return_lse"),
 )
 def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v_scale, out_init, q_scale=None,
-            lse_init=None, *, sm_scale, causal, sliding_window, soft_cap, block_sizes, interpret,
+            lse_init=None, state_init=None, *, sm_scale, causal, sliding_window, soft_cap, block_sizes, interpret,
             return_lse=False):  # fmt: skip
     """(out f[T, Hq, D], lse f32[T, Hq] or None)."""
     num_tokens, num_q_heads, head_size = q.shape
@@ -434,6 +455,8 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
         inputs.append(jnp.asarray(alibi_slopes, jnp.float32))
     if sinks is not None:
         inputs.append(jnp.asarray(sinks, jnp.float32))
+    if state_init is not None:
+        inputs += [state_init[0], jnp.asarray(state_init[1], jnp.float32)]
     out_tokens = num_tokens + 1 if interpret else num_tokens  # the interpreter's spare row
     out_cols = head_tile(head_size) if interpret else head_size  # and its full-width tiles
     aliases = {}
@@ -459,6 +482,7 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
         block_q=block_sizes.block_q, group_pad=next_pow2(group),
         tile=block_sizes.tile(kv_cache.shape[2]), num_kv_splits=splits, spare_row=interpret,
         has_out_init=out_init is not None, has_lse=return_lse, fp8=q_scale is not None,
+        has_state_init=state_init is not None,
     )  # fmt: skip
     result = pl.pallas_call(
         kernel,
