@@ -153,6 +153,7 @@ def ragged_paged_attention(
     k_scale=None, v_scale=None, interpret: bool | None = None, block_sizes: GpuBlockSizes | None = None,
     schedule=None, mgpu_schedule=None, rest_schedule=None,
     mgpu_block_sizes: MgpuBlockSizes | None = None, return_lse: bool = False, q_scale=None, state_init=None,
+    return_states: bool = False,
 ):  # fmt: skip
     """PALLAS_GPU's op: ``pallas_triton.ragged_paged_attention``'s contract, with a prefill
     batch's long requests on the Mosaic GPU kernel.
@@ -162,7 +163,8 @@ def ragged_paged_attention(
     configuration ``pallas_mosaic_gpu.unsupported_reason`` accepts, the new k/v are written,
     the Mosaic GPU kernel computes its tiles and the Triton kernel the other rows into the
     same buffer (with ``return_lse``, their LSE too); otherwise the Triton kernel serves every
-    row on ``schedule`` (and so with ``state_init``, cascade attention's fused merge).
+    row on ``schedule`` (and so with ``return_states`` and ``state_init``, cascade attention's
+    fused merge).
     FP8 attention (``q_scale``, an e4m3 cache) runs on the Triton kernel alone: the Mosaic GPU
     prefill kernel is 16-bit only (``FP8_PLAN``).
     """
@@ -174,7 +176,7 @@ def ragged_paged_attention(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     mgpu_bs = mgpu_block_sizes or MgpuBlockSizes()
-    use_mgpu = q_scale is None and state_init is None and uses_mosaic_gpu(
+    use_mgpu = q_scale is None and state_init is None and not return_states and uses_mosaic_gpu(
         q, kv_cache, interpret=interpret, block_sizes=block_sizes, mgpu_schedule=mgpu_schedule,
         mgpu_block_sizes=mgpu_bs, **features,
     )  # fmt: skip
@@ -184,8 +186,8 @@ def ragged_paged_attention(
         interpret=interpret, block_sizes=block_sizes, **kwargs, **({} if q_scale is None else {"q_scale": q_scale}),
     )  # fmt: skip
     if not use_mgpu:
-        init = {} if state_init is None else {"state_init": state_init}
-        return triton(q, k, v, kv_cache, schedule=schedule, return_lse=return_lse, **init)
+        fused = dict(state_init=state_init, return_states=return_states) if state_init is not None or return_states else {}
+        return triton(q, k, v, kv_cache, schedule=schedule, return_lse=return_lse, **fused)
     pallas_triton.validate_inputs(
         q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, block_sizes=block_sizes, **kwargs
     )

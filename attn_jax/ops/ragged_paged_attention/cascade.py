@@ -56,8 +56,9 @@ def cascade_ragged_paged_attention(
     ``op_kwargs`` go to both calls of ``op`` (``interpret``, say); block sizes and schedules
     built for the whole batch do not fit the two parts and must not be passed.
     ``prefix_kwargs`` go to the prefix part's call only (block sizes for its one request of
-    every row, say). ``fuse_merge``: ``op`` takes ``state_init`` (``pallas_triton``'s): the
-    suffix part starts from the prefix part's output and LSE, and no merge runs after it.
+    every row, say). ``fuse_merge``: ``op`` has ``return_states`` and ``state_init``
+    (``pallas_triton``'s): the suffix part's kernel starts from the prefix part's raw split
+    states, so no merge runs between or after the two launches.
 
     Example::
 
@@ -102,14 +103,19 @@ def cascade_ragged_paged_attention(
     # The prefix part reads request 0's table up to prefix_len (a non-causal request of that
     # length never reads further); the suffix part each request's table moved left by the
     # prefix's pages (the columns shifted in past the end are never read).
-    out_p, kv_cache, lse_p = op(
+    prefix = (
         q, k, v, kv_cache, jnp.stack([jnp.int32(0), num_actual]), jnp.reshape(prefix_len, (1,)).astype(jnp.int32),
-        tables[:1], slot_mapping, causal=False, return_lse=True, **common, **op_kwargs, **(prefix_kwargs or {}),
+        tables[:1], slot_mapping,
     )  # fmt: skip
+    prefix_kwargs = dict(causal=False, **common, **op_kwargs, **(prefix_kwargs or {}))
+    if fuse_merge:
+        states, kv_cache = op(*prefix, return_states=True, **prefix_kwargs)
+    else:
+        out_p, kv_cache, lse_p = op(*prefix, return_lse=True, **prefix_kwargs)
     shifted = jnp.take(tables, jnp.minimum(prefix_pages + jnp.arange(width), width - 1), axis=1)
     suffix = (q, None, None, kv_cache, query_start_loc, jnp.asarray(seq_lens) - prefix_len, shifted, slot_mapping)
     if fuse_merge:
-        return op(*suffix, causal=True, sinks=sinks, state_init=(out_p, lse_p), **common, **op_kwargs)
+        return op(*suffix, causal=True, sinks=sinks, state_init=states, **common, **op_kwargs)
     out_s, kv_cache, lse_s = op(*suffix, causal=True, sinks=sinks, return_lse=True, **common, **op_kwargs)
     out, _ = merge_attn_states(out_p, lse_p, out_s, lse_s)
     return out, kv_cache

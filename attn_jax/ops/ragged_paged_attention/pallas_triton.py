@@ -127,19 +127,21 @@ def _kernel(
     sched_ref, block_tables_ref, q_ref, kv_ref, scales_ref, *rest,
     sm_scale, causal, sliding_window, soft_cap, has_alibi, has_sinks,
     group, block_q, group_pad, tile, num_kv_splits, spare_row, has_out_init=False, has_lse=False, fp8=False,
-    has_state_init=False,
+    num_init_splits=0, store_states=False,
 ):  # fmt: skip
     """One (q-block, kv head, kv split). ``fp8``: FP8 attention (the query quantised to e4m3 here,
     e4m3 x e4m3 dots with f32 accumulation, the weights quantised for ``p @ v``).
-    ``has_state_init``: each row's softmax state starts from another part's attention over
-    other keys (``init_out_ref`` and ``init_lse_ref``), as ``merge_attn_states`` would merge it.
-    rest: [alibi_ref], [sinks_ref], [init_out_ref, init_lse_ref], [out_init_ref and, with
-    ``has_lse``, lse_init_ref], out refs
+    ``num_init_splits`` > 0: each row's softmax state starts from another part's split states
+    over other keys (``init_m_ref``, ``init_denom_ref``, ``init_acc_ref``), folded in as
+    ``merge_attn_states`` would merge them. ``store_states``: store the raw split states
+    (acc, m, denom) even with one split.
+    rest: [alibi_ref], [sinks_ref], [init_m_ref, init_denom_ref, init_acc_ref], [out_init_ref
+    and, with ``has_lse``, lse_init_ref], out refs
     (out and, with ``has_lse``, lse; or the split's acc, m and denom)."""
     rest = list(rest)
     alibi_ref = rest.pop(0) if has_alibi else None
     sinks_ref = rest.pop(0) if has_sinks else None
-    init_out_ref, init_lse_ref = (rest.pop(0), rest.pop(0)) if has_state_init else (None, None)
+    init_refs = [rest.pop(0) for _ in range(3)] if num_init_splits else None
     if has_out_init:
         del rest[: 2 if has_lse else 1]  # aliased to the output refs
     b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -199,14 +201,13 @@ def _kernel(
     state = common.init_softmax_state(rows, head_pad, sinks=sinks)
     if has_sinks:  # splits other than 0 start empty: denom = 0
         state = (state[0], jnp.where(split == 0, state[1], 0.0), state[2])
-    if has_state_init:  # the other part joins split 0 as the state (lse, 1, out / v_scale)
-        lse0 = plgpu.load(init_lse_ref.at[tok_c, head], mask=row_valid, other=-jnp.inf)
-        seen = (lse0 > -jnp.inf) & (split == 0)
-        out0 = plgpu.load(init_out_ref.at[tok_c[:, None], head[:, None], d], mask=cols(row_valid[:, None]), other=0.0)
+    for i in range(num_init_splits):  # the other part's splits join split 0 (acc in this call's v units)
+        init_m, init_denom, init_acc = init_refs
+        mine = row_valid & (split == 0)
         part = (
-            jnp.where(seen, lse0, common.MASK_VALUE),
-            seen.astype(jnp.float32),
-            jnp.where(seen[:, None], out0.astype(jnp.float32) / v_scale, 0.0),
+            plgpu.load(init_m.at[i, tok_c, head], mask=mine, other=common.MASK_VALUE),
+            plgpu.load(init_denom.at[i, tok_c, head], mask=mine, other=0.0),
+            plgpu.load(init_acc.at[i, tok_c[:, None], head[:, None], d], mask=cols(mine[:, None]), other=0.0) / v_scale,
         )
         state = common.fold_softmax_state(state, part)
 
@@ -280,7 +281,7 @@ def _kernel(
     # stores write every index they name: there every column is stored.
     store_mask = row_valid[:, None] if spare_row else cols(row_valid[:, None])
     m, denom, acc = state
-    if num_kv_splits == 1:
+    if not store_states:
         out_ref = rest[0]
         out = common.finalize_softmax_state(state) * v_scale
         plgpu.store(out_ref.at[tok_s[:, None], head_s[:, None], d], out.astype(out_ref.dtype), mask=store_mask)
@@ -318,7 +319,8 @@ def ragged_paged_attention(
     return_lse: bool = False,
     lse_init=None,  # f32[T, Hq] | None: with out_init and return_lse, the other kernel's rows' LSE
     q_scale=None,  # f32[] | None: FP8 attention (an e4m3 cache), as the reference's
-    state_init=None,  # (f[T, Hq, D] out, f32[T, Hq] lse) | None: attention over other keys to fold in
+    state_init=None,  # (m, denom, acc) | None: another call's return_states, over other keys, to fold in
+    return_states: bool = False,
 ):
     """The reference op's contract (``reference.ragged_paged_attention``) as a Pallas GPU kernel.
 
@@ -333,10 +335,11 @@ def ragged_paged_attention(
     place (and with ``return_lse`` its LSE into ``lse_init``). Compiled, new keys and values
     are written by ``write_new_kv``.
 
-    With ``state_init`` (another part's output and LSE over keys this call does not see, as
-    cascade attention's prefix part) each row's softmax starts from that part: the result is
-    ``merge_attn_states`` of the two, in this one launch (a row the other part gave no key,
-    LSE -inf, is this call's alone).
+    With ``return_states`` it returns (states, kv_cache): the raw split-KV softmax states
+    (m f32[S, T, Hq], denom f32[S, T, Hq], acc f32[S, T, Hq, D], S the splits; ``common``'s
+    state, acc unnormalised), merged by no one. With ``state_init`` (such states, over keys
+    this call does not see, as cascade attention's prefix part) each row's softmax starts
+    from them: the result is ``merge_attn_states`` of the two parts, in this one launch.
 
     With ``q_scale`` (FP8 attention, the reference's semantics) each program quantises its
     q-block to e4m3 as it loads it, so both dots are e4m3 x e4m3 with float32 accumulation
@@ -358,6 +361,8 @@ def ragged_paged_attention(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     kv_cache = write_new_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale, interpret=interpret)
+    if return_states and (return_lse or out_init is not None):
+        raise ValueError("return_states=True returns the raw states only: no return_lse, no out_init")
     if num_tokens == 0:  # nothing to attend; a zero-sized grid would not lower
         empty = jnp.zeros_like(q), kv_cache
         return (*empty, jnp.zeros(q.shape[:2], jnp.float32)) if return_lse else empty
@@ -380,7 +385,10 @@ def ragged_paged_attention(
         alibi_slopes, sinks, k_scale, v_scale, out_init, q_scale, lse_init, state_init,
         sm_scale=float(sm_scale), causal=causal, sliding_window=sliding_window,
         soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret, return_lse=return_lse,
+        return_states=return_states,
     )  # fmt: skip
+    if return_states:
+        return out, kv_cache
     return (out, kv_cache, lse) if return_lse else (out, kv_cache)
 
 
@@ -437,12 +445,21 @@ def check_gpu_shapes(*, head_size: int, page_size: int) -> None:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("sm_scale", "causal", "sliding_window", "soft_cap", "block_sizes", "interpret", "return_lse"),
+    static_argnames=(
+        "sm_scale",
+        "causal",
+        "sliding_window",
+        "soft_cap",
+        "block_sizes",
+        "interpret",
+        "return_lse",
+        "return_states",
+    ),
 )
 def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v_scale, out_init, q_scale=None,
             lse_init=None, state_init=None, *, sm_scale, causal, sliding_window, soft_cap, block_sizes, interpret,
-            return_lse=False):  # fmt: skip
-    """(out f[T, Hq, D], lse f32[T, Hq] or None)."""
+            return_lse=False, return_states=False):  # fmt: skip
+    """(out f[T, Hq, D], lse f32[T, Hq] or None); with ``return_states``, ((m, denom, acc), None)."""
     num_tokens, num_q_heads, head_size = q.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
@@ -456,7 +473,7 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
     if sinks is not None:
         inputs.append(jnp.asarray(sinks, jnp.float32))
     if state_init is not None:
-        inputs += [state_init[0], jnp.asarray(state_init[1], jnp.float32)]
+        inputs += list(state_init)
     out_tokens = num_tokens + 1 if interpret else num_tokens  # the interpreter's spare row
     out_cols = head_tile(head_size) if interpret else head_size  # and its full-width tiles
     aliases = {}
@@ -466,7 +483,8 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
         if return_lse:
             aliases[len(inputs)] = 1
             inputs.append(lse_init)
-    if splits == 1:
+    raw = splits > 1 or return_states
+    if not raw:
         out_shape = jax.ShapeDtypeStruct((out_tokens, num_q_heads, out_cols), q.dtype)
         if return_lse:
             out_shape = (out_shape, jax.ShapeDtypeStruct((out_tokens, num_q_heads), jnp.float32))
@@ -482,7 +500,7 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
         block_q=block_sizes.block_q, group_pad=next_pow2(group),
         tile=block_sizes.tile(kv_cache.shape[2]), num_kv_splits=splits, spare_row=interpret,
         has_out_init=out_init is not None, has_lse=return_lse, fp8=q_scale is not None,
-        has_state_init=state_init is not None,
+        num_init_splits=0 if state_init is None else state_init[0].shape[0], store_states=raw,
     )  # fmt: skip
     result = pl.pallas_call(
         kernel,
@@ -493,11 +511,13 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
         input_output_aliases=aliases,
         name="ragged_paged_attention_gpu",
     )(*inputs)
-    if splits == 1 and return_lse:
+    if not raw and return_lse:
         return result[0][:num_tokens, :, :head_size], result[1][:num_tokens]
-    if splits == 1:
+    if not raw:
         return result[:num_tokens, :, :head_size], None
     acc, m, denom = result[0][:, :num_tokens, :, :head_size], result[1][:, :num_tokens], result[2][:, :num_tokens]
+    if return_states:
+        return (m, denom, acc), None
     m, denom, acc = common.merge_softmax_states(m, denom, acc)
     out = common.finalize_softmax_state((m.reshape(-1), denom.reshape(-1), acc.reshape(-1, head_size)))
     return out.reshape(q.shape).astype(q.dtype), common.log_sum_exp(m, denom) if return_lse else None
