@@ -48,6 +48,7 @@ def cascade_ragged_paged_attention(
     v_scale=None,
     op=reference.ragged_paged_attention,
     prefix_kwargs: dict | None = None,
+    suffix_kwargs: dict | None = None,
     fuse_merge: bool = False,
     **op_kwargs,
 ):
@@ -56,9 +57,10 @@ def cascade_ragged_paged_attention(
     ``op_kwargs`` go to both calls of ``op`` (``interpret``, say); block sizes and schedules
     built for the whole batch do not fit the two parts and must not be passed.
     ``prefix_kwargs`` go to the prefix part's call only (block sizes for its one request of
-    every row, say). ``fuse_merge``: ``op`` has ``return_states`` and ``state_init``
-    (``pallas_triton``'s): the suffix part's kernel starts from the prefix part's raw split
-    states, so no merge runs between or after the two launches.
+    every row, say), ``suffix_kwargs`` to the suffix part's only. ``fuse_merge``: ``op`` has
+    ``return_states`` and ``state_init`` (``pallas_triton``'s): the suffix part's kernel
+    starts from the prefix part's raw split states, so no merge runs between or after the
+    two launches.
 
     Example::
 
@@ -114,9 +116,10 @@ def cascade_ragged_paged_attention(
         out_p, kv_cache, lse_p = op(*prefix, return_lse=True, **prefix_kwargs)
     shifted = jnp.take(tables, jnp.minimum(prefix_pages + jnp.arange(width), width - 1), axis=1)
     suffix = (q, None, None, kv_cache, query_start_loc, jnp.asarray(seq_lens) - prefix_len, shifted, slot_mapping)
+    suffix_kwargs = dict(causal=True, sinks=sinks, **common, **op_kwargs, **(suffix_kwargs or {}))
     if fuse_merge:
-        return op(*suffix, causal=True, sinks=sinks, state_init=states, **common, **op_kwargs)
-    out_s, kv_cache, lse_s = op(*suffix, causal=True, sinks=sinks, return_lse=True, **common, **op_kwargs)
+        return op(*suffix, state_init=states, **suffix_kwargs)
+    out_s, kv_cache, lse_s = op(*suffix, return_lse=True, **suffix_kwargs)
     out, _ = merge_attn_states(out_p, lse_p, out_s, lse_s)
     return out, kv_cache
 
