@@ -186,9 +186,10 @@ def ragged_paged_attention(
         interpret=interpret, block_sizes=block_sizes, **kwargs, **({} if q_scale is None else {"q_scale": q_scale}),
     )  # fmt: skip
     if not use_mgpu:
-        fused = dict(state_init=state_init, return_states=return_states)  # cascade's fused merge
-        fused = fused if state_init is not None or return_states else {}
-        return triton(q, k, v, kv_cache, schedule=schedule, return_lse=return_lse, **fused)
+        return triton(
+            q, k, v, kv_cache, schedule=schedule, return_lse=return_lse, state_init=state_init,
+            return_states=return_states,
+        )  # fmt: skip
     pallas_triton.validate_inputs(
         q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, block_sizes=block_sizes, **kwargs
     )

@@ -38,7 +38,11 @@ if TYPE_CHECKING:
 ROOT_HASH = hashlib.sha256(b"attn-stack prefix cache").digest()  # the parent of every request's first block
 
 
-def _update_extra_keys(h, extra_keys: Sequence[str | int]) -> None:
+def _digest(parent: bytes, block: bytes, extra_keys: Sequence[str | int]) -> bytes:
+    """SHA-256 over ``parent``, a block's packed count and ids, and each extra key tagged with
+    its type and length: the one place a block's hash is made."""
+    h = hashlib.sha256(parent)
+    h.update(block)
     for key in extra_keys:
         if isinstance(key, str):
             data = key.encode()
@@ -47,16 +51,14 @@ def _update_extra_keys(h, extra_keys: Sequence[str | int]) -> None:
             h.update(b"i" + struct.pack("<q", key))
         else:
             raise TypeError(f"extra key {key!r} ({type(key).__name__}) must be a str or an int")
+    return h.digest()
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[str | int] = ()) -> bytes:
     """The block's chained hash: SHA-256 over ``parent`` (32 bytes), the token count as a
     little-endian uint32 and the token ids as little-endian int64, and each extra key
     tagged with its type and length (32 bytes)."""
-    h = hashlib.sha256(parent)
-    h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
-    _update_extra_keys(h, extra_keys)
-    return h.digest()
+    return _digest(parent, struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids), extra_keys)
 
 
 def chain_hashes(
@@ -69,11 +71,7 @@ def chain_hashes(
     count, width = struct.pack("<I", block_size), 8 * block_size
     out: list[bytes] = []
     for i in range(len(token_ids) // block_size):
-        h = hashlib.sha256(parent)
-        h.update(count + data[i * width : (i + 1) * width])
-        if i == 0:
-            _update_extra_keys(h, first_extra_keys)
-        parent = h.digest()
+        parent = _digest(parent, count + data[i * width : (i + 1) * width], first_extra_keys if i == 0 else ())
         out.append(parent)
     return out
 

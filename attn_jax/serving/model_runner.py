@@ -238,9 +238,9 @@ class ModelRunner:
 
         A call with a prefill pads its requests to the token bucket (up to the largest
         request bucket): its token count does not tell how many requests share it, so
-        without this every (token bucket, request bucket) pair is a shape of its own (170
-        for ``serve_load.py``'s 64 requests x 2048 tokens on PALLAS_GPU, 3.5 s to compile
-        each on an H200; 68 with it). Padded requests have no tokens: a few empty rows
+        without this every (token bucket, request bucket) pair is a shape of its own
+        (``serve_load.py``'s limits on PALLAS_GPU: 170 shapes without it, 70 with it,
+        BENCHMARKS.md). Padded requests have no tokens: a few empty rows
         of metadata, logits and sampling. Decode-only calls keep the exact bucket."""
         fits = MetadataBuckets.fit
         token_bucket = fits(self.buckets.token_buckets, max(b.num_tokens for b in batches), "num_tokens")

@@ -118,6 +118,12 @@ def test_fused_merge_folds_an_fp8_cache_scale_as_the_merge_does():
     np.testing.assert_allclose(np.asarray(fused[:n]), np.asarray(merged[:n]), rtol=1e-5, atol=1e-5)
 
 
+def test_raw_states_of_an_empty_batch_are_one_empty_split():
+    batch = make_ragged_batch(1, query_lens=[0], context_lens=[20], **_SHAPE)
+    (m, denom, acc), _ = OPS["triton_one_pass"](*batch.op_args, sm_scale=0.1, return_states=True)
+    assert (m.shape, denom.shape, acc.shape) == ((1, 0, 8), (1, 0, 8), (1, 0, 8, 32))
+
+
 def test_cascade_refusals_are_named():
     batch = make_ragged_batch(3, query_lens=[1, 2], context_lens=[40, 33], **_SHAPE).with_shared_prefix(32)
     run = functools.partial(cascade_ragged_paged_attention, *batch.op_args, sm_scale=0.1)

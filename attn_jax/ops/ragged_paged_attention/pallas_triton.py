@@ -201,9 +201,10 @@ def _kernel(
     state = common.init_softmax_state(rows, head_pad, sinks=sinks)
     if has_sinks:  # splits other than 0 start empty: denom = 0
         state = (state[0], jnp.where(split == 0, state[1], 0.0), state[2])
-    for i in range(num_init_splits):  # the other part's splits join split 0 (acc in this call's v units)
+    if num_init_splits:  # the other part's splits join split 0 (acc in this call's v units)
         init_m, init_denom, init_acc = init_refs
         mine = row_valid & (split == 0)
+    for i in range(num_init_splits):
         part = (
             plgpu.load(init_m.at[i, tok_c, head], mask=mine, other=common.MASK_VALUE),
             plgpu.load(init_denom.at[i, tok_c, head], mask=mine, other=0.0),
@@ -364,6 +365,10 @@ def ragged_paged_attention(
     if return_states and (return_lse or out_init is not None):
         raise ValueError("return_states=True returns the raw states only: no return_lse, no out_init")
     if num_tokens == 0:  # nothing to attend; a zero-sized grid would not lower
+        if return_states:  # one split that saw nothing
+            rows = (1, *q.shape[:2])
+            states = jnp.full(rows, common.MASK_VALUE), jnp.zeros(rows), jnp.zeros((*rows, q.shape[2]))
+            return states, kv_cache
         empty = jnp.zeros_like(q), kv_cache
         return (*empty, jnp.zeros(q.shape[:2], jnp.float32)) if return_lse else empty
     if (return_lse and out_init is not None) != (lse_init is not None):
