@@ -2,18 +2,18 @@
 
 The batch: ``--requests`` requests of one new token each over a shared ``--prefix-len``
 prefix and ``--suffix-len`` tokens of their own (S1 mid-decode: 64 x (2048 + 128)), with
-SmolLM2-135M's attention (9 query / 3 KV heads, head 64, page 16, bf16). Device time per
-call from one CUPTI trace (``cupti_timing``), the k/v write included, as the kernels' sum
-and the span. One layer per call: the span carries the metadata's transfers and the
-cascade op's schedule ops (about 50 small XLA kernels), which a model's step computes once
-for all its layers, so the kernel sum is the figure to compare:
+SmolLM2-135M's attention (9 query / 3 KV heads, head 64, page 16, bf16). Every call goes
+through the public ``Attention`` layer (PALLAS_GPU) with host-built metadata, as the engine
+runs it, so a call's events are the k/v write and the attention kernels alone. Device time
+per call from one CUPTI trace (``cupti_timing``): each attention kernel's, the kernels' sum
+and the span.
 
-- ``no cascade``: the public ``Attention`` layer (PALLAS_GPU), metadata from ``layer.prepare``;
-- ``cascade (builder)``: the same layer with the builder's cascade metadata
-  (``metadata_builder.build(prefix_len, md)``), as the engine runs it;
-- the op (``cascade_ragged_paged_attention``, the fused merge) with the prefix part's blocks
-  swept (q-block, pages per tile, KV splits) at the builder's suffix blocks, then the
-  suffix part's blocks at the best prefix blocks.
+- ``no cascade``: metadata from ``layer.prepare``;
+- ``cascade (builder)``: the builder's cascade metadata (``metadata_builder.build(prefix_len, md)``);
+- the builder's metadata with the prefix part's blocks (pages per tile, KV splits, stages)
+  and the suffix part's (the builder's, the batch's, other tiles and warps) swept together,
+  their q-blocks rebuilt for them (the prefix part's splits are what the suffix part's
+  kernel folds in).
 
     python benchmarks/cascade_blocks.py --out /tmp/cascade_blocks.json
 """
@@ -21,9 +21,11 @@ for all its layers, so the kernel sum is the figure to compare:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import itertools
+import statistics
 
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
@@ -41,12 +43,12 @@ def main() -> None:
 
     import jax
     import jax.numpy as jnp
+    import numpy as np
     from cupti_timing import summarize, trace_calls  # benchmarks/, the script's folder
 
     from attn_jax import Attention
-    from attn_jax.backends import pallas_gpu
-    from attn_jax.ops.ragged_paged_attention.cascade import cascade_ragged_paged_attention
     from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes
+    from attn_jax.ops.ragged_paged_attention.pallas_triton import gpu_schedule
     from attn_jax.registry import AttentionBackendEnum
     from attn_jax.testing.workloads import make_ragged_batch
 
@@ -76,38 +78,40 @@ def main() -> None:
         "no cascade": functools.partial(run, layer_step, q, k, v, plain_md),
         "cascade (builder)": functools.partial(run, layer_step, q, k, v, cascade_md),
     }
-    op = functools.partial(pallas_gpu.ragged_paged_attention, interpret=jax.default_backend() != "gpu")
+    qsl, lens, prefix = np.asarray(cascade_md.query_start_loc), np.asarray(cascade_md.seq_lens), args.prefix_len
+    num_tokens = cascade_md.slot_mapping.shape[0]
 
-    @functools.partial(jax.jit, static_argnames=("prefix_bs", "suffix_bs"), donate_argnums=3)
-    def cascade(q, k, v, cache, prefix_bs, suffix_bs):
-        return cascade_ragged_paged_attention(
-            q, k, v, cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, batch.slot_mapping,
-            prefix_len=args.prefix_len, sm_scale=SHAPE["head_size"] ** -0.5, op=op, fuse_merge=True,
-            prefix_kwargs=dict(block_sizes=prefix_bs), suffix_kwargs=dict(block_sizes=suffix_bs),
+    def with_blocks(prefix_bs, suffix_bs):
+        """The builder's cascade metadata with other blocks for each part, their q-blocks to match."""
+        return dataclasses.replace(
+            cascade_md, cascade_block_sizes=prefix_bs, cascade_suffix_block_sizes=suffix_bs,
+            cascade_schedule=gpu_schedule(
+                qsl[[0, -1]], np.array([prefix]), num_tokens=num_tokens, block_q=prefix_bs.block_q, xp=np
+            ),
+            cascade_suffix_schedule=gpu_schedule(
+                qsl, lens - prefix, num_tokens=num_tokens, block_q=suffix_bs.block_q, xp=np
+            ),
         )  # fmt: skip
 
-    builder_prefix = cascade_md.cascade_block_sizes
-    builder_suffix = plain_md.block_sizes
     prefix_grid = [
-        GpuBlockSizes(block_q=bq, pages_per_tile=ppt, num_kv_splits=splits, num_warps=warps)
-        for bq, ppt, splits, warps in itertools.product((4, 16, 32), (4, 8), (4, 8, 16, 32), (4,))
+        GpuBlockSizes(block_q=16, pages_per_tile=ppt, num_kv_splits=splits, num_stages=stages)
+        for ppt, splits, stages in itertools.product((4, 8), (8, 16, 32), (2, 3))
     ]
-    for bs in prefix_grid:
-        calls[f"prefix {bs}"] = functools.partial(run, cascade, batch.q, batch.k, batch.v, bs, builder_suffix)
-    results = {name: summarize(groups) for name, groups in trace_calls(calls, n=args.calls, gap_s=5e-3).items()}
-    swept = {name: r for name, r in results.items() if name.startswith("prefix ")}
-    best_prefix = prefix_grid[list(swept).index(min(swept, key=lambda x: swept[x]["median_us"]))]
-    suffix_grid = [
-        GpuBlockSizes(block_q=4, pages_per_tile=ppt, num_warps=warps) for ppt in (1, 2, 4, 8) for warps in (4, 8)
+    suffix_grid = [cascade_md.cascade_suffix_block_sizes, cascade_md.block_sizes] + [
+        GpuBlockSizes(block_q=4, pages_per_tile=ppt, num_warps=warps) for ppt, warps in ((1, 4), (2, 8))
     ]
-    suffix_calls = {
-        f"suffix {bs}": functools.partial(run, cascade, batch.q, batch.k, batch.v, best_prefix, bs)
-        for bs in suffix_grid
-    }
-    results |= {name: summarize(groups) for name, groups in trace_calls(suffix_calls, n=args.calls, gap_s=5e-3).items()}
+    for prefix_bs, suffix_bs in itertools.product(prefix_grid, suffix_grid):
+        swept_md = with_blocks(prefix_bs, suffix_bs)
+        calls[f"prefix {prefix_bs} | suffix {suffix_bs}"] = functools.partial(run, layer_step, q, k, v, swept_md)
+    results = {}
+    for name, groups in trace_calls(calls, n=args.calls, gap_s=5e-3).items():
+        results[name] = summarize(groups)
+        parts = [[e.duration_ns / 1e3 for e in g if "ragged_paged_attention" in e.name] for g in groups]
+        results[name]["median_attention_kernel_us"] = [statistics.median(x) for x in zip(*parts, strict=True)]
     for name, r in sorted(results.items(), key=lambda x: x[1]["median_kernel_sum_us"]):
         kernels, span, events = r["median_kernel_sum_us"], r["median_us"], r["events_per_call"]
-        print(f"{kernels:8.1f} us kernels {span:8.1f} us span {events:3d} events  {name}", flush=True)
+        each = " + ".join(f"{x:.1f}" for x in r["median_attention_kernel_us"])
+        print(f"{kernels:7.1f} us kernels ({each}) {span:7.1f} us span {events:2d} events  {name}", flush=True)
     write_json(
         output_path(args),
         {
@@ -121,9 +125,10 @@ def main() -> None:
                 "suffix_len": args.suffix_len,
                 "dtype": "bfloat16",
             },
-            "builder_prefix_block_sizes": str(builder_prefix),
-            "builder_suffix_block_sizes": str(builder_suffix),
-            "best_prefix_block_sizes": str(best_prefix),
+            "builder_prefix_block_sizes": str(cascade_md.cascade_block_sizes),
+            "builder_suffix_block_sizes": str(cascade_md.cascade_suffix_block_sizes),
+            "batch_block_sizes": str(cascade_md.block_sizes),
+            "best": min(results, key=lambda name: results[name]["median_kernel_sum_us"]),
             "median_us": {name: r["median_us"] for name, r in results.items()},
             "results": results,
         },  # fmt: skip

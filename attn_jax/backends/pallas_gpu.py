@@ -33,6 +33,7 @@ from attn_jax.backends.base import AttentionConfig
 from attn_jax.backends.pallas import PallasKernelImpl
 from attn_jax.backends.xla import XLAAttentionBackend, XLAMetadataBuilder
 from attn_jax.ops.ragged_paged_attention import pallas_mosaic_gpu, pallas_triton
+from attn_jax.ops.ragged_paged_attention.cascade import shifted_block_tables
 from attn_jax.ops.ragged_paged_attention.config import (
     H100_NUM_SMS,
     GpuBlockSizes,
@@ -69,8 +70,14 @@ class PallasGPUAttentionMetadata:
     mgpu_block_sizes: MgpuBlockSizes | None = dataclasses.field(default=None, metadata=dict(static=True))
     cascade_prefix_len: Array | None = None  # i32[]: as ``XLAAttentionMetadata``'s
     # Cascade attention's prefix part (every row as one request over the prefix's pages): its
-    # blocks (``PallasGPUMetadataBuilder.cascade_block_sizes``); None: the kernel's defaults.
+    # blocks (``PallasGPUMetadataBuilder.cascade_block_sizes``) and q-blocks; the suffix part's
+    # blocks (``cascade_suffix_block_sizes``), q-blocks (KV lengths less the prefix) and tables
+    # (moved left by the prefix's pages): built once per step, not in every layer's call.
     cascade_block_sizes: GpuBlockSizes | None = dataclasses.field(default=None, metadata=dict(static=True))
+    cascade_schedule: Array | None = None  # i32[5, cdiv(T, block_q) + 2]
+    cascade_suffix_block_sizes: GpuBlockSizes | None = dataclasses.field(default=None, metadata=dict(static=True))
+    cascade_suffix_schedule: Array | None = None  # i32[5, NB]
+    cascade_suffix_tables: Array | None = None  # i32[R, pages_per_req]
 
 
 def split_schedules(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, tile: int, xp=jnp):
@@ -289,19 +296,32 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         self.mgpu_prefill = mgpu_prefill and mgpu_prefill_available(device_kind) and not kv_cache_spec.query_quant
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        return self._with_cascade(self._build(common_attn_metadata), common_prefix_len)
+        return self._with_cascade(*self._build(common_attn_metadata), common_prefix_len)
 
     def build_for_jit(self, common_attn_metadata, step_query_lens=None, common_prefix_len=0):
-        return self._with_cascade(self._build(common_attn_metadata, step_query_lens), common_prefix_len)
+        return self._with_cascade(*self._build(common_attn_metadata, step_query_lens), common_prefix_len)
 
-    def _with_cascade(self, md: PallasGPUAttentionMetadata, common_prefix_len) -> PallasGPUAttentionMetadata:
+    def _with_cascade(self, md: PallasGPUAttentionMetadata, mode: str, common_prefix_len) -> PallasGPUAttentionMetadata:
         cascade = self.cascade_prefix_len(common_prefix_len)
         if cascade is None:
             return md
         num_tokens, pages_per_req = md.slot_mapping.shape[0], md.block_tables.shape[1]
+        prefix_bs = self.cascade_block_sizes(num_tokens=num_tokens, pages_per_req=pages_per_req)
+        suffix_bs = self.cascade_suffix_block_sizes(md.block_sizes, mode)
+        xp = np if is_concrete(md.query_start_loc, md.seq_lens, md.block_tables) else jnp
+        qsl, seq_lens = xp.asarray(md.query_start_loc), xp.asarray(md.seq_lens)
+        prefix_schedule = pallas_triton.gpu_schedule(
+            xp.stack([xp.int32(0), qsl[-1]]), xp.full((1,), cascade, np.int32), num_tokens=num_tokens,
+            block_q=prefix_bs.block_q, xp=xp,
+        )  # fmt: skip
+        suffix_schedule = pallas_triton.gpu_schedule(
+            qsl, seq_lens - cascade, num_tokens=num_tokens, block_q=suffix_bs.block_q, xp=xp
+        )
+        pages = int(cascade) // self.kv_cache_spec.block_size
         return dataclasses.replace(
-            md, cascade_prefix_len=cascade,
-            cascade_block_sizes=self.cascade_block_sizes(num_tokens=num_tokens, pages_per_req=pages_per_req),
+            md, cascade_prefix_len=cascade, cascade_block_sizes=prefix_bs, cascade_schedule=prefix_schedule,
+            cascade_suffix_block_sizes=suffix_bs, cascade_suffix_schedule=suffix_schedule,
+            cascade_suffix_tables=shifted_block_tables(xp.asarray(md.block_tables), pages, xp=xp),
         )  # fmt: skip
 
     def cascade_block_sizes(self, *, num_tokens: int, pages_per_req: int) -> GpuBlockSizes:
@@ -309,21 +329,39 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         request over at most ``pages_per_req`` pages. A mixed batch's q-blocks (tuned entry or
         heuristic), and unless the entry sets it, the KV range split (flash-decoding) while
         the q-blocks times the KV heads do not fill twice the SMs and each split keeps at
-        least 4 tiles: a decode batch's prefix part is a few q-blocks over a long range."""
+        least 2 tiles: a decode batch's prefix part is a few q-blocks over a long range. (At
+        S1's decode step on an H100, 2 tiles a split beat 4 by 1.7 us a layer, the suffix
+        part's fold of twice the splits included: BENCHMARKS.md.)"""
         bs = self.block_choice(num_reqs=1, pages_per_req=pages_per_req, mode="mixed").block_sizes
         if bs.num_kv_splits != 1:
             return bs
         programs = -(-num_tokens // bs.block_q) * self.kv_cache_spec.num_kv_heads
         tiles = pages_per_req * self.kv_cache_spec.block_size // bs.tile(self.kv_cache_spec.block_size)
-        return dataclasses.replace(bs, num_kv_splits=max(1, min(2 * H100_NUM_SMS // programs, tiles // 4)))
+        return dataclasses.replace(bs, num_kv_splits=max(1, min(2 * H100_NUM_SMS // programs, tiles // 2)))
+
+    def cascade_suffix_block_sizes(self, block_sizes: GpuBlockSizes, mode: str) -> GpuBlockSizes:
+        """Blocks for cascade attention's suffix part: the batch's (``block_sizes``), except
+        that a decode batch's, whose requests each read only their own few pages after the
+        prefix, take 32-key tiles, 4 warps and no KV split (at S1's decode step on an H100
+        9.5 us a layer with the batch's 64-key tiles and 8 warps, 7.8 with these:
+        BENCHMARKS.md)."""
+        if mode != "decode":
+            return block_sizes
+        page_size = self.kv_cache_spec.block_size
+        return dataclasses.replace(
+            block_sizes, pages_per_tile=max(32 // page_size, 1), keys_per_tile=32 if page_size > 32 else None,
+            num_warps=4, num_kv_splits=1,
+        )  # fmt: skip
 
     def advance_decode(self, metadata, steps, active):
         """The XLA builder's move, plus each real q-block's first position and KV length
         (a decode batch's q-block holds one request's token)."""
         out = super().advance_decode(metadata, steps, active)
-        schedule = jnp.asarray(metadata.schedule)
-        delta = jnp.where(schedule[4] > 0, steps[schedule[0]], 0).astype(schedule.dtype)
-        return dataclasses.replace(out, schedule=schedule.at[3].add(delta).at[4].add(delta))
+        out = dataclasses.replace(out, schedule=_advance_schedule(metadata.schedule, steps))
+        if metadata.cascade_suffix_schedule is None:  # the prefix part's q-blocks stay: its keys do not move
+            return out
+        suffix = _advance_schedule(metadata.cascade_suffix_schedule, steps)
+        return dataclasses.replace(out, cascade_suffix_schedule=suffix)
 
     def block_choice(self, *, num_reqs: int, pages_per_req: int, mode: str):
         """``config.gpu_block_choice`` for this builder's layers, device and a bucket's shapes."""
@@ -335,7 +373,7 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
             q_dtype=spec.dtype, kv_dtype=spec.cache_dtype, device_kind=self.device_kind,
         )  # fmt: skip
 
-    def _build(self, common_attn_metadata, step_query_lens=None) -> PallasGPUAttentionMetadata:
+    def _build(self, common_attn_metadata, step_query_lens=None) -> tuple[PallasGPUAttentionMetadata, str]:
         base = super().build(0, common_attn_metadata)
         num_tokens = base.slot_mapping.shape[0]
         num_reqs, pages_per_req = base.block_tables.shape
@@ -364,10 +402,19 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
                 base.query_start_loc, base.seq_lens, num_tokens=num_tokens, block_q=bs.block_q, mgpu_bs=mbs,
                 step_query_lens=step_query_lens,
             )  # fmt: skip
-        return PallasGPUAttentionMetadata(
+        md = PallasGPUAttentionMetadata(
             query_start_loc=base.query_start_loc, seq_lens=base.seq_lens, block_tables=base.block_tables,
             slot_mapping=base.slot_mapping, schedule=schedule, block_sizes=bs, **split,
         )  # fmt: skip
+        return md, mode
+
+
+def _advance_schedule(schedule, steps):
+    """A decode batch's q-blocks ``steps`` tokens on: each real block's first position and KV
+    length move by its request's steps."""
+    schedule = jnp.asarray(schedule)
+    delta = jnp.where(schedule[4] > 0, steps[schedule[0]], 0).astype(schedule.dtype)
+    return schedule.at[3].add(delta).at[4].add(delta)
 
 
 class PallasGPUAttentionImpl(PallasKernelImpl):
@@ -387,9 +434,13 @@ class PallasGPUAttentionImpl(PallasKernelImpl):
         )
 
     def cascade_kwargs(self, md) -> dict:
-        """The prefix part's blocks, and the merge fused into the suffix part's kernel."""
-        prefix = {} if md.cascade_block_sizes is None else dict(prefix_kwargs=dict(block_sizes=md.cascade_block_sizes))
-        return dict(fuse_merge=True, **prefix)
+        """Both parts' blocks, q-blocks and the suffix's tables from the builder, and the merge
+        fused into the suffix part's kernel."""
+        return dict(
+            fuse_merge=True, suffix_block_tables=md.cascade_suffix_tables,
+            prefix_kwargs=dict(block_sizes=md.cascade_block_sizes, schedule=md.cascade_schedule),
+            suffix_kwargs=dict(block_sizes=md.cascade_suffix_block_sizes, schedule=md.cascade_suffix_schedule),
+        )  # fmt: skip
 
 
 class PallasGPUAttentionBackend(XLAAttentionBackend):

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from attn_jax import Attention
 from attn_jax.backends import pallas_tpu
 from attn_jax.backends.xla import XLAMetadataBuilder
+from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
 from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes
+from attn_jax.ops.ragged_paged_attention.pallas_triton import gpu_schedule
 from attn_jax.registry import AttentionBackendEnum as ABE
 from attn_jax.testing.workloads import make_ragged_batch
 from tests.ops.ragged_checks import TOLERANCES, make_options, read_back
@@ -41,7 +44,9 @@ def test_builder_chooses_cascade_and_the_layer_matches_the_oracle(backend, prefi
     md = builder.build(PREFIX + 7, batch.common_metadata())  # rounded down to whole pages
     assert int(md.cascade_prefix_len) == PREFIX
     if prefix_splits:  # the prefix part's KV range split (flash-decoding), as a decode batch's on a GPU
-        md = dataclasses.replace(md, cascade_block_sizes=GpuBlockSizes(16, 1, num_kv_splits=prefix_splits))
+        md = dataclasses.replace(  # the op derives the q-blocks of blocks the builder did not choose
+            md, cascade_block_sizes=GpuBlockSizes(16, 1, num_kv_splits=prefix_splits), cascade_schedule=None
+        )
     T = batch.q.shape[0]
     out, cache = layer(batch.q.reshape(T, -1), batch.k.reshape(T, -1), batch.v.reshape(T, -1), batch.kv_cache, md)
     expected = attention_oracle(np.asarray(batch.q), *read_back(batch, cache), batch.query_lens, **options)
@@ -50,14 +55,22 @@ def test_builder_chooses_cascade_and_the_layer_matches_the_oracle(backend, prefi
     np.testing.assert_allclose(np.asarray(out[:n]).reshape(expected.shape), expected, rtol=tol.rtol, atol=tol.atol)
 
 
-def test_pallas_gpu_splits_the_prefix_part_of_a_decode_batch():
+def test_pallas_gpu_cascade_blocks_of_a_decode_batch():
     """The prefix part of 64 decodes over 2048 shared tokens is 4 q-blocks: its KV range is
-    split until the programs fill the GPU; a prefill batch's many q-blocks are not split."""
-    layer = Attention(9, 64, 0.125, 3, attn_backend=ABE.PALLAS_GPU, block_size=16)
-    decode = layer.metadata_builder.cascade_block_sizes(num_tokens=64, pages_per_req=144)
-    assert decode.block_q == 16 and decode.num_kv_splits == 9  # 4 q-blocks x 3 heads; 36 tiles of 64 keys / 4
-    prefill = layer.metadata_builder.cascade_block_sizes(num_tokens=4096, pages_per_req=144)
+    split until the programs fill the GPU (a prefill batch's many q-blocks are not split); the
+    suffix part of a decode batch reads 32-key tiles with 4 warps (a mixed batch's keeps the
+    batch's blocks)."""
+    builder = Attention(9, 64, 0.125, 3, attn_backend=ABE.PALLAS_GPU, block_size=16).metadata_builder
+    decode = builder.cascade_block_sizes(num_tokens=64, pages_per_req=144)
+    assert decode.block_q == 16 and decode.num_kv_splits == 18  # 4 q-blocks x 3 heads; 36 tiles of 64 keys / 2
+    prefill = builder.cascade_block_sizes(num_tokens=4096, pages_per_req=144)
     assert prefill.num_kv_splits == 1
+    batch = GpuBlockSizes(block_q=4, pages_per_tile=4, num_kv_splits=2, num_warps=8)
+    suffix = builder.cascade_suffix_block_sizes(batch, "decode")
+    assert (suffix.block_q, suffix.tile(16), suffix.num_warps, suffix.num_kv_splits) == (4, 32, 4, 1)
+    assert builder.cascade_suffix_block_sizes(batch, "mixed") == batch
+    wide_pages = Attention(9, 64, 0.125, 3, attn_backend=ABE.PALLAS_GPU, block_size=128).metadata_builder
+    assert wide_pages.cascade_suffix_block_sizes(batch, "decode").tile(128) == 32  # part of a page
 
 
 def test_pallas_tpu_cascade_matches_its_own_non_cascade_output_in_tpu_interpreter():
@@ -107,3 +120,41 @@ def test_builders_without_cascade_refuse_a_common_prefix():
     assert NoCascadeBuilder.cascade_summary().startswith("never")
     with pytest.raises(ValueError, match=r"common_prefix_len=256: NoCascadeBuilder has no cascade"):
         builder.build(PREFIX, md)
+
+
+def test_pallas_gpu_builds_both_parts_once_per_step_and_advances_the_suffix():
+    """The builder derives each part's q-blocks and the suffix's tables once (not every
+    layer's call), as the op would; a multi-step decode moves the suffix's q-blocks as
+    building the later batch would and keeps the prefix part's."""
+    layer = Attention(4, 32, 0.2, 2, attn_backend=ABE.PALLAS_GPU, block_size=16)
+    builder = layer.metadata_builder
+    tables = np.concatenate([np.tile([[7, 3]], (3, 1)), 10 + np.arange(9).reshape(3, 3)], axis=1).astype(np.int32)
+    seq_lens, prefix = np.array([40, 50, 70]), 32
+    buckets = MetadataBuckets((16,), (4,), (5,))
+
+    def built(lens):
+        md = build_common_attn_metadata(np.ones(3, np.int32), lens.astype(np.int32), tables, 16, buckets)
+        return md, builder.build_for_jit(md, common_prefix_len=prefix + 5)
+
+    md, first = built(seq_lens)
+    assert int(first.cascade_prefix_len) == prefix
+    qsl = np.asarray(md.query_start_loc)
+    want_prefix = gpu_schedule(
+        np.array([0, 3]), np.array([prefix]), num_tokens=16, block_q=first.cascade_block_sizes.block_q, xp=np
+    )
+    want_suffix = gpu_schedule(
+        qsl, np.asarray(md.seq_lens) - prefix, num_tokens=16, block_q=first.cascade_suffix_block_sizes.block_q, xp=np
+    )
+    np.testing.assert_array_equal(first.cascade_schedule, want_prefix)
+    np.testing.assert_array_equal(first.cascade_suffix_schedule, want_suffix)
+    np.testing.assert_array_equal(first.cascade_suffix_tables[:3, :3], tables[:, 2:])
+    steps, active = np.array([3, 0, 2]), np.array([True, False, True])
+    moved = builder.advance_decode(first, jnp.asarray(np.pad(steps, (0, 1))), jnp.asarray(np.pad(active, (0, 1))))
+    _, later = built(seq_lens + steps)
+
+    def columns(schedule):  # the q-blocks may come in another order
+        return sorted(map(tuple, np.asarray(schedule).T.tolist()))
+
+    assert columns(moved.cascade_suffix_schedule) == columns(later.cascade_suffix_schedule)
+    np.testing.assert_array_equal(moved.cascade_schedule, later.cascade_schedule)
+    np.testing.assert_array_equal(moved.cascade_suffix_tables, later.cascade_suffix_tables)

@@ -50,6 +50,7 @@ def cascade_ragged_paged_attention(
     prefix_kwargs: dict | None = None,
     suffix_kwargs: dict | None = None,
     fuse_merge: bool = False,
+    suffix_block_tables=None,  # i32[R, pages_per_req] | None: ``suffix_block_tables``'s, built once per step
     **op_kwargs,
 ):
     """(out f[T, Hq, D], kv_cache): ``op``'s attention, with the shared prefix read once.
@@ -60,7 +61,9 @@ def cascade_ragged_paged_attention(
     every row, say), ``suffix_kwargs`` to the suffix part's only. ``fuse_merge``: ``op`` has
     ``return_states`` and ``state_init`` (``pallas_triton``'s): the suffix part's kernel
     starts from the prefix part's raw split states, so no merge runs between or after the
-    two launches.
+    two launches. A metadata builder that serves many layers passes what every layer's call
+    would derive alike, once: ``suffix_block_tables`` here, each part's ``schedule`` in its
+    kwargs (``PALLAS_GPU``'s builder does).
 
     Example::
 
@@ -114,14 +117,30 @@ def cascade_ragged_paged_attention(
         states, kv_cache = op(*prefix, return_states=True, **prefix_kwargs)
     else:
         out_p, kv_cache, lse_p = op(*prefix, return_lse=True, **prefix_kwargs)
-    shifted = jnp.take(tables, jnp.minimum(prefix_pages + jnp.arange(width), width - 1), axis=1)
-    suffix = (q, None, None, kv_cache, query_start_loc, jnp.asarray(seq_lens) - prefix_len, shifted, slot_mapping)
+    if suffix_block_tables is None:
+        suffix_block_tables = shifted_block_tables(tables, prefix_pages)
+    elif tuple(suffix_block_tables.shape) != tuple(tables.shape):
+        raise ValueError(
+            f"suffix_block_tables.shape={tuple(suffix_block_tables.shape)} must equal block_tables.shape="
+            f"{tuple(tables.shape)} (shifted_block_tables of it)"
+        )
+    suffix = (
+        q, None, None, kv_cache, query_start_loc, jnp.asarray(seq_lens) - prefix_len, suffix_block_tables, slot_mapping,
+    )  # fmt: skip
     suffix_kwargs = dict(causal=True, sinks=sinks, **common, **op_kwargs, **(suffix_kwargs or {}))
     if fuse_merge:
         return op(*suffix, state_init=states, **suffix_kwargs)
     out_s, kv_cache, lse_s = op(*suffix, return_lse=True, **suffix_kwargs)
     out, _ = merge_attn_states(out_p, lse_p, out_s, lse_s)
     return out, kv_cache
+
+
+def shifted_block_tables(block_tables, prefix_pages, xp=jnp):
+    """i32[R, W]: each request's table moved left by the shared prefix's ``prefix_pages``
+    (the suffix part's tables; the columns shifted in past the end repeat the last and are
+    never read). ``xp=numpy`` on the host."""
+    width = block_tables.shape[1]
+    return xp.take(block_tables, xp.minimum(prefix_pages + xp.arange(width), width - 1), axis=1)
 
 
 def _page_size(kv_cache) -> int:
