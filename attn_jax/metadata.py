@@ -165,6 +165,17 @@ def reorder_batch_to_split_decodes_and_prefills(
 # --------------------------------------------------------------------------------------
 
 
+def searchsorted(xp, a, v, side: str = "left"):
+    """``xp.searchsorted(a, v, side=side)`` for schedules built on the host (``xp=numpy``) or
+    traced (``xp=jax.numpy``). Traced, it compares every pair (``method="compare_all"``: one
+    fused kernel over the few hundred entries a schedule searches) instead of jnp's default
+    binary search, which XLA runs as a while loop (on a GPU the loop's predicate goes back
+    to the host every iteration)."""
+    if xp is np:
+        return np.searchsorted(a, v, side=side)
+    return xp.searchsorted(a, v, side=side, method="compare_all")
+
+
 def check_query_start_loc(qsl: np.ndarray, name: str = "query_start_loc") -> None:
     """Raises ValueError unless ``qsl`` is 1-D, starts at 0 and is non-decreasing."""
     if qsl.ndim != 1 or qsl.shape[0] < 1:

@@ -731,3 +731,16 @@ def test_module_reads_env_only_in_get_kv_cache_layout():
     src = inspect.getsource(md_mod)
     assert src.count("os.environ") == 1
     assert "os.environ" in inspect.getsource(get_kv_cache_layout)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    a=st.lists(st.integers(0, 20), min_size=1, max_size=12).map(sorted),
+    v=st.lists(st.integers(-2, 22), min_size=1, max_size=12),
+    side=st.sampled_from(["left", "right"]),
+)
+def test_searchsorted_traced_equals_numpy(a, v, side):
+    """The schedules' search, traced (every pair compared, no device loop) as NumPy's."""
+    a, v = np.asarray(a, np.int32), np.asarray(v, np.int32)
+    traced = jax.jit(lambda x, y: md_mod.searchsorted(jnp, x, y, side=side))(a, v)
+    np.testing.assert_array_equal(np.asarray(traced), np.searchsorted(a, v, side=side))

@@ -212,8 +212,8 @@ def ragged_paged_attention(
 
 
 TRACED_METADATA_COST = (
-    "on an H100, write + attend per step through the layer: D1 0.597 vs 0.485 ms, M1 0.683 vs 0.419, "
-    "P1 1.305 vs 1.123 (BENCHMARKS.md, 2026-11-25)"
+    "on an H100, write + attend per step through the layer: D1 0.485 vs 0.449 ms, M1 0.432 vs 0.420, "
+    "P1 1.167 vs 1.125, D2 level (BENCHMARKS.md, 2026-11-26)"
 )
 _traced_warned = False
 

@@ -64,6 +64,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from attn_jax.metadata import searchsorted
 from attn_jax.ops.ragged_paged_attention.config import MOSAIC_GPU_SMEM_BYTES, MgpuBlockSizes
 
 SUPPORTED_HEAD_SIZES = (64, 128)
@@ -135,7 +136,7 @@ def mgpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, tile: int, xp=j
     ntiles = (span + tile - 1) // tile
     cum = xp.cumsum(ntiles)
     b = xp.arange(nt, dtype=np.int32)
-    req = xp.searchsorted(cum, b, side="right").astype(np.int32)
+    req = searchsorted(xp, cum, b, side="right").astype(np.int32)
     used = req < num_reqs
     req = xp.minimum(req, num_reqs - 1)
     first = (cum[req] - ntiles[req]).astype(np.int32)

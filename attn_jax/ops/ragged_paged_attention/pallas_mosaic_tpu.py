@@ -57,6 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from attn_jax.kv_cache import CACHE_STORAGE_DTYPES, quantize_to_cache
+from attn_jax.metadata import searchsorted
 from attn_jax.ops.ragged_paged_attention import common
 from attn_jax.ops.ragged_paged_attention.config import (
     TpuBlockSizes,
@@ -201,8 +202,8 @@ def tpu_schedule(query_start_loc, num_tokens: int, q_tokens_per_block: int, xp=j
     num_blocks = -(-num_tokens // q_tokens_per_block)
     start = xp.arange(num_blocks, dtype=np.int32) * q_tokens_per_block
     end = xp.minimum(start + q_tokens_per_block, qsl[-1])
-    first = xp.searchsorted(qsl[1:], start, side="right").astype(np.int32)
-    last = xp.searchsorted(qsl[:-1], end, side="left").astype(np.int32)
+    first = searchsorted(xp, qsl[1:], start, side="right").astype(np.int32)
+    last = searchsorted(xp, qsl[:-1], end, side="left").astype(np.int32)
     last = xp.where(end > start, xp.maximum(last, first), first)  # a block of padding rows only: none
     return xp.concatenate([first, last]).astype(np.int32)
 

@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from attn_jax.kv_cache import write_to_kv_cache
+from attn_jax.metadata import searchsorted
 from attn_jax.ops.ragged_paged_attention import common, kv_write
 from attn_jax.ops.ragged_paged_attention.config import (
     GpuBlockSizes,
@@ -99,7 +100,7 @@ def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp
     nblk = (seg_hi - seg_lo + block_q - 1) // block_q
     cum = xp.cumsum(nblk)
     b = xp.arange(nb, dtype=np.int32)
-    seg = xp.searchsorted(cum, b, side="right").astype(np.int32)  # == N: unused block
+    seg = searchsorted(xp, cum, b, side="right").astype(np.int32)  # == N: unused block
     used = seg < num_segments
     seg = xp.minimum(seg, num_segments - 1)
     req = seg_req[seg]
@@ -123,13 +124,23 @@ def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp
     return xp.stack(rows)[:, order].astype(np.int32)
 
 
-def _kernel(
-    sched_ref, block_tables_ref, q_ref, kv_ref, scales_ref, *rest,
+def _kernel(sched_ref, *refs, **params):
+    """One (q-block, kv head, kv split): ``_attend_block``, for a q-block with rows. A q-block
+    with none (the schedule's unused tail, sized for the worst case; in traced metadata every
+    block of the Mosaic GPU split's rest when that kernel serves all rows) returns at once:
+    on an H100 P1's traced rest schedule, 1,033 empty q-blocks x 8 heads, took 81 us when they
+    ran the whole body (BENCHMARKS.md)."""
+    ids = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # read outside the branch (the interpreter's rule)
+    pl.when(sched_ref[2, ids[0]] > sched_ref[1, ids[0]])(lambda: _attend_block(ids, sched_ref, *refs, **params))
+
+
+def _attend_block(
+    ids, sched_ref, block_tables_ref, q_ref, kv_ref, scales_ref, *rest,
     sm_scale, causal, sliding_window, soft_cap, has_alibi, has_sinks,
     group, block_q, group_pad, tile, num_kv_splits, spare_row, has_out_init=False, has_lse=False, fp8=False,
     num_init_splits=0, store_states=False,
 ):  # fmt: skip
-    """One (q-block, kv head, kv split). ``fp8``: FP8 attention (the query quantised to e4m3 here,
+    """One (q-block, kv head, kv split) of ``ids``. ``fp8``: FP8 attention (the query quantised to e4m3 here,
     e4m3 x e4m3 dots with f32 accumulation, the weights quantised for ``p @ v``).
     ``num_init_splits`` > 0: each row's softmax state starts from another part's split states
     over other keys (``init_m_ref``, ``init_denom_ref``, ``init_acc_ref``), folded in as
@@ -144,7 +155,7 @@ def _kernel(
     init_refs = [rest.pop(0) for _ in range(3)] if num_init_splits else None
     if has_out_init:
         del rest[: 2 if has_lse else 1]  # aliased to the output refs
-    b, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, kv_head, split = ids
     num_tokens, num_q_heads, head_size = q_ref.shape
     _, _, page_size, _, _ = kv_ref.shape
     pages_per_req = block_tables_ref.shape[1]
