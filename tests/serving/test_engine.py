@@ -12,11 +12,12 @@ from __future__ import annotations
 import pytest
 
 from attn_jax.metadata import MetadataBuckets
-from attn_jax.serving import Engine, SamplingParams
+from attn_jax.serving import CascadeConfig, Engine, SamplingParams
 from tests.serving.hf_reference import LONG_PROMPTS, PROMPTS, hf_greedy, hf_greedy_batch
 
 NEW_TOKENS = 16  # per short prompt; EOS ignored on both sides so every prompt gets them all
 LONG_NEW_TOKENS = 16
+FORCED_CASCADE = CascadeConfig(min_prefix_len=16, min_requests=2)  # cascade for a few short prompts
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +98,27 @@ def test_stops_at_eos_where_transformers_stops(engine, hf_smollm2):
     result = engine.generate([PROMPTS[3]], SamplingParams(max_new_tokens=8))[0]
     assert result.output_ids == want and want[-1] in engine.eos_token_ids and len(want) < 8
     assert result.finish_reason == "stop"
+
+
+def test_shared_prefix_tokens_identical_with_caching_off_on_and_cascade(engine):
+    """Three prompts sharing a 32-token (2-page) prefix: the same greedy tokens with prefix
+    caching off, on, and on with cascade attention (its thresholds lowered to this batch);
+    caching computes the prefix once and cascade runs in the decode steps."""
+    shared = engine.tokenizer(LONG_PROMPTS[0])["input_ids"][:32]
+    prompts = [shared + engine.tokenizer(p)["input_ids"][:n] for p, n in zip(PROMPTS[:3], (5, 3, 7), strict=True)]
+    params = greedy(6)
+    runs, computed = {}, {}
+    for mode, caching, cascade in (("off", False, False), ("on", True, False), ("cascade", True, FORCED_CASCADE)):
+        engine.enable_prefix_caching, engine.cascade_attention = caching, cascade
+        first = len(engine.stats)
+        runs[mode] = [c.output_ids for c in engine.generate(prompts, params)]
+        computed[mode] = sum(s.num_prefill_tokens for s in engine.stats[first:])
+        if mode == "cascade":
+            assert any(s.cascade_prefix_len == 32 for s in engine.stats[first:])
+        engine.reset_prefix_cache()
+    engine.enable_prefix_caching, engine.cascade_attention = True, True
+    assert runs["on"] == runs["off"] and runs["cascade"] == runs["off"]
+    assert computed["off"] - computed["on"] == 2 * 32  # the prefix computed once, not three times
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(engine):
