@@ -70,7 +70,10 @@ def hf_smollm2(smollm2_gguf):
 # The files whose runs take minutes on the 2-core CI machine (each a subprocess of engines or
 # notebooks): collected first, so `--dist loadfile` starts them first and the other worker
 # fills in with short files instead of one worker finishing them alone at the end.
-LONG_FILES = ("tests/test_sharding.py", "tests/test_notebooks.py", "tests/test_distributed.py")
+LONG_FILES = (
+    "tests/test_sharding.py", "tests/test_notebooks.py", "tests/test_distributed.py",
+    "tests/serving/test_cli_generate.py", "tests/test_benchmark_scripts.py",
+)  # fmt: skip
 
 
 def pytest_collection_modifyitems(items):

@@ -109,7 +109,8 @@ def agreement() -> dict:
 
 
 def smollm2(prompts: list[str], new_tokens: int) -> dict:
-    """SmolLM2's 3 KV heads: devices 2 (data 2) and 4 (data 2 x model 2, KV heads replicated)."""
+    """SmolLM2's 3 KV heads on 4 devices: data 2 x model 2, KV heads replicated over the model
+    axis (plain data parallelism is the tiny model's, above)."""
     from attn_jax.models.gguf_loader import load_gguf, load_tokenizer
     from attn_jax.models.smollm2 import gguf_path
 
@@ -117,7 +118,7 @@ def smollm2(prompts: list[str], new_tokens: int) -> dict:
     tokenizer = load_tokenizer(gguf_path())
     sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     out = {}
-    for devices, model_axis in ((2, None), (4, 2)):
+    for devices, model_axis in ((4, 2),):
         mesh = make_mesh(devices, model_parallel=model_axis, num_kv_heads=config.num_kv_heads)
         engine = small_engine(LlamaModel(config, **local_model_kwargs(config, mesh)), params, tokenizer, mesh)
         out[str(devices)] = {
