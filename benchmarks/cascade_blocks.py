@@ -21,7 +21,6 @@ and the span.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import itertools
@@ -43,12 +42,10 @@ def main() -> None:
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from cupti_timing import summarize, trace_calls  # benchmarks/, the script's folder
 
     from attn_jax import Attention
     from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes
-    from attn_jax.ops.ragged_paged_attention.pallas_triton import gpu_schedule
     from attn_jax.registry import AttentionBackendEnum
     from attn_jax.testing.workloads import make_ragged_batch
 
@@ -78,21 +75,6 @@ def main() -> None:
         "no cascade": functools.partial(run, layer_step, q, k, v, plain_md),
         "cascade (builder)": functools.partial(run, layer_step, q, k, v, cascade_md),
     }
-    qsl, lens, prefix = np.asarray(cascade_md.query_start_loc), np.asarray(cascade_md.seq_lens), args.prefix_len
-    num_tokens = cascade_md.slot_mapping.shape[0]
-
-    def with_blocks(prefix_bs, suffix_bs):
-        """The builder's cascade metadata with other blocks for each part, their q-blocks to match."""
-        return dataclasses.replace(
-            cascade_md, cascade_block_sizes=prefix_bs, cascade_suffix_block_sizes=suffix_bs,
-            cascade_schedule=gpu_schedule(
-                qsl[[0, -1]], np.array([prefix]), num_tokens=num_tokens, block_q=prefix_bs.block_q, xp=np
-            ),
-            cascade_suffix_schedule=gpu_schedule(
-                qsl, lens - prefix, num_tokens=num_tokens, block_q=suffix_bs.block_q, xp=np
-            ),
-        )  # fmt: skip
-
     prefix_grid = [
         GpuBlockSizes(block_q=16, pages_per_tile=ppt, num_kv_splits=splits, num_stages=stages)
         for ppt, splits, stages in itertools.product((4, 8), (8, 16, 32), (2, 3))
@@ -101,7 +83,7 @@ def main() -> None:
         GpuBlockSizes(block_q=4, pages_per_tile=ppt, num_warps=warps) for ppt, warps in ((1, 4), (2, 8))
     ]
     for prefix_bs, suffix_bs in itertools.product(prefix_grid, suffix_grid):
-        swept_md = with_blocks(prefix_bs, suffix_bs)
+        swept_md = layer.metadata_builder.with_cascade_blocks(cascade_md, prefix_bs, suffix_bs)
         calls[f"prefix {prefix_bs} | suffix {suffix_bs}"] = functools.partial(run, layer_step, q, k, v, swept_md)
     results = {}
     for name, groups in trace_calls(calls, n=args.calls, gap_s=5e-3).items():

@@ -33,7 +33,7 @@ from attn_jax.backends.base import AttentionConfig
 from attn_jax.backends.pallas import PallasKernelImpl
 from attn_jax.backends.xla import XLAAttentionBackend, XLAMetadataBuilder
 from attn_jax.ops.ragged_paged_attention import pallas_mosaic_gpu, pallas_triton
-from attn_jax.ops.ragged_paged_attention.cascade import shifted_block_tables
+from attn_jax.ops.ragged_paged_attention.cascade import prefix_part_lens, shifted_block_tables
 from attn_jax.ops.ragged_paged_attention.config import (
     H100_NUM_SMS,
     GpuBlockSizes,
@@ -306,20 +306,30 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         if cascade is None:
             return md
         num_tokens, pages_per_req = md.slot_mapping.shape[0], md.block_tables.shape[1]
-        prefix_bs = self.cascade_block_sizes(num_tokens=num_tokens, pages_per_req=pages_per_req)
-        suffix_bs = self.cascade_suffix_block_sizes(md.block_sizes, mode)
+        return self.with_cascade_blocks(
+            dataclasses.replace(md, cascade_prefix_len=cascade),
+            self.cascade_block_sizes(num_tokens=num_tokens, pages_per_req=pages_per_req),
+            self.cascade_suffix_block_sizes(md.block_sizes, mode),
+        )
+
+    def with_cascade_blocks(
+        self, md: PallasGPUAttentionMetadata, prefix_bs: GpuBlockSizes, suffix_bs: GpuBlockSizes
+    ) -> PallasGPUAttentionMetadata:
+        """``md`` (with its ``cascade_prefix_len``) running cascade's parts on these blocks: each
+        part's q-blocks built for them and the suffix's tables, once (NumPy on the host when
+        ``md`` is concrete). The builder's choice goes through here; so does a block sweep."""
+        prefix_len, num_tokens = md.cascade_prefix_len, md.slot_mapping.shape[0]
         xp = np if is_concrete(md.query_start_loc, md.seq_lens, md.block_tables) else jnp
         qsl, seq_lens = xp.asarray(md.query_start_loc), xp.asarray(md.seq_lens)
         prefix_schedule = pallas_triton.gpu_schedule(
-            xp.stack([xp.int32(0), qsl[-1]]), xp.full((1,), cascade, np.int32), num_tokens=num_tokens,
-            block_q=prefix_bs.block_q, xp=xp,
-        )  # fmt: skip
-        suffix_schedule = pallas_triton.gpu_schedule(
-            qsl, seq_lens - cascade, num_tokens=num_tokens, block_q=suffix_bs.block_q, xp=xp
+            *prefix_part_lens(qsl, prefix_len, xp=xp), num_tokens=num_tokens, block_q=prefix_bs.block_q, xp=xp
         )
-        pages = int(cascade) // self.kv_cache_spec.block_size
+        suffix_schedule = pallas_triton.gpu_schedule(
+            qsl, seq_lens - prefix_len, num_tokens=num_tokens, block_q=suffix_bs.block_q, xp=xp
+        )
+        pages = int(prefix_len) // self.kv_cache_spec.block_size
         return dataclasses.replace(
-            md, cascade_prefix_len=cascade, cascade_block_sizes=prefix_bs, cascade_schedule=prefix_schedule,
+            md, cascade_block_sizes=prefix_bs, cascade_schedule=prefix_schedule,
             cascade_suffix_block_sizes=suffix_bs, cascade_suffix_schedule=suffix_schedule,
             cascade_suffix_tables=shifted_block_tables(xp.asarray(md.block_tables), pages, xp=xp),
         )  # fmt: skip

@@ -3,8 +3,6 @@ with the common prefix, and the impl reads the prefix once; against the float64 
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -44,9 +42,8 @@ def test_builder_chooses_cascade_and_the_layer_matches_the_oracle(backend, prefi
     md = builder.build(PREFIX + 7, batch.common_metadata())  # rounded down to whole pages
     assert int(md.cascade_prefix_len) == PREFIX
     if prefix_splits:  # the prefix part's KV range split (flash-decoding), as a decode batch's on a GPU
-        md = dataclasses.replace(  # the op derives the q-blocks of blocks the builder did not choose
-            md, cascade_block_sizes=GpuBlockSizes(16, 1, num_kv_splits=prefix_splits), cascade_schedule=None
-        )
+        prefix_bs = GpuBlockSizes(16, 1, num_kv_splits=prefix_splits)
+        md = builder.with_cascade_blocks(md, prefix_bs, md.cascade_suffix_block_sizes)
     T = batch.q.shape[0]
     out, cache = layer(batch.q.reshape(T, -1), batch.k.reshape(T, -1), batch.v.reshape(T, -1), batch.kv_cache, md)
     expected = attention_oracle(np.asarray(batch.q), *read_back(batch, cache), batch.query_lens, **options)

@@ -103,15 +103,11 @@ def cascade_ragged_paged_attention(
             r = int(np.flatnonzero((shared != shared[:1]).any(axis=1))[0])
             raise ValueError(f"request {r}'s first {prefix_pages} pages differ from request 0's: no shared prefix")
     common = dict(sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale)
-    num_actual = jnp.asarray(query_start_loc)[-1]
     tables = jnp.asarray(block_tables)
     # The prefix part reads request 0's table up to prefix_len (a non-causal request of that
     # length never reads further); the suffix part each request's table moved left by the
     # prefix's pages (the columns shifted in past the end are never read).
-    prefix = (
-        q, k, v, kv_cache, jnp.stack([jnp.int32(0), num_actual]), jnp.reshape(prefix_len, (1,)).astype(jnp.int32),
-        tables[:1], slot_mapping,
-    )  # fmt: skip
+    prefix = (q, k, v, kv_cache, *prefix_part_lens(query_start_loc, prefix_len), tables[:1], slot_mapping)
     prefix_kwargs = dict(causal=False, **common, **op_kwargs, **(prefix_kwargs or {}))
     if fuse_merge:
         states, kv_cache = op(*prefix, return_states=True, **prefix_kwargs)
@@ -133,6 +129,13 @@ def cascade_ragged_paged_attention(
     out_s, kv_cache, lse_s = op(*suffix, return_lse=True, **suffix_kwargs)
     out, _ = merge_attn_states(out_p, lse_p, out_s, lse_s)
     return out, kv_cache
+
+
+def prefix_part_lens(query_start_loc, prefix_len, xp=jnp):
+    """(query_start_loc i32[2], seq_lens i32[1]) of the prefix part: every real query row of
+    the batch as one request over ``prefix_len`` keys. ``xp=numpy`` on the host."""
+    num_actual = xp.asarray(query_start_loc)[-1]
+    return xp.stack([xp.zeros((), np.int32), num_actual]).astype(np.int32), xp.full((1,), prefix_len, np.int32)
 
 
 def shifted_block_tables(block_tables, prefix_pages, xp=jnp):
