@@ -150,22 +150,14 @@ class ShardedStep:
                 f"the model was built for another mesh: {got}; for this mesh build it with "
                 f"LlamaModel(config, **local_model_kwargs(config, mesh)) = {expected}"
             )
-        col = P(None, MODEL)
         row = P(MODEL, None)
         attn, mlp = model.attn_sharded, model.mlp_sharded
-        self.layer_specs = {
-            "attn_norm": P(),
-            "ffn_norm": P(),
-            "wq": col if attn else P(),
-            "wk": col if attn else P(),
-            "wv": col if attn else P(),
+        self.layer_specs = {  # llama.fuse_params' layout
+            "wqkv": P(None, MODEL, None, None) if attn else P(),  # [H, Hkv, G + 2, D]: by KV head
+            "bqkv": P(MODEL, None, None) if attn else P(),  # optional q/k/v biases (Qwen2, Llama's attention_bias)
             "wo": row if attn else P(),
-            "bq": P(MODEL) if attn else P(),  # optional q/k/v/o biases (Qwen2, Llama's attention_bias)
-            "bk": P(MODEL) if attn else P(),
-            "bv": P(MODEL) if attn else P(),
             "bo": P(),  # added after the psum over heads
-            "w_gate": col if mlp else P(),
-            "w_up": col if mlp else P(),
+            "w_gate_up": P(None, None, MODEL) if mlp else P(),  # [H, 2, I]: by I
             "w_down": row if mlp else P(),
         }
         # Each layer's cache in its backend's layout ([2, P, S, Hkv, D] for XLA and PALLAS_GPU,

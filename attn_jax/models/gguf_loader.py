@@ -143,12 +143,9 @@ def load_gguf(
       dtype: NumPy dtype of the returned weights (float32 default).
       progress: called as ``progress(done, total)`` after each tensor.
 
-    Returns ``(config, params)``; params (NumPy, ``dtype``) hold ``embed`` [V, H],
-    ``final_norm`` [H], ``lm_head`` [H, V] (absent when tied) and ``layers``, a list of
-    per-layer dicts: ``attn_norm``/``ffn_norm`` [H], ``wq`` [H, Hq*D], ``wk``/``wv``
-    [H, Hkv*D], ``wo`` [Hq*D, H], ``w_gate``/``w_up`` [H, I], ``w_down`` [I, H] (every
-    matrix as [in, out]; ``llama.assemble_params`` builds it). Raises ``ModelLoadError``
-    for a missing, corrupt or unsupported file.
+    Returns ``(config, params)``; params (NumPy, ``dtype``) in ``llama.fuse_params``'
+    layout (``llama.assemble_params`` builds it: q/k/v and gate/up fused, every matrix
+    [in, out]). Raises ``ModelLoadError`` for a missing, corrupt or unsupported file.
     """
     from gguf import dequantize
 

@@ -43,7 +43,7 @@ WEIGHT_DTYPES = ("F32", "F16", "BF16")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 """``dtype`` values of ``load_hf_checkpoint`` (weights and activations)."""
 
-_TENSOR_NAMES = {  # params key -> checkpoint tensor name ("{i}": the layer)
+_TENSOR_NAMES = {  # llama.param_shapes key -> checkpoint tensor name ("{i}": the layer)
     "embed": "model.embed_tokens.weight",
     "final_norm": "model.norm.weight",
     "lm_head": "lm_head.weight",

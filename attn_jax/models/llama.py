@@ -2,10 +2,11 @@
 
 RMSNorm, RoPE (Hugging Face's rotate-half form, the model's theta, linear scaling), GQA,
 SwiGLU, tied embeddings when the checkpoint ties them, optional attention-projection
-biases (Qwen2's q/k/v, Llama's ``attention_bias``) and a sliding window (Mistral). One call, ``LlamaModel.step``,
-runs a packed, mixed prefill + decode batch: every request's new tokens on one token
-axis, their keys and values written into a paged cache per layer, attention by the
-layer's backend. The layers are unrolled over per-layer weights and per-layer caches (a
+biases (Qwen2's q/k/v, Llama's ``attention_bias``) and a sliding window (Mistral). One
+call, ``LlamaModel.step``, runs a packed, mixed prefill + decode batch: every request's
+new tokens on one token axis, their keys and values written into a paged cache per
+layer, attention by the layer's backend. The layers are unrolled over per-layer weights
+(q/k/v and gate/up each fused into one matmul, ``fuse_params``) and per-layer caches (a
 list): on the CPU, ``jax.lax.scan`` over stacked weights copies every layer's weights
 out of the stack each step and runs about twice as slow.
 
@@ -70,10 +71,10 @@ LAYER_VECTORS = ("attn_norm", "ffn_norm")
 
 
 def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Each weight's shape as checkpoints store it (matrices [out, in], PyTorch's Linear
-    layout, which GGUF and safetensors files share), keyed by its name in ``params``:
-    the globals ``embed``, ``final_norm``, ``lm_head`` and the per-layer names; biases
-    ``bq``/``bk``/``bv``/``bo`` only when the config has them."""
+    """Each checkpoint tensor's shape as checkpoints store it (matrices [out, in], PyTorch's
+    Linear layout, which GGUF and safetensors files share), keyed by its checkpoint name
+    (``assemble_params``'s ``get``): the globals ``embed``, ``final_norm``, ``lm_head`` and
+    the per-layer names; biases ``bq``/``bk``/``bv``/``bo`` only when the config has them."""
     c = config
     h, i = c.hidden_size, c.intermediate_size
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -99,9 +100,53 @@ def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 def layer_param_names(config: LlamaConfig) -> tuple[str, ...]:
-    """The keys of each ``params["layers"][i]`` dict for this config."""
+    """A layer's checkpoint tensors (``param_shapes``'s per-layer names) for this config."""
     biases = ("bq", "bk", "bv") * config.qkv_bias + ("bo",) * config.o_bias
     return LAYER_VECTORS + LAYER_MATRICES + biases
+
+
+def fuse_params(config: LlamaConfig, params: dict) -> dict:
+    """``params`` in the model's layout from weights named as in a checkpoint.
+
+    Args:
+      config: the model's hyperparameters.
+      params: ``embed`` [V, H], ``final_norm`` [H], ``lm_head`` [H, V] (absent when tied)
+        and ``layers``, per-layer dicts of ``layer_param_names``' tensors with every matrix
+        [in, out] (``x @ w``); NumPy or jax arrays (the result is of the same kind).
+
+    Returns the same globals, ``layer_norms`` [L, 2, H] (every layer's ``attn_norm`` and
+    ``ffn_norm``) and ``layers``: per layer ``wqkv`` [H, Hkv, G + 2, D] (each KV head's G =
+    Hq / Hkv query heads, then its key and value: one matmul, split over the model axis
+    by KV head), ``wo`` [Hq*D, H], ``w_gate_up`` [H, 2, I] (one matmul, split over the
+    model axis by I), ``w_down`` [I, H], and ``bqkv`` [Hkv, G + 2, D] / ``bo`` [H] when the
+    config has biases. Fewer, larger arrays: fewer matmuls, and fewer arguments for a
+    jitted step to pass (each costs its call host time).
+    """
+    c = config
+    xp = jnp if isinstance(params["embed"], jax.Array) else np
+
+    def qkv(q, k, v, lead: tuple[int, ...]):  # [..., Hq*D], [..., Hkv*D] x 2 -> [..., Hkv, G + 2, D]
+        shape = (*lead, c.num_kv_heads, -1, c.head_dim)
+        return xp.concatenate([q.reshape(shape), k.reshape(shape), v.reshape(shape)], axis=-2)
+
+    layers = []
+    for w in params["layers"]:
+        h = w["wq"].shape[0]
+        layer = {
+            "wqkv": qkv(w["wq"], w["wk"], w["wv"], (h,)),
+            "wo": w["wo"],
+            "w_gate_up": xp.stack([w["w_gate"], w["w_up"]], axis=1),
+            "w_down": w["w_down"],
+        }
+        if c.qkv_bias:
+            layer["bqkv"] = qkv(w["bq"], w["bk"], w["bv"], ())
+        if c.o_bias:
+            layer["bo"] = w["bo"]
+        layers.append(layer)
+    fused = {k: v for k, v in params.items() if k != "layers"}
+    fused["layer_norms"] = xp.stack([xp.stack([w["attn_norm"], w["ffn_norm"]]) for w in params["layers"]])
+    fused["layers"] = layers
+    return fused
 
 
 def assemble_params(config: LlamaConfig, get: Callable[[str, int | None, tuple[int, ...]], np.ndarray], dtype) -> dict:
@@ -115,7 +160,7 @@ def assemble_params(config: LlamaConfig, get: Callable[[str, int | None, tuple[i
         or another shape.
       dtype: NumPy dtype of the returned weights.
 
-    Returns params with every matrix transposed to [in, out] (``x @ w``), C-contiguous.
+    Returns ``fuse_params``' layout (NumPy, C-contiguous), every matrix as [in, out].
     """
     shapes = param_shapes(config)
 
@@ -130,11 +175,11 @@ def assemble_params(config: LlamaConfig, get: Callable[[str, int | None, tuple[i
     params["final_norm"] = convert("final_norm", None)
     if not config.tie_word_embeddings:
         params["lm_head"] = convert("lm_head", None)
-    return params
+    return fuse_params(config, params)
 
 
 def init_params(config: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict:
-    """Random weights in ``load_gguf``'s layout (tests and benchmarks of other shapes)."""
+    """Random weights in ``fuse_params``' layout (tests and benchmarks of other shapes)."""
     rng = np.random.default_rng(seed)
     c = config
     h, i, layers = c.hidden_size, c.intermediate_size, c.num_layers
@@ -168,7 +213,7 @@ def init_params(config: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict:
             layer["bo"] = w(1, h)[0]
     if not c.tie_word_embeddings:
         params["lm_head"] = w(h, c.vocab_size)
-    return params
+    return fuse_params(config, params)
 
 
 def rms_norm(x, weight, eps: float):
@@ -269,7 +314,7 @@ class LlamaModel:
         """One forward pass over a packed batch; returns (logits, kv_caches).
 
         Args:
-          params: ``load_gguf``'s weights (NumPy or jax arrays).
+          params: weights in ``fuse_params``' layout (``load_gguf``'s; NumPy or jax arrays).
           kv_caches: list of per-layer caches; donate them under ``jit``.
           token_ids: i32[T], padding rows anything in range.
           positions: i32[T], each token's absolute position in its request.
@@ -287,14 +332,15 @@ class LlamaModel:
         if isinstance(attn_metadata, CommonAttentionMetadata):
             attn_metadata = self.attn.metadata_builder.build(0, attn_metadata)  # once, not per layer
 
-        def layer(h, w, cache):
-            x = rms_norm(h, w["attn_norm"], c.rms_norm_eps)
-            q, k, v = (jnp.dot(x, w[name], precision=_HIGHEST) for name in ("wq", "wk", "wv"))
+        group = self.num_heads // self.num_kv_heads
+
+        def layer(h, w, norms, cache):
+            x = rms_norm(h, norms[0], c.rms_norm_eps)
+            qkv = jnp.einsum("th,hkgd->tkgd", x, w["wqkv"], precision=_HIGHEST)  # f[T, Hkv, G + 2, D]
             if c.qkv_bias:
-                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-            q = q.reshape(num_tokens, self.num_heads, c.head_dim)
-            k = k.reshape(num_tokens, self.num_kv_heads, c.head_dim)
-            v = v.reshape(num_tokens, self.num_kv_heads, c.head_dim)
+                qkv = qkv + w["bqkv"]
+            q = qkv[:, :, :group].reshape(num_tokens, self.num_heads, c.head_dim)
+            k, v = qkv[:, :, group], qkv[:, :, group + 1]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             o, cache = self.attn(q, k, v, cache, attn_metadata)
             o = jnp.dot(o, w["wo"], precision=_HIGHEST)
@@ -303,17 +349,17 @@ class LlamaModel:
             if c.o_bias:  # after the sum over heads: once, not once per shard
                 o = o + w["bo"]
             h = h + o
-            x = rms_norm(h, w["ffn_norm"], c.rms_norm_eps)
-            gate = jnp.dot(x, w["w_gate"], precision=_HIGHEST)
-            up = jnp.dot(x, w["w_up"], precision=_HIGHEST)
-            mlp = jnp.dot(jax.nn.silu(gate) * up, w["w_down"], precision=_HIGHEST)
+            x = rms_norm(h, norms[1], c.rms_norm_eps)
+            gate_up = jnp.einsum("th,hgi->tgi", x, w["w_gate_up"], precision=_HIGHEST)  # f[T, 2, I]
+            mlp = jnp.dot(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w["w_down"], precision=_HIGHEST)
             if self.mlp_sharded:
                 mlp = jax.lax.psum(mlp, self.model_axis)
             return h + mlp, cache
 
         h, new_caches = x, []
-        for w, cache in zip(params["layers"], kv_caches, strict=True):
-            h, cache = layer(h, w, cache)
+        layer_norms = jnp.asarray(params["layer_norms"])
+        for i, (w, cache) in enumerate(zip(params["layers"], kv_caches, strict=True)):
+            h, cache = layer(h, w, layer_norms[i], cache)
             new_caches.append(cache)
         h = rms_norm(h[logits_rows], params["final_norm"], c.rms_norm_eps)  # f[N, H]
         head = params.get("lm_head")

@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from attn_jax.models.llama import LlamaConfig
+from attn_jax.models.llama import LlamaConfig, fuse_params
 from attn_jax.models.smollm2 import smollm2_135m_config
 
 
@@ -50,7 +50,7 @@ MODEL_SHAPES = {
 
 
 def random_params(config: LlamaConfig, dtype=jnp.bfloat16, seed: int = 0) -> dict:
-    """Random weights in ``load_gguf``'s layout, drawn on the default device (a 2 GB model
+    """Random weights in ``load_gguf``'s layout (``fuse_params``'), drawn on the default device (a 2 GB model
     takes a moment there, minutes in NumPy): normal / sqrt(fan-in), norms near 1."""
     c = config
     h, i = c.hidden_size, c.intermediate_size
@@ -74,7 +74,23 @@ def random_params(config: LlamaConfig, dtype=jnp.bfloat16, seed: int = 0) -> dic
     params = {"embed": weight(next(keys), (c.vocab_size, h)), "final_norm": norm(next(keys)), "layers": layers}
     if not c.tie_word_embeddings:
         params["lm_head"] = weight(next(keys), (h, c.vocab_size))
-    return params
+    return fuse_params(config, params)
+
+
+def unfused_layer(config: LlamaConfig, layer: dict) -> dict:
+    """One layer of ``fuse_params``' layout back under its checkpoint names (``wq`` [H,
+    Hq*D], ``wk``/``wv`` [H, Hkv*D], ``w_gate``/``w_up`` [H, I], ``bq``/``bk``/``bv``,
+    unchanged ``wo``/``w_down``/``bo``): tests compare them with other libraries' weights."""
+    group = config.num_heads // config.num_kv_heads
+    out = {k: v for k, v in layer.items() if k in ("wo", "w_down", "bo")}
+    for fused, names in (("wqkv", ("wq", "wk", "wv")), ("bqkv", ("bq", "bk", "bv"))):
+        if fused in layer:
+            x = layer[fused]
+            lead = x.shape[:-3]
+            parts = (x[..., :group, :], x[..., group, :], x[..., group + 1, :])
+            out.update({n: part.reshape(*lead, -1) for n, part in zip(names, parts, strict=True)})
+    out["w_gate"], out["w_up"] = layer["w_gate_up"][:, 0], layer["w_gate_up"][:, 1]
+    return out
 
 
 def weight_bytes(params) -> int:

@@ -32,6 +32,7 @@ from attn_jax.models.hf_checkpoint import (
     read_hf_config,
 )
 from attn_jax.serving import Engine, SamplingParams
+from attn_jax.testing.models import unfused_layer
 
 VOCAB = 320
 SIZES = dict(
@@ -237,8 +238,8 @@ def test_half_precision_weights_load_exactly(tmp_path, torch_dtype):
     _randomise(model)
     model.save_pretrained(tmp_path)
     _save_tokenizer(tmp_path)
-    _, params = load_hf_weights(tmp_path)
-    attn, layer = model.model.layers[1].self_attn, params["layers"][1]
+    config, params = load_hf_weights(tmp_path)
+    attn, layer = model.model.layers[1].self_attn, unfused_layer(config, params["layers"][1])
     for ours, theirs in ((layer["wq"], attn.q_proj.weight.T), (layer["bk"], attn.k_proj.bias)):
         assert ours.dtype == np.float32
         np.testing.assert_array_equal(ours, theirs.detach().float().numpy())

@@ -12,6 +12,7 @@ from attn_jax import build_common_attn_metadata
 from attn_jax.models.gguf_loader import ModelLoadError, _unpermute, load_gguf, load_tokenizer, read_config
 from attn_jax.models.llama import LlamaConfig, LlamaModel
 from attn_jax.models.smollm2 import GGUF_NAME, gguf_path
+from attn_jax.testing.models import unfused_layer
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +39,18 @@ def test_config_matches_transformers(smollm2, hf_smollm2):
 
 def test_weights_equal_transformers_dequantised_weights(smollm2, hf_smollm2):
     """The same dequantisation and the same q/k un-permutation: bit-identical weights."""
-    _, params = smollm2
+    config, params = smollm2
     hf = hf_smollm2[0].model
     np.testing.assert_array_equal(params["embed"], hf.embed_tokens.weight.detach().numpy())
     for i in (0, 29):
         attn, mlp = hf.layers[i].self_attn, hf.layers[i].mlp
-        for name, module in (("wq", attn.q_proj), ("wk", attn.k_proj), ("wo", attn.o_proj), ("w_down", mlp.down_proj)):
-            np.testing.assert_array_equal(params["layers"][i][name], module.weight.detach().numpy().T, err_msg=name)
+        ours = unfused_layer(config, params["layers"][i])
+        modules = dict(wq=attn.q_proj, wk=attn.k_proj, wv=attn.v_proj, wo=attn.o_proj, w_gate=mlp.gate_proj)
+        modules.update(w_up=mlp.up_proj, w_down=mlp.down_proj)
+        for name, module in modules.items():
+            np.testing.assert_array_equal(ours[name], module.weight.detach().numpy().T, err_msg=name)
+        norms = (hf.layers[i].input_layernorm, hf.layers[i].post_attention_layernorm)
+        np.testing.assert_array_equal(params["layer_norms"][i], np.stack([n.weight.detach().numpy() for n in norms]))
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
