@@ -36,6 +36,7 @@ from attn_jax.ops.ragged_paged_attention import pallas_mosaic_gpu, pallas_triton
 from attn_jax.ops.ragged_paged_attention.cascade import prefix_part_lens, shifted_block_tables
 from attn_jax.ops.ragged_paged_attention.config import (
     H100_NUM_SMS,
+    GpuBlockChoice,
     GpuBlockSizes,
     MgpuBlockSizes,
     gpu_batch_mode,
@@ -294,6 +295,7 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
             mgpu_prefill = mgpu_prefill_setting()
         # FP8 attention layers run every batch on the Triton kernel (FP8_PLAN): no split to build.
         self.mgpu_prefill = mgpu_prefill and mgpu_prefill_available(device_kind) and not kv_cache_spec.query_quant
+        self._block_choices: dict[tuple[int, int, str], GpuBlockChoice] = {}
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         return self._with_cascade(*self._build(common_attn_metadata), common_prefix_len)
@@ -374,14 +376,19 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         return dataclasses.replace(out, cascade_suffix_schedule=suffix)
 
     def block_choice(self, *, num_reqs: int, pages_per_req: int, mode: str):
-        """``config.gpu_block_choice`` for this builder's layers, device and a bucket's shapes."""
-        spec = self.kv_cache_spec
-        num_q_heads = spec.num_q_heads or spec.num_kv_heads
-        return gpu_block_choice(
-            num_reqs=num_reqs, pages_per_req=pages_per_req, page_size=spec.block_size, head_size=spec.head_size,
-            num_kv_heads=spec.num_kv_heads, group=num_q_heads // spec.num_kv_heads, mode=mode,
-            q_dtype=spec.dtype, kv_dtype=spec.cache_dtype, device_kind=self.device_kind,
-        )  # fmt: skip
+        """``config.gpu_block_choice`` for this builder's layers, device and a bucket's shapes,
+        made once per (bucket, mode): a serving loop builds metadata every step."""
+        key = (num_reqs, pages_per_req, mode)
+        choice = self._block_choices.get(key)
+        if choice is None:
+            spec = self.kv_cache_spec
+            num_q_heads = spec.num_q_heads or spec.num_kv_heads
+            choice = self._block_choices[key] = gpu_block_choice(
+                num_reqs=num_reqs, pages_per_req=pages_per_req, page_size=spec.block_size, head_size=spec.head_size,
+                num_kv_heads=spec.num_kv_heads, group=num_q_heads // spec.num_kv_heads, mode=mode,
+                q_dtype=spec.dtype, kv_dtype=spec.cache_dtype, device_kind=self.device_kind,
+            )  # fmt: skip
+        return choice
 
     def _build(self, common_attn_metadata, step_query_lens=None) -> tuple[PallasGPUAttentionMetadata, str]:
         base = super().build(0, common_attn_metadata)
