@@ -197,7 +197,7 @@ class ShardedStep:
     def jit(self, device_step):
         """``device_step(params, caches, last_tokens, packed, layout, num_candidates,
         num_steps)`` (one shard's arrays; the last three static; it returns sampled tokens,
-        last tokens and caches) jitted over the mesh, caches donated.
+        last tokens, caches and the next call's inputs, which this drops) jitted over the mesh, caches donated.
 
         The only collective beside the model's own (one ``psum`` per split attention and
         MLP) gathers the data shards' sampled tokens, once per call: the result is
@@ -207,7 +207,7 @@ class ShardedStep:
 
         def step(params, caches, last_tokens, packed, layout, num_candidates, num_steps):
             def body(params, caches, last_tokens, packed):
-                tokens, last, caches = device_step(
+                tokens, last, caches, _ = device_step(  # the next call's inputs: one device's runner only
                     params, caches, last_tokens[0], packed[0], layout, num_candidates, num_steps
                 )
                 return jax.lax.all_gather(tokens, DATA), last[None], caches

@@ -125,13 +125,13 @@ def device_only_step_ms(engine, steps: int) -> dict[str, float]:
     caches = engine.kv_caches
     out = {}
     for variant in ("same_inputs", "chained_tokens", "copy_to_host_async", "read_previous"):
-        tokens, last, caches = jit_step(params, caches, last_tokens, *rest)
+        tokens, last, caches, _ = jit_step(params, caches, last_tokens, *rest)
         jax.block_until_ready(tokens)
         t = time.perf_counter()
         previous = tokens
         for _ in range(steps):
             feed = last_tokens if variant == "same_inputs" else last
-            tokens, last, caches = jit_step(params, caches, feed, *rest)
+            tokens, last, caches, _ = jit_step(params, caches, feed, *rest)
             if variant in ("copy_to_host_async", "read_previous"):
                 tokens.copy_to_host_async()
             if variant == "read_previous":

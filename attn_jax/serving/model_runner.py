@@ -37,7 +37,7 @@ from attn_jax.models.base import ServingModel
 from attn_jax.serving.cascade import CascadeConfig, common_prefix_len
 from attn_jax.serving.sampling import num_candidates_for, sample_tokens
 from attn_jax.serving.scheduler import Request, ScheduledBatch
-from attn_jax.serving.step_inputs import PackedLayout, pack, unpack
+from attn_jax.serving.step_inputs import PackedLayout, pack, repack, unpack
 from attn_jax.sharding import ShardedStep
 from attn_jax.types import SEED_LIMIT
 
@@ -66,6 +66,7 @@ class PreparedCall:
     num_steps: int  # K
     token_bucket: int
     cascade_prefix_len: int  # the largest shard's; 0: no cascade attention
+    decode_signature: tuple | None = None  # a one-step decode call's ``_decode_signature``; None: other calls
 
     @property
     def key(self) -> tuple:
@@ -128,6 +129,9 @@ class ModelRunner:
             self._jit_step = self._sharded.jit(self._device_step)
             self._last_tokens = self._sharded.zeros_per_shard(self.max_rows)
         self.num_blocks = num_blocks
+        # The last dispatched call's decode signature and its inputs one step on, computed on the
+        # device: the next call continues from them when it is that decode a step later (prepare).
+        self._decode_chain: tuple[tuple, jax.Array] | None = None
         self.num_compilations = 0
         self.dispatched_keys: set[tuple] = set()  # ``PreparedCall.key`` of every call dispatched so far
         self._exact_buckets: dict[tuple[int, int, int], MetadataBuckets] = {}  # one per bucket combination
@@ -241,7 +245,20 @@ class ModelRunner:
         without this every (token bucket, request bucket) pair is a shape of its own
         (``serve_load.py``'s limits on PALLAS_GPU: 170 shapes without it, 70 with it,
         BENCHMARKS.md). Padded requests have no tokens: a few empty rows
-        of metadata, logits and sampling. Decode-only calls keep the exact bucket."""
+        of metadata, logits and sampling. Decode-only calls keep the exact bucket.
+
+        A one-step call that is the last dispatched call's decode batch one token later (the
+        same requests in the same rows on the same pages, their input tokens still on the
+        device) builds nothing: it takes the inputs the last call computed on the device for
+        it (the group's ``advance_decode``; vLLM's persistent batch, kept on the device). A
+        batch-1 decode step's host metadata and upload are most of its host time."""
+        prefix_lens = [0] * len(batches)
+        if num_common_blocks is not None:
+            prefix_lens = self.cascade_prefix_lens(batches, num_common_blocks)
+        signature = self._decode_signature(batches, rows, steps, num_steps, prefix_lens)
+        if signature is not None and self._continues_chain(signature):
+            previous, packed = self._decode_chain
+            return dataclasses.replace(previous, packed=[(packed, previous.packed[0][1])], decode_signature=signature)
         fits = MetadataBuckets.fit
         token_bucket = fits(self.buckets.token_buckets, max(b.num_tokens for b in batches), "num_tokens")
         num_reqs = max(len(b.requests) for b in batches)
@@ -252,9 +269,6 @@ class ModelRunner:
         page_bucket = fits(self.buckets.blocks_per_request_buckets, pages, "blocks per request")
         step_query_lens = np.concatenate([np.asarray(b.num_new, np.int32) for b in batches])
         buckets = (token_bucket, req_bucket, page_bucket)
-        prefix_lens = [0] * len(batches)
-        if num_common_blocks is not None:
-            prefix_lens = self.cascade_prefix_lens(batches, num_common_blocks)
         inputs = [
             self._host_inputs(b, rows, buckets, step_query_lens, s, p)
             for b, s, p in zip(batches, steps, prefix_lens, strict=True)
@@ -264,7 +278,42 @@ class ModelRunner:
             np.concatenate([x["sampling"][k] for x in inputs]) for k in ("temperature", "top_p", "top_k")
         )
         num_candidates = num_candidates_for(temps, top_p, top_k, self.vocab_size)
-        return PreparedCall(packed, num_candidates, num_steps, token_bucket, max(prefix_lens))
+        return PreparedCall(packed, num_candidates, num_steps, token_bucket, max(prefix_lens), signature)
+
+    def _decode_signature(self, batches, rows, steps, num_steps: int, prefix_lens) -> tuple | None:
+        """What a one-step call of decodes only, each request's input token still on the device
+        (asynchronous scheduling), needs to match a step later to reuse its inputs moved on by
+        a token: per shard and request, the request, its computed tokens, pages, token row and
+        sampling values; None for any other call or a group whose metadata cannot advance."""
+        if num_steps != 1 or self._sharded is not None or not self.supports_decode_advance:
+            return None
+        signature = []
+        for batch, samples in zip(batches, steps, strict=True):
+            if any(n != 1 for n in batch.num_new) or any(k != 1 for k in samples):
+                return None
+            for r in batch.requests:
+                known, src, values = rows[id(r)]
+                if known or src < 0:
+                    return None
+                signature.append((id(r), r.num_computed, len(r.blocks), src, values))
+        return tuple(signature), tuple(prefix_lens), tuple(len(b.requests) for b in batches)
+
+    def _continues_chain(self, signature: tuple) -> bool:
+        """Whether a call with ``signature`` is the last dispatched call's decode one token later:
+        the same requests in the same rows, each one token further on the same pages, the same
+        sampling values with one more token generated, and the same cascade prefix."""
+        if self._decode_chain is None:
+            return False
+        (now, prefix, sizes), (before, prefix_before, sizes_before) = signature, self._decode_chain[0].decode_signature
+        if prefix != prefix_before or sizes != sizes_before or len(now) != len(before):
+            return False
+        for (rid, computed, pages, src, values), earlier in zip(now, before, strict=True):
+            rid0, computed0, pages0, src0, values0 = earlier
+            if (rid, pages, src, values[:4]) != (rid0, pages0, src0, values0[:4]):
+                return False
+            if computed != computed0 + 1 or values[4] != values0[4] + 1:  # values[4]: tokens generated
+                return False
+        return True
 
     def dispatch(self, prepared: PreparedCall) -> DispatchedCall:
         """Enqueues a prepared call on the device; returns without waiting for it."""
@@ -272,9 +321,11 @@ class ModelRunner:
         packed, num_candidates, num_steps = prepared.packed, prepared.num_candidates, prepared.num_steps
         start = time.perf_counter()
         if self._sharded is None:
-            tokens, self._last_tokens, self.kv_caches = self._jit_step(
+            tokens, self._last_tokens, self.kv_caches, next_packed = self._jit_step(
                 self.params, self.kv_caches, self._last_tokens, packed[0][0], packed[0][1], num_candidates, num_steps
             )
+            chain = prepared.decode_signature is not None
+            self._decode_chain = (prepared, next_packed) if chain else None
         else:
             tokens, self._last_tokens, self.kv_caches = self._sharded.run(
                 self._jit_step, self.params, self.kv_caches, self._last_tokens, packed, num_candidates, num_steps
@@ -320,9 +371,12 @@ class ModelRunner:
         leaves, treedef = jax.tree.flatten(self.kv_caches)
         saved = [jnp.copy(x) if a is None else jnp.take(x, pages, axis=a) for x, a in zip(leaves, axes, strict=True)]
         last_tokens = jnp.copy(self._last_tokens)
+        self._decode_chain = None
         try:
             yield
         finally:
+            self._decode_chain = None  # the calls inside ran dummy batches
+
             # Sharded arrays go back to their shardings; one device's stay uncommitted, as the
             # step's own outputs are: either way the next call hits the compiled step's cache.
             def like(new, old):
@@ -351,7 +405,9 @@ class ModelRunner:
         ``last_tokens`` i32[R_max] are the previous call's last sampled tokens (still on the
         device); rows whose ``token_src`` is >= 0 take their input token from there.
         Returns (i32[num_steps, R_max] sampled tokens, i32[R_max] each row's last sampled
-        token, caches)."""
+        token, caches, i32[n] packed inputs): a one-step call's inputs one token on, which the
+        next call reuses when it is the same decode batch a token later (``prepare``); for
+        other calls ``packed`` itself."""
         self.num_compilations += 1
         x = unpack(packed, layout)
         s, md = x["sampling"], x["md"]
@@ -365,27 +421,36 @@ class ModelRunner:
             )
             return jnp.pad(tokens, (0, max_rows - num_rows)), kv_caches
 
+        limits = x["decode_steps"]  # i32[R]: steps each request takes (0 for padding rows)
+        token_rows = jnp.arange(x["token_ids"].shape[0])
+        token_req = jnp.minimum(token_rows, num_rows - 1)  # a decode batch's token r is request r's
+        group = self.attention_group
+
+        def moved(steps, active):
+            """A decode batch's positions, metadata and sampling counters ``steps`` i32[R] tokens on."""
+            positions = x["positions"] + jnp.where(token_rows < num_rows, steps[token_req], 0)
+            return positions, group.advance_decode(md, steps, active), s["counters"] + steps
+
         token_ids = jnp.where(x["token_src"] >= 0, last_tokens[jnp.maximum(x["token_src"], 0)], x["token_ids"])
         tokens, kv_caches = forward(kv_caches, token_ids, x["positions"], md, s["counters"])
         if num_steps == 1:
-            return tokens[None], tokens, kv_caches
-
-        limits = x["decode_steps"]  # i32[R]: steps each request takes (0 for padding rows)
-        token_rows = jnp.arange(token_ids.shape[0])
-        token_req = jnp.minimum(token_rows, num_rows - 1)  # a decode batch's token r is request r's
-        group = self.attention_group
+            next_packed = packed
+            if group.supports_decode_advance:  # the next call's inputs if it is this decode a token on
+                one = jnp.minimum(limits, 1)
+                positions, next_md, counters = moved(one, one > 0)
+                later = dict(x, positions=positions, md=next_md, sampling=dict(s, counters=counters))
+                next_packed = repack(later, layout)
+            return tokens[None], tokens, kv_caches, next_packed
 
         def decode(carry, step):
             kv_caches, last = carry
             steps = jnp.clip(jnp.minimum(step, limits - 1), 0)
             active = step < limits
             token_ids = last[jnp.minimum(token_rows, max_rows - 1)]
-            positions = x["positions"] + jnp.where(token_rows < num_rows, steps[token_req], 0)
-            new, kv_caches = forward(
-                kv_caches, token_ids, positions, group.advance_decode(md, steps, active), s["counters"] + steps
-            )
+            positions, step_md, counters = moved(steps, active)
+            new, kv_caches = forward(kv_caches, token_ids, positions, step_md, counters)
             last = jnp.where(jnp.pad(active, (0, max_rows - num_rows)), new, last)
             return (kv_caches, last), new
 
         (kv_caches, last), later = jax.lax.scan(decode, (kv_caches, tokens), jnp.arange(1, num_steps))
-        return jnp.concatenate([tokens[None], later]), last, kv_caches
+        return jnp.concatenate([tokens[None], later]), last, kv_caches, packed

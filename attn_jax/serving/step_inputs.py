@@ -74,3 +74,25 @@ def unpack(buffer, layout: PackedLayout):
         offset += n + (-n % ALIGNMENT)
         leaves.append(part if dtype == "int32" else jax.lax.bitcast_convert_type(part, jnp.dtype(dtype)))
     return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def repack(tree, layout: PackedLayout):
+    """``pack`` traced: i32[n] buffer of ``tree``, which must have ``layout`` (structure,
+    shapes, dtypes; ValueError names the first leaf that does not). The device-side inverse
+    of ``unpack``: ``repack(unpack(b, layout), layout)`` is ``b`` up to its zero padding."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if treedef != layout.treedef:
+        raise ValueError(f"the tree's structure {treedef} is not the layout's {layout.treedef}")
+    parts = []
+    for i, (leaf, (shape, dtype)) in enumerate(zip(leaves, layout.leaves, strict=True)):
+        if tuple(leaf.shape) != tuple(shape) or jnp.dtype(leaf.dtype) != jnp.dtype(dtype):
+            got = f"{jnp.dtype(leaf.dtype)}{list(leaf.shape)}"
+            raise ValueError(f"leaf {i} is {got}; the layout has {dtype}{list(shape)}")
+        n = int(np.prod(shape))
+        if n == 0:
+            continue
+        flat = leaf.reshape(n)
+        if dtype != "int32":
+            flat = jax.lax.bitcast_convert_type(flat, jnp.int32)
+        parts += [flat, jnp.zeros(-n % ALIGNMENT, jnp.int32)]
+    return jnp.concatenate(parts) if parts else jnp.zeros(0, jnp.int32)

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from attn_jax.serving.step_inputs import ALIGNMENT, pack, unpack
+from attn_jax.serving.step_inputs import ALIGNMENT, pack, repack, unpack
 
 
 def test_round_trip_keeps_values_dtypes_and_alignment():
@@ -44,3 +44,13 @@ def test_non_contiguous_and_scalar_leaves_round_trip():
     for name, want in tree.items():
         got = np.asarray(out[name])
         assert got.dtype == np.asarray(want).dtype and np.array_equal(got, want), name
+
+
+def test_repack_is_the_traced_inverse_of_unpack():
+    tree = {"ids": np.arange(5, dtype=np.int32), "t": np.array([0.5, -1.0], np.float32), "e": np.zeros(0, np.int32)}
+    tree["seeds"] = np.array([2**32 - 1], np.uint32)
+    buffer, layout = pack(tree)
+    again = jax.jit(lambda b: repack(unpack(b, layout), layout))(buffer)
+    np.testing.assert_array_equal(np.asarray(again), buffer)
+    with pytest.raises(ValueError, match=r"leaf 1 is float32\[3\]; the layout has int32\[5\]"):
+        repack({**tree, "ids": np.zeros(3, np.float32)}, layout)

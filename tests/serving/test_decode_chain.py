@@ -1,0 +1,94 @@
+"""One-step decode calls that continue the last call (``ModelRunner.prepare``): the inputs
+the last call computed on the device equal what the host would build, and the engine's
+tokens do not change when the chain is taken, through page crossings, a late arrival, an
+abort and seeded sampling."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attn_jax.models.llama import LlamaConfig, LlamaModel, init_params
+from attn_jax.registry import AttentionBackendEnum
+from attn_jax.serving import Engine, SamplingParams
+from attn_jax.serving.model_runner import ModelRunner
+
+CONFIG = LlamaConfig(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
+    eos_token_ids=(1,),
+)  # fmt: skip
+PARAMS = init_params(CONFIG, seed=6)
+PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 29)), [40, 41, 42]]  # 5, 19 and 3 tokens: pages of 8 fill at different steps
+SAMPLING = [
+    SamplingParams(max_new_tokens=14, ignore_eos=True),
+    SamplingParams(max_new_tokens=11, temperature=0.9, top_k=20, seed=5, ignore_eos=True),
+    SamplingParams(max_new_tokens=16, temperature=1.0, seed=8, ignore_eos=True),
+]
+
+
+def _engine(backend: str) -> Engine:
+    model = LlamaModel(CONFIG, block_size=8, attn_backend=AttentionBackendEnum[backend].get_class())
+    return Engine(model, PARAMS, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=48)
+
+
+def _run(engine: Engine) -> list[list[int]]:
+    """Two requests, a third added after four steps, the first aborted after twelve: each
+    request's streamed tokens."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:2], SAMPLING[:2], strict=True)]
+    out: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_unfinished() or step < 5:
+        if step == 4:
+            ids.append(engine.add_request(PROMPTS[2], SAMPLING[2]))
+        if step == 12:
+            engine.abort_request(ids[0])
+        for event in engine.step():
+            if event.token_id >= 0:
+                out.setdefault(event.request_id, []).append(event.token_id)
+        step += 1
+    return [out.get(request_id, []) for request_id in ids]
+
+
+@pytest.mark.parametrize("backend", ["XLA", "PALLAS_GPU"])
+def test_tokens_are_the_same_with_and_without_the_chain(backend, monkeypatch):
+    continued = []
+    original = ModelRunner._continues_chain
+
+    def spy(self, signature):
+        result = original(self, signature)
+        continued.append(result)
+        return result
+
+    monkeypatch.setattr(ModelRunner, "_continues_chain", spy)
+    engine = _engine(backend)
+    with_chain = _run(engine)
+    assert sum(continued) >= 10 and not all(continued)  # taken often, and broken by the arrival, the abort, pages
+    assert engine.schedulers[0].allocator.num_free == engine.num_blocks
+    monkeypatch.setattr(ModelRunner, "_continues_chain", lambda self, signature: False)
+    without = _run(_engine(backend))
+    assert with_chain == without
+    assert [len(t) for t in without] == [11, 11, 16]  # the first aborted before its last (14th) token
+
+
+def test_the_device_built_inputs_equal_the_host_built_ones(monkeypatch):
+    """Each time the chain is taken, the buffer the last call computed equals the host's own
+    build of the same call, padding included (the XLA backend's metadata has no order to
+    differ in)."""
+    original = ModelRunner.prepare
+    compared = []
+
+    def checked(self, batches, rows, steps, num_steps, num_common_blocks=None):
+        prepared = original(self, batches, rows, steps, num_steps, num_common_blocks)
+        chain = self._decode_chain
+        if chain is not None and prepared.packed[0][0] is chain[1]:
+            self._decode_chain = None
+            host = original(self, batches, rows, steps, num_steps, num_common_blocks)
+            self._decode_chain = chain
+            assert host.key == prepared.key
+            np.testing.assert_array_equal(np.asarray(prepared.packed[0][0]), host.packed[0][0])
+            compared.append(True)
+        return prepared
+
+    monkeypatch.setattr(ModelRunner, "prepare", checked)
+    _run(_engine("XLA"))
+    assert len(compared) >= 10
