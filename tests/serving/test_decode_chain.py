@@ -49,8 +49,17 @@ def _run(engine: Engine) -> list[list[int]]:
     return [out.get(request_id, []) for request_id in ids]
 
 
+@pytest.fixture(scope="module")
+def tokens_without_the_chain() -> list[list[int]]:
+    """The XLA backend's tokens with every call built on the host."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ModelRunner, "_continues_chain", lambda self, signature: False)
+        return _run(_engine("XLA"))
+
+
 @pytest.mark.parametrize("backend", ["XLA", "PALLAS_GPU"])
-def test_tokens_are_the_same_with_and_without_the_chain(backend, monkeypatch):
+def test_tokens_are_the_same_with_and_without_the_chain(backend, tokens_without_the_chain, monkeypatch):
+    """(The PALLAS_GPU interpreter gives the XLA backend's tokens: test_engine_backends.py.)"""
     continued = []
     original = ModelRunner._continues_chain
 
@@ -64,10 +73,8 @@ def test_tokens_are_the_same_with_and_without_the_chain(backend, monkeypatch):
     with_chain = _run(engine)
     assert sum(continued) >= 10 and not all(continued)  # taken often, and broken by the arrival, the abort, pages
     assert engine.schedulers[0].allocator.num_free == engine.num_blocks
-    monkeypatch.setattr(ModelRunner, "_continues_chain", lambda self, signature: False)
-    without = _run(_engine(backend))
-    assert with_chain == without
-    assert [len(t) for t in without] == [11, 11, 16]  # the first aborted before its last (14th) token
+    assert with_chain == tokens_without_the_chain
+    assert [len(t) for t in with_chain] == [11, 11, 16]  # the first aborted before its last (14th) token
 
 
 def test_the_device_built_inputs_equal_the_host_built_ones(monkeypatch):
