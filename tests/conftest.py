@@ -63,32 +63,50 @@ def smollm2_gguf():
     return gguf_path()
 
 
-@pytest.fixture(scope="session")
-def hf_smollm2(smollm2_gguf):
-    """(model, tokenizer): stock transformers on the same GGUF, float32, eval mode; loaded
-    once per session (per xdist worker).
-
-    transformers parses and dequantises the GGUF (tens of seconds on the CI machine): the
-    first worker does and pickles the result in the session's shared folder; another worker
-    waits for it and unpickles the same objects (seconds)."""
+def _built_once_per_session(name: str, build):
+    """``build()``, run by the first xdist worker that asks and pickled into the session's
+    shared folder; another worker waits for it and unpickles the same objects."""
     import fcntl
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    saved = pathlib.Path(os.environ[SHARED_ENV]) / "hf-smollm2.pt"
+    saved = pathlib.Path(os.environ[SHARED_ENV]) / f"{name}.pt"
     with open(saved.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if saved.exists():
-            model, tokenizer = torch.load(saved, weights_only=False)
-        else:
-            folder, name = str(smollm2_gguf.parent), smollm2_gguf.name
-            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-            torch.save((model, tokenizer), saved.with_suffix(".tmp"))
-            saved.with_suffix(".tmp").rename(saved)  # complete or absent
+            return torch.load(saved, weights_only=False)
+        value = build()
+        torch.save(value, saved.with_suffix(".tmp"))
+        saved.with_suffix(".tmp").rename(saved)  # complete or absent
+        return value
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_gguf):
+    """transformers' tokenizer of the embedded GGUF (its own conversion of the GGUF's
+    vocabulary, about 10 s on the CI machine: once per session)."""
+    from transformers import AutoTokenizer
+
+    folder, name = str(smollm2_gguf.parent), smollm2_gguf.name
+    return _built_once_per_session(
+        "hf-smollm2-tokenizer", lambda: AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf, hf_smollm2_tokenizer):
+    """(model, tokenizer): stock transformers on the same GGUF, float32, eval mode; loaded
+    once per session: transformers parses and dequantises the GGUF (tens of seconds on the
+    CI machine) in the first xdist worker that asks, the other unpickles its result."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, name = str(smollm2_gguf.parent), smollm2_gguf.name
+    model = _built_once_per_session(
+        "hf-smollm2-model", lambda: AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    )
     model.eval()
-    return model, tokenizer
+    return model, hf_smollm2_tokenizer
 
 
 # The files whose runs take minutes on the 2-core CI machine (each a subprocess of engines or
