@@ -1,8 +1,10 @@
-"""Shared pytest fixtures, and one persistent JAX compilation cache per test session."""
+"""Shared pytest fixtures, one persistent JAX compilation cache per test session, and one
+folder per session that the xdist workers share (transformers' SmolLM2, converted once)."""
 
 from __future__ import annotations
 
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -17,11 +19,19 @@ if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="attn-stack-jax-cache-")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# The same for files that fixtures of several workers share (made by the session's controller).
+SHARED_ENV = "ATTN_STACK_TEST_SHARED_DIR"
+_OWN_SHARED = SHARED_ENV not in os.environ
+if _OWN_SHARED:
+    os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="attn-stack-test-shared-")
 
 
 def pytest_unconfigure(config):
-    if _OWN_CACHE and not hasattr(config, "workerinput"):  # the session's controller made it
-        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    if not hasattr(config, "workerinput"):  # the session's controller made them
+        if _OWN_CACHE:
+            shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+        if _OWN_SHARED:
+            shutil.rmtree(os.environ[SHARED_ENV], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
@@ -53,18 +63,50 @@ def smollm2_gguf():
     return gguf_path()
 
 
-@pytest.fixture(scope="session")
-def hf_smollm2(smollm2_gguf):
-    """(model, tokenizer): stock transformers on the same GGUF, float32, eval mode; loaded
-    once per session (per xdist worker)."""
+def _built_once_per_session(name: str, build):
+    """``build()``, run by the first xdist worker that asks and pickled into the session's
+    shared folder; another worker waits for it and unpickles the same objects."""
+    import fcntl
+
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    saved = pathlib.Path(os.environ[SHARED_ENV]) / f"{name}.pt"
+    with open(saved.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if saved.exists():
+            return torch.load(saved, weights_only=False)
+        value = build()
+        torch.save(value, saved.with_suffix(".tmp"))
+        saved.with_suffix(".tmp").rename(saved)  # complete or absent
+        return value
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_gguf):
+    """transformers' tokenizer of the embedded GGUF (its own conversion of the GGUF's
+    vocabulary, about 10 s on the CI machine: once per session)."""
+    from transformers import AutoTokenizer
 
     folder, name = str(smollm2_gguf.parent), smollm2_gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return _built_once_per_session(
+        "hf-smollm2-tokenizer", lambda: AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf, hf_smollm2_tokenizer):
+    """(model, tokenizer): stock transformers on the same GGUF, float32, eval mode; loaded
+    once per session: transformers parses and dequantises the GGUF (tens of seconds on the
+    CI machine) in the first xdist worker that asks, the other unpickles its result."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, name = str(smollm2_gguf.parent), smollm2_gguf.name
+    model = _built_once_per_session(
+        "hf-smollm2-model", lambda: AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    )
     model.eval()
-    return model, tokenizer
+    return model, hf_smollm2_tokenizer
 
 
 # The files whose runs take minutes on the 2-core CI machine (each a subprocess of engines or

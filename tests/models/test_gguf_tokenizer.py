@@ -40,11 +40,9 @@ def ours(smollm2_gguf):
 
 
 @pytest.fixture(scope="module")
-def theirs(smollm2_gguf):
+def theirs(request):
     pytest.importorskip("torch", reason="transformers' GGUF conversion needs torch (the test extra)")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    return request.getfixturevalue("hf_smollm2_tokenizer")  # AutoTokenizer of the GGUF, once per session
 
 
 @pytest.mark.parametrize("text", CORPUS, ids=range(len(CORPUS)))

@@ -3,13 +3,15 @@ openai client's chat and streamed completions are the engine's own ``generate`` 
 the chat prompt rendered with the GGUF's chat template.
 
 The server loads in its subprocess while this process builds the reference engine
-(same limits; one request at a time, so one step shape compiles on each side).
+(same limits and decode steps per call; one request at a time): the server then finds its step
+programs in the session's compilation cache.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from attn_jax.cli import SERVE_NUM_SCHEDULER_STEPS
 from attn_jax.serving import Engine, SamplingParams
 from tests.server.conftest import Server
 
@@ -30,8 +32,11 @@ def server():
 
 @pytest.fixture(scope="module")
 def expected(server, smollm2_gguf):
-    """The reference engine's greedy completions: (chat answer, plain continuation)."""
-    engine = Engine.from_gguf(smollm2_gguf, **LIMITS)
+    """The reference engine's greedy completions: (chat answer, plain continuation). Built as
+    the server builds its engine (its decode steps per call too), so its step programs are
+    the server's: the server, whose first request comes after, loads them from the session's
+    compilation cache instead of compiling them again."""
+    engine = Engine.from_gguf(smollm2_gguf, **LIMITS, num_scheduler_steps=SERVE_NUM_SCHEDULER_STEPS)
     greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
     (chat,) = engine.generate([QUESTION], greedy, chat=True)
     (plain,) = engine.generate([PROMPT], greedy)

@@ -9,6 +9,8 @@ step, a 32-token step budget, 128 tokens per request, a 10-page cache of 16-toke
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from attn_jax.metadata import MetadataBuckets
@@ -126,7 +128,8 @@ def test_seeded_sampling_is_reproducible_in_any_batch(engine):
     alone = engine.generate([PROMPTS[2]], params)[0].output_ids
     crowd = engine.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], [SamplingParams(max_new_tokens=5), params, params])
     assert crowd[1].output_ids == alone
-    other = engine.generate([PROMPTS[2]], SamplingParams(max_new_tokens=12, temperature=0.9, seed=99))[0]
+    # Only the seed differs (the same compiled sampling variant: top-k 40's candidates).
+    other = engine.generate([PROMPTS[2]], dataclasses.replace(params, seed=99))[0]
     assert other.output_ids != alone
 
 

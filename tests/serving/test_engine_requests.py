@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from attn_jax.metadata import MetadataBuckets
 from attn_jax.models.llama import LlamaConfig, LlamaModel, init_params
 from attn_jax.serving import Engine, SamplingParams
 from attn_jax.serving.engine import UnknownRequestError
@@ -54,13 +55,12 @@ def test_asynchronous_steps_stop_at_eos_exactly():
     """A request that samples EOS stops there, though the next step was dispatched before
     the token was read (or a multi-step decode ran on past it): the extra tokens are
     dropped and its pages freed."""
-    engine = _engine(max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=False)
+    limits = dict(max_num_seqs=4, max_num_batched_tokens=64, buckets=MetadataBuckets((64,), (4,), (12,)))  # one shape
+    engine = _engine(**limits, async_scheduling=False)
     free_running = engine.generate(PROMPTS[:3], GREEDY)
     eos = free_running[1].output_ids[2]  # make the second request's third token its EOS
     for async_scheduling, steps in ((False, 1), (True, 1), (True, 4)):
-        engine = _engine(
-            max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=async_scheduling, num_scheduler_steps=steps
-        )
+        engine = _engine(**limits, async_scheduling=async_scheduling, num_scheduler_steps=steps)
         engine.eos_token_ids = {eos}
         got = engine.generate(PROMPTS[:3], SamplingParams(max_new_tokens=6))
         want = free_running[1].output_ids[: free_running[1].output_ids.index(eos) + 1]
