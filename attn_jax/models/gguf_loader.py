@@ -163,7 +163,7 @@ def load_gguf(
         if t is None:
             raise ModelLoadError(f"{str(path)!r} has no tensor {name!r}; is it a Llama checkpoint?")
         try:
-            w = dequantize(t.data, t.tensor_type)
+            w = dequantize(np.asarray(t.data), t.tensor_type)  # a plain view: no memmap object per row group
         except Exception as e:
             raise ModelLoadError(
                 f"cannot dequantise tensor {name!r} ({t.tensor_type.name}) of {str(path)!r}: {e}"
