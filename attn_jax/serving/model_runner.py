@@ -435,11 +435,11 @@ class ModelRunner:
         tokens, kv_caches = forward(kv_caches, token_ids, x["positions"], md, s["counters"])
         if num_steps == 1:
             next_packed = packed
-            if group.supports_decode_advance:  # the next call's inputs if it is this decode a token on
+            if group.supports_decode_advance and self._sharded is None:  # the next call's inputs, a token on
                 one = jnp.minimum(limits, 1)
                 positions, next_md, counters = moved(one, one > 0)
                 later = dict(x, positions=positions, md=next_md, sampling=dict(s, counters=counters))
-                next_packed = repack(later, layout)
+                next_packed = repack(packed, layout, x, later)
             return tokens[None], tokens, kv_caches, next_packed
 
         def decode(carry, step):

@@ -76,23 +76,24 @@ def unpack(buffer, layout: PackedLayout):
     return jax.tree.unflatten(layout.treedef, leaves)
 
 
-def repack(tree, layout: PackedLayout):
-    """``pack`` traced: i32[n] buffer of ``tree``, which must have ``layout`` (structure,
-    shapes, dtypes; ValueError names the first leaf that does not). The device-side inverse
-    of ``unpack``: ``repack(unpack(b, layout), layout)`` is ``b`` up to its zero padding."""
-    leaves, treedef = jax.tree.flatten(tree)
+def repack(buffer, layout: PackedLayout, old, new):
+    """``buffer`` (``layout``'s, holding the tree ``old``, as ``unpack`` gave it) with every
+    leaf of ``new`` that is not ``old``'s own object written over its slice (traceable): the
+    device-side ``pack`` of a tree that differs from the buffer's in a few leaves, a few
+    in-place updates. ValueError names a leaf whose shape or dtype is not the layout's."""
+    leaves, treedef = jax.tree.flatten(new)
     if treedef != layout.treedef:
         raise ValueError(f"the tree's structure {treedef} is not the layout's {layout.treedef}")
-    parts = []
-    for i, (leaf, (shape, dtype)) in enumerate(zip(leaves, layout.leaves, strict=True)):
-        if tuple(leaf.shape) != tuple(shape) or jnp.dtype(leaf.dtype) != jnp.dtype(dtype):
-            got = f"{jnp.dtype(leaf.dtype)}{list(leaf.shape)}"
-            raise ValueError(f"leaf {i} is {got}; the layout has {dtype}{list(shape)}")
+    offset = 0
+    for i, (leaf, before, (shape, dtype)) in enumerate(zip(leaves, jax.tree.leaves(old), layout.leaves, strict=True)):
         n = int(np.prod(shape))
-        if n == 0:
-            continue
-        flat = leaf.reshape(n)
-        if dtype != "int32":
-            flat = jax.lax.bitcast_convert_type(flat, jnp.int32)
-        parts += [flat, jnp.zeros(-n % ALIGNMENT, jnp.int32)]
-    return jnp.concatenate(parts) if parts else jnp.zeros(0, jnp.int32)
+        if leaf is not before:
+            if tuple(leaf.shape) != tuple(shape) or jnp.dtype(leaf.dtype) != jnp.dtype(dtype):
+                got = f"{jnp.dtype(leaf.dtype)}{list(leaf.shape)}"
+                raise ValueError(f"leaf {i} is {got}; the layout has {dtype}{list(shape)}")
+            flat = jnp.asarray(leaf).reshape(n)
+            if dtype != "int32":
+                flat = jax.lax.bitcast_convert_type(flat, jnp.int32)
+            buffer = jax.lax.dynamic_update_slice(buffer, flat, (offset,))
+        offset += n + (-n % ALIGNMENT)
+    return buffer

@@ -99,7 +99,8 @@ def test_engine_serves_it_with_transformers_tokens(models, num_scheduler_steps):
     finally:
         del builder.advance_decode
     assert [c.output_ids for c in outputs] == want
-    assert bool(advanced) == (num_scheduler_steps > 1)  # multi-step decoding ran through advance_decode
+    assert advanced  # traced for multi-step decodes and for a one-step call's next inputs (the decode chain)
+    assert max(s.num_steps for s in engine.stats) == num_scheduler_steps
 
 
 def test_mixture_of_experts_gives_transformers_tokens():

@@ -46,11 +46,16 @@ def test_non_contiguous_and_scalar_leaves_round_trip():
         assert got.dtype == np.asarray(want).dtype and np.array_equal(got, want), name
 
 
-def test_repack_is_the_traced_inverse_of_unpack():
+def test_repack_writes_the_changed_leaves_into_the_buffer():
     tree = {"ids": np.arange(5, dtype=np.int32), "t": np.array([0.5, -1.0], np.float32), "e": np.zeros(0, np.int32)}
     tree["seeds"] = np.array([2**32 - 1], np.uint32)
     buffer, layout = pack(tree)
-    again = jax.jit(lambda b: repack(unpack(b, layout), layout))(buffer)
-    np.testing.assert_array_equal(np.asarray(again), buffer)
+    changed = {**tree, "ids": tree["ids"] + 7, "t": np.array([2.0, 3.0], np.float32)}
+
+    def moved(b):
+        old = unpack(b, layout)
+        return repack(b, layout, old, {**old, "ids": old["ids"] + 7, "t": old["t"] * 0 + np.array([2.0, 3.0])})
+
+    np.testing.assert_array_equal(np.asarray(jax.jit(moved)(buffer)), pack(changed)[0])
     with pytest.raises(ValueError, match=r"leaf 1 is float32\[3\]; the layout has int32\[5\]"):
-        repack({**tree, "ids": np.zeros(3, np.float32)}, layout)
+        repack(buffer, layout, tree, {**tree, "ids": np.zeros(3, np.float32)})
