@@ -137,6 +137,12 @@ class ModelRunner:
         self._exact_buckets: dict[tuple[int, int, int], MetadataBuckets] = {}  # one per bucket combination
 
     @property
+    def _chains_decodes(self) -> bool:
+        """Whether one-step decode calls hand their next inputs on (the decode chain): one
+        device's runner whose attention group advances its metadata."""
+        return self._sharded is None and self.supports_decode_advance
+
+    @property
     def supports_decode_advance(self) -> bool:
         """Whether a call may run several decode steps (the group's metadata advances)."""
         return self.attention_group.supports_decode_advance
@@ -285,7 +291,7 @@ class ModelRunner:
         (asynchronous scheduling), needs to match a step later to reuse its inputs moved on by
         a token: per shard and request, the request, its computed tokens, pages, token row and
         sampling values; None for any other call or a group whose metadata cannot advance."""
-        if num_steps != 1 or self._sharded is not None or not self.supports_decode_advance:
+        if num_steps != 1 or not self._chains_decodes:
             return None
         signature = []
         for batch, samples in zip(batches, steps, strict=True):
@@ -305,7 +311,7 @@ class ModelRunner:
         if self._decode_chain is None:
             return False
         (now, prefix, sizes), (before, prefix_before, sizes_before) = signature, self._decode_chain[0].decode_signature
-        if prefix != prefix_before or sizes != sizes_before or len(now) != len(before):
+        if prefix != prefix_before or sizes != sizes_before:
             return False
         for (rid, computed, pages, src, values), earlier in zip(now, before, strict=True):
             rid0, computed0, pages0, src0, values0 = earlier
@@ -371,7 +377,6 @@ class ModelRunner:
         leaves, treedef = jax.tree.flatten(self.kv_caches)
         saved = [jnp.copy(x) if a is None else jnp.take(x, pages, axis=a) for x, a in zip(leaves, axes, strict=True)]
         last_tokens = jnp.copy(self._last_tokens)
-        self._decode_chain = None
         try:
             yield
         finally:
@@ -435,7 +440,7 @@ class ModelRunner:
         tokens, kv_caches = forward(kv_caches, token_ids, x["positions"], md, s["counters"])
         if num_steps == 1:
             next_packed = packed
-            if group.supports_decode_advance and self._sharded is None:  # the next call's inputs, a token on
+            if self._chains_decodes:  # the next call's inputs, a token on
                 one = jnp.minimum(limits, 1)
                 positions, next_md, counters = moved(one, one > 0)
                 later = dict(x, positions=positions, md=next_md, sampling=dict(s, counters=counters))

@@ -62,16 +62,23 @@ def pack(tree) -> tuple[np.ndarray, PackedLayout]:
     return buffer, PackedLayout(treedef, tuple(specs))
 
 
-def unpack(buffer, layout: PackedLayout):
-    """The tree ``pack`` packed, sliced out of i32[n] ``buffer`` (traceable)."""
-    leaves, offset = [], 0
+def _slots(layout: PackedLayout):
+    """Each leaf's (offset into the buffer, size, shape, dtype name), in order."""
+    offset = 0
     for shape, dtype in layout.leaves:
         n = int(np.prod(shape))
+        yield offset, n, shape, dtype
+        offset += n + (-n % ALIGNMENT)
+
+
+def unpack(buffer, layout: PackedLayout):
+    """The tree ``pack`` packed, sliced out of i32[n] ``buffer`` (traceable)."""
+    leaves = []
+    for offset, n, shape, dtype in _slots(layout):
         if n == 0:  # an empty leaf is a constant, not a slice of the buffer
             leaves.append(jnp.zeros(shape, dtype))
             continue
         part = buffer[offset : offset + n].reshape(shape)
-        offset += n + (-n % ALIGNMENT)
         leaves.append(part if dtype == "int32" else jax.lax.bitcast_convert_type(part, jnp.dtype(dtype)))
     return jax.tree.unflatten(layout.treedef, leaves)
 
@@ -84,16 +91,15 @@ def repack(buffer, layout: PackedLayout, old, new):
     leaves, treedef = jax.tree.flatten(new)
     if treedef != layout.treedef:
         raise ValueError(f"the tree's structure {treedef} is not the layout's {layout.treedef}")
-    offset = 0
-    for i, (leaf, before, (shape, dtype)) in enumerate(zip(leaves, jax.tree.leaves(old), layout.leaves, strict=True)):
-        n = int(np.prod(shape))
-        if leaf is not before:
-            if tuple(leaf.shape) != tuple(shape) or jnp.dtype(leaf.dtype) != jnp.dtype(dtype):
-                got = f"{jnp.dtype(leaf.dtype)}{list(leaf.shape)}"
-                raise ValueError(f"leaf {i} is {got}; the layout has {dtype}{list(shape)}")
-            flat = jnp.asarray(leaf).reshape(n)
-            if dtype != "int32":
-                flat = jax.lax.bitcast_convert_type(flat, jnp.int32)
-            buffer = jax.lax.dynamic_update_slice(buffer, flat, (offset,))
-        offset += n + (-n % ALIGNMENT)
+    slots = zip(leaves, jax.tree.leaves(old), _slots(layout), strict=True)
+    for i, (leaf, before, (offset, n, shape, dtype)) in enumerate(slots):
+        if leaf is before:
+            continue
+        if tuple(leaf.shape) != tuple(shape) or jnp.dtype(leaf.dtype) != jnp.dtype(dtype):
+            got = f"{jnp.dtype(leaf.dtype)}{list(leaf.shape)}"
+            raise ValueError(f"leaf {i} is {got}; the layout has {dtype}{list(shape)}")
+        flat = jnp.asarray(leaf).reshape(n)
+        if dtype != "int32":
+            flat = jax.lax.bitcast_convert_type(flat, jnp.int32)
+        buffer = jax.lax.dynamic_update_slice(buffer, flat, (offset,))
     return buffer
