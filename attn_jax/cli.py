@@ -420,12 +420,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 SERVE_NUM_SCHEDULER_STEPS = 8
-"""Steps per device call in ``attn-stack serve`` when every request of the call samples in
-its first step (decodes, and prompts that finish there beside them) and none waits for room
-(the engine's multi-step decoding): the host's scheduling and dispatch are paid once per 8
-tokens. Each token still streams as its own chunk (the 8 arrive together); stop strings and
-max_tokens end a request at its exact token; a request that arrives meanwhile is admitted
-at the next call, at most 8 steps later."""
+"""Decode steps per device call in ``attn-stack serve`` once every running request decodes
+and none waits for room (the engine's multi-step decoding): the host's scheduling and
+dispatch are paid once per 8 tokens. Each token still streams as its own chunk (the 8
+arrive together); stop strings and max_tokens end a request at its exact token; a request
+that arrives meanwhile is admitted at the next call, at most 8 decode steps later."""
 
 
 def _port(text: str) -> int:

@@ -23,14 +23,12 @@ reach the caller one ``step`` late. Stop tokens and max lengths still end reques
 exactly: a request whose last token is pending is not scheduled again, and a token
 computed after its request stopped at EOS is dropped.
 
-Multi-step decoding (``num_scheduler_steps`` K > 1, vLLM's multi-step scheduling): when
-every request of a step samples in it (decodes, and prefills that finish their prompt
-beside running decodes) and no request waits to be admitted, one call runs several steps on the device (each later
-step's metadata a decode batch's moved on by the attention group's ``advance_decode``), so
-the host's scheduling and the call's dispatch are paid once per several tokens: K for a
-decode call, up to ``mixed_num_steps`` for one with a prefill. A request with fewer tokens
-left stops writing after its last; tokens after EOS are dropped; tokens reach the caller
-several at a time.
+Multi-step decoding (``num_scheduler_steps`` K > 1, vLLM's multi-step scheduling): when a
+step holds decodes only and no request waits to be admitted, one call runs K decode steps
+on the device (a ``lax.scan``; each step's metadata is the first's moved on by the
+attention group's ``advance_decode``), so the host's scheduling and the call's dispatch
+are paid once per K tokens. A request with fewer than K tokens left stops writing after
+its last; tokens after EOS are dropped; tokens reach the caller K at a time.
 
 Long-running: a request leaves every engine structure once its final event has been
 returned (``completion(id)`` and ``get_request(id)`` then read a bounded record of the
@@ -222,10 +220,9 @@ class Engine:
         shard); requests beyond it wait, are preempted, or are refused when alone too big.
       async_scheduling: dispatch each step before reading back the last one's tokens
         (the module docstring says how); False: each ``step`` returns its own tokens.
-      num_scheduler_steps: steps per call when every request samples in the call's first
-        (the module docstring says when; min(K, 8) for a call with a prefill); 1: one step
-        per call. Backends whose metadata cannot advance on the device
-        (``supports_decode_advance``) run one.
+      num_scheduler_steps: decode steps per call when a step holds decodes only (the
+        module docstring says when); 1: one step per call. Backends whose metadata cannot
+        advance on the device (``supports_decode_advance``) run one.
       max_finished_requests: finished requests kept for ``completion`` / ``get_request``
         (default ``MAX_FINISHED_REQUESTS`` = 1024; the oldest leave first).
       stats_window: calls kept in ``stats`` (default ``STATS_WINDOW`` = 1024).
@@ -644,48 +641,36 @@ class Engine:
         return batches, rows, steps, num_steps
 
     def _decode_steps(self, batches: list[ScheduledBatch]) -> tuple[list[list[int]], int]:
-        """Each request's steps in this call and the call's step count: several steps
-        (``reserve_decode_steps``) when every request samples in the first (decodes, and
-        prefills that finish their prompt), no request could be admitted instead, the
-        attention group advances its metadata, and the pages are free; else one (0 for a
-        prefill chunk that samples nothing).
+        """Each request's steps in this call and the call's step count: a multi-step decode
+        (``reserve_decode_steps``) when every shard's batch holds decodes only, no request
+        could be admitted instead, the attention group advances its metadata, and the
+        pages are free; else one step (0 for a prefill chunk that samples nothing).
 
-        A decode call runs no more steps than its batch can still use: K is capped at the
-        power of two >= the most new tokens any of its requests has left, and never below
+        A call runs no more steps than its batch can still use: K is capped at the power of
+        two >= the most new tokens any of its requests has left, and never below
         ``MIN_STEPS_CAP`` (a few spare steps cost less than another compiled variant). So
-        ``num_scheduler_steps=100000`` costs a few compiled variants, not 100,000-step calls.
-        A call with a prefill is always compiled for ``mixed_num_steps`` steps and runs as
-        many as its requests take (one when it cannot run more), so prefills add no variants.
-        Prompts join a running decode batch's steps so; a call of prompts alone runs one step,
-        so their first tokens come out right after it (time to first token at a cold start)."""
-        prefill = any(n > 1 for b in batches for n in b.num_new)
-        if prefill:
-            k = self.mixed_num_steps
-        else:
-            left = max((r.max_tokens - r.num_tokens for b in batches for r in b.requests), default=0)
-            k = min(self.num_scheduler_steps, max(next_pow2(max(left, 1)), MIN_STEPS_CAP))
-        samples = [
-            [int(r.num_computed + n == r.num_tokens) for r, n in zip(b.requests, b.num_new, strict=True)]
-            for b in batches
-        ]
+        ``num_scheduler_steps=100000`` costs a few compiled variants, not 100,000-step calls."""
+        left = max((r.max_tokens - r.num_tokens for b in batches for r in b.requests), default=0)
+        k = min(self.num_scheduler_steps, max(next_pow2(max(left, 1)), MIN_STEPS_CAP))
         multi = (
             k > 1
             and self.runner.supports_decode_advance
-            and all(all(row) for row in samples)
-            and (not prefill or any(n == 1 for b in batches for n in b.num_new))
+            and all(
+                n == 1 and r.num_computed + 1 == r.num_tokens
+                for b in batches
+                for r, n in zip(b.requests, b.num_new, strict=True)
+            )
             and all(not s.waiting or len(s.running) >= s.max_num_seqs for s in self.schedulers)
         )
         if multi:
             steps = [s.reserve_decode_steps(b, k) for s, b in zip(self.schedulers, batches, strict=True)]
             if all(x is not None for x in steps):
                 return steps, k
-        return samples, k if prefill else 1
-
-    @property
-    def mixed_num_steps(self) -> int:
-        """The steps a call with a prefill is compiled for: ``num_scheduler_steps`` up to
-        ``MIN_STEPS_CAP`` where the attention group advances its metadata, else 1."""
-        return min(self.num_scheduler_steps, MIN_STEPS_CAP) if self.runner.supports_decode_advance else 1
+        samples = [
+            [int(r.num_computed + n == r.num_tokens) for r, n in zip(b.requests, b.num_new, strict=True)]
+            for b in batches
+        ]
+        return samples, 1
 
     def step(self) -> list[TokenEvent]:
         """Schedules and dispatches one batch and returns the tokens that have become
@@ -726,9 +711,8 @@ class Engine:
                 request.num_computed += _computed_tokens(n, k)
                 request.num_pending += k
                 sampled += [(shard, step, row, request) for step in range(k)]
-                if n > 1:  # a prompt's tokens, then its decodes in the call's later steps
+                if n > 1:
                     num_prefill += n
-                    num_decode += max(k - 1, 0)
                 else:
                     num_decode += _computed_tokens(n, k)
         stats = StepStats(

@@ -105,9 +105,8 @@ class StepStatsLog:
 @dataclasses.dataclass(frozen=True)
 class EngineTotals:
     """Running sums over every call read back. ``rate_*`` fields count the calls that
-    compiled nothing: a one-step call with prefill tokens counts as prefill, one of decodes
-    only as decode (multi-step decodes included); a call that prefills and then decodes
-    (``Engine._decode_steps``) counts in neither, its time being both's."""
+    compiled nothing: a call with prefill tokens counts as prefill, one of decodes only as
+    decode (multi-step decodes included)."""
 
     steps: int = 0
     compiled_steps: int = 0
@@ -127,7 +126,7 @@ class EngineTotals:
     def add(self, s: StepStats) -> EngineTotals:
         """These totals with one more call (read back: its ``seconds`` known)."""
         warm = not s.compiled
-        prefill = warm and s.num_prefill_tokens > 0 and s.num_steps == 1
+        prefill = warm and s.num_prefill_tokens > 0
         decode = warm and not s.num_prefill_tokens
         return EngineTotals(
             steps=self.steps + 1,

@@ -47,7 +47,7 @@ class DispatchedCall:
     """A jitted call that has been enqueued; its tokens may not be computed yet."""
 
     tokens: jax.Array  # i32[K, R_max] (or [data, K, R_max]): each step's and request row's sampled token
-    num_steps: int  # the steps the device runs: K, or fewer for a call with a prefill (``PreparedCall``)
+    num_steps: int  # K
     token_bucket: int  # the padded token count
     compiled: bool  # the call traced and compiled a new bucket
     dispatch_start: float  # time.perf_counter() before the jitted call
@@ -67,7 +67,6 @@ class PreparedCall:
     token_bucket: int
     cascade_prefix_len: int  # the largest shard's; 0: no cascade attention
     decode_signature: tuple | None = None  # a one-step decode call's ``_decode_signature``; None: other calls
-    steps_run: int = 1  # K for a decode call; for one with a prefill, the most steps a request takes (>= 1)
 
     @property
     def key(self) -> tuple:
@@ -192,38 +191,13 @@ class ModelRunner:
         """One shard's batch as a tree of NumPy arrays, padded to ``buckets`` (tokens,
         requests, pages per request); ``rows`` holds each request's ``request_row``,
         ``decode_steps`` its steps in this call and ``prefix_len`` its cascade prefix (0:
-        none)."""
+        none). Built column by column (one NumPy call per array, not per request)."""
+        token_bucket, req_bucket, page_bucket = buckets
         reqs = batch.requests
         n = len(reqs)
         known, src, values = zip(*(rows[id(r)] for r in reqs), strict=True) if n else ((), (), ())
+        query_lens = np.asarray(batch.num_new, np.int32)
         starts = np.fromiter((r.num_computed for r in reqs), np.int32, n)
-        return self._tree(
-            reqs, batch.num_new, starts, known, src, values, buckets, step_query_lens, decode_steps, prefix_len
-        )
-
-    def _then_inputs(self, batch: ScheduledBatch, rows: dict[int, tuple], buckets, decode_steps, prefix_len) -> dict:
-        """The decode batch a call with a prefill moves on from after its first step (the
-        ``"then"`` tree; ``prepare``): one token per request, at the position after its first
-        step's tokens and with one more token generated; a request with no later step in the
-        call keeps its last position (its row is inactive, its writes masked)."""
-        reqs = batch.requests
-        n = len(reqs)
-        later = np.asarray(decode_steps, np.int32) > 1
-        starts = np.fromiter((r.num_computed for r in reqs), np.int32, n) + np.asarray(batch.num_new, np.int32)
-        starts -= (~later).astype(np.int32)
-        values = [(*rows[id(r)][2][:4], rows[id(r)][2][4] + 1) for r in reqs]
-        ones = np.ones(n, np.int32)
-        return self._tree(reqs, ones, starts, [()] * n, range(n), values, buckets, None, decode_steps, prefix_len)
-
-    def _tree(
-        self, reqs, num_new, starts, known, src, values, buckets, step_query_lens, decode_steps, prefix_len: int
-    ) -> dict:
-        """The step's tree of NumPy arrays for requests ``reqs`` with ``num_new`` query tokens
-        from positions ``starts`` on (``known``/``src``/``values``: ``request_row``'s three
-        parts, per request). Built column by column (one NumPy call per array, not per request)."""
-        token_bucket, req_bucket, page_bucket = buckets
-        n = len(reqs)
-        query_lens = np.asarray(num_new, np.int32)
         ends = np.cumsum(query_lens, dtype=np.int32)
         num_tokens = int(ends[-1]) if n else 0
 
@@ -279,10 +253,6 @@ class ModelRunner:
         BENCHMARKS.md). Padded requests have no tokens: a few empty rows
         of metadata, logits and sampling. Decode-only calls keep the exact bucket.
 
-        A call of several steps with a prefill (its prompts' last chunks, then decodes) also
-        packs the decode batch its second step runs (``_then_inputs``): the device moves that
-        one on for the later steps, as it moves a decode batch's first step.
-
         A one-step call that is the last dispatched call's decode batch one token later (the
         same requests in the same rows on the same pages, their input tokens still on the
         device) builds nothing: it takes the inputs the last call computed on the device for
@@ -309,18 +279,12 @@ class ModelRunner:
             self._host_inputs(b, rows, buckets, step_query_lens, s, p)
             for b, s, p in zip(batches, steps, prefix_lens, strict=True)
         ]
-        steps_run = num_steps
-        if num_steps > 1 and (step_query_lens > 1).any():
-            then_buckets = (req_bucket, req_bucket, page_bucket)
-            for x, b, s, p in zip(inputs, batches, steps, prefix_lens, strict=True):
-                x["then"] = self._then_inputs(b, rows, then_buckets, s, p)
-            steps_run = max(1, *(k for s in steps for k in s))
         packed = [pack(x) for x in inputs]
         temps, top_p, top_k = (
             np.concatenate([x["sampling"][k] for x in inputs]) for k in ("temperature", "top_p", "top_k")
         )
         num_candidates = num_candidates_for(temps, top_p, top_k, self.vocab_size)
-        return PreparedCall(packed, num_candidates, num_steps, token_bucket, max(prefix_lens), signature, steps_run)
+        return PreparedCall(packed, num_candidates, num_steps, token_bucket, max(prefix_lens), signature)
 
     def _decode_signature(self, batches, rows, steps, num_steps: int, prefix_lens) -> tuple | None:
         """What a one-step call of decodes only, each request's input token still on the device
@@ -377,7 +341,7 @@ class ModelRunner:
         ready = end if tokens.is_ready() else None
         tokens.copy_to_host_async()
         return DispatchedCall(
-            tokens, prepared.steps_run, prepared.token_bucket, self.num_compilations > compilations, start, end, ready,
+            tokens, num_steps, prepared.token_bucket, self.num_compilations > compilations, start, end, ready,
             prepared.cascade_prefix_len,
         )  # fmt: skip
 
@@ -455,29 +419,25 @@ class ModelRunner:
         num_rows = x["logits_rows"].shape[0]
         max_rows = self.max_rows
 
-        def forward(kv_caches, token_ids, positions, md, counters, logits_rows):
-            logits, kv_caches = self.model.step(params, kv_caches, token_ids, positions, md, logits_rows)
+        def forward(kv_caches, token_ids, positions, md, counters):
+            logits, kv_caches = self.model.step(params, kv_caches, token_ids, positions, md, x["logits_rows"])
             tokens = sample_tokens(
                 logits, s["temperature"], s["top_p"], s["top_k"], s["seeds"], counters, num_candidates=num_candidates
             )
             return jnp.pad(tokens, (0, max_rows - num_rows)), kv_caches
 
         limits = x["decode_steps"]  # i32[R]: steps each request takes (0 for padding rows)
-        group = self.attention_group
-        # The decode batch the later steps move on from: a decode call's own, or, after a
-        # prefill, the one packed for its second step (``shift`` steps after the first).
-        base, shift = (x["then"], 1) if "then" in x else (x, 0)
-        token_rows = jnp.arange(base["token_ids"].shape[0])
+        token_rows = jnp.arange(x["token_ids"].shape[0])
         token_req = jnp.minimum(token_rows, num_rows - 1)  # a decode batch's token r is request r's
+        group = self.attention_group
 
         def moved(steps, active):
-            """The decode batch's positions, metadata and sampling counters ``steps`` i32[R] tokens on."""
-            positions = base["positions"] + jnp.where(token_rows < num_rows, steps[token_req], 0)
-            counters = base["sampling"]["counters"] + steps
-            return positions, group.advance_decode(base["md"], steps, active), counters
+            """A decode batch's positions, metadata and sampling counters ``steps`` i32[R] tokens on."""
+            positions = x["positions"] + jnp.where(token_rows < num_rows, steps[token_req], 0)
+            return positions, group.advance_decode(md, steps, active), s["counters"] + steps
 
         token_ids = jnp.where(x["token_src"] >= 0, last_tokens[jnp.maximum(x["token_src"], 0)], x["token_ids"])
-        tokens, kv_caches = forward(kv_caches, token_ids, x["positions"], md, s["counters"], x["logits_rows"])
+        tokens, kv_caches = forward(kv_caches, token_ids, x["positions"], md, s["counters"])
         if num_steps == 1:
             next_packed = packed
             if self._chains_decodes:  # the next call's inputs, a token on
@@ -487,19 +447,15 @@ class ModelRunner:
                 next_packed = repack(packed, layout, x, later)
             return tokens[None], tokens, kv_caches, next_packed
 
-        def decode(step, carry):
-            kv_caches, last, out = carry
-            steps = jnp.clip(jnp.minimum(step, limits - 1) - shift, 0)
+        def decode(carry, step):
+            kv_caches, last = carry
+            steps = jnp.clip(jnp.minimum(step, limits - 1), 0)
             active = step < limits
             token_ids = last[jnp.minimum(token_rows, max_rows - 1)]
             positions, step_md, counters = moved(steps, active)
-            new, kv_caches = forward(kv_caches, token_ids, positions, step_md, counters, base["logits_rows"])
+            new, kv_caches = forward(kv_caches, token_ids, positions, step_md, counters)
             last = jnp.where(jnp.pad(active, (0, max_rows - num_rows)), new, last)
-            return kv_caches, last, out.at[step].set(new)
+            return (kv_caches, last), new
 
-        out = jnp.zeros((num_steps, max_rows), jnp.int32).at[0].set(tokens)
-        # A decode call runs all its steps; one with a prefill as many as its requests take
-        # (none after the first when one of its prompts is still being chunked, say).
-        end = num_steps if shift == 0 else jnp.max(limits)
-        kv_caches, last, out = jax.lax.fori_loop(1, end, decode, (kv_caches, tokens, out))
-        return out, last, kv_caches, packed
+        (kv_caches, last), later = jax.lax.scan(decode, (kv_caches, tokens), jnp.arange(1, num_steps))
+        return jnp.concatenate([tokens[None], later]), last, kv_caches, packed

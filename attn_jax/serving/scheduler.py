@@ -290,19 +290,16 @@ class Scheduler:
         return ScheduledBatch(scheduled, num_new, preempted, num_queried, num_cached)
 
     def reserve_decode_steps(self, batch: ScheduledBatch, num_steps: int) -> list[int] | None:
-        """Pages for a multi-step call of ``batch``, every request of which samples in its
-        first step (decodes, and prefills that finish their prompt there): each request's
-        steps (``num_steps``, or fewer when it has fewer tokens left), with the pages for its
-        new tokens and later steps allocated; None, with nothing allocated, when the free
-        pages do not suffice."""
+        """Pages for a multi-step decode of ``batch`` (decodes only): each request's steps
+        (``num_steps``, or fewer when it has fewer tokens left), with the pages for them
+        allocated; None, with nothing allocated, when the free pages do not suffice."""
         manager = self.kv_cache_manager
         steps = [min(num_steps, r.params.max_new_tokens - r.num_generated) for r in batch.requests]
-        tokens = [q + n - 1 for q, n in zip(batch.num_new, steps, strict=True)]
-        needs = [manager.num_pages_needed(r, t) for r, t in zip(batch.requests, tokens, strict=True)]
+        needs = [manager.num_pages_needed(r, n) for r, n in zip(batch.requests, steps, strict=True)]
         if not self.allocator.can_allocate(sum(needs)):
             return None
-        for request, t in zip(batch.requests, tokens, strict=True):
-            manager.allocate_slots(request, t)
+        for request, n in zip(batch.requests, steps, strict=True):
+            manager.allocate_slots(request, n)
         return steps
 
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:

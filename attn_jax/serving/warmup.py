@@ -12,9 +12,8 @@ backend could tell apart (decode-only; 1, 2, 4, ... and all requests prefilling;
 longest prefill at 2, 3 and every power of two and one past it, and at the budget;
 contexts that fill the page bucket, with and without a prefix every request shares for
 cascade attention), the sampling variants asked for, and each multi-step decode count the
-engine can choose (a call with a prefill has one: ``Engine.mixed_num_steps``).
-``ModelRunner.prepare`` computes each batch's compile key on the host (the same code
-traffic runs); each distinct key is dispatched once with dummy inputs.
+engine can choose. ``ModelRunner.prepare`` computes each batch's compile key on the host
+(the same code traffic runs); each distinct key is dispatched once with dummy inputs.
 Every dummy request's block table points at one scratch page, which
 ``ModelRunner.preserving_page`` saves and restores, so no page a request can see (live,
 or cached for prefix reuse) is changed.
@@ -203,7 +202,6 @@ def warm_up(
     step_counts = [1]
     if runner.supports_decode_advance:
         step_counts += decode_step_counts(engine.num_scheduler_steps, max_model_len, MIN_STEPS_CAP)
-    mixed = engine.mixed_num_steps  # every call with a prefill is compiled for this many steps
     calls, num_probes = {}, 0  # key -> (priority, PreparedCall)
     for lens in query_len_patterns(engine.buckets, engine.max_num_seqs, engine.max_num_batched_tokens):
         decode_only = max(lens) == 1
@@ -215,10 +213,9 @@ def warm_up(
                 batch = _dummy_batch(lens, capacity, block_size, params)
                 batches = [batch] * runner.num_shards
                 rows = {id(r): ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, lens, strict=True)}
-                for k in step_counts if decode_only else [mixed]:
+                for k in step_counts if decode_only else [1]:
                     for common in (None, [min(p, max_pages)] * runner.num_shards):
-                        # a prefill's dummy requests take one step (its layout does not depend on them)
-                        steps = [[k if decode_only else 1] * len(lens)] * runner.num_shards
+                        steps = [[k] * len(lens)] * runner.num_shards
                         prepared = runner.prepare(batches, rows, steps, k, common)
                         num_probes += 1
                         calls.setdefault(prepared.key, ((v, not decode_only, common is not None), prepared))

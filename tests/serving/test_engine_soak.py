@@ -127,10 +127,8 @@ def _soak(num_requests: int) -> tuple[Engine, dict[str, int], list[tuple[int, in
 
 def _check_nothing_left(engine: Engine, start: dict[str, int]) -> None:
     end = _sizes(engine)
-    b = engine.runner.buckets  # one exact-bucket record per combination of the engine's buckets, at most,
-    # and per (requests, pages) for the decode batch a call with a prefill packs for its later steps
-    then = len(b.request_buckets) * len(b.blocks_per_request_buckets)
-    combinations = len(b.token_buckets) * len(b.request_buckets) * len(b.blocks_per_request_buckets) + then
+    b = engine.runner.buckets  # one exact-bucket record per combination of the engine's buckets, at most
+    combinations = len(b.token_buckets) * len(b.request_buckets) * len(b.blocks_per_request_buckets)
     bounded = {"engine._finished": MAX_FINISHED, "engine.stats": STATS_WINDOW, "runner._exact_buckets": combinations}
     bounded["runner.dispatched_keys"] = engine.num_compilations  # one key per compiled step shape
     for i in range(len(engine.schedulers)):  # the prefix cache keeps freed pages, at most every page
