@@ -28,13 +28,10 @@ import time
 import bridge  # noqa: F401  (first: sets JAX's GPU memory policy before JAX initialises)
 
 # isort: on
-import torch
-import transformers
 from results_io import add_output_args, output_path  # benchmarks/, the script's folder
-from torch_run_record import run_environment, write_result
-from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
 
-from attn_torch.integrations.transformers import use_attn_stack
+# torch, transformers and attn_torch are imported once the arguments are parsed: --help answers in a
+# fraction of a second (tests/test_benchmark_scripts.py asks every script for it).
 
 PROMPTS = [
     "The capital of France is",
@@ -45,6 +42,9 @@ PROMPTS = [
 
 
 def load(gguf: pathlib.Path, device: str):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     if importlib.util.find_spec("gguf") is None:
         sys.exit("loading a GGUF needs the 'gguf' package (pip install gguf==0.19.0); it is not installed here")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -53,6 +53,8 @@ def load(gguf: pathlib.Path, device: str):
 
 
 def timed(fn) -> tuple[float, object]:
+    import torch
+
     fn()  # warm-up: compiles
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -70,6 +72,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     add_output_args(parser, "torch_transformers_{device}.json")
     args = parser.parse_args()
+    import torch
+    import transformers
+    from torch_run_record import run_environment, write_result
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    from attn_torch.integrations.transformers import use_attn_stack
+
     if args.gguf is None:
         from attn_jax.models.smollm2 import gguf_path
 

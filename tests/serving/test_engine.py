@@ -24,6 +24,8 @@ FORCED_CASCADE = CascadeConfig(min_prefix_len=16, min_requests=2)  # cascade for
 
 @pytest.fixture(scope="module")
 def engine(smollm2_gguf):
+    # notebooks/serving.md runs these limits under the suite (ATTN_STACK_NOTEBOOK_FAST): keep them equal, and the
+    # session's compilation cache holds their step programs once for both
     return Engine.from_gguf(
         smollm2_gguf, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, num_blocks=10,
         buckets=MetadataBuckets((32,), (4,), (8,)),
