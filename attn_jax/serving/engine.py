@@ -97,11 +97,10 @@ class UnknownRequestError(KeyError):
         return str(self.args[0])
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(frozen=True)
 class TokenEvent:
     """One generated token of one request (what ``step`` and ``stream`` yield); a request
-    that fails or is aborted ends with an event of token_id -1. Read-only by convention (not
-    frozen: one is made per token, and a frozen dataclass's init costs 4x)."""
+    that fails or is aborted ends with an event of token_id -1."""
 
     request_id: str
     token_id: int
@@ -738,7 +737,7 @@ class Engine:
         are dropped."""
         if step is None:
             return []
-        tokens = self.runner.read_tokens(step.call.tokens).tolist()  # Python ints: indexed per token below
+        tokens = self.runner.read_tokens(step.call.tokens)
         now = time.perf_counter()
         end = now if step.call.ready_at is None else step.call.ready_at
         begin = min(max(step.step_start, self._last_end), end)
@@ -753,7 +752,7 @@ class Engine:
             request.num_pending -= 1
             state = self._requests[request.request_id]
             try:
-                events.append(self._append_token(state, tokens[shard][k][row], now))
+                events.append(self._append_token(state, int(tokens[shard, k, row]), now))
             except Exception as e:  # e.g. the tokenizer fails on this request alone
                 events.append(self._fail(state, e))
         return events
