@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -292,14 +293,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from attn_jax.models.gguf_loader import ModelLoadError
-    from attn_jax.registry import AttentionBackendEnum
     from attn_jax.selector import explain_attn_backend_selection, global_force_attn_backend_context_manager
     from attn_jax.server.model_source import build_engine
     from attn_jax.sharding import check_num_devices
 
     try:
         check_num_devices(args.devices)
-        forced = None if args.backend is None else AttentionBackendEnum[args.backend.strip().upper()]
+        forced = _forced_backend(args.backend)
     except ValueError as e:
         return _error(args, e)
     if args.max_new_tokens >= MAX_MODEL_LEN:  # before loading anything; the engine checks prompt + new tokens
@@ -507,49 +507,37 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    """Serves a model over an OpenAI-compatible HTTP API.
-
-    Routes: /v1/models, /v1/completions, /v1/chat/completions (streaming with
-    "stream": true), /health and /metrics (Prometheus). The model loads first, then every
-    step shape the engine can meet is compiled (unless --no-warmup); the server listens
-    once both are done, so no compilation stalls traffic."""
-    try:
-        import uvicorn
-
-        from attn_jax.server.app import build_app
-        from attn_jax.server.model_source import build_engine, default_served_name
-    except ImportError as e:
-        return _error(args, f"{e.name or e} is missing: install the serve extra, pip install 'attn-stack[serve]'")
-    if not 0 <= args.seed < SEED_LIMIT:
-        return _error(args, f"--seed {args.seed} is outside [0, 2**32): give an integer from 0 to {SEED_LIMIT - 1}")
-    from attn_jax.models.gguf_loader import ModelLoadError
+def _forced_backend(name: str | None):
+    """``--backend``'s ``AttentionBackendEnum`` member (None: selected); ValueError naming the valid ones."""
     from attn_jax.registry import AttentionBackendEnum
+
+    return None if name is None else AttentionBackendEnum[name.strip().upper()]
+
+
+def _serve_engine(args: argparse.Namespace):
+    """(In the engine process.) The engine ``attn-stack serve`` serves, warmed up; prints
+    its progress and, last, what is served where. ValueError / OSError for a model or a
+    flag it cannot take."""
+    import jax
+
     from attn_jax.selector import global_force_attn_backend_context_manager
+    from attn_jax.server.model_source import build_engine, default_served_name
     from attn_jax.sharding import check_num_devices
 
-    try:
-        check_num_devices(args.devices)
-        forced = None if args.backend is None else AttentionBackendEnum[args.backend.strip().upper()]
-    except ValueError as e:
-        return _error(args, e)
+    check_num_devices(args.devices)
+    forced = _forced_backend(args.backend)
     if not args.no_compilation_cache:
         from attn_jax.cache_dir import enable_compilation_cache
 
         print(f"attn-stack serve: compilation cache {enable_compilation_cache()}", file=sys.stderr, flush=True)
     force = global_force_attn_backend_context_manager(forced) if forced is not None else contextlib.nullcontext()
     with force:
-        try:
-            engine = build_engine(
-                args.model, devices=args.devices if args.devices > 1 else None, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                seed=args.seed, num_scheduler_steps=args.num_scheduler_steps,
-                enable_prefix_caching=not args.no_prefix_caching,
-            )  # fmt: skip
-        except (ModelLoadError, ValueError, FileNotFoundError) as e:
-            return _error(args, e)
-        name = args.served_model_name or default_served_name(args.model)
-        backend = engine.model.attn_backend.get_name()
+        engine = build_engine(
+            args.model, devices=args.devices if args.devices > 1 else None, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+            seed=args.seed, num_scheduler_steps=args.num_scheduler_steps,
+            enable_prefix_caching=not args.no_prefix_caching,
+        )  # fmt: skip
         if not args.no_warmup:
             start = time.perf_counter()
 
@@ -562,8 +550,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                         file=sys.stderr, flush=True,
                     )  # fmt: skip
 
-            import jax
-
             max_shapes = args.warmup_max_shapes
             if max_shapes is None:
                 max_shapes = DEFAULT_WARMUP_MAX_SHAPES["cpu" if jax.default_backend() == "cpu" else "accelerator"]
@@ -571,12 +557,47 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             max_shapes = None if max_shapes == "all" else max_shapes
             report = engine.warmup(max_shapes=max_shapes, progress=progress, **sampling)
             print(f"attn-stack serve: {report.summary()}", file=sys.stderr, flush=True)
-        print(
-            f"attn-stack serve: {name!r} ({engine.model.config.num_layers} layers, attention backend {backend}, "
-            f"max_model_len {engine.max_model_len}) at http://{args.host}:{args.port}/v1",
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
+    name = args.served_model_name or default_served_name(args.model)
+    print(
+        f"attn-stack serve: {name!r} ({engine.model.config.num_layers} layers, attention backend "
+        f"{engine.model.attn_backend.get_name()}, max_model_len {engine.max_model_len}) at "
+        f"http://{args.host}:{args.port}/v1",
+        file=sys.stderr, flush=True,
+    )  # fmt: skip
+    return engine
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    """Serves a model over an OpenAI-compatible HTTP API.
+
+    Routes: /v1/models, /v1/completions, /v1/chat/completions (streaming with
+    "stream": true), /health and /metrics (Prometheus). The engine runs in a process of
+    its own, the HTTP server in this one. The model loads first, then every step shape
+    the engine can meet is compiled (unless --no-warmup); the server listens once both
+    are done, so no compilation stalls traffic."""
+    try:
+        import uvicorn
+
+        from attn_jax.server.app import build_app
+        from attn_jax.server.engine_process import EngineProcess, EngineStartError
+        from attn_jax.server.model_source import default_served_name
+    except ImportError as e:
+        return _error(args, f"{e.name or e} is missing: install the serve extra, pip install 'attn-stack[serve]'")
+    if not 0 <= args.seed < SEED_LIMIT:
+        return _error(args, f"--seed {args.seed} is outside [0, 2**32): give an integer from 0 to {SEED_LIMIT - 1}")
+    try:  # checked here, before a process starts; the engine process forces it
+        _forced_backend(args.backend)
+    except ValueError as e:
+        return _error(args, e)
+    try:
+        engine = EngineProcess(functools.partial(_serve_engine, args))
+    except EngineStartError as e:
+        return _error(args, e)
+    name = args.served_model_name or default_served_name(args.model)
+    try:
         uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.join(0)
     return 0
 
 

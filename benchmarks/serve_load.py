@@ -1,14 +1,16 @@
 """Load on a real ``attn-stack serve`` app (uvicorn) through the official openai client,
 beside the offline engine on the same GPU: the figures ``vllm bench serve`` reports.
 
-Three processes' kinds, so that neither side's Python slows the other's:
+Four processes' kinds, so that no side's Python slows another's:
 
-- the server process builds the engine (``--model``: ``tiny-random`` on a CPU, or a model
-  shape of random weights such as ``smollm2-135m`` with the SmolLM2 tokenizer), compiles
-  every step shape with ``Engine.warmup`` as ``attn-stack serve`` does (unless
-  ``--no-engine-warmup``), times the offline engine (``Engine.generate`` at batch ``--concurrency``,
-  the same prompt and output lengths), then serves that same engine with
-  ``attn_jax.server.app.build_app`` under uvicorn;
+- the engine process (``attn_jax.server.engine_process``, as ``attn-stack serve`` runs
+  it; ``--engine-in-thread``: a thread of the server process instead) builds the engine
+  (``--model``: ``tiny-random`` on a CPU, or a model shape of random weights such as
+  ``smollm2-135m`` with the SmolLM2 tokenizer), compiles every step shape with
+  ``Engine.warmup`` as ``attn-stack serve`` does (unless ``--no-engine-warmup``), times
+  the offline engine (``Engine.generate`` at batch ``--concurrency``, the same prompt and
+  output lengths), then runs that same engine's core for the server;
+- the server process serves it with ``attn_jax.server.app.build_app`` under uvicorn;
 - ``--client-procs`` load processes run ``AsyncOpenAI`` streaming completions;
 - this process coordinates and reports (it never imports JAX).
 
@@ -51,6 +53,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import datetime
+import functools
 import json
 import multiprocessing
 import os
@@ -174,38 +177,84 @@ def run_offline(engine, opts: dict) -> dict:
     }
 
 
+def prepare_engine(opts: dict):
+    """The engine, warmed up as ``attn-stack serve`` warms it, and the offline run's figures."""
+    import jax
+
+    if not opts["no_compilation_cache"]:  # as attn-stack serve: a rerun loads its step programs
+        from attn_jax.cache_dir import enable_compilation_cache
+
+        enable_compilation_cache()
+    engine = build_engine(opts)
+    warmup = None
+    if not opts["no_engine_warmup"]:  # what attn-stack serve does before it listens
+        sampling = tuple(v for v in opts["warmup_sampling"].split(",") if v)
+        report = engine.warmup(sampling=sampling, max_shapes=opts["warmup_max_shapes"])
+        warmup = dataclasses.asdict(report) | {"sampling": list(sampling)}
+    offline = run_offline(engine, opts)
+    offline["engine_warmup"] = warmup
+    offline["device"] = jax.devices()[0].device_kind
+    offline["backend"] = engine.model.attn_backend.get_name()
+    offline["num_blocks"] = engine.num_blocks
+    return engine, offline
+
+
+def probe_answer(engine, message: tuple) -> tuple:
+    """The answer to the coordinator's ``("mark",)`` or ``("summary", first_step)``."""
+    if message[0] == "mark":
+        return "mark", {"num_compilations": engine.num_compilations, "step": len(engine.stats)}
+    return "summary", _step_summary(engine, message[1])
+
+
+def engine_with_probe(opts: dict, probe) -> object:
+    """(The engine process's factory.) ``prepare_engine``; sends the offline figures on
+    ``probe``, then answers probes there from a thread while the engine core serves."""
+    engine, offline = prepare_engine(opts)
+    probe.send(("offline", offline))
+
+    def answer() -> None:
+        while True:
+            try:
+                probe.send(probe_answer(engine, probe.recv()))
+            except (EOFError, OSError):
+                return
+
+    threading.Thread(target=answer, name="serve-load-probe", daemon=True).start()
+    return engine
+
+
 def serve_process(opts: dict, port: int, conn) -> None:
-    """The server process: engine, offline timing, then uvicorn until told to stop.
+    """The server process: the engine (in an engine process of its own, as ``attn-stack
+    serve`` runs it, or with ``--engine-in-thread`` in a thread of this one), its offline
+    timing, then uvicorn until told to stop.
 
     Messages to the parent: ("offline", dict), ("ready", dict), ("mark", dict) after each
     "mark" request, ("final", dict); ("error", traceback) if anything fails."""
     try:
         if opts["gil_switch_interval_ms"] is not None:  # how soon a thread waiting for the GIL gets it
             sys.setswitchinterval(opts["gil_switch_interval_ms"] / 1e3)
-        import jax
         import uvicorn
 
-        if not opts["no_compilation_cache"]:  # as attn-stack serve: a rerun loads its step programs
-            from attn_jax.cache_dir import enable_compilation_cache
-
-            enable_compilation_cache()
-
         from attn_jax.server.app import build_app
+        from attn_jax.server.engine_process import EngineProcess
 
-        engine = build_engine(opts)
-        device = jax.devices()[0]
-        warmup = None
-        if not opts["no_engine_warmup"]:  # what attn-stack serve does before it listens
-            sampling = tuple(v for v in opts["warmup_sampling"].split(",") if v)
-            report = engine.warmup(sampling=sampling, max_shapes=opts["warmup_max_shapes"])
-            warmup = dataclasses.asdict(report) | {"sampling": list(sampling)}
-        offline = run_offline(engine, opts)
-        offline["engine_warmup"] = warmup
-        offline["device"] = device.device_kind
-        offline["backend"] = engine.model.attn_backend.get_name()
-        offline["num_blocks"] = engine.num_blocks
+        if opts["engine_in_thread"]:
+            served, offline = prepare_engine(opts)
+
+            def probe(message: tuple) -> tuple:
+                return probe_answer(served, message)
+        else:
+            here, there = multiprocessing.get_context("spawn").Pipe()
+            served = EngineProcess(functools.partial(engine_with_probe, opts, there))
+            there.close()
+            _, offline = here.recv()
+
+            def probe(message: tuple) -> tuple:
+                here.send(message)
+                return here.recv()
+
         conn.send(("offline", offline))
-        app = build_app(engine, SERVED_NAME)
+        app = build_app(served, SERVED_NAME)
         config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
@@ -218,15 +267,14 @@ def serve_process(opts: dict, port: int, conn) -> None:
         conn.send(("ready", {"uvicorn": uvicorn.__version__, "loop": str(config.loop), "http": str(config.http)}))
         while True:
             message = conn.recv()
-            if message[0] == "mark":
-                conn.send(("mark", {"num_compilations": engine.num_compilations, "step": len(engine.stats)}))
-            elif message[0] == "summary":
-                conn.send(("summary", _step_summary(engine, message[1])))
+            if message[0] in ("mark", "summary"):
+                conn.send(probe(message))
             else:
                 break
+        final = probe(("mark",))
         server.should_exit = True
         thread.join(60)
-        conn.send(("final", {"num_compilations": engine.num_compilations}))
+        conn.send(("final", {"num_compilations": final[1]["num_compilations"]}))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
 
@@ -532,6 +580,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--gil-switch-interval-ms", type=float, default=None,
         help="the server process's sys.setswitchinterval in ms (default: Python's 5 ms)",
     )  # fmt: skip
+    p.add_argument(
+        "--engine-in-thread", action="store_true",
+        help="run the engine in a thread of the HTTP server's process (default: a process of its own, as attn-stack "
+        "serve does)",
+    )  # fmt: skip
     p.add_argument("--backend", default=None, help="force an attention backend (default: selected)")
     p.add_argument("--tokenizer-dir", default=None, help="a folder --save-tokenizer wrote (default: the GGUF's)")
     p.add_argument("--save-tokenizer", default=None, metavar="DIR", help="only write the SmolLM2 tokenizer to DIR")
@@ -584,6 +637,7 @@ def _workload(args: argparse.Namespace, procs: int) -> dict:
         "engine_warmup": not args.no_engine_warmup,
         "compilation_cache": not args.no_compilation_cache,
         "gil_switch_interval_ms": args.gil_switch_interval_ms,
+        "engine": "thread" if args.engine_in_thread else "process",
     }
 
 

@@ -13,7 +13,8 @@ aborted at once (its KV pages are freed before the engine's next step).
 
 Example::
 
-    app = build_app(Engine.from_gguf(), "SmolLM2-135M-Instruct")
+    app = build_app(Engine.from_gguf(), "SmolLM2-135M-Instruct")  # the engine in a thread
+    app = build_app(EngineProcess(Engine.from_gguf), "SmolLM2-135M-Instruct")  # in a process of its own
     uvicorn.run(app, host="127.0.0.1", port=8000)
 """
 
@@ -146,8 +147,9 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 def build_app(engine, served_model_name: str, *, metrics: ServerMetrics | None = None) -> FastAPI:
-    """The app serving ``engine`` as ``served_model_name``; the engine thread starts and
-    stops with the app (its lifespan). ``app.state.engine_loop`` is the ``EngineLoop``."""
+    """The app serving ``engine`` (an ``Engine``, run in a thread of this process, or an
+    ``EngineProcess``) as ``served_model_name``; the engine core starts and stops with the
+    app (its lifespan). ``app.state.engine_loop`` is the ``EngineLoop``."""
     metrics = ServerMetrics(served_model_name) if metrics is None else metrics
     engine_loop = EngineLoop(engine, metrics)
 
@@ -204,7 +206,7 @@ def build_app(engine, served_model_name: str, *, metrics: ServerMetrics | None =
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine_loop.max_model_len)])
 
     def sampling(body, **prompt) -> GenerationSpec:
         return GenerationSpec(

@@ -138,6 +138,22 @@ class ServerMetrics:
         if counts.kv_blocks_total is not None:
             self.kv_cache_blocks_total.set(counts.kv_blocks_total)
 
+    def record(self, report) -> None:
+        """Applies one engine round's updates (an ``engine_core.RoundReport``)."""
+        if report.prompt_tokens:
+            self.prompt_tokens.inc(report.prompt_tokens)
+        if report.time_to_first_token or report.inter_token_latency:
+            self.generation_tokens.inc(len(report.time_to_first_token) + len(report.inter_token_latency))
+            self.time_to_first_token.observe_many(report.time_to_first_token)
+            self.inter_token_latency.observe_many(report.inter_token_latency)
+        for reason, seconds in report.finished:
+            self.request_finished(reason)
+            self.e2e_request_latency.observe(seconds)
+        if report.compilations:
+            self.step_compilations.inc(report.compilations)
+        if report.counts is not None:
+            self.set_counts(report.counts, report.num_started, report.num_waiting)
+
     def render(self) -> bytes:
         """Every metric in Prometheus' text format (``CONTENT_TYPE``)."""
         return generate_latest(self.registry)

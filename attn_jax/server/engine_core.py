@@ -1,0 +1,303 @@
+"""The engine side of the server: commands in, one message of plain data per round out.
+
+An ``EngineCore`` owns an ``Engine`` alone, from one thread: the server's engine thread
+(``EngineLoop(engine, ...)``) or the main thread of an engine process of its own
+(``engine_process``). Each round it takes the commands queued since the last one, admits
+and aborts requests (prompts encoded, chat template applied and limits checked here, so a
+refusal names the field), steps the engine while any request is unfinished, matches stop
+strings on each request's new text only, and emits what happened as one picklable tuple:
+
+- ``("round", admitted, outputs, report)``: ``admitted`` is ``(request_id, prompt_tokens,
+  refusal)`` per submission taken this round (``refusal`` None or ``(message, param,
+  code)``, a ``RequestError``'s parts); ``outputs`` is ``(request_id, pieces,
+  finish_reason, error)`` per request with news, ``pieces`` ``[text, num_tokens]`` per
+  token (a multi-step call's K tokens are K pieces); ``report`` the round's metric updates
+  (``RoundReport``).
+- ``("closed", admitted, outputs, report, failure)``: the loop has ended; ``failure``
+  says why the engine failed, or is None for a requested stop; ``outputs`` end every
+  request still live (reason "error" or "abort").
+
+Commands: ``("submit", request_id, GenerationSpec, arrival)`` (``arrival`` a
+``time.perf_counter()``: CLOCK_MONOTONIC, which the processes of one Linux host share),
+``("abort", request_id)``, ``("stop",)``.
+
+An exception from ``Engine.step`` itself (not one request's failure, which the engine
+contains) leaves the engine in an unknown state: every request ends with an error and
+the loop stops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from attn_jax.server.engine_probe import EngineCounts, read_counts
+from attn_jax.server.stop_strings import StopMatcher
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take; ``param`` names the field at fault (OpenAI's
+    error ``param``), None when no one field is; ``code`` is OpenAI's error code, if any."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationSpec:
+    """One request as the server hands it to the engine core."""
+
+    prompt: str | Sequence[int] | Sequence[Mapping[str, str]]  # text, token ids, or chat messages
+    max_tokens: int | None = None  # None: the rest of the context
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    chat: bool = False  # prompt holds chat messages, rendered with the model's chat template
+    prompt_param: str = "prompt"  # the request field errors about the prompt name
+    max_tokens_param: str = "max_tokens"
+
+
+@dataclasses.dataclass(slots=True)
+class RoundReport:
+    """One round's updates to the server's metrics (``ServerMetrics.record``): seconds, counts."""
+
+    prompt_tokens: int = 0
+    time_to_first_token: list[float] = dataclasses.field(default_factory=list)
+    inter_token_latency: list[float] = dataclasses.field(default_factory=list)
+    finished: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # (reason, seconds since arrival)
+    compilations: int = 0  # step shapes compiled this round
+    counts: EngineCounts | None = None  # at the round's end
+    num_started: int = 0  # live requests with a token (the gauges' fallback where the engine's counts are unknown)
+    num_waiting: int = 0  # live requests without one
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+    """The core's record of one admitted request."""
+
+    request_id: str
+    stop: StopMatcher
+    arrival: float
+    num_tokens: int = 0
+    last_token_at: float | None = None
+
+
+class EngineCore:
+    """Runs ``engine`` round by round until a ``("stop",)`` command or an engine failure.
+
+    Args:
+      engine: an ``attn_jax.serving.Engine`` (only its public API is used, plus
+        ``engine_probe`` for the metrics' counts).
+      receive: ``receive(block) -> commands`` queued since the last call; waits for one
+        when ``block`` (the engine is idle).
+      emit: takes each message (above), in order.
+    """
+
+    def __init__(self, engine, receive: Callable[[bool], list[tuple]], emit: Callable[[tuple], None]) -> None:
+        self.engine = engine
+        self._receive, self._emit = receive, emit
+        self._live: dict[str, _Live] = {}
+        self._admitted: list[tuple] = []  # this round's admissions, not yet emitted
+        self._compilations = getattr(engine, "num_compilations", None)  # the warm-up's are not counted
+
+    def run(self) -> None:
+        """The loop; returns once it has emitted ``("closed", ...)``."""
+        failure = None
+        try:
+            self._emit_round({}, RoundReport())  # the gauges' first values
+            while self._round():
+                pass
+        except Exception as e:  # an engine step failed as a whole: its state is unknown
+            failure = f"the engine failed: {type(e).__name__}: {e}"
+            logger.exception("the engine loop stopped")
+        self._end_all(failure)
+
+    def _emit_round(self, outputs: dict, report: RoundReport) -> None:
+        """Emits a round's message, the gauges' counts read at its end."""
+        report.counts = read_counts(self.engine)
+        report.num_started = sum(live.num_tokens > 0 for live in self._live.values())
+        report.num_waiting = len(self._live) - report.num_started
+        admitted, self._admitted = self._admitted, []
+        self._emit(("round", admitted, list(outputs.values()), report))
+
+    def _round(self) -> bool:
+        """Runs the queued commands, steps once if there is work; False to stop."""
+        commands = self._receive(not self.engine.has_unfinished())
+        outputs, report = {}, RoundReport()
+        stopping = stepped = False
+        for command in commands:
+            if command[0] == "submit":
+                self._admitted.append(self._admit(*command[1:], report))
+            elif command[0] == "abort":
+                self._abort(command[1], outputs, report)
+            else:
+                stopping = True
+        if not stopping and self.engine.has_unfinished():
+            events = self.engine.step()
+            self._on_events(events, time.perf_counter(), outputs, report)
+            self._count_compilations(report)
+            stepped = True
+        if self._admitted or outputs or stepped:
+            self._emit_round(outputs, report)
+        return not stopping
+
+    def _count_compilations(self, report: RoundReport) -> None:
+        """Counts (and logs) step shapes compiled while serving: each stalled every stream."""
+        total = getattr(self.engine, "num_compilations", None)
+        if total is None:
+            return
+        report.compilations, self._compilations = total - (self._compilations or 0), total
+        if report.compilations > 0:
+            logger.warning(
+                "the engine compiled %d new step shape(s) while serving (every stream waited for it); "
+                "start without --no-warmup, or with a larger --warmup-max-shapes / more --warmup-sampling variants",
+                report.compilations,
+            )
+
+    def _admit(self, request_id: str, spec: GenerationSpec, arrival: float, report: RoundReport) -> tuple:
+        try:
+            ids, params = self._prepare(spec)
+            self.engine.add_request(ids, params, request_id=request_id)
+        except RequestError as e:
+            return request_id, 0, (str(e), e.param, e.code)
+        except (ValueError, TypeError) as e:  # the engine's own checks
+            return request_id, 0, (str(e), spec.prompt_param, None)
+        self._live[request_id] = _Live(request_id, StopMatcher(spec.stop), arrival)
+        report.prompt_tokens += len(ids)
+        return request_id, len(ids), None
+
+    def _prepare(self, spec: GenerationSpec):
+        """The prompt's token ids and the engine's ``SamplingParams``; RequestError naming
+        the field for a prompt that does not fit the context or the cache."""
+        from attn_jax.serving import SamplingParams
+
+        engine, name = self.engine, spec.prompt_param
+        try:
+            if spec.chat:
+                ids = self._chat_ids(spec.prompt)
+            elif isinstance(spec.prompt, str):
+                ids = engine.encode(spec.prompt)
+            else:
+                ids = [int(i) for i in spec.prompt]
+        except RequestError:
+            raise
+        except Exception as e:  # a template that refuses the messages, a missing tokenizer, ...
+            raise RequestError(f"{name} could not be encoded: {e}", name) from None
+        if not ids:
+            raise RequestError(f"{name} encodes to no tokens: give some text", name)
+        vocab = engine.model.config.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise RequestError(f"{name} holds token id {bad[0]}, outside the vocabulary [0, {vocab})", name)
+        limit = engine.max_model_len
+        if len(ids) >= limit:
+            raise RequestError(
+                f"{name} has {len(ids)} tokens; this model's context is max_model_len={limit} tokens, "
+                "prompt and completion together: shorten it",
+                name,
+            )
+        max_tokens = limit - len(ids) if spec.max_tokens is None else spec.max_tokens
+        if len(ids) + max_tokens > limit:
+            raise RequestError(
+                f"{spec.max_tokens_param}={max_tokens} with a {name} of {len(ids)} tokens exceeds this model's "
+                f"context, max_model_len={limit}: ask for at most {limit - len(ids)}",
+                spec.max_tokens_param,
+            )
+        block_size, num_blocks = getattr(engine, "block_size", None), getattr(engine, "num_blocks", None)
+        if block_size and num_blocks and -(-(len(ids) + max_tokens) // block_size) > num_blocks:
+            fits = num_blocks * block_size - len(ids)
+            raise RequestError(
+                f"{spec.max_tokens_param}={max_tokens} with a {name} of {len(ids)} tokens needs more KV cache than "
+                f"the engine has ({num_blocks} pages of {block_size} tokens): ask for at most {fits}",
+                spec.max_tokens_param if fits > 0 else name,
+            )
+        params = SamplingParams(
+            max_new_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+            seed=spec.seed, ignore_eos=spec.ignore_eos,
+        )  # fmt: skip
+        return ids, params
+
+    def _chat_ids(self, messages) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise RequestError("this model has no tokenizer, so no chat template: use /v1/completions", "messages")
+        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, Mapping) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
+    def _abort(self, request_id: str, outputs: dict, report: RoundReport) -> None:
+        live = self._live.get(request_id)
+        if live is None:  # already finished (its last output is on its way) or never admitted
+            return
+        self._engine_abort(request_id)
+        self._finish(live, "abort", None, outputs, report)
+
+    def _engine_abort(self, request_id: str) -> None:
+        try:
+            self.engine.abort_request(request_id)
+        except KeyError:  # the engine has already let go of it
+            pass
+
+    def _on_events(self, events, now: float, outputs: dict, report: RoundReport) -> None:
+        """Turns the step's ``TokenEvent``s into each request's pieces (stop strings applied)
+        and the step's token latencies."""
+        first, gaps = report.time_to_first_token, report.inter_token_latency
+        for event in events:
+            live = self._live.get(event.request_id)
+            if live is None:  # ended here already (a stop string, an abort)
+                continue
+            if event.token_id >= 0:
+                live.num_tokens += 1
+                if live.last_token_at is None:
+                    first.append(now - live.arrival)
+                else:
+                    gaps.append(now - live.last_token_at)
+                live.last_token_at = now
+            text, stopped = live.stop.feed(event.text)
+            self._add(outputs, live, text, int(event.token_id >= 0))
+            if stopped:
+                if not event.finished:
+                    self._engine_abort(event.request_id)
+                self._finish(live, "stop", None, outputs, report)
+            elif event.finished:
+                self._add(outputs, live, live.stop.flush(), 0)
+                self._finish(live, event.finish_reason, event.error, outputs, report)
+
+    @staticmethod
+    def _add(outputs: dict, live: _Live, text: str, num_tokens: int) -> None:
+        """Queues a request's next piece: a token's text as a piece of its own (so a
+        multi-step call's tokens stream one chunk each), text without a token joined to
+        the piece before it."""
+        entry = outputs.setdefault(live.request_id, [live.request_id, [], None, None])
+        if num_tokens or not entry[1]:
+            entry[1].append([text, num_tokens])
+        else:
+            entry[1][-1][0] += text
+
+    def _finish(self, live: _Live, reason: str, error: str | None, outputs: dict, report: RoundReport) -> None:
+        self._add(outputs, live, "", 0)
+        outputs[live.request_id][2:] = [reason, error]
+        del self._live[live.request_id]
+        report.finished.append((reason, time.perf_counter() - live.arrival))
+
+    def _end_all(self, failure: str | None) -> None:
+        """Ends every live request (the loop is stopping) in the ``closed`` message."""
+        outputs: dict = {}
+        report = RoundReport()
+        for request_id, live in list(self._live.items()):
+            try:
+                self._engine_abort(request_id)
+            except Exception:  # a failed engine may refuse even this; the request ends anyway
+                pass
+            self._finish(live, "abort" if failure is None else "error", failure, outputs, report)
+        report.counts = EngineCounts(0, 0, None, None)
+        self._emit(("closed", self._admitted, list(outputs.values()), report, failure))

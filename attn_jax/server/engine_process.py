@@ -1,0 +1,158 @@
+"""The engine core in a process of its own, so the engine and the HTTP server each have a GIL.
+
+In one process the engine thread and the event loop take turns on one interpreter lock:
+under load the server's per-token work (requests, SSE writes) delays the engine's
+dispatches and the engine's delays the streams. vLLM v1 splits the two into processes
+(its ``EngineCore`` behind ZMQ); here the split is the same over a ``multiprocessing``
+pipe: ``EngineProcess(factory)`` spawns a process that builds the engine with
+``factory()`` (a picklable callable: the model loads and warms up there), then runs an
+``EngineCore`` (``engine_core``) whose commands and round messages cross the pipe,
+pickled. The parent (``EngineLoop``) reads the messages on its event loop
+(``add_reader``); its commands go out through a sender thread of their own, so a
+parent writing commands and a child writing rounds can never both block on full pipes.
+
+The parent never touches JAX's devices: everything that does (``check_num_devices``,
+the backend's selection, the compilation cache) belongs in ``factory``. The engine
+process ignores SIGINT (the parent stops it), exits once its pipe closes, and is
+terminated if it does not stop in time.
+
+Example::
+
+    process = EngineProcess(functools.partial(build_engine, "tiny-random"))  # waits until it is ready
+    app = build_app(process, "tiny-random")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import queue
+import signal
+import threading
+import traceback
+from collections.abc import Callable
+
+from attn_jax.server.engine_core import EngineCore
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not build its engine; the message is the factory's error."""
+
+
+def _child_main(factory: Callable[[], object], conn) -> None:
+    """The engine process: builds the engine, says it is ready, runs the core until stopped."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        engine = factory()
+    except BaseException as e:
+        detail = str(e) if isinstance(e, (ValueError, OSError, EngineStartError)) else traceback.format_exc()
+        conn.send(("error", detail or type(e).__name__))
+        return
+    conn.send(("ready", {"max_model_len": engine.max_model_len}))
+
+    def receive(block: bool) -> list[tuple]:
+        commands = []
+        try:
+            if block:
+                conn.poll(None)
+            while conn.poll(0):
+                commands.append(conn.recv())
+        except (EOFError, OSError):  # the parent has gone: stop
+            commands.append(("stop",))
+        return commands
+
+    def emit(message: tuple) -> None:
+        try:
+            conn.send(message)
+        except OSError:  # the parent has gone; the next receive stops the loop
+            pass
+
+    EngineCore(engine, receive, emit).run()
+
+
+class EngineProcess:
+    """A spawned process running an ``EngineCore`` over ``factory()``'s engine.
+
+    The constructor returns once the engine is built (``EngineStartError`` with the
+    factory's message if it raised, or if the process died first). ``max_model_len`` is
+    the engine's.
+    """
+
+    def __init__(self, factory: Callable[[], object], *, ready_timeout: float | None = None) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_child_main, args=(factory, child), name="attn-stack-engine", daemon=True)
+        self.process.start()
+        child.close()
+        try:
+            info = self._wait_ready(ready_timeout)
+        except BaseException:
+            self.kill()
+            raise
+        self.max_model_len: int = info["max_model_len"]
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="attn-stack-engine-commands", daemon=True)
+        self._sender.start()
+
+    def _wait_ready(self, timeout: float | None) -> dict:
+        try:
+            if not self._conn.poll(timeout):
+                raise EngineStartError(f"the engine process was not ready after {timeout} s")
+            kind, payload = self._conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise EngineStartError(
+                f"the engine process exited with code {self.process.exitcode} before it was ready"
+            ) from None
+        if kind == "error":
+            raise EngineStartError(payload)
+        return payload
+
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def start(self, aloop: asyncio.AbstractEventLoop, on_message: Callable[[tuple], None]) -> None:
+        """Hands every message to ``on_message`` on ``aloop`` (call from ``aloop``'s thread);
+        the process's exit without a ``closed`` message becomes one, naming its exit code."""
+        fd = self._conn.fileno()
+
+        def readable() -> None:
+            try:
+                while self._conn.poll(0):
+                    message = self._conn.recv()
+                    on_message(message)
+                    if message[0] == "closed":
+                        aloop.remove_reader(fd)
+                        return
+            except (EOFError, OSError):
+                aloop.remove_reader(fd)
+                self.process.join(5)
+                on_message(("closed", [], [], None, f"the engine process exited with code {self.process.exitcode}"))
+
+        aloop.add_reader(fd, readable)
+
+    def send(self, command: tuple) -> None:
+        """Queues a command for the engine process (thread-safe, never blocks)."""
+        self._outbox.put(command)
+
+    def _send_loop(self) -> None:
+        while True:
+            command = self._outbox.get()
+            try:
+                self._conn.send(command)
+            except OSError:  # the process has gone; its reader reports it
+                return
+            if command[0] == "stop":
+                return
+
+    def join(self, timeout: float) -> None:
+        """Waits for the process to end; terminates it after ``timeout`` seconds."""
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.kill()
+
+    def kill(self) -> None:
+        self.process.terminate()
+        self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
