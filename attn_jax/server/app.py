@@ -130,7 +130,7 @@ def _token_events(build):
     finish_reason)`` makes the chunk's response model. A delta that only carries text (every
     one but a request's last) fills a template serialised once per stream with the JSON of
     its text, the same bytes as ``_sse(build(text, None))`` in a tenth of the time (it runs
-    once per token, on the event loop that shares the engine thread's GIL)."""
+    once per token, on the event loop)."""
     head, tail = _sse(build(_TEXT_MARK, None)).split(json.dumps(_TEXT_MARK))
 
     def event(d) -> str:
