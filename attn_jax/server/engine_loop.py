@@ -65,7 +65,7 @@ class RequestHandle:
 
     def __init__(self, request_id: str, owner: EngineLoop) -> None:
         self.request_id = request_id
-        self.prompt_tokens = 0  # set once the engine thread has admitted it
+        self.prompt_tokens = 0  # set once the engine core has admitted it
         self.finished = False
         self._owner = owner
         self._queue: asyncio.Queue[Delta] = asyncio.Queue()
