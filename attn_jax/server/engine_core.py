@@ -4,24 +4,22 @@ An ``EngineCore`` owns an ``Engine`` alone, from one thread: the server's engine
 (``EngineLoop(engine, ...)``) or the main thread of an engine process of its own
 (``engine_process``). Each round it takes the commands queued since the last one, admits
 and aborts requests (prompts encoded, chat template applied and limits checked here, so a
-refusal names the field), steps the engine while any request is unfinished, and emits
-what happened as one picklable tuple. It sends token ids, not text: the requests run with
-``detokenize=False`` and the server's side decodes them and matches stop strings (as
-vLLM's front end does), so the engine's thread spends its time on the engine.
+refusal names the field), steps the engine while any request is unfinished, matches stop
+strings on each request's new text only, and emits what happened as one picklable tuple:
 
 - ``("round", admitted, outputs, report)``: ``admitted`` is ``(request_id, prompt_tokens,
   refusal)`` per submission taken this round (``refusal`` None or ``(message, param,
-  code)``, a ``RequestError``'s parts); ``outputs`` is ``[request_id, token_ids,
-  finish_reason, error]`` per request with news (a multi-step call's K tokens together);
-  ``report`` the round's metric updates (``RoundReport``).
+  code)``, a ``RequestError``'s parts); ``outputs`` is ``(request_id, pieces,
+  finish_reason, error)`` per request with news, ``pieces`` ``[text, num_tokens]`` per
+  token (a multi-step call's K tokens are K pieces); ``report`` the round's metric updates
+  (``RoundReport``).
 - ``("closed", admitted, outputs, report, failure)``: the loop has ended; ``failure``
   says why the engine failed, or is None for a requested stop; ``outputs`` end every
   request still live (reason "error" or "abort").
 
 Commands: ``("submit", request_id, GenerationSpec, arrival)`` (``arrival`` a
 ``time.perf_counter()``: CLOCK_MONOTONIC, which the processes of one Linux host share),
-``("abort", request_id, reason)`` (``reason`` the finish reason its metrics count:
-"abort", or "stop" / "error" when the server's side ended it), ``("stop",)``.
+``("abort", request_id)``, ``("stop",)``.
 
 An exception from ``Engine.step`` itself (not one request's failure, which the engine
 contains) leaves the engine in an unknown state: every request ends with an error and
@@ -36,6 +34,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from attn_jax.server.engine_probe import EngineCounts, read_counts
+from attn_jax.server.stop_strings import StopMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +84,7 @@ class _Live:
     """The core's record of one admitted request."""
 
     request_id: str
+    stop: StopMatcher
     arrival: float
     num_tokens: int = 0
     last_token_at: float | None = None
@@ -137,7 +137,7 @@ class EngineCore:
             if command[0] == "submit":
                 self._admitted.append(self._admit(*command[1:], report))
             elif command[0] == "abort":
-                self._abort(*command[1:], outputs, report)
+                self._abort(command[1], outputs, report)
             else:
                 stopping = True
         if not stopping and self.engine.has_unfinished():
@@ -170,7 +170,7 @@ class EngineCore:
             return request_id, 0, (str(e), e.param, e.code)
         except (ValueError, TypeError) as e:  # the engine's own checks
             return request_id, 0, (str(e), spec.prompt_param, None)
-        self._live[request_id] = _Live(request_id, arrival)
+        self._live[request_id] = _Live(request_id, StopMatcher(spec.stop), arrival)
         report.prompt_tokens += len(ids)
         return request_id, len(ids), None
 
@@ -221,7 +221,7 @@ class EngineCore:
             )
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-            seed=spec.seed, ignore_eos=spec.ignore_eos, detokenize=False,
+            seed=spec.seed, ignore_eos=spec.ignore_eos,
         )  # fmt: skip
         return ids, params
 
@@ -234,12 +234,12 @@ class EngineCore:
             ids = ids["input_ids"]
         return [int(i) for i in ids]
 
-    def _abort(self, request_id: str, reason: str, outputs: dict, report: RoundReport) -> None:
+    def _abort(self, request_id: str, outputs: dict, report: RoundReport) -> None:
         live = self._live.get(request_id)
         if live is None:  # already finished (its last output is on its way) or never admitted
             return
         self._engine_abort(request_id)
-        self._finish(live, reason, None, outputs, report)
+        self._finish(live, "abort", None, outputs, report)
 
     def _engine_abort(self, request_id: str) -> None:
         try:
@@ -248,32 +248,44 @@ class EngineCore:
             pass
 
     def _on_events(self, events, now: float, outputs: dict, report: RoundReport) -> None:
-        """Adds the step's ``TokenEvent``s to each request's output and its token latencies."""
+        """Turns the step's ``TokenEvent``s into each request's pieces (stop strings applied)
+        and the step's token latencies."""
         first, gaps = report.time_to_first_token, report.inter_token_latency
         for event in events:
             live = self._live.get(event.request_id)
-            if live is None:  # ended already (aborted)
+            if live is None:  # ended here already (a stop string, an abort)
                 continue
             if event.token_id >= 0:
-                self._output(outputs, live)[1].append(event.token_id)
                 live.num_tokens += 1
                 if live.last_token_at is None:
                     first.append(now - live.arrival)
                 else:
                     gaps.append(now - live.last_token_at)
                 live.last_token_at = now
-            if event.finished:
+            text, stopped = live.stop.feed(event.text)
+            self._add(outputs, live, text, int(event.token_id >= 0))
+            if stopped:
+                if not event.finished:
+                    self._engine_abort(event.request_id)
+                self._finish(live, "stop", None, outputs, report)
+            elif event.finished:
+                self._add(outputs, live, live.stop.flush(), 0)
                 self._finish(live, event.finish_reason, event.error, outputs, report)
 
     @staticmethod
-    def _output(outputs: dict, live: _Live) -> list:
-        entry = outputs.get(live.request_id)
-        if entry is None:
-            entry = outputs[live.request_id] = [live.request_id, [], None, None]
-        return entry
+    def _add(outputs: dict, live: _Live, text: str, num_tokens: int) -> None:
+        """Queues a request's next piece: a token's text as a piece of its own (so a
+        multi-step call's tokens stream one chunk each), text without a token joined to
+        the piece before it."""
+        entry = outputs.setdefault(live.request_id, [live.request_id, [], None, None])
+        if num_tokens or not entry[1]:
+            entry[1].append([text, num_tokens])
+        else:
+            entry[1][-1][0] += text
 
     def _finish(self, live: _Live, reason: str, error: str | None, outputs: dict, report: RoundReport) -> None:
-        self._output(outputs, live)[2:] = [reason, error]
+        self._add(outputs, live, "", 0)
+        outputs[live.request_id][2:] = [reason, error]
         del self._live[live.request_id]
         report.finished.append((reason, time.perf_counter() - live.arrival))
 

@@ -5,17 +5,15 @@ touches it, in a daemon thread of this process (``EngineLoop(engine, metrics)``)
 engine process of its own (``EngineLoop(EngineProcess(factory), metrics)``, what
 ``attn-stack serve`` runs: the engine then has a GIL of its own). Either way the event
 loop only sends commands (submit, abort, stop) and takes the core's round messages: it
-settles each submission, decodes each request's new token ids (the engine's
-``IncrementalDetokenizer``, O(1) per token, as vLLM's front end detokenizes) into one
-``Delta`` per token (a multi-step call's K tokens stream as K events, written in one
-send: ``RequestHandle.delta_batches``) and applies the round's metrics in one call. A
-step that compiled a new shape (none after a complete ``Engine.warmup``) is counted in
+settles each submission, hands each request its new tokens' text as one ``Delta`` per
+token (a multi-step call's K tokens stream as K events, written in one send:
+``RequestHandle.delta_batches``) and applies the round's metrics in one call. A step
+that compiled a new shape (none after a complete ``Engine.warmup``) is counted in
 ``attn_stack_step_compilations_total`` and logged.
 
-Stop strings (``stop``) are matched here as the text is decoded, on the new text only
-(the engine's semantics: the text ends before the first one to appear); a match ends the
-request at once and aborts it in the engine (its pages are freed at the next round). A
-request whose client has gone is aborted the same way. An engine that fails as a whole (a step
+Stop strings (``stop``) are matched by the core, on each request's new text only; a
+match ends the request at once (its pages are freed before the next step). A request
+whose client has gone is aborted the same way. An engine that fails as a whole (a step
 that raised, or an engine process that died) ends every request with an error;
 ``/health`` then says so.
 
@@ -41,7 +39,6 @@ from collections.abc import AsyncIterator, Callable
 from attn_jax.server.engine_core import EngineCore, GenerationSpec, RequestError
 from attn_jax.server.engine_process import EngineProcess
 from attn_jax.server.metrics import ServerMetrics
-from attn_jax.serving.detokenizer import IncrementalDetokenizer
 
 __all__ = ["Delta", "EngineLoop", "EngineUnavailableError", "GenerationSpec", "RequestError", "RequestHandle"]
 
@@ -102,15 +99,6 @@ class RequestHandle:
             self._owner.abort(self.request_id)
 
 
-@dataclasses.dataclass(eq=False)
-class _Stream:
-    """The event loop's record of one request: its handle, the ids so far and their decoder."""
-
-    handle: RequestHandle
-    detokenizer: IncrementalDetokenizer | None
-    ids: list[int] = dataclasses.field(default_factory=list)
-
-
 class _EngineThread:
     """An ``EngineCore`` in a daemon thread of this process: commands on a list, swapped
     under a lock; messages posted to the event loop."""
@@ -118,7 +106,6 @@ class _EngineThread:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.max_model_len: int = engine.max_model_len
-        self.tokenizer = engine.tokenizer
         self._cond = threading.Condition()
         self._commands: list[tuple] = []
         self._thread: threading.Thread | None = None
@@ -169,8 +156,8 @@ class EngineLoop:
         self._core = engine if isinstance(engine, EngineProcess) else _EngineThread(engine)
         self.max_model_len: int = self._core.max_model_len
         self._started = self._stopping = self._closed = False
-        self._pending: dict[str, tuple[asyncio.Future, _Stream]] = {}  # submitted, not yet admitted
-        self._streams: dict[str, _Stream] = {}  # admitted, not yet finished
+        self._pending: dict[str, tuple[asyncio.Future, RequestHandle]] = {}  # submitted, not yet admitted
+        self._handles: dict[str, RequestHandle] = {}  # admitted, not yet finished
         self._ids = itertools.count()
 
     @property
@@ -198,10 +185,8 @@ class EngineLoop:
         if not self.running or self._stopping:
             raise EngineUnavailableError(self.failure or "the engine loop is not running")
         handle = RequestHandle(request_id or f"req-{next(self._ids)}", self)
-        tokenizer = self._core.tokenizer
-        detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer, spec.stop)
         admitted = asyncio.get_running_loop().create_future()
-        self._pending[handle.request_id] = (admitted, _Stream(handle, detokenizer))
+        self._pending[handle.request_id] = (admitted, handle)
         self._core.send(("submit", handle.request_id, spec, time.perf_counter()))
         try:
             await admitted
@@ -210,64 +195,36 @@ class EngineLoop:
             raise
         return handle
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
-        """Ends a request in the engine and frees its pages (``reason`` is what its metrics
-        count); idempotent."""
+    def abort(self, request_id: str) -> None:
+        """Ends a request (reason "abort") and frees its pages; idempotent."""
         if not self._closed:
-            self._core.send(("abort", request_id, reason))
+            self._core.send(("abort", request_id))
 
     def _on_message(self, message: tuple) -> None:
         """(On the event loop.) Settles submissions, delivers deltas, records metrics."""
         kind, admitted, outputs, report, *failure = message
         for request_id, prompt_tokens, refusal in admitted:
             self._settle(request_id, prompt_tokens, refusal)
-        for request_id, token_ids, reason, error in outputs:
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                self._deliver(stream, token_ids, reason, error)
+        for request_id, pieces, reason, error in outputs:
+            handle = self._handles.get(request_id)
+            if handle is None:
+                continue
+            *first, (text, n) = pieces
+            for t, k in first:
+                handle._queue.put_nowait(Delta(t, k))
+            handle._queue.put_nowait(Delta(text, n, reason, error))
+            if reason is not None:
+                del self._handles[request_id]
         if report is not None:
             self.metrics.record(report)
         if kind == "closed":
             self._close(*failure)
 
-    def _deliver(self, stream: _Stream, token_ids: list[int], reason: str | None, error: str | None) -> None:
-        """Decodes a request's new tokens into one delta each; ends it at a stop string."""
-        handle, deltas = stream.handle, []
-        try:
-            for token_id in token_ids:
-                stream.ids.append(token_id)
-                text, stopped = ("", False) if stream.detokenizer is None else stream.detokenizer.add(token_id)
-                deltas.append(Delta(text, 1))
-                if stopped:
-                    reason, error = "stop", None
-                    self.abort(handle.request_id, "stop")
-                    break
-            else:
-                if reason is not None and reason != "abort" and stream.detokenizer is not None:
-                    tail = stream.detokenizer.finish(stream.ids)  # held-back text, an incomplete character
-                    if deltas:
-                        deltas[-1].text += tail
-                    else:
-                        deltas.append(Delta(tail, 0))
-        except Exception as e:  # the tokenizer failed on this request alone
-            reason, error = "error", f"decoding its tokens failed: {type(e).__name__}: {e}"
-            self.abort(handle.request_id, "error")
-        if reason is None:
-            for delta in deltas:
-                handle._queue.put_nowait(delta)
-            return
-        last = deltas.pop() if deltas else Delta("", 0)
-        for delta in deltas:
-            handle._queue.put_nowait(delta)
-        handle._queue.put_nowait(Delta(last.text, last.num_tokens, reason, error))
-        del self._streams[handle.request_id]
-
     def _settle(self, request_id: str, prompt_tokens: int, refusal: tuple | None) -> None:
-        future, stream = self._pending.pop(request_id)
-        handle = stream.handle
+        future, handle = self._pending.pop(request_id)
         if refusal is None:
             handle.prompt_tokens = prompt_tokens
-            self._streams[request_id] = stream
+            self._handles[request_id] = handle
             if not future.done():  # else submit was cancelled; the handle's close aborted the request
                 future.set_result(handle)
         elif not future.done():
@@ -283,7 +240,7 @@ class EngineLoop:
                 future.set_exception(EngineUnavailableError(failure or "the server is stopping"))
         self._pending.clear()
         reason = "abort" if failure is None else "error"
-        for stream in self._streams.values():
-            stream.handle._queue.put_nowait(Delta("", 0, reason, failure))
+        for handle in self._handles.values():
+            handle._queue.put_nowait(Delta("", 0, reason, failure))
             self.metrics.request_finished(reason)
-        self._streams.clear()
+        self._handles.clear()

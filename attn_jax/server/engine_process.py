@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import pickle
 import queue
 import signal
 import threading
@@ -49,11 +48,7 @@ def _child_main(factory: Callable[[], object], conn) -> None:
         detail = str(e) if isinstance(e, (ValueError, OSError, EngineStartError)) else traceback.format_exc()
         conn.send(("error", detail or type(e).__name__))
         return
-    try:  # the server's side decodes the tokens with the engine's tokenizer
-        conn.send(("ready", {"max_model_len": engine.max_model_len, "tokenizer": engine.tokenizer}))
-    except (pickle.PicklingError, TypeError, AttributeError) as e:
-        conn.send(("error", f"the engine's tokenizer cannot be sent to the server's process: {e}"))
-        return
+    conn.send(("ready", {"max_model_len": engine.max_model_len}))
 
     def receive(block: bool) -> list[tuple]:
         commands = []
@@ -79,8 +74,8 @@ class EngineProcess:
     """A spawned process running an ``EngineCore`` over ``factory()``'s engine.
 
     The constructor returns once the engine is built (``EngineStartError`` with the
-    factory's message if it raised, or if the process died first). ``max_model_len`` and
-    ``tokenizer`` (a copy) are the engine's.
+    factory's message if it raised, or if the process died first). ``max_model_len`` is
+    the engine's.
     """
 
     def __init__(self, factory: Callable[[], object], *, ready_timeout: float | None = None) -> None:
@@ -95,7 +90,6 @@ class EngineProcess:
             self.kill()
             raise
         self.max_model_len: int = info["max_model_len"]
-        self.tokenizer = info["tokenizer"]  # the engine's, for the server's side to decode with
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="attn-stack-engine-commands", daemon=True)
         self._sender.start()

@@ -499,9 +499,7 @@ class Engine:
         shard = min(range(self.num_shards), key=lambda s: self._load(self.schedulers[s]))
         self.schedulers[shard].add(request)
         self._finished.pop(request_id, None)  # an id reused after its request finished
-        detokenizer = None
-        if self.tokenizer is not None and params.detokenize:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
+        detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.stop)
         self._requests[request_id] = _RequestState(request, shard, detokenizer, time.perf_counter())
         return request_id
 

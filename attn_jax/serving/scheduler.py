@@ -48,9 +48,7 @@ class SamplingParams:
     token's index, so a seeded request gives the same tokens in any batch. ``seed``
     None: the engine draws one from its own seed. ``stop``: strings that end the
     request (finish reason "stop") where its text first contains one; the text ends
-    before it (the tokens keep the one that completed it). ``detokenize`` False: the
-    engine decodes no text for the request (its events' text is ""), for a caller that
-    decodes the ids itself (the server's HTTP process); it then takes no ``stop``.
+    before it (the tokens keep the one that completed it).
     """
 
     max_new_tokens: int = 16
@@ -60,7 +58,6 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop: str | tuple[str, ...] = ()  # strings that end the output text where they appear (not returned)
-    detokenize: bool = True
 
     def __post_init__(self) -> None:
         # Any real / integral number is accepted (NumPy scalars included) and stored as a Python one.
@@ -91,10 +88,6 @@ class SamplingParams:
         if not isinstance(stop, (tuple, list)) or not all(isinstance(x, str) and x for x in stop):
             raise ValueError(f"stop={self.stop!r} must be a non-empty string or a list of non-empty strings")
         set_("stop", tuple(stop))
-        if not isinstance(self.detokenize, bool):
-            raise ValueError(f"detokenize={self.detokenize!r} must be True or False")
-        if self.stop and not self.detokenize:
-            raise ValueError(f"stop={self.stop!r} needs the text, which detokenize=False turns off: drop one")
 
 
 class RequestStatus(enum.Enum):

@@ -120,16 +120,6 @@ def test_stop_strings_end_requests(reference):
         SamplingParams(stop=["ok", ""])
 
 
-def test_detokenize_false_gives_the_same_tokens_and_no_text(reference):
-    """What the server's engine process runs: the ids alone, decoded by the caller."""
-    engine = _engine()
-    request_id = engine.add_request(PROMPTS[1], SamplingParams(max_new_tokens=5, ignore_eos=True, detokenize=False))
-    events = list(engine.stream())
-    done = engine.completion(request_id)
-    assert done.output_ids == reference[1][:5] and [e.token_id for e in events] == done.output_ids
-    assert done.text == "" and all(e.text == "" for e in events)
-
-
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_calls_are_timed_to_read_back_and_ttft_is_measured(reference, async_scheduling):
     """Each call's time covers its device work (the model sleeps in every step), also the
