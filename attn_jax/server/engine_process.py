@@ -45,7 +45,7 @@ def _child_main(factory: Callable[[], object], conn) -> None:
     try:
         engine = factory()
     except BaseException as e:
-        detail = str(e) if isinstance(e, (ValueError, OSError, EngineStartError)) else traceback.format_exc()
+        detail = str(e) if isinstance(e, (ValueError, OSError)) else traceback.format_exc()
         conn.send(("error", detail or type(e).__name__))
         return
     conn.send(("ready", {"max_model_len": engine.max_model_len}))
@@ -78,14 +78,14 @@ class EngineProcess:
     the engine's.
     """
 
-    def __init__(self, factory: Callable[[], object], *, ready_timeout: float | None = None) -> None:
+    def __init__(self, factory: Callable[[], object]) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_child_main, args=(factory, child), name="attn-stack-engine", daemon=True)
         self.process.start()
         child.close()
         try:
-            info = self._wait_ready(ready_timeout)
+            info = self._wait_ready()
         except BaseException:
             self.kill()
             raise
@@ -94,11 +94,9 @@ class EngineProcess:
         self._sender = threading.Thread(target=self._send_loop, name="attn-stack-engine-commands", daemon=True)
         self._sender.start()
 
-    def _wait_ready(self, timeout: float | None) -> dict:
+    def _wait_ready(self) -> dict:
         try:
-            if not self._conn.poll(timeout):
-                raise EngineStartError(f"the engine process was not ready after {timeout} s")
-            kind, payload = self._conn.recv()
+            kind, payload = self._conn.recv()  # a warm-up may take minutes
         except EOFError:
             self.process.join(5)
             raise EngineStartError(

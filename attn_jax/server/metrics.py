@@ -1,9 +1,9 @@
 """Prometheus metrics of one server (``GET /metrics``), in a registry of its own.
 
-Names follow vLLM's (``vllm:`` becomes ``attn_stack_``): request gauges and KV cache
-pages are set by the engine thread after every step; TTFT and inter-token latency are
-observed when a token reaches the server's side of the engine (read back from the
-device), a step's values at once (``StepHistogram``: one NumPy call per step, not a
+Names follow vLLM's (``vllm:`` becomes ``attn_stack_``): every engine round's report
+(``record``) sets the request gauges and KV cache pages; TTFT and inter-token latency
+are measured when a token reaches the engine core (read back from the device), a
+step's values observed at once (``StepHistogram``: one NumPy call per step, not a
 locked Python call per token); tokens/s is ``rate(attn_stack_generation_tokens_total[1m])``.
 
 Example::
