@@ -19,7 +19,6 @@ environment (SLURM, TPU pods) already tells JAX.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from collections.abc import Mapping
@@ -47,28 +46,26 @@ def initialize_from_env(environ: Mapping[str, str] = os.environ) -> bool:
         raise ValueError(f"{PROCESS_ID}={process_id} must be in [0, {NUM_PROCESSES}={num_processes})")
     import jax
 
-    with _stdout_to_stderr():  # the runtime's own connection messages are not the program's output
-        jax.distributed.initialize(
-            coordinator_address=environ[COORDINATOR], num_processes=num_processes, process_id=process_id
-        )
-        from jax.experimental.multihost_utils import sync_global_devices
+    _native_stdout_to_stderr()  # the runtime's own messages are not the program's output
+    jax.distributed.initialize(
+        coordinator_address=environ[COORDINATOR], num_processes=num_processes, process_id=process_id
+    )
+    from jax.experimental.multihost_utils import sync_global_devices
 
-        sync_global_devices("attn_jax.distributed")  # a first collective: the processes connect here
+    sync_global_devices("attn_jax.distributed")  # a first collective: the processes connect here
     return True
 
 
-@contextlib.contextmanager
-def _stdout_to_stderr():
-    """Sends what C++ libraries print to file descriptor 1 to stderr for a while."""
+def _native_stdout_to_stderr() -> None:
+    """From now on, what C++ libraries print to file descriptor 1 (the distributed runtime's
+    connection messages, Gloo's for every new group of processes a collective uses) goes to
+    stderr; ``sys.stdout`` keeps writing to the original stdout."""
     sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+    original = os.dup(1)
+    os.dup2(2, 1)
+    line_buffering = sys.stdout.line_buffering
+    sys.stdout = os.fdopen(original, "w", encoding=sys.stdout.encoding, errors=sys.stdout.errors)
+    sys.stdout.reconfigure(line_buffering=line_buffering)
 
 
 def is_main_process() -> bool:

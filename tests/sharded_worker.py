@@ -1,8 +1,7 @@
 """Runs sharded engines on 8 forced CPU devices and prints their tokens as JSON.
 
 Started by tests/test_sharding.py in a subprocess: ``XLA_FLAGS`` must be set before jax
-initialises, which pytest's worker processes have already done. Argument: a JSON file
-with {"prompts": [...], "new_tokens": n}.
+initialises, which pytest's worker processes have already done.
 """
 
 from __future__ import annotations
@@ -11,10 +10,10 @@ import json
 import logging
 import os
 import re
-import sys
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from attn_jax.metadata import MetadataBuckets  # noqa: E402
@@ -108,31 +107,46 @@ def agreement() -> dict:
     return out
 
 
-def smollm2(prompts: list[str], new_tokens: int) -> dict:
-    """SmolLM2's 3 KV heads on 4 devices: data 2 x model 2, KV heads replicated over the model
-    axis (plain data parallelism is the tiny model's, above)."""
-    from attn_jax.models.gguf_loader import load_gguf, load_tokenizer
-    from attn_jax.models.smollm2 import gguf_path
+def replicated_kv_heads() -> dict:
+    """3 KV heads (SmolLM2's count) on 4 devices: data 2 x model 2, attention and its cache
+    replicated over the model axis while the MLP splits; the tokens equal one device's."""
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=96, intermediate_size=128, num_layers=2, num_heads=9, num_kv_heads=3, head_dim=16
+    )
+    params = init_params(config, seed=5)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (6, 23, 11)]
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    single = [c.output_ids for c in small_engine(LlamaModel(config), params).generate(prompts, sp)]
+    mesh = make_mesh(4, model_parallel=2, num_kv_heads=config.num_kv_heads)
+    model = LlamaModel(config, **local_model_kwargs(config, mesh))
+    tokens = [c.output_ids for c in small_engine(model, params, mesh=mesh).generate(prompts, sp)]
+    return {"mesh": dict(mesh.shape), "attn_sharded": model.attn_sharded, "mlp_sharded": model.mlp_sharded,
+            "tokens": tokens, "single": single}  # fmt: skip
 
-    config, params = load_gguf(gguf_path())
-    tokenizer = load_tokenizer(gguf_path())
-    sp = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    out = {}
-    for devices, model_axis in ((4, 2),):
-        mesh = make_mesh(devices, model_parallel=model_axis, num_kv_heads=config.num_kv_heads)
-        engine = small_engine(LlamaModel(config, **local_model_kwargs(config, mesh)), params, tokenizer, mesh)
-        out[str(devices)] = {
-            "mesh": dict(mesh.shape),
-            "tokens": [c.output_ids for c in engine.generate(prompts, sp)],
-        }
-    return out
+
+def smollm2_layout() -> dict:
+    """``Engine.from_gguf(devices=4)`` on the embedded SmolLM2: the mesh it builds for 3 KV
+    heads and where its weights and caches live (nothing compiled)."""
+    engine = Engine.from_gguf(devices=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, num_blocks=16)
+    weights = jax.tree.leaves(engine.params)
+    return {
+        "mesh": dict(weights[0].sharding.mesh.shape),
+        "attn_sharded": engine.model.attn_sharded,
+        "mlp_sharded": engine.model.mlp_sharded,
+        "weight_devices": sorted({len(x.sharding.device_set) for x in weights}),
+    }
 
 
 def main() -> None:
-    spec = json.loads(open(sys.argv[1]).read())
     handler = Collect()
     logging.getLogger("attn_jax").addHandler(handler)
-    result = {"tiny": tiny(), "agreement": agreement(), "smollm2": smollm2(spec["prompts"], spec["new_tokens"])}
+    result = {
+        "tiny": tiny(),
+        "agreement": agreement(),
+        "replicated": replicated_kv_heads(),
+        "smollm2": smollm2_layout(),
+    }
     result["warnings"] = handler.messages
     print("RESULT " + json.dumps(result))
 

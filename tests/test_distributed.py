@@ -74,14 +74,19 @@ def test_the_cli_joins_and_only_process_0_prints():
     assert out.count("platform: cpu, device kind 'cpu', 2 device(s)") == 1, out
 
 
-def test_generate_on_two_processes_gives_one_process_tokens(hf_smollm2):
-    """The README's command: its --json output is the program's alone (the runtime's own
-    connection messages go to stderr), and the tokens are one process's (greedy: transformers',
-    as tests/serving/test_cli_generate.py checks for one process)."""
-    from tests.serving.hf_reference import hf_greedy
+def test_generate_on_two_processes_gives_one_process_tokens():
+    """The README's command (on the tiny model; SmolLM2's tokens through the same command on
+    one process are tests/serving/test_cli_generate.py's): its --json output is the
+    program's alone (the runtime's own connection messages go to stderr), and the tokens are
+    one process's."""
+    from attn_jax.serving import SamplingParams
+    from attn_jax.testing.models import TINY_RANDOM, tiny_random_engine
 
     prompts = ["The capital of France is", "Hi"]
-    args = ("generate", "--max-new-tokens", "6", "--json", "--prompt", prompts[0], "--prompt", prompts[1])
+    args = ("generate", "--model", TINY_RANDOM, "--max-new-tokens", "6", "--json", "--prompt", prompts[0],
+            "--prompt", prompts[1])  # fmt: skip
     two = json.loads(_cli(*args, "--devices", "2", processes=2).stdout)
     assert two["devices"] == 2
-    assert [r["token_ids"] for r in two["results"]] == [hf_greedy(*hf_smollm2, p, 6) for p in prompts]
+    one = tiny_random_engine()
+    expected = one.generate([one.encode(p) for p in prompts], SamplingParams(max_new_tokens=6))
+    assert [r["token_ids"] for r in two["results"]] == [c.output_ids for c in expected]

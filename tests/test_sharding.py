@@ -1,9 +1,11 @@
 """Sharded serving: heads over a "model" axis, requests over a "data" axis.
 
 The multi-device runs happen in a subprocess with 8 forced CPU devices
-(tests/sharded_worker.py): a tiny model whose KV heads split, checked against one
-device, and SmolLM2 (3 KV heads: replicated, with a warning) on 4 devices, checked
-token for token against stock transformers.
+(tests/sharded_worker.py): tiny models whose KV heads split, and whose 3 KV heads
+(SmolLM2's count) do not (replicated, with a warning), each checked token for token
+against one device. SmolLM2's own tokens on several devices are
+tests/test_distributed.py's and tests/serving/test_warmup.py's concern; on one device,
+transformers' (tests/serving/test_engine.py).
 """
 
 from __future__ import annotations
@@ -19,19 +21,15 @@ import pytest
 
 from attn_jax.models.llama import LlamaConfig, LlamaModel
 from attn_jax.sharding import check_num_devices, local_model_kwargs, make_mesh
-from tests.serving.hf_reference import PROMPTS, hf_greedy_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory):
-    spec = tmp_path_factory.mktemp("sharding") / "spec.json"
-    spec.write_text(json.dumps({"prompts": PROMPTS[:3], "new_tokens": NEW_TOKENS}))
+def sharded():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.sharded_worker", str(spec)],
+        [sys.executable, "-m", "tests.sharded_worker"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -74,15 +72,17 @@ def test_only_the_needed_collectives_cross_devices(sharded):
     assert sharded["agreement"]["collectives/tp_multistep"] == none | {"all-reduce": 4, "all-gather": 1}
 
 
-@pytest.fixture(scope="module")
-def expected(hf_smollm2):
-    return hf_greedy_batch(*hf_smollm2, PROMPTS[:3], NEW_TOKENS)
-
-
-def test_smollm2_sharded_matches_transformers(sharded, expected):
-    run = sharded["smollm2"]["4"]
+def test_replicated_kv_heads_on_a_mesh_match_one_device(sharded):
+    run = sharded["replicated"]
     assert run["mesh"] == {"data": 2, "model": 2}
-    assert run["tokens"] == expected
+    assert not run["attn_sharded"] and run["mlp_sharded"]
+    assert run["tokens"] == run["single"]
+
+
+def test_smollm2_from_gguf_on_four_devices_splits_requests(sharded):
+    """3 KV heads over 4 devices: a data axis of 4; every weight on all four."""
+    assert sharded["smollm2"] == {"mesh": {"data": 4, "model": 1}, "attn_sharded": False, "mlp_sharded": False,
+                                  "weight_devices": [4]}  # fmt: skip
 
 
 def test_replicated_kv_heads_are_logged(sharded):

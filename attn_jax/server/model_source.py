@@ -33,17 +33,15 @@ def build_engine(
     progress: Callable[[str, int, int], None] | None = None,
     **engine_kwargs,
 ):
-    """An ``Engine`` for ``--model`` (None: the embedded SmolLM2). ValueError for
-    ``tiny-random`` on several devices; ``ModelLoadError`` / FileNotFoundError from the
-    GGUF and checkpoint loaders."""
+    """An ``Engine`` for ``--model`` (None: the embedded SmolLM2), sharded over ``devices``
+    devices when more than one; ``ModelLoadError`` / FileNotFoundError from the GGUF and
+    checkpoint loaders."""
     from attn_jax.serving import Engine
 
     if model == TINY_RANDOM:
-        if devices is not None and devices > 1:
-            raise ValueError(f"--model {TINY_RANDOM} runs on one device, not devices={devices}")
         from attn_jax.testing.models import tiny_random_engine
 
-        return tiny_random_engine(**engine_kwargs)
+        return tiny_random_engine(devices=devices, **engine_kwargs)
     if model is not None and pathlib.Path(model).is_dir():
         return engine_from_hf_checkpoint(model, devices=devices, progress=progress, **engine_kwargs)
     return Engine.from_gguf(model, devices=devices, progress=progress, **engine_kwargs)
