@@ -72,6 +72,7 @@ def summarise_trace(log_dir: str, num_steps: int) -> dict:
     per_kernel = collections.Counter()
     count_cat = collections.Counter()
     starts, ends, memcpy = [], [], collections.Counter()
+    events = []  # (start, name, duration) of every kernel, for the last step's sequence
     planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
     num_steps *= max(len(planes), 1)  # per step and device
     for plane in planes:
@@ -86,6 +87,7 @@ def summarise_trace(log_dir: str, num_steps: int) -> dict:
                 per_kernel[name[:90]] += ev.duration_ns
                 starts.append(ev.start_ns)
                 ends.append(ev.end_ns)
+                events.append((ev.start_ns, name[:90], ev.duration_ns))
                 if "Memcpy" in name or "memcpy" in name:
                     memcpy[name[:30]] += 1
     if not starts:
@@ -100,6 +102,8 @@ def summarise_trace(log_dir: str, num_steps: int) -> dict:
         "gap_us_per_step": span / 1e3 / num_steps * max(len(planes), 1) - busy / 1e3 / num_steps,
         "memcpy_events_per_step": {k: v / num_steps for k, v in memcpy.items()},
         "top_kernels_us_per_step": {k: v / 1e3 / num_steps for k, v in per_kernel.most_common(25)},
+        # The last step's kernels in launch order (one GPU's), name and microseconds.
+        "last_step_kernels": [(n, d / 1e3) for _, n, d in sorted(events)[-(len(events) // num_steps) :]],
     }
 
 
@@ -143,6 +147,19 @@ def device_only_step_ms(engine, steps: int) -> dict[str, float]:
     return out
 
 
+def write_step_hlo(engine, path: str) -> None:
+    """The compiled HLO of the engine's next decode call (its fusions: what each kernel
+    name in ``last_step_kernels`` computes)."""
+
+    def one_step() -> None:
+        engine.step()
+        _sync(engine)
+
+    jit_step, call_args = record_step_call(engine, one_step)
+    with open(path, "w") as f:
+        f.write(jit_step.lower(*call_args).compile().as_text())
+
+
 def profile_batch(config, params, batch: int, args, backend, mesh=None, num_scheduler_steps: int = 1) -> dict:
     local = {} if mesh is None else local_model_kwargs(config, mesh)
     model = LlamaModel(config, block_size=args.block_size, attn_backend=backend, dtype=args.dtype, **local)
@@ -177,6 +194,8 @@ def profile_batch(config, params, batch: int, args, backend, mesh=None, num_sche
     untraced = time.perf_counter() - t
     stats = engine.stats[first:]
     device_ms = device_only_step_ms(engine, args.steps)
+    if args.hlo_out:
+        write_step_hlo(engine, f"{args.hlo_out}.batch{batch}.hlo.txt")
     return {
         "batch": batch,
         "backend": model.attn_backend.get_name(),
@@ -198,6 +217,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup-steps", type=int, default=8)
+    parser.add_argument("--hlo-out", default=None, help="write each batch's compiled step HLO to PREFIX.batchN.hlo.txt")
     add_engine_args(parser, prompt_len=128, kv_cache_gib=4)
     add_output_args(parser, "engine_step_profile_{model}.json")
     args = parse_engine_args(parser)

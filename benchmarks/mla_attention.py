@@ -157,7 +157,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="MLA-D1,MLA-D1-16,MLA-P1", help="comma-separated MLA_WORKLOADS names")
     parser.add_argument("--impls", default="pallas_mla_gpu,xla_reference")
-    parser.add_argument("--sweep", action="store_true", help="also time block_h x pages_per_tile x num_kv_splits")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time block_h x pages_per_tile x num_kv_splits x num_warps x stages"
+    )
+    parser.add_argument("--sweep-stages", default="2", help="comma-separated num_stages values for --sweep")
     add_output_args(parser, "mla_attention_gpu.json")
     args = parser.parse_args(argv)
 
@@ -214,10 +217,15 @@ def main(argv=None) -> int:
             record("pallas_mla_gpu", jax.jit(functools.partial(pallas_triton.mla_decode, **kw)))
             if args.sweep:
                 pages = -(-spec.context_len // spec.block_size)
-                for bh, ppt, splits, warps in itertools.product((16, 32, 64, 128), (1, 2), (1, 2, 4, 8), (4, 8)):
+                stages = [int(x) for x in args.sweep_stages.split(",")]
+                for bh, ppt, splits, warps, st in itertools.product(
+                    (16, 32, 64, 128), (1, 2), (1, 2, 4, 8), (4, 8), stages
+                ):
                     if bh > max(16, spec.num_heads * 2) or ppt * spec.block_size > 128 or splits > pages:
                         continue
-                    bs = MLADecodeBlockSizes(block_h=bh, pages_per_tile=ppt, num_kv_splits=splits, num_warps=warps)
+                    bs = MLADecodeBlockSizes(
+                        block_h=bh, pages_per_tile=ppt, num_kv_splits=splits, num_warps=warps, num_stages=st
+                    )
                     fn = jax.jit(functools.partial(pallas_triton.mla_decode, **kw, block_sizes=bs))
                     record("pallas_mla_gpu", fn, {"block_sizes": str(bs)})
         if "xla_reference" in args.impls:

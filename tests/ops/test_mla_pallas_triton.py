@@ -53,7 +53,9 @@ def test_default_block_sizes_and_reference_agree():
 
 def test_default_block_sizes_deepseek_shape():
     bs = pallas_triton.default_block_sizes(num_reqs=64, num_heads=128, pages_per_req=64, page_size=64)
-    assert (bs.block_h, bs.pages_per_tile, bs.num_kv_splits) == (64, 1, 2)
+    assert (bs.block_h, bs.pages_per_tile, bs.num_kv_splits, bs.num_warps) == (32, 1, 1, 4)  # 256 programs: no split
+    few = pallas_triton.default_block_sizes(num_reqs=16, num_heads=128, pages_per_req=64, page_size=64)
+    assert (few.block_h, few.num_kv_splits, few.num_warps) == (64, 8, 8)  # 32 programs: split
 
 
 def test_error_non_power_of_two_rank():

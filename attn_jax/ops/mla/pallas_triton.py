@@ -63,16 +63,24 @@ class MLADecodeBlockSizes:
 def default_block_sizes(
     *, num_reqs: int, num_heads: int, pages_per_req: int, page_size: int, num_sms: int = NUM_SMS_DEFAULT
 ) -> MLADecodeBlockSizes:
-    """A shape-only heuristic: every head of a request in one program up to 64 heads
-    (128 heads run as two 64-head programs: a 128 x 512 float32 accumulator does not fit a
-    program's registers), tiles of >= 64 keys, and enough KV splits to give the SMs ~2
-    programs each."""
+    """A shape-only heuristic: every head of a request in one program up to 64 heads, 8
+    warps (128 heads: two 64-head programs, as a 128 x 512 float32 accumulator does not fit
+    a program's registers), tiles of >= 64 keys, and enough KV splits to give the SMs ~2
+    programs each. When 32-head programs alone fill every SM (many requests of many
+    heads), 32-head programs of 4 warps and no split instead: on the H100 they beat the
+    64-head ones by 19 % at MLA-D1's 64 requests and lose by 3-10 % at 1-16 requests
+    (BENCHMARKS.md)."""
     block_h = min(max(_next_pow2(num_heads), 16), 64)
+    num_warps = 8
+    if num_heads > block_h and num_reqs * -(-num_heads // 32) >= num_sms:
+        block_h, num_warps = 32, 4
     pages_per_tile = max(1, 64 // page_size)
     head_blocks = -(-num_heads // block_h)
     tiles = max(1, -(-pages_per_req // pages_per_tile))
     splits = max(1, min(tiles, (2 * num_sms) // max(num_reqs * head_blocks, 1), 16))
-    return MLADecodeBlockSizes(block_h=block_h, pages_per_tile=pages_per_tile, num_kv_splits=splits)
+    return MLADecodeBlockSizes(
+        block_h=block_h, pages_per_tile=pages_per_tile, num_kv_splits=splits, num_warps=num_warps
+    )
 
 
 def check_block_sizes(bs: MLADecodeBlockSizes, *, kv_lora_rank: int, rope_dim: int, page_size: int) -> None:
