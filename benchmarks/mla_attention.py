@@ -90,9 +90,10 @@ def floors(spec) -> tuple[float, float]:
     return cache_bytes + qo_bytes, flops
 
 
-def prefill_rows(spec, ceilings) -> list[dict]:
+def prefill_rows(spec, ceilings, sweep: bool = False) -> list[dict]:
     """MLA-P1: causal prefill over no context, q/k nope 128 + rope 64, v 128. ``xla_mla_dense``
-    (ops/mla/dense.py: latents up-projected per request, then attention in XLA) and the cuDNN
+    (ops/mla/dense.py: latents up-projected per request, then attention in XLA), the Triton
+    kernel at four block sizes (``sweep``: block_q x block_k x warps x stages) and the cuDNN
     peer (``jax.nn.dot_product_attention`` on the up-projected dense k/v) when it runs."""
     import jax
     import jax.numpy as jnp
@@ -134,7 +135,10 @@ def prefill_rows(spec, ceilings) -> list[dict]:
         return t
 
     row("xla_mla_dense", dense, q, cache, w_uk, w_uv, qsl, lens, table)
-    for bq, bk, warps, stages in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 3)):
+    configs = ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 32, 4, 3))
+    if sweep:
+        configs = tuple(itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)))
+    for bq, bk, warps, stages in configs:
         kernel = jax.jit(functools.partial(
             prefill_pallas_triton.mla_prefill, sm_scale=scale, kv_lora_rank=spec.kv_lora_rank, q_block=n, block_q=bq,
             block_k=bk, num_warps=warps, num_stages=stages,
@@ -183,7 +187,7 @@ def main(argv=None) -> int:
     for name in args.workloads.split(","):
         spec = MLA_WORKLOADS[name]
         if spec.query_len != 1:
-            rows.extend(prefill_rows(spec, ceilings))
+            rows.extend(prefill_rows(spec, ceilings, sweep=args.sweep))
             continue
         q, cache, seq_lens, table = make_batch(spec)
         scale = 192**-0.5

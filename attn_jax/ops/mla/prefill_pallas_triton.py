@@ -5,8 +5,10 @@ Each prefill request's latents are gathered from the paged cache and up-projecte
 R_dim] shared by the heads); the kernel then runs causal attention with q/k head size
 ``nope + rope`` (192) and v head size ``Dv`` (128), which differ. Grid ``(R, cdiv(q_block,
 block_q), H)``: a program takes ``block_q`` query rows of one request and one head, and walks
-the request's keys in tiles of ``block_k`` up to its causal limit with the online softmax;
-the 192-wide q/k are handled as their 128 + 64 parts (Triton tiles are powers of two).
+the request's keys in tiles of ``block_k`` up to its causal limit with the online softmax:
+first the tiles every row of the block sees (no mask), then the diagonal ones (masked). The
+last q-blocks, which see the most keys, are launched first (a shorter tail of light blocks).
+The 192-wide q/k are handled as their 128 + 64 parts (Triton tiles are powers of two).
 Rows of a block past the request's tokens write to a spare output row (no masked store).
 """
 
@@ -26,7 +28,8 @@ from attn_jax.ops.mla.validate import check_scale, dynamic_validate, is_concrete
 
 def _kernel(qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, out_ref, lse_ref, *, sm_scale, nope, block_q,
             block_k):  # fmt: skip
-    r, qb, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    r, h = pl.program_id(0), pl.program_id(2)
+    qb = pl.num_programs(1) - 1 - pl.program_id(1)  # the heaviest q-blocks first
     num_tokens = q_ref.shape[0]
     rope, dv = kpe_ref.shape[2], v_ref.shape[3]
     start, qlen, kv_len = qsl_ref[r], qsl_ref[r + 1] - qsl_ref[r], lens_ref[r]
@@ -45,21 +48,26 @@ def _kernel(qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, out_ref, lse_re
     hi = jnp.minimum(kv_len, kv_len - qlen + jnp.minimum((qb + 1) * block_q, qlen))  # causal limit of the block
     hi = jnp.where(qb * block_q < qlen, hi, 0)
 
-    def body(t, state):
+    def body(t, state, masked: bool):
         m, denom, acc = state
         j = t * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        ok = j < hi
         jc = jnp.minimum(j, knope_ref.shape[1] - 1)[:, None]
-        k_nope = plgpu.load(knope_ref.at[r, jc, h, dn], mask=ok[:, None], other=0.0)
-        k_pe = plgpu.load(kpe_ref.at[r, jc, dr], mask=ok[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[r, jc, h, dvv], mask=ok[:, None], other=0.0)
+        ok = j < hi
+        load = functools.partial(plgpu.load, mask=ok[:, None], other=0.0) if masked else plgpu.load
+        k_nope = load(knope_ref.at[r, jc, h, dn])
+        k_pe = load(kpe_ref.at[r, jc, dr])
+        v = load(v_ref.at[r, jc, h, dvv])
         s = jax.lax.dot_general(q_nope, k_nope, dims, precision=precision, preferred_element_type=jnp.float32)
         s += jax.lax.dot_general(q_pe, k_pe, dims, precision=precision, preferred_element_type=jnp.float32)
-        visible = ok[None, :] & (j[None, :] <= pos[:, None]) & row_ok[:, None]
-        s = jnp.where(visible, s * sm_scale, MASK_VALUE)
+        s = s * sm_scale
+        if masked:
+            visible = ok[None, :] & (j[None, :] <= pos[:, None]) & row_ok[:, None]
+            s = jnp.where(visible, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
-        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+        p = jnp.exp(s - m_new[:, None])
+        if masked:
+            p = jnp.where(visible, p, 0.0)
         pv = jax.lax.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
         return m_new, alpha * denom + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
@@ -68,7 +76,12 @@ def _kernel(qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, out_ref, lse_re
         jnp.zeros((block_q,), jnp.float32),
         jnp.zeros((block_q, dv), jnp.float32),
     )
-    m, denom, acc = jax.lax.fori_loop(0, (hi + block_k - 1) // block_k, body, state)
+    # Tiles [0, full) lie at or before the block's first row's position: every row sees every
+    # key (rows past the request are never stored). A block of only such rows has hi = 0.
+    num_tiles = (hi + block_k - 1) // block_k
+    full = jnp.clip((kv_len - qlen + qb * block_q + 1) // block_k, 0, num_tiles)
+    state = jax.lax.fori_loop(0, full, functools.partial(body, masked=False), state)
+    m, denom, acc = jax.lax.fori_loop(full, num_tiles, functools.partial(body, masked=True), state)
     empty = denom == 0
     out = jnp.where(empty[:, None], 0.0, acc / jnp.where(empty, 1.0, denom)[:, None])
     plgpu.store(out_ref.at[tok[:, None], h, dvv], out.astype(out_ref.dtype))
