@@ -78,6 +78,7 @@ if str(ROOT) not in sys.path:  # benchmarks.fa3_peer and benchmarks.cupti_timing
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import cupti_timing, fa3_peer  # noqa: E402 - after the path above
+from benchmarks.gpu_check import gpu_device  # noqa: E402
 
 
 # --------------------------------------------------------------------------- inputs
@@ -834,9 +835,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        print(f"this benchmark needs a GPU; jax sees {dev.platform}", file=sys.stderr)
+    dev = gpu_device()
+    if dev is None:
         return 2
     log = functools.partial(print, flush=True)
     slug = dev.device_kind.lower().replace(" ", "_")

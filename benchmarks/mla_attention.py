@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 
+from gpu_check import gpu_device  # benchmarks/, the script's folder
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
 
@@ -176,9 +177,8 @@ def main(argv=None) -> int:
     from attn_jax.ops.mla.pallas_triton import MLADecodeBlockSizes
     from attn_jax.testing.mla import MLA_WORKLOADS
 
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        print(f"this benchmark needs a GPU; jax sees {dev.platform}", file=sys.stderr)
+    dev = gpu_device()
+    if dev is None:
         return 2
     ceilings = measure_ceilings()
     print(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, "

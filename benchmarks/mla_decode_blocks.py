@@ -17,6 +17,7 @@ import datetime
 import functools
 import sys
 
+from gpu_check import gpu_device  # benchmarks/, the script's folder
 from mla_attention import make_batch, time_fn  # benchmarks/, the script's folder
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
@@ -34,9 +35,8 @@ def main(argv=None) -> int:
     from attn_jax.ops.mla.pallas_triton import NUM_SMS_DEFAULT, MLADecodeBlockSizes
     from attn_jax.testing.mla import MLA_WORKLOADS
 
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        print(f"this benchmark needs a GPU; jax sees {dev.platform}", file=sys.stderr)
+    dev = gpu_device()
+    if dev is None:
         return 2
     rows = []
     for reqs in (int(x) for x in args.requests.split(",")):
