@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import itertools
 import json
@@ -113,6 +114,12 @@ def _sync(engine) -> None:
         engine.synchronize()
 
 
+def _step_and_sync(engine) -> None:
+    """One engine step, waited for (what ``record_step_call`` records)."""
+    engine.step()
+    _sync(engine)
+
+
 def device_only_step_ms(engine, steps: int) -> dict[str, float]:
     """The time per step with no scheduling between steps: the engine's last jitted call
     repeated ``steps`` times back to back (the caches fed back as donated), as is
@@ -121,11 +128,7 @@ def device_only_step_ms(engine, steps: int) -> dict[str, float]:
     them to the host ("copy_to_host_async"), and reading the previous step's tokens
     ("read_previous")."""
 
-    def one_step() -> None:
-        engine.step()
-        _sync(engine)
-
-    jit_step, (params, _, last_tokens, *rest) = record_step_call(engine, one_step)
+    jit_step, (params, _, last_tokens, *rest) = record_step_call(engine, functools.partial(_step_and_sync, engine))
     caches = engine.kv_caches
     out = {}
     for variant in ("same_inputs", "chained_tokens", "copy_to_host_async", "read_previous"):
@@ -151,11 +154,7 @@ def write_step_hlo(engine, path: str) -> None:
     """The compiled HLO of the engine's next decode call (its fusions: what each kernel
     name in ``last_step_kernels`` computes)."""
 
-    def one_step() -> None:
-        engine.step()
-        _sync(engine)
-
-    jit_step, call_args = record_step_call(engine, one_step)
+    jit_step, call_args = record_step_call(engine, functools.partial(_step_and_sync, engine))
     with open(path, "w") as f:
         f.write(jit_step.lower(*call_args).compile().as_text())
 

@@ -3,9 +3,9 @@
 The multi-device runs happen in a subprocess with 8 forced CPU devices
 (tests/sharded_worker.py): tiny models whose KV heads split, and whose 3 KV heads
 (SmolLM2's count) do not (replicated, with a warning), each checked token for token
-against one device. SmolLM2's own tokens on several devices are
-tests/test_distributed.py's and tests/serving/test_warmup.py's concern; on one device,
-transformers' (tests/serving/test_engine.py).
+against one device, and the mesh and weight placement ``Engine.from_gguf(devices=4)``
+builds for SmolLM2 itself. SmolLM2's tokens are checked against transformers on one
+device only (tests/serving/test_engine.py, test_cli_generate.py).
 """
 
 from __future__ import annotations

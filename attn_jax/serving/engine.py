@@ -63,7 +63,7 @@ import numpy as np
 
 from attn_jax.metadata import MetadataBuckets
 from attn_jax.models.base import ServingModel
-from attn_jax.models.llama import LlamaModel
+from attn_jax.models.llama import LlamaConfig, LlamaModel
 from attn_jax.ops.ragged_paged_attention.config import next_pow2
 from attn_jax.serving.block_allocator import BlockAllocator
 from attn_jax.serving.cascade import CascadeConfig
@@ -408,12 +408,9 @@ class Engine:
         ``devices`` N > 1 builds ``make_mesh(N, num_kv_heads=...)`` (give ``mesh`` or
         ``devices``, not both). ``progress(stage, done, total)`` is called while the
         weights load ("weights") and around the tokenizer ("tokenizer"). Raises
-        ``ModelLoadError`` for a missing or corrupt file, ValueError for bad devices.
+        ``ModelLoadError`` for a missing or corrupt file, ValueError for bad devices
+        (``from_llama``'s, after the file loads).
         """
-        if mesh is not None and devices is not None:
-            raise ValueError("give mesh or devices, not both")
-        if devices is not None:
-            check_num_devices(devices)
         from attn_jax.models.gguf_loader import load_gguf, load_tokenizer
         from attn_jax.models.smollm2 import gguf_path
 
@@ -424,6 +421,31 @@ class Engine:
         tokenizer = load_tokenizer(path)
         if progress is not None:
             progress("tokenizer", 1, 1)
+        return cls.from_llama(
+            config, params, tokenizer, attn_backend=attn_backend, block_size=block_size, mesh=mesh, devices=devices,
+            **engine_kwargs,
+        )  # fmt: skip
+
+    @classmethod
+    def from_llama(
+        cls,
+        config: LlamaConfig,
+        params,
+        tokenizer=None,
+        *,
+        attn_backend=None,
+        block_size: int = 16,
+        mesh=None,
+        devices: int | None = None,
+        **engine_kwargs,
+    ) -> Engine:
+        """An engine on a Llama-family ``config`` and its weights (``fuse_params``' layout),
+        sharded over ``mesh``, or over ``make_mesh(N, num_kv_heads=...)`` for ``devices`` N > 1
+        (give ``mesh`` or ``devices``, not both). ValueError for bad devices."""
+        if mesh is not None and devices is not None:
+            raise ValueError("give mesh or devices, not both")
+        if devices is not None:
+            check_num_devices(devices)
         if devices is not None and devices > 1:
             mesh = make_mesh(devices, num_kv_heads=config.num_kv_heads)
         local = {} if mesh is None else local_model_kwargs(config, mesh)

@@ -121,17 +121,16 @@ def tiny_random_engine(
     """An ``Engine`` on ``tiny_random_config`` with float32 weights from ``init_params(seed)``
     and the embedded SmolLM2's tokenizer and chat template: the same tokens in every
     process for the same ``seed`` and engine arguments (tests compare a server's output
-    with an engine of their own). ``devices`` > 1: sharded over ``make_mesh(devices)``
+    with an engine of their own). ``devices`` > 1: sharded as ``Engine.from_llama`` shards
     (its 2 KV heads over a model axis as far as they divide, requests over the rest)."""
     from attn_jax.models.gguf_loader import load_tokenizer
-    from attn_jax.models.llama import LlamaModel, init_params
+    from attn_jax.models.llama import init_params
     from attn_jax.models.smollm2 import gguf_path
     from attn_jax.serving import Engine
-    from attn_jax.sharding import local_model_kwargs, make_mesh
 
     tokenizer = load_tokenizer(gguf_path())
     config = tiny_random_config(tokenizer.vocab_size)
-    mesh = make_mesh(devices, num_kv_heads=config.num_kv_heads) if devices is not None and devices > 1 else None
-    shard_kwargs = local_model_kwargs(config, mesh) if mesh is not None else {}
-    model = LlamaModel(config, block_size=block_size, attn_backend=attn_backend, **shard_kwargs)
-    return Engine(model, init_params(config, seed=seed), tokenizer, mesh=mesh, **engine_kwargs)
+    return Engine.from_llama(
+        config, init_params(config, seed=seed), tokenizer, attn_backend=attn_backend, block_size=block_size,
+        devices=devices, **engine_kwargs,
+    )  # fmt: skip
