@@ -67,6 +67,7 @@ from attn_jax.ops.ragged_paged_attention.config import (
     check_block_sizes,
     gpu_batch_mode,
     gpu_block_sizes,
+    mgpu_block_sizes,
     mgpu_prefill_available,
     next_pow2,
 )
@@ -183,9 +184,10 @@ def schedules(b: DeviceBatch, block_sizes: GpuBlockSizes, mgpu: bool) -> dict:
     qsl, seq = np.asarray(b.query_start_loc), np.asarray(b.seq_lens)
     out = {"schedule": jnp.asarray(pallas_triton.gpu_schedule(qsl, seq, num_tokens=b.num_tokens,
                                                             block_q=block_sizes.block_q, xp=np))}  # fmt: skip
-    hopper = mgpu_prefill_available(jax.devices()[0].device_kind)
-    if hopper and (mgpu == "force" or (mgpu and gpu_batch_mode(b.query_lens) == "prefill")):
-        out.update(mgpu_split(qsl, seq, num_tokens=b.num_tokens, block_q=block_sizes.block_q))
+    kind = jax.devices()[0].device_kind
+    if mgpu_prefill_available(kind) and (mgpu == "force" or (mgpu and gpu_batch_mode(b.query_lens) == "prefill")):
+        mbs = mgpu_block_sizes(head_size=b.spec.head_size, device_kind=kind)
+        out.update(mgpu_split(qsl, seq, num_tokens=b.num_tokens, block_q=block_sizes.block_q, mgpu_bs=mbs))
     return out
 
 

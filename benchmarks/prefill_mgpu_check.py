@@ -3,7 +3,8 @@
 1. ``pallas_mosaic_gpu.prefill_attention`` against the float32 jnp reference on ragged batches
    (NaN in every cache slot no request uses), for several head sizes, page sizes and
    block sizes: relative L2 error and NaN count on the rows it serves.
-2. P1 (4 x 4096 causal, DESIGN.md) with the kernel alone for a few block sizes, beside
+2. P1 (4 x 4096 causal, DESIGN.md) with the kernel alone for a few block sizes (at each of
+   ``--p1-head-sizes``), beside
    JAX's dense ``attention_mgpu`` on the same shapes.
 3. The k/v write: ``kv_write.write_kv`` against ``write_to_kv_cache`` (XLA scatters), cache
    donated, on P1's and D1's new tokens, in GB/s of bytes moved (k and v read + written).
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -26,6 +28,7 @@ import numpy as np
 
 from attn_jax.kv_cache import write_to_kv_cache
 from attn_jax.ops.ragged_paged_attention import kv_write, pallas_mosaic_gpu, reference
+from attn_jax.ops.ragged_paged_attention.config import MOSAIC_GPU_SMEM_BYTES
 from attn_jax.testing.workloads import WORKLOADS, make_ragged_batch
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
@@ -102,7 +105,8 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
     p.add_argument("--only", default="", help="diag: only the NaN / error diagnosis")
-    p.add_argument("--skip", default="", help="comma list of: checks, write")
+    p.add_argument("--skip", default="", help="comma list of: checks, peer, write")
+    p.add_argument("--p1-head-sizes", default="128", help="head sizes of the P1 block sweep (default 128)")
     args = p.parse_args(argv)
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
            "checks": [], "p1": [], "write": []}  # fmt: skip
@@ -139,20 +143,28 @@ def main(argv=None):
         f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
         f"matmul {ceil['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"
     )
+    for head in [int(h) for h in args.p1_head_sizes.split(",") if h]:
+        b = make_device_batch(dataclasses.replace(WORKLOADS["P1"], head_size=head))
+        _, flops = floors(b)
+        qsl, seq = np.asarray(b.query_start_loc), np.asarray(b.seq_lens)
+        for bs in (B(64, 128, 2), B(64, 64, 2), B(64, 64, 3), B(64, 64, 4), B(64, 128, 3)):
+            if bs.smem_bytes(head, b.q.dtype) > MOSAIC_GPU_SMEM_BYTES:
+                continue
+            sched = jnp.asarray(
+                pallas_mosaic_gpu.mgpu_schedule(qsl, seq, num_tokens=b.num_tokens, tile=bs.tile, xp=np)[0]
+            )
+            fn = jax.jit(functools.partial(pallas_mosaic_gpu.prefill_attention, sm_scale=head**-0.5, block_sizes=bs))
+
+            def run(fn=fn, sched=sched, bs=bs, b=b, flops=flops, head=head):
+                t = time_jax(fn, b.q, b.kv_cache, sched, b.block_tables)
+                row = {"head_size": head, "block_sizes": str(bs), "ms": t * 1e3, "tflop_per_s": flops / t / 1e12}
+                log(f"P1 head {head} mgpu {bs}: {t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s")
+                return row
+
+            res["p1"].append(attempt(f"P1 head {head} {bs}", run))
+        del b
     b = make_device_batch(WORKLOADS["P1"])
     _, flops = floors(b)
-    qsl, seq = np.asarray(b.query_start_loc), np.asarray(b.seq_lens)
-    for bs in (B(64, 128, 2), B(64, 64, 3), B(64, 64, 4), B(64, 128, 3)):
-        sched = jnp.asarray(pallas_mosaic_gpu.mgpu_schedule(qsl, seq, num_tokens=b.num_tokens, tile=bs.tile, xp=np)[0])
-        fn = jax.jit(functools.partial(pallas_mosaic_gpu.prefill_attention, sm_scale=128**-0.5, block_sizes=bs))
-
-        def run(fn=fn, sched=sched, bs=bs):
-            t = time_jax(fn, b.q, b.kv_cache, sched, b.block_tables)
-            row = {"block_sizes": str(bs), "ms": t * 1e3, "tflop_per_s": flops / t / 1e12}
-            log(f"P1 mgpu {bs}: {t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s")
-            return row
-
-        res["p1"].append(attempt(f"P1 {bs}", run))
 
     def peer():
         from jax.experimental.pallas.ops.gpu import attention_mgpu as am
@@ -169,7 +181,8 @@ def main(argv=None):
             log(f"P1 attention_mgpu dense block_kv={bkv}: {t * 1e3:.3f} ms, {flops / t / 1e12:.0f} TFLOP/s")
         return out
 
-    res["p1_peer_attention_mgpu"] = attempt("peer", peer)
+    if "peer" not in args.skip:
+        res["p1_peer_attention_mgpu"] = attempt("peer", peer)
 
     for wname in () if "write" in args.skip else ("P1", "D1", "M1"):
         wb = make_device_batch(WORKLOADS[wname])

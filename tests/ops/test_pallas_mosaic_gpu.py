@@ -82,7 +82,7 @@ def _split_traced(qsl, seq, num_tokens):
         (dict(sinks=np.ones(4)), "no sinks"),
         (dict(dtype=jnp.float32, cache_dtype=jnp.float32), "bfloat16/float16 activations, not float32"),
         (dict(cache_dtype=jnp.float8_e4m3fn), "cache in the activation dtype"),
-        (dict(head_size=256), r"head sizes \[64, 128\], not 256"),
+        (dict(head_size=72), r"head sizes \[64, 80, 96, 112, 128, 192, 256\], not 72"),
         (dict(block_sizes=MgpuBlockSizes(block_kv=256, steps_in_flight=4)), r"needs 558080 bytes of shared memory"),
         (dict(page_size=4), "page_size=4 does not tile"),
     ],
@@ -171,6 +171,22 @@ def test_mgpu_block_sizes_come_from_the_tuned_table_and_validate():
         pallas_mosaic_gpu.MgpuBlockSizes(block_kv=96)
 
 
+@pytest.mark.parametrize("head_size", pallas_mosaic_gpu.SUPPORTED_HEAD_SIZES)
+def test_kernel_lowers_for_cuda_at_every_head_size(head_size):
+    """Mosaic GPU's lowering (layouts, TMA boxes, wgmma shapes on the swizzled tiles: 128-byte
+    at 64/128/192/256, 64-byte at 96, 32-byte at 80/112) runs here on the CPU; the compile to SASS and
+    the numbers are the marked GPU cases'."""
+    sds = jax.ShapeDtypeStruct
+    tiles = pallas_mosaic_gpu.max_num_tiles(512, 2, TILE)
+    shapes = (sds((512, 8, head_size), jnp.bfloat16), sds((2, 64, 16, 2, head_size), jnp.bfloat16),
+              sds((4, tiles), jnp.int32), sds((2, 32), jnp.int32))  # fmt: skip
+    f = functools.partial(pallas_mosaic_gpu.prefill_attention, sm_scale=head_size**-0.5)
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(*shapes)
+    assert "mosaic_gpu" in exported.mlir_module()
+    swizzle = {64: 128, 80: 32, 96: 64, 112: 32, 128: 128, 192: 128, 256: 128}[head_size]
+    assert pallas_mosaic_gpu.swizzle_bytes(head_size * 2) == swizzle
+
+
 def test_kernel_plan_names_the_kernel_per_batch_kind(monkeypatch):
     from attn_jax.backends.pallas_gpu import MGPU_PREFILL_ENV
     from attn_jax.backends.pallas_gpu import PallasGPUAttentionBackend as B
@@ -252,6 +268,13 @@ GPU_CASES = {
     "mha_head128_page64": (dict(num_q_heads=2, num_kv_heads=2, head_size=128, block_size=64), (64, 128, 2)),
     "head128_page256": (dict(num_q_heads=4, num_kv_heads=2, head_size=128, block_size=256), (64, 128, 2)),
     "float16": (dict(num_q_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=jnp.float16), (64, 128, 2)),
+    # Narrow heads: 32-byte (80, 112) and 64-byte (96) swizzled tiles.
+    "gqa4_head80_page16": (dict(num_q_heads=8, num_kv_heads=2, head_size=80, block_size=16), (64, 128, 2)),
+    "gqa2_head96_page32": (dict(num_q_heads=4, num_kv_heads=2, head_size=96, block_size=32), (64, 64, 3)),
+    "mha_head112_page16": (dict(num_q_heads=2, num_kv_heads=2, head_size=112, block_size=16), (64, 128, 2)),
+    # Wide heads: 64-key K/V blocks (the default past 128).
+    "gqa4_head192_page16": (dict(num_q_heads=8, num_kv_heads=2, head_size=192, block_size=16), (64, 64, 2)),
+    "gqa2_head256_page64": (dict(num_q_heads=4, num_kv_heads=2, head_size=256, block_size=64), (64, 64, 2)),
 }
 
 

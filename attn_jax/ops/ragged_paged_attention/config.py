@@ -320,12 +320,13 @@ MGPU_MATCH_KEYS = ("head_size",)
 
 def mgpu_block_sizes(*, head_size: int, device_kind: str | None = None) -> MgpuBlockSizes:
     """The Mosaic GPU prefill tiling: the device table's ``mgpu_entries`` item for this head
-    size, else ``MgpuBlockSizes()`` (64 rows per warpgroup, 128-key blocks, a 2-deep ring)."""
+    size, else 64 rows per warpgroup, 128-key blocks (64 past head 128, whose ring of 128 would
+    not fit Hopper's shared memory) and a 2-deep ring."""
     table = tuned_table_for("gpu_", device_kind)
     for entry in (table or {}).get("mgpu_entries", []):
         if entry.get("head_size") == head_size:
             return mgpu_entry_block_sizes(entry)
-    return MgpuBlockSizes()
+    return MgpuBlockSizes(block_kv=64 if head_size > 128 else 128)
 
 
 def mgpu_entry_block_sizes(entry: dict[str, Any]) -> MgpuBlockSizes:

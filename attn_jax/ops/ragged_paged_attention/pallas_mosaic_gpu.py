@@ -37,7 +37,7 @@ Structure (JAX's ``attention_mgpu.py``, FlashAttention-3 style, adapted to pages
 
 What it lacks, each named by ``unsupported_reason`` so the caller keeps those batches on
 the Triton kernel: non-causal attention, sliding window, soft cap, ALiBi, sinks, fp8
-caches, float32 activations, head sizes other than 64 and 128, pages that do not tile a
+caches, float32 activations, head sizes other than 64, 80, 96, 112, 128, 192 and 256, pages that do not tile a
 KV block (``block_kv % page_size`` or ``page_size % 8``). ``common.py``'s per-tile
 functions are not used here: the kernel keeps ``attention_mgpu``'s softmax, written
 against ``plgpu.Layout.WGMMA`` register layouts (row statistics in ``WGMMA.reduce(1)``,
@@ -65,12 +65,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_jax.metadata import searchsorted
-from attn_jax.ops.ragged_paged_attention.config import MOSAIC_GPU_SMEM_BYTES, MgpuBlockSizes
+from attn_jax.ops.ragged_paged_attention.config import MOSAIC_GPU_SMEM_BYTES, MgpuBlockSizes, mgpu_block_sizes
 
-SUPPORTED_HEAD_SIZES = (64, 128)
-"""wgmma's K and N dimensions in whole 128-byte swizzle rows of 16-bit data. 256 is not
-enabled: with 64-key K/V blocks its ring would fit Hopper's shared memory
-(``MgpuBlockSizes.smem_bytes``: 197632 bytes), but it has never run on an H100."""
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
+"""Rows of 16-bit data that whole swizzle tiles cover (``swizzle_bytes``): 128-byte tiles at
+64, 128, 192 and 256, 64-byte at 96, 32-byte at 80 and 112 (wgmma's K and N in steps of the
+tile). Past 128 the default K/V blocks are 64 keys (``config.mgpu_block_sizes``), so the ring
+fits Hopper's shared memory."""
 SUPPORTED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 __all__ = ["MgpuBlockSizes", "max_num_tiles", "mgpu_schedule", "prefill_attention", "unsupported_reason"]
@@ -80,8 +81,9 @@ def unsupported_reason(
     *, head_size: int, page_size: int, dtype, cache_dtype, causal: bool, sliding_window=None,
     logits_soft_cap=None, alibi_slopes=None, sinks=None, block_sizes: MgpuBlockSizes | None = None,
 ) -> str | None:  # fmt: skip
-    """Why this kernel cannot serve the configuration, or None when it can."""
-    block_sizes = block_sizes or MgpuBlockSizes()
+    """Why this kernel cannot serve the configuration, or None when it can (``block_sizes``
+    None: ``config.mgpu_block_sizes``' default for the head size)."""
+    block_sizes = block_sizes or mgpu_block_sizes(head_size=head_size)
     if not causal:
         return "the Mosaic GPU prefill kernel is causal only"
     for name, value in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap),
@@ -104,6 +106,11 @@ def unsupported_reason(
     if page_size % 8 or block_sizes.block_kv % chunk or (page_size > block_sizes.block_kv and page_size % chunk):
         return f"page_size={page_size} does not tile block_kv={block_sizes.block_kv} in rows of 8"
     return None
+
+
+def swizzle_bytes(row_bytes: int) -> int:
+    """The widest shared-memory swizzle (128, 64 or 32 bytes) that tiles a row of ``row_bytes``."""
+    return next(s for s in (128, 64, 32) if row_bytes % s == 0)
 
 
 def max_num_tiles(num_tokens: int, num_reqs: int, tile: int) -> int:
@@ -322,9 +329,10 @@ def prefill_attention(
     (``benchmarks/prefill_mgpu_check.py --only diag``), right only when those cache slots
     hold finite values.
     """
+    bs = block_sizes or mgpu_block_sizes(head_size=q.shape[-1])
     return _prefill(
-        q, kv_cache, schedule, block_tables, sm_scale=float(sm_scale), bs=block_sizes or MgpuBlockSizes(),
-        interpret=interpret, zero_tail=zero_tail, return_lse=return_lse,
+        q, kv_cache, schedule, block_tables, sm_scale=float(sm_scale), bs=bs, interpret=interpret,
+        zero_tail=zero_tail, return_lse=return_lse,
     )  # fmt: skip
 
 
@@ -339,7 +347,7 @@ def _prefill(q, kv_cache, schedule, block_tables, *, sm_scale, bs, interpret, ze
     pad = -num_tokens % 8  # a TMA over q and out wants whole 8-row tiles of tokens
     if pad:
         q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
-    swizzle = 128 if head_dim * q.dtype.itemsize >= 128 else head_dim * q.dtype.itemsize
+    swizzle = swizzle_bytes(head_dim * q.dtype.itemsize)
     transforms = (plgpu.TilingTransform((8, swizzle // q.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
 
     def entry(sched_ref, bt_ref, q_ref, kv_ref, out_ref, lse_ref=None):
