@@ -6,7 +6,8 @@ host with ``layer.prepare``, as the engine does):
 
 - ``fp8_attention``: ``Attention(..., kv_cache_dtype="fp8", query_quant=True)``: the query
   quantised to e4m3 with ``layer.q_scale`` (vLLM's ``calc_kv_scales`` rule on this batch),
-  e4m3 x e4m3 dots with float32 accumulation, on the Triton kernel;
+  q.k on e4m3 x e4m3 dots with float32 accumulation (on Hopper the Mosaic GPU prefill kernel,
+  p @ v in float16 over V converted from e4m3; elsewhere the Triton kernel, p @ v in e4m3);
 - ``fp8_kv_cache``: the same cache, ``query_quant=False`` (k/v dequantised to bf16 in the kernel);
 - ``bf16``: the default layer (bf16 cache; the Mosaic GPU prefill kernel on Hopper).
 

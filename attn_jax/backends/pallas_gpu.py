@@ -139,7 +139,7 @@ def mgpu_split(
 def uses_mosaic_gpu(
     q, kv_cache, *, interpret: bool, block_sizes: GpuBlockSizes | None, mgpu_schedule,
     mgpu_block_sizes: MgpuBlockSizes | None, causal: bool = True, sliding_window=None,
-    logits_soft_cap=None, alibi_slopes=None, sinks=None,
+    logits_soft_cap=None, alibi_slopes=None, sinks=None, query_quant: bool = False,
 ) -> bool:  # fmt: skip
     """Whether ``ragged_paged_attention`` runs a batch's long prefills on the Mosaic GPU kernel:
     a Mosaic GPU split was built, the kernels are compiled (not interpreted), the Triton blocks
@@ -151,6 +151,7 @@ def uses_mosaic_gpu(
             head_size=q.shape[-1], page_size=kv_cache.shape[2], dtype=q.dtype, cache_dtype=kv_cache.dtype,
             causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
             alibi_slopes=alibi_slopes, sinks=sinks, block_sizes=mgpu_block_sizes or MgpuBlockSizes(),
+            query_quant=query_quant,
         ) is None
     )  # fmt: skip
 
@@ -173,8 +174,7 @@ def ragged_paged_attention(
     same buffer (with ``return_lse``, their LSE too); otherwise the Triton kernel serves every
     row on ``schedule`` (and so with ``return_states`` and ``state_init``, cascade attention's
     fused merge).
-    FP8 attention (``q_scale``, an e4m3 cache) runs on the Triton kernel alone: the Mosaic GPU
-    prefill kernel is 16-bit only (``FP8_PLAN``).
+    FP8 attention (``q_scale``, an e4m3 cache) splits the same way (``FP8_PLAN``).
     """
     features = dict(
         causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
@@ -184,9 +184,9 @@ def ragged_paged_attention(
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     mgpu_bs = mgpu_block_sizes or MgpuBlockSizes()
-    use_mgpu = q_scale is None and state_init is None and not return_states and uses_mosaic_gpu(
+    use_mgpu = state_init is None and not return_states and uses_mosaic_gpu(
         q, kv_cache, interpret=interpret, block_sizes=block_sizes, mgpu_schedule=mgpu_schedule,
-        mgpu_block_sizes=mgpu_bs, **features,
+        mgpu_block_sizes=mgpu_bs, query_quant=q_scale is not None, **features,
     )  # fmt: skip
     triton = functools.partial(
         pallas_triton.ragged_paged_attention, query_start_loc=query_start_loc, seq_lens=seq_lens,
@@ -204,7 +204,7 @@ def ragged_paged_attention(
     kv_cache = pallas_triton.write_new_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale, interpret=False)
     out = pallas_mosaic_gpu.prefill_attention(
         q, kv_cache, jnp.asarray(mgpu_schedule, jnp.int32), jnp.asarray(block_tables), sm_scale=sm_scale,
-        block_sizes=mgpu_bs, return_lse=return_lse,
+        block_sizes=mgpu_bs, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, q_scale=q_scale,
     )  # fmt: skip
     out, lse = out if return_lse else (out, None)
     if rest_schedule is None:  # every row is the Mosaic GPU kernel's: no second launch
@@ -245,9 +245,10 @@ NO_FP8_DOT_GPUS = ("A100", "A800", "A10", "A10G", "A30", "A40", "V100", "T4", "P
 where Triton's ``tl.dot`` takes no e4m3 operands: PALLAS_GPU refuses FP8 attention there."""
 
 FP8_PLAN = (
-    "FP8 attention (query_quant): every batch, prefill included, on the Triton kernel (pallas_triton): "
-    "the query quantised to e4m3 in the kernel, e4m3 x e4m3 dots with float32 accumulation (FP8 wgmma on "
-    "Hopper); the Mosaic GPU prefill kernel is 16-bit only"
+    "FP8 attention (query_quant): the query quantised to e4m3 in the kernel, q.k on e4m3 x e4m3 dots with "
+    "float32 accumulation (FP8 wgmma on Hopper); decode and mixed batches on the Triton kernel (p @ v in e4m3 "
+    "too), the long requests of prefill batches on Hopper on the Mosaic GPU kernel (p @ v in float16 over V "
+    "converted exactly from e4m3)"
 )
 """What ``kernel_plan`` (``attn-stack info --query-quant``) says for FP8 attention layers."""
 
@@ -293,8 +294,7 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         self.device_kind = device_kind
         if mgpu_prefill is None:  # read once, here at the edge (never under ops/)
             mgpu_prefill = mgpu_prefill_setting()
-        # FP8 attention layers run every batch on the Triton kernel (FP8_PLAN): no split to build.
-        self.mgpu_prefill = mgpu_prefill and mgpu_prefill_available(device_kind) and not kv_cache_spec.query_quant
+        self.mgpu_prefill = mgpu_prefill and mgpu_prefill_available(device_kind)
         self._block_choices: dict[tuple[int, int, str], GpuBlockChoice] = {}
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
@@ -518,7 +518,6 @@ class PallasGPUAttentionBackend(XLAAttentionBackend):
             lines.append(f"Triton {mode} blocks (group {group}): {choice.block_sizes} from {choice.source}")
         if query_quant:
             lines.append(FP8_PLAN)
-            return lines
         if not mgpu_prefill_available(device_kind):
             lines.append(
                 f"prefill batches: the Triton kernel (Mosaic GPU prefill needs Hopper; device {device_kind!r})"
@@ -531,7 +530,7 @@ class PallasGPUAttentionBackend(XLAAttentionBackend):
             head_size=head_size, page_size=block_size, dtype=dtype, cache_dtype=cache_dtype, causal=causal,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
             alibi_slopes=True if has_alibi else None, sinks=True if has_sink else None,
-            block_sizes=mgpu_block_sizes(head_size=head_size, device_kind=device_kind),
+            block_sizes=mgpu_block_sizes(head_size=head_size, device_kind=device_kind), query_quant=query_quant,
         )  # fmt: skip
         tile = MgpuBlockSizes().tile
         if reason is None:

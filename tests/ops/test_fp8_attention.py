@@ -251,6 +251,33 @@ def test_triton_compiled_fp8_matches_oracle(lens):
     print(f"rel L2 {err:.3e} vs the quantised-input oracle, {err_unquantized:.3e} vs the unquantised one")
 
 
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("head_size", [128, 64])
+def test_mosaic_gpu_prefill_fp8_matches_oracle(head_size):
+    """A prefill batch on PALLAS_GPU's split: the long requests in the Mosaic GPU kernel (q.k on
+    FP8 wgmma, p @ v in float16), the other rows in the Triton kernel; every row against the oracle."""
+    from attn_jax.backends import pallas_gpu as backend
+    from attn_jax.ops.ragged_paged_attention.config import MgpuBlockSizes, mgpu_prefill_available
+
+    if not mgpu_prefill_available(jax.devices()[0].device_kind):
+        pytest.skip("needs a Hopper GPU (H100/H200) for Mosaic GPU")
+    batch = make_ragged_batch(7, [300, 1, 140, 5, 260], [100, 50, 37, 3, 0], num_q_heads=8, num_kv_heads=2,
+                              head_size=head_size, block_size=16, dtype=jnp.bfloat16, cache_dtype_str="fp8_e4m3",
+                              num_tokens=720, num_padding_requests=1, extra_blocks=3)  # fmt: skip
+    bs = GpuBlockSizes(block_q=16, pages_per_tile=4)
+    split = backend.mgpu_split(batch.query_start_loc, batch.seq_lens, num_tokens=720, block_q=16,
+                               mgpu_bs=MgpuBlockSizes())  # fmt: skip
+    assert split["rest_schedule"] is not None
+    assert backend.uses_mosaic_gpu(batch.q, batch.kv_cache, interpret=False, block_sizes=bs,
+                                   mgpu_schedule=split["mgpu_schedule"], mgpu_block_sizes=MgpuBlockSizes(),
+                                   query_quant=True)  # fmt: skip
+    options = make_options(batch)
+    op = functools.partial(backend.ragged_paged_attention, interpret=False, block_sizes=bs, **split)
+    err, err_unquantized = check_fp8_output(batch, options, *run_fp8(batch, options, op))
+    print(f"rel L2 {err:.3e} vs the quantised-input oracle, {err_unquantized:.3e} vs the unquantised one")
+
+
 # --- selection and the layer --------------------------------------------------------------------
 
 
@@ -293,12 +320,19 @@ def test_layer_query_quant_matches_oracle_within_bound(backend):
     check_fp8_output(batch, make_options(batch), out.reshape(batch.q.shape), cache, layer.q_scale)
 
 
-def test_info_says_fp8_attention_runs_on_the_triton_kernel(monkeypatch, capsys):
+def test_info_says_where_fp8_attention_runs(monkeypatch, capsys):
+    from attn_jax.backends.pallas_gpu import PallasGPUAttentionBackend
     from attn_jax.cli import main
 
     monkeypatch.setenv("ATTN_STACK_BACKEND", "PALLAS_GPU")
     assert main(["info", "--kv-cache-dtype", "fp8", "--query-quant"]) == 0
-    assert "FP8 attention (query_quant): every batch, prefill included, on the Triton kernel" in capsys.readouterr().out
+    assert "decode and mixed batches on the Triton kernel (p @ v in e4m3" in capsys.readouterr().out
+    h100 = PallasGPUAttentionBackend.kernel_plan(
+        128, jnp.bfloat16, "fp8", 16, "NVIDIA H100 80GB HBM3", query_quant=True
+    )
+    assert "on the Mosaic GPU kernel (pallas_mosaic_gpu" in h100[-1], h100
+    h80 = PallasGPUAttentionBackend.kernel_plan(80, jnp.bfloat16, "fp8", 16, "NVIDIA H100 80GB HBM3", query_quant=True)
+    assert "whole 32-byte tiles, not 80" in h80[-1], h80
 
 
 # --- the Mosaic TPU kernel: the TPU interpreter and lowering ----------------------------------------

@@ -82,6 +82,8 @@ def _split_traced(qsl, seq, num_tokens):
         (dict(sinks=np.ones(4)), "no sinks"),
         (dict(dtype=jnp.float32, cache_dtype=jnp.float32), "bfloat16/float16 activations, not float32"),
         (dict(cache_dtype=jnp.float8_e4m3fn), "cache in the activation dtype"),
+        (dict(query_quant=True), "FP8 attention on the Mosaic GPU prefill kernel needs a float8_e4m3fn cache"),
+        (dict(query_quant=True, cache_dtype=jnp.float8_e4m3fn, head_size=80), "whole 32-byte tiles, not 80"),
         (dict(head_size=72), r"head sizes \[64, 80, 96, 112, 128, 192, 256\], not 72"),
         (dict(block_sizes=MgpuBlockSizes(block_kv=256, steps_in_flight=4)), r"needs 558080 bytes of shared memory"),
         (dict(page_size=4), "page_size=4 does not tile"),
@@ -171,16 +173,23 @@ def test_mgpu_block_sizes_come_from_the_tuned_table_and_validate():
         pallas_mosaic_gpu.MgpuBlockSizes(block_kv=96)
 
 
-@pytest.mark.parametrize("head_size", pallas_mosaic_gpu.SUPPORTED_HEAD_SIZES)
-def test_kernel_lowers_for_cuda_at_every_head_size(head_size):
+@pytest.mark.parametrize(
+    ("head_size", "cache_dtype"),
+    [(h, jnp.bfloat16) for h in pallas_mosaic_gpu.SUPPORTED_HEAD_SIZES] + [(64, "fp8"), (96, "fp8"), (128, "fp8")],
+)
+def test_kernel_lowers_for_cuda_at_every_head_size(head_size, cache_dtype):
     """Mosaic GPU's lowering (layouts, TMA boxes, wgmma shapes on the swizzled tiles: 128-byte
-    at 64/128/192/256, 64-byte at 96, 32-byte at 80/112) runs here on the CPU; the compile to SASS and
-    the numbers are the marked GPU cases'."""
+    at 64/128/192/256, 64-byte at 96, 32-byte at 80/112; FP8 attention's e4m3 q and K tiles and
+    float16 V blocks) runs here on the CPU; the compile to SASS and the numbers are the marked
+    GPU cases'."""
     sds = jax.ShapeDtypeStruct
     tiles = pallas_mosaic_gpu.max_num_tiles(512, 2, TILE)
-    shapes = (sds((512, 8, head_size), jnp.bfloat16), sds((2, 64, 16, 2, head_size), jnp.bfloat16),
+    fp8 = cache_dtype == "fp8"
+    shapes = (sds((512, 8, head_size), jnp.bfloat16),
+              sds((2, 64, 16, 2, head_size), jnp.float8_e4m3fn if fp8 else cache_dtype),
               sds((4, tiles), jnp.int32), sds((2, 32), jnp.int32))  # fmt: skip
-    f = functools.partial(pallas_mosaic_gpu.prefill_attention, sm_scale=head_size**-0.5)
+    scales = dict(k_scale=jnp.float32(0.5), v_scale=jnp.float32(0.25), q_scale=jnp.float32(0.125)) if fp8 else {}
+    f = functools.partial(pallas_mosaic_gpu.prefill_attention, sm_scale=head_size**-0.5, **scales)
     exported = jax.export.export(jax.jit(f), platforms=["cuda"])(*shapes)
     assert "mosaic_gpu" in exported.mlir_module()
     swizzle = {64: 128, 80: 32, 96: 64, 112: 32, 128: 128, 192: 128, 256: 128}[head_size]

@@ -305,10 +305,17 @@ class MgpuBlockSizes:
     def tile(self) -> int:
         return 2 * self.block_q
 
-    def smem_bytes(self, head_size: int, dtype) -> int:
-        """Shared memory of one CTA (bytes): two q/out tiles and the K and V rings, plus 1 KiB of barriers."""
-        rows = 2 * self.block_q + 2 * self.steps_in_flight * self.block_kv
-        return rows * head_size * np.dtype(dtype).itemsize + 1024
+    def smem_bytes(self, head_size: int, dtype, cache_dtype=None) -> int:
+        """Shared memory of one CTA (bytes): two q/out tiles and the K and V rings, plus 1 KiB of
+        barriers; with a 1-byte ``cache_dtype`` (FP8 attention) also each warpgroup's e4m3 q
+        tile and float16 V block."""
+        itemsize = np.dtype(dtype).itemsize
+        cache_itemsize = np.dtype(cache_dtype or dtype).itemsize
+        ring = 2 * self.steps_in_flight * self.block_kv * head_size * cache_itemsize
+        total = 2 * self.block_q * head_size * itemsize + ring + 1024
+        if cache_itemsize == 1:
+            total += 2 * self.block_q * head_size + 2 * self.block_kv * head_size * 2
+        return total
 
 
 MOSAIC_GPU_SMEM_BYTES = GPU_SMEM_BYTES["H100"]

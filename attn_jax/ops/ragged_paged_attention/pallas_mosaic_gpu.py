@@ -30,6 +30,10 @@ Structure (JAX's ``attention_mgpu.py``, FlashAttention-3 style, adapted to pages
   only known at run time.
 - Causal: KV blocks above the diagonal are never fetched (the loop ends at the tile's
   last position); blocks wholly below it skip the mask.
+- FP8 attention (``q_scale``, an e4m3 cache): each compute warpgroup quantises its q rows
+  to e4m3 once, and q.k runs on FP8 wgmma; FP8 wgmma takes both operands K-major and V's
+  rows are N-major for p @ v, so each warpgroup converts a V block to float16 in shared
+  memory (exact) and p @ v runs in float16.
 - Keys past ``seq_len`` in the last block (the rest of the last page, or pages the block
   table does not name) are masked out of the scores, and the compute warpgroup zeroes
   those V rows in shared memory before the PV matmul, so NaN or garbage there cannot
@@ -37,8 +41,9 @@ Structure (JAX's ``attention_mgpu.py``, FlashAttention-3 style, adapted to pages
 
 What it lacks, each named by ``unsupported_reason`` so the caller keeps those batches on
 the Triton kernel: non-causal attention, sliding window, soft cap, ALiBi, sinks, fp8
-caches, float32 activations, head sizes other than 64, 80, 96, 112, 128, 192 and 256, pages that do not tile a
-KV block (``block_kv % page_size`` or ``page_size % 8``). ``common.py``'s per-tile
+caches (except FP8 attention, ``q_scale``, at head sizes that are multiples of 32),
+float32 activations, head sizes other than 64, 80, 96, 112, 128, 192 and 256, pages that
+do not tile a KV block (``block_kv % page_size`` or ``page_size % 8``). ``common.py``'s per-tile
 functions are not used here: the kernel keeps ``attention_mgpu``'s softmax, written
 against ``plgpu.Layout.WGMMA`` register layouts (row statistics in ``WGMMA.reduce(1)``,
 base-2 exponentials with the scale folded into one multiply, the PV ``wgmma`` fed from
@@ -65,6 +70,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn_jax.metadata import searchsorted
+from attn_jax.ops.ragged_paged_attention.common import FP8_DTYPE
 from attn_jax.ops.ragged_paged_attention.config import MOSAIC_GPU_SMEM_BYTES, MgpuBlockSizes, mgpu_block_sizes
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
@@ -80,9 +86,11 @@ __all__ = ["MgpuBlockSizes", "max_num_tiles", "mgpu_schedule", "prefill_attentio
 def unsupported_reason(
     *, head_size: int, page_size: int, dtype, cache_dtype, causal: bool, sliding_window=None,
     logits_soft_cap=None, alibi_slopes=None, sinks=None, block_sizes: MgpuBlockSizes | None = None,
+    query_quant: bool = False,
 ) -> str | None:  # fmt: skip
     """Why this kernel cannot serve the configuration, or None when it can (``block_sizes``
-    None: ``config.mgpu_block_sizes``' default for the head size)."""
+    None: ``config.mgpu_block_sizes``' default for the head size). ``query_quant``: FP8
+    attention (``prefill_attention``'s ``q_scale``) over an e4m3 cache."""
     block_sizes = block_sizes or mgpu_block_sizes(head_size=head_size)
     if not causal:
         return "the Mosaic GPU prefill kernel is causal only"
@@ -92,11 +100,17 @@ def unsupported_reason(
             return f"the Mosaic GPU prefill kernel has no {name}"
     if np.dtype(dtype) not in SUPPORTED_DTYPES:
         return f"the Mosaic GPU prefill kernel takes bfloat16/float16 activations, not {np.dtype(dtype)}"
-    if np.dtype(cache_dtype) != np.dtype(dtype):
+    if query_quant and np.dtype(cache_dtype) != np.dtype(FP8_DTYPE):
+        return (
+            f"FP8 attention on the Mosaic GPU prefill kernel needs a float8_e4m3fn cache, not {np.dtype(cache_dtype)}"
+        )
+    if not query_quant and np.dtype(cache_dtype) != np.dtype(dtype):
         return f"the Mosaic GPU prefill kernel needs the cache in the activation dtype, not {np.dtype(cache_dtype)}"
     if head_size not in SUPPORTED_HEAD_SIZES:
         return f"the Mosaic GPU prefill kernel takes head sizes {list(SUPPORTED_HEAD_SIZES)}, not {head_size}"
-    smem = block_sizes.smem_bytes(head_size, dtype)
+    if query_quant and head_size % 32:
+        return f"FP8 attention on the Mosaic GPU prefill kernel needs e4m3 rows of whole 32-byte tiles, not {head_size}"
+    smem = block_sizes.smem_bytes(head_size, dtype, cache_dtype)
     if smem > MOSAIC_GPU_SMEM_BYTES:
         return (
             f"the Mosaic GPU prefill kernel with {block_sizes} needs {smem} bytes of shared memory at "
@@ -161,13 +175,22 @@ def mgpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, tile: int, xp=j
     return xp.stack(rows)[:, order].astype(np.int32), (lo.astype(np.int32), hi.astype(np.int32))
 
 
-def _kernel(sched_ref, bt_ref, q_ref, kv_ref, out_ref, lse_ref, scoped, *, bs: MgpuBlockSizes, page_size: int,
-            group: int, sm_scale: float, num_slots: int, zero_tail: bool = True):  # fmt: skip
+def _kernel(sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, scoped, *, bs: MgpuBlockSizes,
+            page_size: int, group: int, sm_scale: float, num_slots: int, zero_tail: bool = True):  # fmt: skip
+    """One CTA. ``scales_ref`` f32[3] (k_scale, v_scale, q_scale) or None: FP8 attention, the
+    cache e4m3, q quantised to e4m3 in the kernel (q8_smem), q.k on FP8 wgmma; V converted to
+    float16 in shared memory (vb_smem, exact; Hopper converts e4m3 to f16 only) for p @ v in
+    float16, since FP8 wgmma takes no N-major B operand."""
     block_q, block_kv, steps = bs.block_q, bs.block_kv, bs.steps_in_flight
     head_dim = q_ref.shape[-1]
     dtype = q_ref.dtype
+    fp8 = scales_ref is not None
+    pv_dtype = jnp.float16 if fp8 else dtype
     pages_per_req = bt_ref.shape[1]
-    (qo_smem2, k_smem, v_smem, lse_smem2), (k_bars, v_bars, q_bars), (k_consumed, v_consumed), schedule_barrier = scoped
+    (qo_smem2, k_smem, v_smem, lse_smem2, q8_smem2, vb_smem2), (k_bars, v_bars, q_bars), consumed, schedule_barrier = (
+        scoped
+    )
+    k_consumed, v_consumed = consumed
     tile = lax.axis_index("tile")
     q_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -193,19 +216,27 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, out_ref, lse_ref, scoped, *, bs: M
         full_steps = lax.div(q_pos0, jnp.int32(block_kv))
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tok0 + row0, block_q), q_head], qo_smem, q_bars.at[wg])
         plgpu.barrier_wait(q_bars.at[wg])
+        scale = sm_scale * math.log2(math.e)  # exp(x * s) = exp2(x * s * log2 e)
+        q_operand, out_scale = qo_smem, None
+        if fp8:  # q / q_scale, saturated to e4m3's finite range (cvt.satfinite), as quantize_fp8
+            k_scale, out_scale, q_scale = scales_ref[0], scales_ref[1], scales_ref[2]
+            q16 = plgpu.load(qo_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            q_operand = q8_smem2.at[wg]
+            q_operand[...] = (q16 * (1.0 / q_scale)).astype(k_smem.dtype)
+            plgpu.commit_smem()
+            scale = scale * (q_scale * k_scale)
         m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
         plgpu.barrier_wait(k_bars.at[0])
         pl.when(wg == 1)(schedule_sync)
-        scale = sm_scale * math.log2(math.e)  # exp(x * s) = exp2(x * s * log2 e)
 
         def kv_step(step, carry, masked: bool):
             acc, m_i, l_i = carry
             slot = lax.rem(step, jnp.int32(steps))
 
             def qk_scope(acc_ref):
-                plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_operand, k_smem.at[slot].transpose((1, 0)))
                 schedule_sync()
                 return acc_ref[...]
 
@@ -221,16 +252,25 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, out_ref, lse_ref, scoped, *, bs: M
             p = jnp.exp2(qk * scale - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
             acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i *= alpha
-            p16 = p.astype(dtype)
+            p16 = p.astype(pv_dtype)
             if head_dim <= 128:
                 l_i += p.sum(axis=1)
                 acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
             plgpu.barrier_arrive(schedule_barrier)
             plgpu.barrier_wait(v_bars.at[slot])
+            v_operand = v_smem.at[slot]
+            if fp8:  # e4m3 -> f16 (exact); a masked block's keys from kv_len on (NaN maybe) -> 0
+                v_operand = vb_smem2.at[wg]
+                vv = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(pv_dtype)
+                if masked:
+                    rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=plgpu.Layout.WGMMA)
+                    vv = jnp.where(rows + step * block_kv < kv_len, vv, jnp.zeros_like(vv))
+                v_operand[...] = vv
+                plgpu.commit_smem()
             plgpu.barrier_wait(schedule_barrier)
             if head_dim > 128:
                 l_i += p.sum(axis=1)
-            if masked and zero_tail:
+            if masked and zero_tail and not fp8:
                 # Keys from kv_len on (the last page's tail, unnamed pages) may hold NaN: zero their V rows.
                 @pl.when((step + 1) * block_kv > kv_len)
                 def _zero_tail():
@@ -241,7 +281,7 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, out_ref, lse_ref, scoped, *, bs: M
                     plgpu.commit_smem()
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                plgpu.wgmma(acc_ref, p16, v_operand)
                 nxt = step + 1
 
                 @pl.when(nxt < kv_steps)
@@ -265,6 +305,8 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, out_ref, lse_ref, scoped, *, bs: M
         lax.fori_loop(kv_steps, max_steps, drain, None)
         pl.when(wg == 0)(schedule_sync)
         acc /= lax.broadcast_in_dim(l_i, (block_q, head_dim), [0])
+        if fp8:
+            acc *= out_scale
         qo_smem[...] = acc.astype(dtype)
         if lse_ref is not None:  # natural log: m_i is log2-scaled, exp2(m_i) = exp(m_i * ln 2)
             lse_smem2.at[wg][...] = m_i * math.log(2.0) + jnp.log(l_i)
@@ -317,6 +359,9 @@ def prefill_attention(
     interpret=False,
     zero_tail: bool = True,
     return_lse: bool = False,
+    k_scale=None,  # f32[] | None: with q_scale, an e4m3 cache's scales (None: 1)
+    v_scale=None,
+    q_scale=None,  # f32[] | None: FP8 attention (``reference.ragged_paged_attention``'s q_scale)
 ):
     """f[T, Hq, D]: causal attention for the rows of the schedule's tiles; other rows are undefined.
     With ``return_lse``, (out, lse f32[T, Hq]): each row's log-sum-exp of its scaled scores
@@ -328,16 +373,34 @@ def prefill_attention(
     a request's ``seq_len`` in its last K/V block: a diagnosis knob
     (``benchmarks/prefill_mgpu_check.py --only diag``), right only when those cache slots
     hold finite values.
+
+    With ``q_scale`` (FP8 attention; the cache float8_e4m3fn): q is quantised to e4m3 in the
+    kernel and q.k runs on FP8 wgmma scaled by ``q_scale * k_scale``; the softmax weights stay
+    in q's dtype and meet V converted exactly to it (FP8 wgmma takes no N-major B operand, which
+    V's rows are), so p is not quantised as the reference's p is (``common.FP8_P_SCALE``).
     """
     bs = block_sizes or mgpu_block_sizes(head_size=q.shape[-1])
+    scales = None
+    if q_scale is not None:
+        one = jnp.float32(1.0)
+        scales = jnp.stack(
+            [jnp.asarray(one if x is None else x, jnp.float32).reshape(()) for x in (k_scale, v_scale, q_scale)]
+        )
     return _prefill(
-        q, kv_cache, schedule, block_tables, sm_scale=float(sm_scale), bs=bs, interpret=interpret,
+        q, kv_cache, schedule, block_tables, scales, sm_scale=float(sm_scale), bs=bs, interpret=interpret,
         zero_tail=zero_tail, return_lse=return_lse,
     )  # fmt: skip
 
 
+def _smem_transforms(row_elems: int, dtype):
+    """Tiling and swizzle of a shared-memory tile whose rows are ``row_elems`` of ``dtype``."""
+    itemsize = np.dtype(dtype).itemsize
+    swizzle = swizzle_bytes(row_elems * itemsize)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "bs", "interpret", "zero_tail", "return_lse"))
-def _prefill(q, kv_cache, schedule, block_tables, *, sm_scale, bs, interpret, zero_tail, return_lse):
+def _prefill(q, kv_cache, schedule, block_tables, scales, *, sm_scale, bs, interpret, zero_tail, return_lse):
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_blocks, page_size, num_kv_heads, _ = kv_cache.shape
     num_slots = num_blocks * page_size
@@ -347,18 +410,24 @@ def _prefill(q, kv_cache, schedule, block_tables, *, sm_scale, bs, interpret, ze
     pad = -num_tokens % 8  # a TMA over q and out wants whole 8-row tiles of tokens
     if pad:
         q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
-    swizzle = swizzle_bytes(head_dim * q.dtype.itemsize)
-    transforms = (plgpu.TilingTransform((8, swizzle // q.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))
+    fp8 = scales is not None
+    transforms = _smem_transforms(head_dim, q.dtype)
+    kv_transforms = _smem_transforms(head_dim, kv.dtype)
+    ring = (bs.steps_in_flight, bs.block_kv, head_dim)
 
-    def entry(sched_ref, bt_ref, q_ref, kv_ref, out_ref, lse_ref=None):
+    def entry(sched_ref, bt_ref, q_ref, kv_ref, *refs):
+        scales_ref = refs[0] if fp8 else None
+        out_ref, lse_ref = (*refs[1 if fp8 else 0 :], None)[:2]
         scratch = (
             plgpu.SMEM((2, bs.block_q, head_dim), q.dtype, transforms=transforms),
-            plgpu.SMEM((bs.steps_in_flight, bs.block_kv, head_dim), q.dtype, transforms=transforms),
-            plgpu.SMEM((bs.steps_in_flight, bs.block_kv, head_dim), q.dtype, transforms=transforms),
+            plgpu.SMEM(ring, kv.dtype, transforms=kv_transforms),
+            plgpu.SMEM(ring, kv.dtype, transforms=kv_transforms),
             plgpu.SMEM((2, bs.block_q), jnp.float32) if return_lse else None,
+            plgpu.SMEM((2, bs.block_q, head_dim), kv.dtype, transforms=kv_transforms) if fp8 else None,
+            plgpu.SMEM((2, bs.block_kv, head_dim), jnp.float16, transforms=transforms) if fp8 else None,
         )
         body = functools.partial(
-            _kernel, sched_ref, bt_ref, q_ref, kv_ref, out_ref, lse_ref, bs=bs, page_size=page_size,
+            _kernel, sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, bs=bs, page_size=page_size,
             group=num_q_heads // num_kv_heads, sm_scale=sm_scale, num_slots=num_slots, zero_tail=zero_tail,
         )  # fmt: skip
         pl.run_scoped(
@@ -387,7 +456,7 @@ def _prefill(q, kv_cache, schedule, block_tables, *, sm_scale, bs, interpret, ze
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
         kernel_name="ragged_paged_prefill_mgpu",
-    )(schedule, block_tables, q, kv)
+    )(schedule, block_tables, q, kv, *([scales] if fp8 else []))
     if not return_lse:
         return out[:num_tokens]
     out, lse = out
