@@ -85,7 +85,7 @@ def _split_traced(qsl, seq, num_tokens):
         (dict(query_quant=True), "FP8 attention on the Mosaic GPU prefill kernel needs a float8_e4m3fn cache"),
         (dict(query_quant=True, cache_dtype=jnp.float8_e4m3fn, head_size=80), "whole 32-byte tiles, not 80"),
         (dict(head_size=72), r"head sizes \[64, 80, 96, 112, 128, 192, 256\], not 72"),
-        (dict(block_sizes=MgpuBlockSizes(block_kv=256, steps_in_flight=4)), r"needs 558080 bytes of shared memory"),
+        (dict(block_sizes=MgpuBlockSizes(block_kv=256, steps_in_flight=4)), r"needs 561152 bytes of shared memory"),
         (dict(page_size=4), "page_size=4 does not tile"),
     ],
 )

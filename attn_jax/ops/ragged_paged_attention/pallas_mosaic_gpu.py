@@ -178,19 +178,21 @@ def mgpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, tile: int, xp=j
 def _kernel(sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, scoped, *, bs: MgpuBlockSizes,
             page_size: int, group: int, sm_scale: float, num_slots: int, zero_tail: bool = True):  # fmt: skip
     """One CTA. ``scales_ref`` f32[3] (k_scale, v_scale, q_scale) or None: FP8 attention, the
-    cache e4m3, q quantised to e4m3 in the kernel (q8_smem), q.k on FP8 wgmma; V converted to
-    float16 in shared memory (vb_smem, exact; Hopper converts e4m3 to f16 only) for p @ v in
-    float16, since FP8 wgmma takes no N-major B operand."""
+    cache e4m3, q quantised to e4m3 in the kernel (q8_smem), q.k on FP8 wgmma; each V block
+    converted to float16 in a shared-memory ring (vb_smem, exact; Hopper converts e4m3 to f16
+    only) for p @ v in float16, since FP8 wgmma takes no N-major B operand. The two compute
+    warpgroups convert half a 128-key block each, while their q.k wgmma runs, and meet on
+    ``vb_ready`` before p @ v (a 64-key block: each converts it whole)."""
     block_q, block_kv, steps = bs.block_q, bs.block_kv, bs.steps_in_flight
     head_dim = q_ref.shape[-1]
     dtype = q_ref.dtype
     fp8 = scales_ref is not None
     pv_dtype = jnp.float16 if fp8 else dtype
     pages_per_req = bt_ref.shape[1]
-    (qo_smem2, k_smem, v_smem, lse_smem2, q8_smem2, vb_smem2), (k_bars, v_bars, q_bars), consumed, schedule_barrier = (
+    (qo_smem2, k_smem, v_smem, lse_smem2, q8_smem2, vb_smem), (k_bars, v_bars, q_bars), consumed, schedule_barrier = (
         scoped
     )
-    k_consumed, v_consumed = consumed
+    k_consumed, v_consumed, vb_ready = (*consumed, None)[:3]
     tile = lax.axis_index("tile")
     q_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
@@ -205,6 +207,27 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, scop
     def schedule_sync():
         plgpu.barrier_arrive(schedule_barrier)
         plgpu.barrier_wait(schedule_barrier)
+
+    def convert_v(step, slot, masked: bool):
+        """FP8: this warpgroup's share of V block ``step``, e4m3 -> f16 into ``vb_smem``; with
+        ``masked``, keys from kv_len on (the last page's tail, unnamed pages: NaN maybe) -> 0."""
+        plgpu.barrier_wait(v_bars.at[slot])
+
+        def rows(r0, n):
+            vv = plgpu.load(v_smem.at[slot, pl.ds(r0, n)], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
+            if masked:
+                key = plgpu.broadcasted_iota(jnp.int32, (n, head_dim), 0, layout=plgpu.Layout.WGMMA)
+                vv = jnp.where(key + (step * block_kv + r0) < kv_len, vv, jnp.zeros_like(vv))
+            vb_smem.at[slot, pl.ds(r0, n)][...] = vv
+
+        if block_kv >= 128:
+            half = block_kv // 2
+            pl.when(wg == 0)(lambda: rows(0, half))
+            pl.when(wg == 1)(lambda: rows(half, half))
+        else:
+            rows(0, block_kv)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(vb_ready.at[slot])
 
     @pl.when(valid & (wg < 2))
     def _compute():
@@ -237,6 +260,8 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, scop
 
             def qk_scope(acc_ref):
                 plgpu.wgmma(acc_ref, q_operand, k_smem.at[slot].transpose((1, 0)))
+                if fp8:  # under the q.k wgmma, before the sync the other warpgroup's p @ v waits behind
+                    convert_v(step, slot, masked)
                 schedule_sync()
                 return acc_ref[...]
 
@@ -257,16 +282,12 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, scop
                 l_i += p.sum(axis=1)
                 acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
             plgpu.barrier_arrive(schedule_barrier)
-            plgpu.barrier_wait(v_bars.at[slot])
-            v_operand = v_smem.at[slot]
-            if fp8:  # e4m3 -> f16 (exact); a masked block's keys from kv_len on (NaN maybe) -> 0
-                v_operand = vb_smem2.at[wg]
-                vv = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(pv_dtype)
-                if masked:
-                    rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=plgpu.Layout.WGMMA)
-                    vv = jnp.where(rows + step * block_kv < kv_len, vv, jnp.zeros_like(vv))
-                v_operand[...] = vv
-                plgpu.commit_smem()
+            if fp8:
+                v_operand = vb_smem.at[slot]
+                plgpu.barrier_wait(vb_ready.at[slot])
+            else:
+                v_operand = v_smem.at[slot]
+                plgpu.barrier_wait(v_bars.at[slot])
             plgpu.barrier_wait(schedule_barrier)
             if head_dim > 128:
                 l_i += p.sum(axis=1)
@@ -294,6 +315,8 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, scop
 
         def drain(step, _):  # blocks the other warpgroup needs: release them here too
             slot = lax.rem(step, jnp.int32(steps))
+            if fp8:  # the other warpgroup's p @ v needs this one's share of the block
+                convert_v(step, slot, masked=True)
             plgpu.barrier_arrive(k_consumed.at[slot])
             plgpu.barrier_arrive(v_consumed.at[slot])
             schedule_sync()
@@ -424,7 +447,7 @@ def _prefill(q, kv_cache, schedule, block_tables, scales, *, sm_scale, bs, inter
             plgpu.SMEM(ring, kv.dtype, transforms=kv_transforms),
             plgpu.SMEM((2, bs.block_q), jnp.float32) if return_lse else None,
             plgpu.SMEM((2, bs.block_q, head_dim), kv.dtype, transforms=kv_transforms) if fp8 else None,
-            plgpu.SMEM((2, bs.block_kv, head_dim), jnp.float16, transforms=transforms) if fp8 else None,
+            plgpu.SMEM(ring, jnp.float16, transforms=transforms) if fp8 else None,
         )
         body = functools.partial(
             _kernel, sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, bs=bs, page_size=page_size,
@@ -438,7 +461,7 @@ def _prefill(q, kv_cache, schedule, block_tables, scales, *, sm_scale, bs, inter
                 plgpu.Barrier(num_arrivals=chunks, num_barriers=bs.steps_in_flight),
                 plgpu.Barrier(num_barriers=2),
             ),
-            (plgpu.Barrier(num_arrivals=2, num_barriers=bs.steps_in_flight),) * 2,
+            (plgpu.Barrier(num_arrivals=2, num_barriers=bs.steps_in_flight),) * (3 if fp8 else 2),
             plgpu.Barrier(num_arrivals=2),
             collective_axes="wg",
         )
