@@ -94,13 +94,15 @@ def floors(spec) -> tuple[float, float]:
 def prefill_rows(spec, ceilings, sweep: bool = False) -> list[dict]:
     """MLA-P1: causal prefill over no context, q/k nope 128 + rope 64, v 128. ``xla_mla_dense``
     (ops/mla/dense.py: latents up-projected per request, then attention in XLA), the Triton
-    kernel at four block sizes (``sweep``: block_q x block_k x warps x stages) and the cuDNN
+    kernel at four block sizes (``sweep``: block_q x block_k x warps x stages), on Hopper the
+    Mosaic GPU kernel (``prefill_pallas_mosaic_gpu``, metadata traced) and the cuDNN
     peer (``jax.nn.dot_product_attention`` on the up-projected dense k/v) when it runs."""
     import jax
     import jax.numpy as jnp
 
-    from attn_jax.ops.mla import prefill_pallas_triton
+    from attn_jax.ops.mla import prefill_pallas_mosaic_gpu, prefill_pallas_triton
     from attn_jax.ops.mla.dense import mla_prefill_dense
+    from attn_jax.ops.ragged_paged_attention.config import mgpu_prefill_available
 
     nope, dv, h, n, r = 128, 128, spec.num_heads, spec.query_len, spec.num_reqs
     q_, cache, _, table = make_batch(spec)
@@ -145,6 +147,10 @@ def prefill_rows(spec, ceilings, sweep: bool = False) -> list[dict]:
             block_k=bk, num_warps=warps, num_stages=stages,
         ))  # fmt: skip
         row(f"pallas_mla_gpu bq{bq} bk{bk} w{warps} s{stages}", kernel, q, cache, w_uk, w_uv, qsl, lens, table)
+    if mgpu_prefill_available(jax.devices()[0].device_kind):  # PALLAS_MLA_GPU's prefill on Hopper
+        mgpu = jax.jit(functools.partial(prefill_pallas_mosaic_gpu.mla_prefill, sm_scale=scale,
+                                         kv_lora_rank=spec.kv_lora_rank, q_block=n))  # fmt: skip
+        row("pallas_mla_mosaic_gpu", mgpu, q, cache, w_uk, w_uv, qsl, lens, table)
     latent = cache[table].reshape(r, n, -1)
     c_kv, k_pe = latent[..., : spec.kv_lora_rank], latent[..., spec.kv_lora_rank :]
     k = jnp.concatenate([jnp.einsum("rlc,chd->rlhd", c_kv, w_uk),

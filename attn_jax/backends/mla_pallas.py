@@ -3,7 +3,9 @@
 Decodes (the absorbed MQA over the latent cache) run in ``ops/mla/pallas_triton.py`` (GPU,
 Triton lowering) or ``ops/mla/pallas_mosaic_tpu.py`` (Mosaic TPU). On GPU, prefills run in
 ``ops/mla/prefill_pallas_triton.py`` (up-projection in XLA, attention with q/k and v head sizes that
-differ in a Triton kernel) and sparse MLA in ``sparse_pallas_triton.py``; on TPU prefills are
+differ in a Triton kernel), on Hopper in ``ops/mla/prefill_pallas_mosaic_gpu.py`` (the Mosaic GPU
+prefill kernel, the Triton kernel for the rows its tiles leave; off with ``ATTN_STACK_MGPU_PREFILL=0``,
+or where ``unsupported_reason`` names why) and sparse MLA in ``sparse_pallas_triton.py``; on TPU prefills are
 ``mla_xla``'s jnp (``ops/mla/dense.py``). The latent write and the metadata are ``mla_xla``'s.
 Forced where their hardware is absent they run the kernels in the Pallas interpreter, with a
 logged warning.
@@ -16,7 +18,15 @@ from typing import ClassVar
 
 from attn_jax.backends.base import AttentionConfig
 from attn_jax.backends.mla_xla import MLACommonBackend, XLAMLAImpl
-from attn_jax.ops.mla import pallas_mosaic_tpu, pallas_triton, prefill_pallas_triton, sparse_pallas_triton
+from attn_jax.backends.pallas_gpu import mgpu_prefill_setting
+from attn_jax.ops.mla import (
+    pallas_mosaic_tpu,
+    pallas_triton,
+    prefill_pallas_mosaic_gpu,
+    prefill_pallas_triton,
+    sparse_pallas_triton,
+)
+from attn_jax.ops.ragged_paged_attention.config import mgpu_prefill_available
 from attn_jax.platforms import Platform, current_platform
 
 logger = logging.getLogger(__name__)
@@ -53,10 +63,25 @@ class PallasMLAGPUImpl(_PallasMLAImpl):
         if not self.triton_prefill:
             logger.warning("PALLAS_MLA_GPU: qk_nope/qk_rope/v head dims %s are not all powers of two >= 16: "
                            "prefills run in jnp (ops/mla/dense.py), not the Triton prefill kernel", dims)  # fmt: skip
+        # Read once, here at the edge: the Mosaic GPU prefill on Hopper (compiled) unless turned off.
+        platform = current_platform()
+        self.mgpu_prefill = (
+            self.triton_prefill and not self.interpret and mgpu_prefill_setting()
+            and mgpu_prefill_available(platform.device_kind if platform.kind == "gpu" else None)
+        )  # fmt: skip
 
     def prefill(self, q, kv_cache, w_uk, w_uv, md, k_scale=None):
         if not self.triton_prefill:
             return super().prefill(q, kv_cache, w_uk, w_uv, md, k_scale)
+        max_len = md.prefill_block_tables.shape[1] * kv_cache.shape[1]
+        if self.mgpu_prefill and prefill_pallas_mosaic_gpu.unsupported_reason(
+            qk_head_dim=q.shape[2], v_head_dim=self.v_head_dim, dtype=q.dtype, max_len=max_len
+        ) is None:  # fmt: skip
+            return prefill_pallas_mosaic_gpu.mla_prefill(
+                q, kv_cache, w_uk, w_uv, md.prefill_query_start_loc, md.prefill_seq_lens, md.prefill_block_tables,
+                sm_scale=self.scale, kv_lora_rank=self.kv_lora_rank, q_block=md.prefill_q_block, k_scale=k_scale,
+                block_q=min(64, max(16, md.prefill_q_block)),
+            )  # fmt: skip
         return prefill_pallas_triton.mla_prefill(
             q, kv_cache, w_uk, w_uv, md.prefill_query_start_loc, md.prefill_seq_lens, md.prefill_block_tables,
             sm_scale=self.scale, kv_lora_rank=self.kv_lora_rank, q_block=md.prefill_q_block, k_scale=k_scale,

@@ -54,3 +54,29 @@ def test_sparse_lowers_for_h100():
                             sds((256, 2048), jnp.int32), sds((5,), jnp.int32), sds((4,), jnp.int32),
                             sds((4, 64), jnp.int32))  # fmt: skip
     assert 'name = "sparse_mla_triton"' in text
+
+
+def test_prefill_on_mosaic_gpu_lowers_for_h100():
+    """DeepSeek's prefill shapes (q/k 192, v 128) through the Mosaic GPU kernel, with the Triton
+    kernel writing the rows its tiles leave into the same output (traced metadata: the schedule
+    computed with jnp)."""
+    from attn_jax.ops.mla import prefill_pallas_mosaic_gpu
+
+    assert prefill_pallas_mosaic_gpu.unsupported_reason(
+        qk_head_dim=192, v_head_dim=128, dtype=jnp.bfloat16, max_len=4096
+    ) is None  # fmt: skip
+    assert "do not tile 64-key blocks" in prefill_pallas_mosaic_gpu.unsupported_reason(
+        qk_head_dim=192, v_head_dim=128, dtype=jnp.bfloat16, max_len=4112
+    )  # fmt: skip
+    assert "not one of" in prefill_pallas_mosaic_gpu.unsupported_reason(
+        qk_head_dim=72, v_head_dim=128, dtype=jnp.bfloat16, max_len=4096
+    )  # fmt: skip
+
+    def f(q, cache, w_uk, w_uv, qsl, lens, table):
+        return prefill_pallas_mosaic_gpu.mla_prefill(q, cache, w_uk, w_uv, qsl, lens, table, sm_scale=192**-0.5,
+                                                     kv_lora_rank=512, q_block=1024)  # fmt: skip
+
+    text = _export_for_h100(f, sds((2048, 16, 192), jnp.bfloat16), sds((80, 64, 576), jnp.bfloat16),
+                            sds((512, 16, 128), jnp.bfloat16), sds((512, 16, 128), jnp.bfloat16),
+                            sds((3,), jnp.int32), sds((2,), jnp.int32), sds((2, 32), jnp.int32))  # fmt: skip
+    assert 'name = "mla_prefill_pallas_triton"' in text and "mosaic_gpu" in text

@@ -26,10 +26,45 @@ from attn_jax.ops.mla.pallas_triton import MASK_VALUE, is_pow2
 from attn_jax.ops.mla.validate import check_scale, dynamic_validate, is_concrete, static_validate_prefill
 
 
-def _kernel(qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, out_ref, lse_ref, *, sm_scale, nope, block_q,
-            block_k):  # fmt: skip
-    r, h = pl.program_id(0), pl.program_id(2)
-    qb = pl.num_programs(1) - 1 - pl.program_id(1)  # the heaviest q-blocks first
+def _kernel(qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, *refs, sm_scale, nope, block_q, block_k,
+            rest: bool = False):  # fmt: skip
+    """One (request, q-block, head). ``rest``: refs are (span_lo, span_hi, out_init, out): the
+    rows of each request's ``[span_lo, span_hi)`` are another kernel's (the Mosaic GPU prefill's,
+    already in ``out_init``, aliased to ``out``): a block inside its span returns at once, the
+    others store only their own rows (masked stores: compiled only). Else refs are (out, lse)."""
+    ids = pl.program_id(0), pl.num_programs(1) - 1 - pl.program_id(1), pl.program_id(2)  # the heaviest q-blocks first
+    if not rest:
+        return _block(ids, qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, *refs, sm_scale=sm_scale, nope=nope,
+                      block_q=block_q, block_k=block_k)  # fmt: skip
+    lo_ref, hi_ref, _, out_ref = refs
+    r, qb, _ = ids
+    start, qlen = qsl_ref[r], qsl_ref[r + 1] - qsl_ref[r]
+    lo, hi = lo_ref[r], hi_ref[r]
+    first, last = start + qb * block_q, start + jnp.minimum((qb + 1) * block_q, qlen)
+    pl.when((qb * block_q < qlen) & ((first < lo) | (last > hi)))(
+        lambda: _block(
+            ids,
+            qsl_ref,
+            lens_ref,
+            q_ref,
+            knope_ref,
+            kpe_ref,
+            v_ref,
+            out_ref,
+            None,
+            sm_scale=sm_scale,
+            nope=nope,
+            block_q=block_q,
+            block_k=block_k,
+            span=(lo, hi),
+        )  # fmt: skip
+    )
+
+
+def _block(ids, qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, out_ref, lse_ref, *, sm_scale, nope, block_q,
+           block_k, span=None):  # fmt: skip
+    """The q-block ``ids`` = (request, q-block, head); ``span`` (lo, hi): store only rows outside it."""
+    r, qb, h = ids
     num_tokens = q_ref.shape[0]
     rope, dv = kpe_ref.shape[2], v_ref.shape[3]
     start, qlen, kv_len = qsl_ref[r], qsl_ref[r + 1] - qsl_ref[r], lens_ref[r]
@@ -84,6 +119,10 @@ def _kernel(qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, out_ref, lse_re
     m, denom, acc = jax.lax.fori_loop(full, num_tiles, functools.partial(body, masked=True), state)
     empty = denom == 0
     out = jnp.where(empty[:, None], 0.0, acc / jnp.where(empty, 1.0, denom)[:, None])
+    if span is not None:
+        mine = row_ok & ((start + i < span[0]) | (start + i >= span[1]))
+        plgpu.store(out_ref.at[tok_c[:, None], h, dvv], out.astype(out_ref.dtype), mask=mine[:, None])
+        return
     plgpu.store(out_ref.at[tok[:, None], h, dvv], out.astype(out_ref.dtype))
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, denom)))
     plgpu.store(lse_ref.at[tok, h], lse)
@@ -112,20 +151,8 @@ def mla_prefill(
     """``dense.mla_prefill_dense``'s contract (causal) with the attention in a Pallas GPU kernel;
     ``q_block`` (static) covers the longest query. ``interpret=None``: compiled on a GPU.
     Returns out f[T, H, Dv] (and with ``return_lse`` lse f32[T, H], -inf for rows that see nothing)."""
-    static_validate_prefill(
-        q, kv_cache, w_uk, w_uv, query_start_loc, seq_lens, block_tables, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank
-    )
-    check_scale(kv_cache, k_scale)
-    nope, dv = w_uk.shape[2], w_uv.shape[2]
-    rope = kv_cache.shape[2] - kv_lora_rank
-    for name, value in (("qk_nope_head_dim", nope), ("qk_rope_head_dim", rope), ("v_head_dim", dv),
-                        ("block_q", block_q), ("block_k", block_k)):  # fmt: skip
-        if not is_pow2(value) or value < 16:
-            raise ValueError(f"{name}={value} must be a power of two >= 16 for the Triton MLA prefill kernel")
-    num_blocks, block_size, width = kv_cache.shape
-    if is_concrete(query_start_loc, seq_lens, block_tables):
-        dynamic_validate(seq_lens, block_tables, num_blocks=num_blocks, block_size=block_size,
-                         query_start_loc=query_start_loc)  # fmt: skip
+    validate_prefill(q, kv_cache, w_uk, w_uv, query_start_loc, seq_lens, block_tables, sm_scale=sm_scale,
+                     kv_lora_rank=kv_lora_rank, k_scale=k_scale, block_q=block_q, block_k=block_k)  # fmt: skip
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     out, lse = _prefill(
@@ -137,6 +164,26 @@ def mla_prefill(
     return (out, lse) if return_lse else out
 
 
+def validate_prefill(q, kv_cache, w_uk, w_uv, query_start_loc, seq_lens, block_tables, *, sm_scale, kv_lora_rank,
+                     k_scale, block_q, block_k) -> None:  # fmt: skip
+    """The op's checks (and the dynamic ones when the metadata is concrete), and this kernel's:
+    power-of-two head parts and blocks of at least 16."""
+    static_validate_prefill(
+        q, kv_cache, w_uk, w_uv, query_start_loc, seq_lens, block_tables, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank
+    )
+    check_scale(kv_cache, k_scale)
+    nope, dv = w_uk.shape[2], w_uv.shape[2]
+    rope = kv_cache.shape[2] - kv_lora_rank
+    for name, value in (("qk_nope_head_dim", nope), ("qk_rope_head_dim", rope), ("v_head_dim", dv),
+                        ("block_q", block_q), ("block_k", block_k)):  # fmt: skip
+        if not is_pow2(value) or value < 16:
+            raise ValueError(f"{name}={value} must be a power of two >= 16 for the Triton MLA prefill kernel")
+    num_blocks, block_size, _ = kv_cache.shape
+    if is_concrete(query_start_loc, seq_lens, block_tables):
+        dynamic_validate(seq_lens, block_tables, num_blocks=num_blocks, block_size=block_size,
+                         query_start_loc=query_start_loc)  # fmt: skip
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "kv_lora_rank", "q_block", "block_q", "block_k", "num_warps", "num_stages",
@@ -144,12 +191,20 @@ def mla_prefill(
 )  # fmt: skip
 def _prefill(q, kv_cache, w_uk, w_uv, qsl, lens, tables, k_scale, *, sm_scale, kv_lora_rank, q_block, block_q,
              block_k, num_warps, num_stages, interpret):  # fmt: skip
-    num_tokens, num_heads, _ = q.shape
+    k_nope, k_pe, v = up_project(kv_cache, w_uk, w_uv, lens, tables, k_scale, kv_lora_rank=kv_lora_rank, dtype=q.dtype)
+    out, lse = attend(q, k_nope, k_pe, v, qsl, lens, sm_scale=sm_scale, q_block=q_block, block_q=block_q,
+                      block_k=block_k, num_warps=num_warps, num_stages=num_stages, interpret=interpret)  # fmt: skip
+    owned = jnp.arange(q.shape[0]) < qsl[-1]
+    return zero_unowned_rows(out, qsl, q.shape[0]), jnp.where(owned[:, None], lse[: q.shape[0]], -jnp.inf)
+
+
+def up_project(kv_cache, w_uk, w_uv, lens, tables, k_scale, *, kv_lora_rank: int, dtype):
+    """Each request's latents gathered from the cache (slots past its length zeroed: they may
+    hold NaN) and up-projected: (k_nope f[R, L, H, nope], k_pe f[R, L, rope], v f[R, L, H, Dv]),
+    ``L = pages_per_req * block_size``, in ``dtype``."""
     num_blocks, block_size, width = kv_cache.shape
     num_reqs, pages_per_req = tables.shape
     max_len = pages_per_req * block_size
-    dtype = q.dtype
-    nope, dv = w_uk.shape[2], w_uv.shape[2]
     pages = jnp.clip(tables, 0, num_blocks - 1)
     latent = dequantize_from_cache(kv_cache[pages], k_scale, dtype).reshape(num_reqs, max_len, width)
     in_ctx = jnp.arange(max_len)[None, :, None] < lens[:, None, None]
@@ -158,20 +213,38 @@ def _prefill(q, kv_cache, w_uk, w_uv, qsl, lens, tables, k_scale, *, sm_scale, k
     precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
     k_nope = jnp.einsum("rlc,chd->rlhd", c_kv, w_uk.astype(dtype), precision=precision).astype(dtype)
     v = jnp.einsum("rlc,chd->rlhd", c_kv, w_uv.astype(dtype), precision=precision).astype(dtype)
-    kernel = functools.partial(_kernel, sm_scale=sm_scale, nope=nope, block_q=block_q, block_k=block_k)
-    out, lse = pl.pallas_call(
+    return k_nope, k_pe, v
+
+
+def attend(q, k_nope, k_pe, v, qsl, lens, *, sm_scale, q_block, block_q, block_k, num_warps, num_stages, interpret,
+           spans=None, out_init=None):  # fmt: skip
+    """The kernel over up-projected keys and values: (out f[T + 1, H, Dv], lse f32[T + 1, H]),
+    row T a spare; with ``spans`` (i32[R] lo, i32[R] hi) and ``out_init`` f[T, H, Dv] (another
+    kernel's rows), only the rows outside the spans are written into ``out_init``, which is returned."""
+    num_tokens, num_heads, _ = q.shape
+    num_reqs, dv = k_nope.shape[0], v.shape[3]
+    rest = spans is not None
+    kernel = functools.partial(_kernel, sm_scale=sm_scale, nope=k_nope.shape[3], block_q=block_q, block_k=block_k,
+                               rest=rest)  # fmt: skip
+    out_shape = (
+        jax.ShapeDtypeStruct((num_tokens + 1, num_heads, dv), q.dtype),  # + the spare row
+        jax.ShapeDtypeStruct((num_tokens + 1, num_heads), jnp.float32),
+    )
+    inputs = (qsl, lens, q, k_nope, k_pe, v)
+    if rest:
+        out_shape, inputs = jax.ShapeDtypeStruct(out_init.shape, out_init.dtype), (*inputs, *spans, out_init)
+    return pl.pallas_call(
         kernel,
         grid=(num_reqs, pl.cdiv(q_block, block_q), num_heads),
-        out_shape=(
-            jax.ShapeDtypeStruct((num_tokens + 1, num_heads, dv), dtype),  # + the spare row
-            jax.ShapeDtypeStruct((num_tokens + 1, num_heads), jnp.float32),
-        ),
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
+        input_output_aliases={8: 0} if rest else {},
         name="mla_prefill_pallas_triton",
-    )(qsl, lens, q, k_nope, k_pe, v)
-    # Rows no request owns (padding) are never written: zero them.
-    rows = jnp.arange(num_tokens)
-    owned = rows < qsl[-1]
-    out = jnp.where(owned[:, None, None], out[:num_tokens], jnp.zeros((), dtype))
-    return out, jnp.where(owned[:, None], lse[:num_tokens], -jnp.inf)
+    )(*inputs)
+
+
+def zero_unowned_rows(out, qsl, num_tokens: int):
+    """``out[:num_tokens]`` with the rows no request owns (padding: never written) zeroed."""
+    owned = jnp.arange(num_tokens) < qsl[-1]
+    return jnp.where(owned[:, None, None], out[:num_tokens], jnp.zeros((), out.dtype))

@@ -80,7 +80,14 @@ tile). Past 128 the default K/V blocks are 64 keys (``config.mgpu_block_sizes``)
 fits Hopper's shared memory."""
 SUPPORTED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
-__all__ = ["MgpuBlockSizes", "max_num_tiles", "mgpu_schedule", "prefill_attention", "unsupported_reason"]
+__all__ = [
+    "MgpuBlockSizes",
+    "max_num_tiles",
+    "mgpu_schedule",
+    "prefill_attention",
+    "prefill_attention_kv",
+    "unsupported_reason",
+]
 
 
 def unsupported_reason(
@@ -175,8 +182,8 @@ def mgpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, tile: int, xp=j
     return xp.stack(rows)[:, order].astype(np.int32), (lo.astype(np.int32), hi.astype(np.int32))
 
 
-def _kernel(sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, scoped, *, bs: MgpuBlockSizes,
-            page_size: int, group: int, sm_scale: float, num_slots: int, zero_tail: bool = True):  # fmt: skip
+def _kernel(sched_ref, bt_ref, q_ref, k_ref, v_ref, scales_ref, out_ref, lse_ref, scoped, *, bs: MgpuBlockSizes,
+            page_size: int, group: int, sm_scale: float, v_row0: int, zero_tail: bool = True):  # fmt: skip
     """One CTA. ``scales_ref`` f32[3] (k_scale, v_scale, q_scale) or None: FP8 attention, the
     cache e4m3, q quantised to e4m3 in the kernel (q8_smem), q.k on FP8 wgmma; each V block
     converted to float16 in a shared-memory ring (vb_smem, exact; Hopper converts e4m3 to f16
@@ -184,12 +191,12 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, scop
     warpgroups convert half a 128-key block each, while their q.k wgmma runs, and meet on
     ``vb_ready`` before p @ v (a 64-key block: each converts it whole)."""
     block_q, block_kv, steps = bs.block_q, bs.block_kv, bs.steps_in_flight
-    head_dim = q_ref.shape[-1]
+    dv = v_ref.shape[-1]  # v/out width (q/k may be wider: MLA)
     dtype = q_ref.dtype
     fp8 = scales_ref is not None
     pv_dtype = jnp.float16 if fp8 else dtype
     pages_per_req = bt_ref.shape[1]
-    (qo_smem2, k_smem, v_smem, lse_smem2, q8_smem2, vb_smem), (k_bars, v_bars, q_bars), consumed, schedule_barrier = (
+    (q_smem2, o_smem2, k_smem, v_smem, lse_smem2, q8_smem2, vb_smem), (k_bars, v_bars, q_bars), consumed, sched_bar = (
         scoped
     )
     k_consumed, v_consumed, vb_ready = (*consumed, None)[:3]
@@ -205,8 +212,8 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, scop
     max_steps = jnp.where(valid, lax.div(pos0 + 2 * block_q + block_kv - 1, jnp.int32(block_kv)), 0)
 
     def schedule_sync():
-        plgpu.barrier_arrive(schedule_barrier)
-        plgpu.barrier_wait(schedule_barrier)
+        plgpu.barrier_arrive(sched_bar)
+        plgpu.barrier_wait(sched_bar)
 
     def convert_v(step, slot, masked: bool):
         """FP8: this warpgroup's share of V block ``step``, e4m3 -> f16 into ``vb_smem``; with
@@ -216,7 +223,7 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, scop
         def rows(r0, n):
             vv = plgpu.load(v_smem.at[slot, pl.ds(r0, n)], layout=plgpu.Layout.WGMMA).astype(jnp.float16)
             if masked:
-                key = plgpu.broadcasted_iota(jnp.int32, (n, head_dim), 0, layout=plgpu.Layout.WGMMA)
+                key = plgpu.broadcasted_iota(jnp.int32, (n, dv), 0, layout=plgpu.Layout.WGMMA)
                 vv = jnp.where(key + (step * block_kv + r0) < kv_len, vv, jnp.zeros_like(vv))
             vb_smem.at[slot, pl.ds(r0, n)][...] = vv
 
@@ -232,7 +239,7 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, scop
     @pl.when(valid & (wg < 2))
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        qo_smem = qo_smem2.at[wg]
+        qo_smem = q_smem2.at[wg]  # q, then the output when it is as wide
         row0 = wg * block_q
         q_pos0 = pos0 + row0  # position of this warpgroup's first row
         kv_steps = lax.div(q_pos0 + block_q + block_kv - 1, jnp.int32(block_kv))
@@ -250,7 +257,7 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, scop
             scale = scale * (q_scale * k_scale)
         m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0, jnp.float32), plgpu.Layout.WGMMA)
+        acc = plgpu.layout_cast(jnp.full((block_q, dv), 0, jnp.float32), plgpu.Layout.WGMMA)
         plgpu.barrier_wait(k_bars.at[0])
         pl.when(wg == 1)(schedule_sync)
 
@@ -278,18 +285,18 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, scop
             acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i *= alpha
             p16 = p.astype(pv_dtype)
-            if head_dim <= 128:
+            if dv <= 128:
                 l_i += p.sum(axis=1)
                 acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
-            plgpu.barrier_arrive(schedule_barrier)
+            plgpu.barrier_arrive(sched_bar)
             if fp8:
                 v_operand = vb_smem.at[slot]
                 plgpu.barrier_wait(vb_ready.at[slot])
             else:
                 v_operand = v_smem.at[slot]
                 plgpu.barrier_wait(v_bars.at[slot])
-            plgpu.barrier_wait(schedule_barrier)
-            if head_dim > 128:
+            plgpu.barrier_wait(sched_bar)
+            if dv > 128:
                 l_i += p.sum(axis=1)
             if masked and zero_tail and not fp8:
                 # Keys from kv_len on (the last page's tail, unnamed pages) may hold NaN: zero their V rows.
@@ -297,7 +304,7 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, scop
                 def _zero_tail():
                     v_tile = v_smem.at[slot]
                     vv = plgpu.load(v_tile, layout=plgpu.Layout.WGMMA)
-                    rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, head_dim), 0, layout=plgpu.Layout.WGMMA)
+                    rows = plgpu.broadcasted_iota(jnp.int32, (block_kv, dv), 0, layout=plgpu.Layout.WGMMA)
                     v_tile[...] = jnp.where(rows + step * block_kv < kv_len, vv, jnp.zeros_like(vv))
                     plgpu.commit_smem()
 
@@ -327,14 +334,15 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, scop
         acc, m_i, l_i = lax.fori_loop(full_steps, kv_steps, functools.partial(kv_step, masked=True), carry)
         lax.fori_loop(kv_steps, max_steps, drain, None)
         pl.when(wg == 0)(schedule_sync)
-        acc /= lax.broadcast_in_dim(l_i, (block_q, head_dim), [0])
+        acc /= lax.broadcast_in_dim(l_i, (block_q, dv), [0])
         if fp8:
             acc *= out_scale
-        qo_smem[...] = acc.astype(dtype)
+        o_smem = qo_smem if o_smem2 is None else o_smem2.at[wg]
+        o_smem[...] = acc.astype(dtype)
         if lse_ref is not None:  # natural log: m_i is log2-scaled, exp2(m_i) = exp(m_i * ln 2)
             lse_smem2.at[wg][...] = m_i * math.log(2.0) + jnp.log(l_i)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[pl.ds(tok0 + row0, block_q), q_head])
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(tok0 + row0, block_q), q_head])
         if lse_ref is not None:
             plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[q_head, pl.ds(tok0 + row0, block_q)])
         plgpu.wait_smem_to_gmem(0)
@@ -349,9 +357,11 @@ def _kernel(sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, scop
             for c in range(block_kv // chunk):
                 key0 = step * block_kv + c * chunk
                 page = bt_ref[req, jnp.minimum(lax.div(key0, jnp.int32(page_size)), pages_per_req - 1)]
-                row = plane * num_slots + page * page_size + lax.rem(key0, jnp.int32(page_size))
+                row = plane * v_row0 + page * page_size + lax.rem(key0, jnp.int32(page_size))
                 plgpu.copy_gmem_to_smem(
-                    kv_ref.at[pl.ds(row, chunk), kv_head], smem.at[slot, pl.ds(c * chunk, chunk)], bars.at[slot]
+                    (k_ref, v_ref)[plane].at[pl.ds(row, chunk), kv_head],
+                    smem.at[slot, pl.ds(c * chunk, chunk)],
+                    bars.at[slot],
                 )
 
         for i in range(steps):
@@ -424,10 +434,47 @@ def _smem_transforms(row_elems: int, dtype):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "bs", "interpret", "zero_tail", "return_lse"))
 def _prefill(q, kv_cache, schedule, block_tables, scales, *, sm_scale, bs, interpret, zero_tail, return_lse):
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, num_blocks, page_size, num_kv_heads, _ = kv_cache.shape
+    _, num_blocks, page_size, num_kv_heads, head_dim = kv_cache.shape
     num_slots = num_blocks * page_size
     kv = kv_cache.reshape(2 * num_slots, num_kv_heads, head_dim)  # a bitcast: K rows, then V rows
+    return _launch(q, kv, kv, schedule, block_tables, scales, page_size=page_size, v_row0=num_slots,
+                   sm_scale=sm_scale, bs=bs, interpret=interpret, zero_tail=zero_tail,
+                   return_lse=return_lse)  # fmt: skip
+
+
+def prefill_attention_kv(
+    q,  # f[T, Hq, Dk]
+    k,  # f[N, Hkv, Dk]: key rows, ``page_size`` to a page
+    v,  # f[N, Hkv, Dv]: value rows, the same pages
+    schedule,  # i32[4, NT] from mgpu_schedule
+    block_tables,  # i32[R, pages_per_req]: page ids into k and v
+    *,
+    page_size: int,
+    sm_scale: float,
+    block_sizes: MgpuBlockSizes | None = None,
+):
+    """f[T, Hq, Dv]: ``prefill_attention`` over keys and values held apart, whose widths may
+    differ (MLA's up-projected prefill: q/k 192, v 128), 16-bit; rows the schedule's tiles do
+    not cover are undefined. Both widths must be ``SUPPORTED_HEAD_SIZES``."""
+    for name, width in (("q/k", k.shape[-1]), ("v", v.shape[-1])):
+        if width not in SUPPORTED_HEAD_SIZES:
+            raise ValueError(f"{name} head size {width} is not one of {list(SUPPORTED_HEAD_SIZES)}")
+    bs = block_sizes or mgpu_block_sizes(head_size=max(k.shape[-1], v.shape[-1]))
+    return _prefill_kv(q, k, v, schedule, block_tables, page_size=page_size, sm_scale=float(sm_scale), bs=bs)
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "bs"))
+def _prefill_kv(q, k, v, schedule, block_tables, *, page_size, sm_scale, bs):
+    return _launch(q, k, v, schedule, block_tables, None, page_size=page_size, v_row0=0, sm_scale=sm_scale, bs=bs,
+                   interpret=False, zero_tail=True, return_lse=False)  # fmt: skip
+
+
+def _launch(q, k, v, schedule, block_tables, scales, *, page_size, v_row0, sm_scale, bs, interpret, zero_tail,
+            return_lse):  # fmt: skip
+    """The kernel over key rows ``k`` [N, Hkv, Dk] and value rows ``v`` (from row ``v_row0``; the
+    paged cache passes its one array as both) for the schedule's tiles of ``q``."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, dv = k.shape[1], v.shape[-1]
     chunks = bs.block_kv // min(page_size, bs.block_kv)
     num_tiles = schedule.shape[1]
     pad = -num_tokens % 8  # a TMA over q and out wants whole 8-row tiles of tokens
@@ -435,23 +482,27 @@ def _prefill(q, kv_cache, schedule, block_tables, scales, *, sm_scale, bs, inter
         q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
     fp8 = scales is not None
     transforms = _smem_transforms(head_dim, q.dtype)
-    kv_transforms = _smem_transforms(head_dim, kv.dtype)
-    ring = (bs.steps_in_flight, bs.block_kv, head_dim)
+    ring = (bs.steps_in_flight, bs.block_kv)
 
-    def entry(sched_ref, bt_ref, q_ref, kv_ref, *refs):
+    def entry(sched_ref, bt_ref, q_ref, k_ref, v_ref, *refs):
         scales_ref = refs[0] if fp8 else None
         out_ref, lse_ref = (*refs[1 if fp8 else 0 :], None)[:2]
         scratch = (
             plgpu.SMEM((2, bs.block_q, head_dim), q.dtype, transforms=transforms),
-            plgpu.SMEM(ring, kv.dtype, transforms=kv_transforms),
-            plgpu.SMEM(ring, kv.dtype, transforms=kv_transforms),
+            plgpu.SMEM((2, bs.block_q, dv), q.dtype, transforms=_smem_transforms(dv, q.dtype))
+            if dv != head_dim
+            else None,
+            plgpu.SMEM((*ring, head_dim), k.dtype, transforms=_smem_transforms(head_dim, k.dtype)),
+            plgpu.SMEM((*ring, dv), v.dtype, transforms=_smem_transforms(dv, v.dtype)),
             plgpu.SMEM((2, bs.block_q), jnp.float32) if return_lse else None,
-            plgpu.SMEM((2, bs.block_q, head_dim), kv.dtype, transforms=kv_transforms) if fp8 else None,
-            plgpu.SMEM(ring, jnp.float16, transforms=transforms) if fp8 else None,
+            plgpu.SMEM((2, bs.block_q, head_dim), k.dtype, transforms=_smem_transforms(head_dim, k.dtype))
+            if fp8
+            else None,
+            plgpu.SMEM((*ring, dv), jnp.float16, transforms=_smem_transforms(dv, jnp.float16)) if fp8 else None,
         )
         body = functools.partial(
-            _kernel, sched_ref, bt_ref, q_ref, kv_ref, scales_ref, out_ref, lse_ref, bs=bs, page_size=page_size,
-            group=num_q_heads // num_kv_heads, sm_scale=sm_scale, num_slots=num_slots, zero_tail=zero_tail,
+            _kernel, sched_ref, bt_ref, q_ref, k_ref, v_ref, scales_ref, out_ref, lse_ref, bs=bs, page_size=page_size,
+            group=num_q_heads // num_kv_heads, sm_scale=sm_scale, v_row0=v_row0, zero_tail=zero_tail,
         )  # fmt: skip
         pl.run_scoped(
             lambda *args: body(args),
@@ -466,7 +517,7 @@ def _prefill(q, kv_cache, schedule, block_tables, scales, *, sm_scale, bs, inter
             collective_axes="wg",
         )
 
-    out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    out_type = jax.ShapeDtypeStruct((*q.shape[:2], dv), q.dtype)
     if return_lse:  # tokens minor: a warpgroup's block_q rows of one head are one 1-D TMA box
         out_type = (out_type, jax.ShapeDtypeStruct((num_q_heads, q.shape[0]), jnp.float32))
     out = plgpu.kernel(
@@ -479,7 +530,7 @@ def _prefill(q, kv_cache, schedule, block_tables, scales, *, sm_scale, bs, inter
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
         kernel_name="ragged_paged_prefill_mgpu",
-    )(schedule, block_tables, q, kv, *([scales] if fp8 else []))
+    )(schedule, block_tables, q, k, v, *([scales] if fp8 else []))
     if not return_lse:
         return out[:num_tokens]
     out, lse = out
