@@ -307,8 +307,9 @@ class MgpuBlockSizes:
 
     def smem_bytes(self, head_size: int, dtype, cache_dtype=None) -> int:
         """Shared memory of one CTA (bytes): two q/out tiles and the K and V rings, plus 4 KiB for
-        barriers and alignment (Mosaic GPU asked for 2.1-3.2 KiB over the buffers); with a 1-byte ``cache_dtype`` (FP8 attention) also each warpgroup's e4m3 q
-        tile and a ring of float16 V blocks."""
+        barriers and alignment (Mosaic GPU asked for 2.1-3.2 KiB over the buffers); with a
+        1-byte ``cache_dtype`` (FP8 attention) also each warpgroup's e4m3 q tile and a ring of
+        float16 V blocks."""
         itemsize = np.dtype(dtype).itemsize
         cache_itemsize = np.dtype(cache_dtype or dtype).itemsize
         ring = 2 * self.steps_in_flight * self.block_kv * head_size * cache_itemsize
