@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from attn_jax.cli import build_parser, main
@@ -142,6 +143,20 @@ def test_info_use_mla_chooses_an_mla_backend(capsys):
     assert "use_sparse=True" in capsys.readouterr().out
     assert main(["info", "--use-mla", "--has-sink"]) == 2
     assert "XLA_MLA: attention sinks are not supported." in capsys.readouterr().out
+
+
+def test_info_says_which_kernel_serves_mla_prefills(monkeypatch, capsys):
+    from attn_jax.backends.mla_pallas import PallasMLAGPUBackend
+
+    monkeypatch.setenv("ATTN_STACK_BACKEND", "PALLAS_MLA_GPU")
+    assert main(["info", "--use-mla", "--head-size", "576", "--block-size", "64"]) == 0
+    assert "PALLAS_MLA_GPU kernels on this device:" in capsys.readouterr().out
+    h100 = PallasMLAGPUBackend.kernel_plan(576, jnp.bfloat16, "auto", 64, "NVIDIA H100 80GB HBM3")
+    assert "in the Mosaic GPU prefill kernel (prefill_pallas_mosaic_gpu)" in h100[-1], h100
+    a100 = PallasMLAGPUBackend.kernel_plan(576, jnp.bfloat16, "auto", 64, "NVIDIA A100-SXM4-80GB")
+    assert "in the Triton kernel (the Mosaic GPU prefill needs Hopper" in a100[-1], a100
+    monkeypatch.setenv("ATTN_STACK_MGPU_PREFILL", "0")
+    assert "turned off" in PallasMLAGPUBackend.kernel_plan(576, jnp.bfloat16, "auto", 64, "NVIDIA H100 80GB HBM3")[-1]
 
 
 def test_generate_and_serve_share_the_engine_flags_with_their_own_step_defaults():

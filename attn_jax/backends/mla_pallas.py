@@ -126,6 +126,32 @@ class PallasMLAGPUBackend(MLACommonBackend):
         return PallasMLAGPUImpl
 
     @classmethod
+    def kernel_plan(
+        cls, head_size: int, dtype, kv_cache_dtype, block_size: int, device_kind: str | None, *, causal: bool = True,
+        has_sink: bool = False, query_quant: bool = False, qk_nope_head_dim: int = 128, v_head_dim: int = 128,
+    ) -> list[str]:  # fmt: skip
+        """Which kernel serves which batches, in words (``attn-stack info --use-mla``), for
+        DeepSeek's head dims by default (nope 128 + rope 64 for q/k, v 128)."""
+        qk = qk_nope_head_dim + 64
+        lines = [
+            "decodes: the absorbed MQA over the latent cache in one Triton-lowered Pallas launch (pallas_triton)",
+            "sparse MLA: the Triton-lowered sparse kernel (sparse_pallas_triton)",
+        ]
+        triton = f"prefills: up-projected in XLA, attention (q/k {qk}, v {v_head_dim}) in the Triton kernel"
+        if not mgpu_prefill_available(device_kind):
+            return [*lines, f"{triton} (the Mosaic GPU prefill needs Hopper; device {device_kind!r})"]
+        if not mgpu_prefill_setting():
+            return [*lines, f"{triton} (Mosaic GPU prefill turned off: ATTN_STACK_MGPU_PREFILL=0)"]
+        max_len = -(-4096 // block_size) * block_size  # a bucket of requests up to 4096 tokens
+        reason = prefill_pallas_mosaic_gpu.unsupported_reason(
+            qk_head_dim=qk, v_head_dim=v_head_dim, dtype=dtype, max_len=max_len
+        )  # fmt: skip
+        if reason is not None:
+            return [*lines, f"{triton} ({reason})"]
+        mosaic = "the Mosaic GPU prefill kernel (prefill_pallas_mosaic_gpu), the rows its tiles leave in the Triton one"
+        return [*lines, f"prefills: up-projected in XLA, attention (q/k {qk}, v {v_head_dim}) in {mosaic}"]
+
+    @classmethod
     def backend_reasons(cls, config: AttentionConfig, platform: Platform | None) -> list[str]:
         """The latent width (kv_lora_rank a power of two) and power-of-two pages the kernel tiles."""
         reasons = super().backend_reasons(config, platform)
