@@ -27,7 +27,9 @@ Structure (JAX's ``attention_mgpu.py``, FlashAttention-3 style, adapted to pages
   ``[page_size, D]`` rows of the cache at the page's id read from the block table by the
   memory warpgroup; all copies of a block complete on one barrier. One copy per page and
   not per run of consecutive pages: a TMA box has a static shape, and a run's length is
-  only known at run time.
+  only known at run time. Keys and values may also come held apart and of different
+  widths (``prefill_attention_kv``: MLA's up-projected q/k 192 and v 128, one page per
+  request); the paged cache passes its one array as both, V rows from ``v_row0``.
 - Causal: KV blocks above the diagonal are never fetched (the loop ends at the tile's
   last position); blocks wholly below it skip the mask.
 - FP8 attention (``q_scale``, an e4m3 cache): each compute warpgroup quantises its q rows
