@@ -150,7 +150,7 @@ def uses_mosaic_gpu(
         and pallas_mosaic_gpu.unsupported_reason(
             head_size=q.shape[-1], page_size=kv_cache.shape[2], dtype=q.dtype, cache_dtype=kv_cache.dtype,
             causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-            alibi_slopes=alibi_slopes, sinks=sinks, block_sizes=mgpu_block_sizes or MgpuBlockSizes(),
+            alibi_slopes=alibi_slopes, sinks=sinks, block_sizes=mgpu_block_sizes,
             query_quant=query_quant,
         ) is None
     )  # fmt: skip
@@ -183,10 +183,9 @@ def ragged_paged_attention(
     kwargs = dict(sm_scale=sm_scale, **features)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    mgpu_bs = mgpu_block_sizes or MgpuBlockSizes()
     use_mgpu = state_init is None and not return_states and uses_mosaic_gpu(
         q, kv_cache, interpret=interpret, block_sizes=block_sizes, mgpu_schedule=mgpu_schedule,
-        mgpu_block_sizes=mgpu_bs, query_quant=q_scale is not None, **features,
+        mgpu_block_sizes=mgpu_block_sizes, query_quant=q_scale is not None, **features,
     )  # fmt: skip
     triton = functools.partial(
         pallas_triton.ragged_paged_attention, query_start_loc=query_start_loc, seq_lens=seq_lens,
@@ -204,7 +203,7 @@ def ragged_paged_attention(
     kv_cache = pallas_triton.write_new_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale, interpret=False)
     out = pallas_mosaic_gpu.prefill_attention(
         q, kv_cache, jnp.asarray(mgpu_schedule, jnp.int32), jnp.asarray(block_tables), sm_scale=sm_scale,
-        block_sizes=mgpu_bs, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, q_scale=q_scale,
+        block_sizes=mgpu_block_sizes, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, q_scale=q_scale,
     )  # fmt: skip
     out, lse = out if return_lse else (out, None)
     if rest_schedule is None:  # every row is the Mosaic GPU kernel's: no second launch

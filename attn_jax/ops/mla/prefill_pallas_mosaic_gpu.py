@@ -32,8 +32,7 @@ def unsupported_reason(*, qk_head_dim: int, v_head_dim: int, dtype, max_len: int
         if width not in pallas_mosaic_gpu.SUPPORTED_HEAD_SIZES:
             return f"{name} head size {width} is not one of {list(pallas_mosaic_gpu.SUPPORTED_HEAD_SIZES)}"
     bs = mgpu_block_sizes(head_size=max(qk_head_dim, v_head_dim))
-    itemsize = np.dtype(dtype).itemsize
-    smem = (2 * bs.block_q + bs.steps_in_flight * bs.block_kv) * (qk_head_dim + v_head_dim) * itemsize + 4096
+    smem = bs.smem_bytes(qk_head_dim, dtype, v_head_size=v_head_dim)
     if smem > MOSAIC_GPU_SMEM_BYTES:
         return f"{bs} needs {smem} bytes of shared memory at q/k {qk_head_dim}, v {v_head_dim}"
     if max_len % bs.block_kv:

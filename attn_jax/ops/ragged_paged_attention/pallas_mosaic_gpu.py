@@ -34,8 +34,8 @@ Structure (JAX's ``attention_mgpu.py``, FlashAttention-3 style, adapted to pages
   last position); blocks wholly below it skip the mask.
 - FP8 attention (``q_scale``, an e4m3 cache): each compute warpgroup quantises its q rows
   to e4m3 once, and q.k runs on FP8 wgmma; FP8 wgmma takes both operands K-major and V's
-  rows are N-major for p @ v, so each warpgroup converts a V block to float16 in shared
-  memory (exact) and p @ v runs in float16.
+  rows are N-major for p @ v, so the two warpgroups convert each V block to float16 in a
+  shared-memory ring (exact, half a block each) and p @ v runs in float16.
 - Keys past ``seq_len`` in the last block (the rest of the last page, or pages the block
   table does not name) are masked out of the scores, and the compute warpgroup zeroes
   those V rows in shared memory before the PV matmul, so NaN or garbage there cannot
