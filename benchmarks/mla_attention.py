@@ -7,7 +7,8 @@ latent output written, over the measured device-to-device copy bandwidth; FLOPs 
 512) per (query head, key) pair (scores and p @ c_kv), over the measured bf16 matmul rate.
 MLA-D1 sits near the ridge (~0.3 GB against ~73 GFLOP), so the row says which floor binds.
 Implementations: ``pallas_mla_gpu`` (ops/mla/pallas_triton.py; default block sizes, or a
-sweep with --sweep) and ``xla_reference`` (the jnp reference); each row has the median
+sweep with --sweep), ``pallas_mla_mgpu`` (ops/mla/decode_pallas_mosaic_gpu.py, Hopper; its
+default splits, or each of 1-8 with --sweep) and ``xla_reference`` (the jnp reference); each row has the median
 time, GB/s, TFLOP/s, % of the binding floor and the relative L2 error against the
 reference computed in float32 on the same inputs. MLA-P1 (4 x 4096 causal prefill, 16
 heads, q/k 192, v 128) runs the Triton prefill (ops/mla/prefill_pallas_triton.py, a few block
@@ -167,7 +168,7 @@ def prefill_rows(spec, ceilings, sweep: bool = False) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="MLA-D1,MLA-D1-16,MLA-P1", help="comma-separated MLA_WORKLOADS names")
-    parser.add_argument("--impls", default="pallas_mla_gpu,xla_reference")
+    parser.add_argument("--impls", default="pallas_mla_gpu,pallas_mla_mgpu,xla_reference")
     parser.add_argument(
         "--sweep", action="store_true", help="also time block_h x pages_per_tile x num_kv_splits x num_warps x stages"
     )
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from attn_jax.ops.mla import pallas_triton, reference
+    from attn_jax.ops.mla import decode_pallas_mosaic_gpu, pallas_triton, reference
     from attn_jax.ops.mla.pallas_triton import MLADecodeBlockSizes
     from attn_jax.testing.mla import MLA_WORKLOADS
 
@@ -238,6 +239,12 @@ def main(argv=None) -> int:
                     )
                     fn = jax.jit(functools.partial(pallas_triton.mla_decode, **kw, block_sizes=bs))
                     record("pallas_mla_gpu", fn, {"block_sizes": str(bs)})
+        if "pallas_mla_mgpu" in args.impls:
+            record("pallas_mla_mgpu", jax.jit(functools.partial(decode_pallas_mosaic_gpu.mla_decode, **kw)))
+            if args.sweep:
+                for splits in (1, 2, 3, 4, 8):
+                    fn = jax.jit(functools.partial(decode_pallas_mosaic_gpu.mla_decode, **kw, num_splits=splits))
+                    record("pallas_mla_mgpu", fn, {"num_splits": splits})
         if "xla_reference" in args.impls:
             record("xla_reference", jax.jit(functools.partial(reference.mla_decode, **kw)))
     result = {"benchmark": "mla_attention", "device": dev.device_kind, "date": datetime.date.today().isoformat(),

@@ -1,0 +1,110 @@
+"""The Mosaic GPU MLA decode kernel (``ops/mla/decode_pallas_mosaic_gpu``): its lowering for
+CUDA from the CPU, what it refuses, its split choice and merge, and, compiled on a Hopper GPU
+(marker ``gpu``), its output and LSE against the float64 oracle on ragged batches whose pages
+past each request's length hold NaN."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn_jax.ops.mla import decode_pallas_mosaic_gpu as mgpu_decode
+from attn_jax.ops.ragged_paged_attention.config import mgpu_prefill_available
+from attn_jax.testing.mla import make_mla_batch
+from tests.ops.mla_oracle import mla_decode_oracle
+
+
+@pytest.mark.parametrize(("num_heads", "page_size", "num_splits"), [(128, 64, 1), (16, 16, 3)])
+def test_kernel_lowers_for_cuda(num_heads, page_size, num_splits):
+    """Layouts, TMA boxes and wgmma shapes (576-wide scores, the two 256-wide halves of p @ c_kv)
+    lower on the CPU; the compile to SASS and the numbers are the marked GPU case's."""
+    sds = jax.ShapeDtypeStruct
+    f = functools.partial(mgpu_decode.mla_decode, sm_scale=192**-0.5, kv_lora_rank=512, num_splits=num_splits)
+    shapes = (sds((4, num_heads, 576), jnp.bfloat16), sds((64, page_size, 576), jnp.bfloat16),
+              sds((4,), jnp.int32), sds((4, 16), jnp.int32))  # fmt: skip
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(*shapes)
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        (dict(dtype=jnp.float32, cache_dtype=jnp.float32), "float32"),
+        (dict(cache_dtype=jnp.float8_e4m3fn), "float8_e4m3fn"),
+        (dict(kv_lora_rank=640, width=704), "kv_lora_rank=640"),
+        (dict(width=560), "560"),
+        (dict(page_size=24), "page_size=24"),
+    ],
+)
+def test_unsupported_reason_names_the_value(kwargs, words):
+    base = dict(kv_lora_rank=512, width=576, page_size=64, dtype=jnp.bfloat16, cache_dtype=jnp.bfloat16)
+    assert mgpu_decode.unsupported_reason(**base) is None
+    reason = mgpu_decode.unsupported_reason(**{**base, **kwargs})
+    assert reason is not None and words in reason
+
+
+def test_refuses_unsupported_shapes_with_the_reason():
+    b = make_mla_batch(0, seq_lens=[5], num_heads=16, kv_lora_rank=512, rope_dim=64, block_size=64,
+                       dtype=jnp.float32)  # fmt: skip
+    with pytest.raises(ValueError, match="float32"):
+        mgpu_decode.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=0.1, kv_lora_rank=512)
+
+
+def test_smem_fits_hopper_at_deepseek_width():
+    assert mgpu_decode.smem_bytes(576) <= 232448 < mgpu_decode.smem_bytes(640)
+
+
+def test_default_num_splits_fills_the_sms():
+    one_wave = dict(num_heads=128, pages_per_req=64, page_size=64)
+    assert mgpu_decode.default_num_splits(num_reqs=64, **one_wave) == 1  # 128 CTAs
+    assert mgpu_decode.default_num_splits(num_reqs=64, num_heads=16, pages_per_req=64, page_size=64) == 2
+    assert mgpu_decode.default_num_splits(num_reqs=1, **one_wave) == 16
+    assert mgpu_decode.default_num_splits(num_reqs=1, num_heads=128, pages_per_req=2, page_size=64) == 1
+
+
+def test_merge_splits_matches_one_softmax_over_all_keys():
+    """Splits' normalised outputs and LSEs merge into the softmax over their union; an empty
+    split (-inf, its output garbage) contributes nothing; a row empty everywhere is zero."""
+    rng = np.random.default_rng(3)
+    k, r, h, c, n = 3, 2, 4, 8, 5
+    scores = rng.standard_normal((k, r, h, n))
+    values = rng.standard_normal((k, r, n, c))
+    lse = np.log(np.exp(scores).sum(-1))
+    out = np.einsum("krhn,krnc->krhc", np.exp(scores - lse[..., None]), values)
+    lse[1, 0] = -np.inf  # request 0's second split saw no key
+    out[1, 0] = np.nan
+    lse[:, 1, 2] = -np.inf  # request 1, head 2: no key anywhere
+    merged, merged_lse = mgpu_decode.merge_splits(jnp.asarray(out, jnp.float32), jnp.asarray(lse, jnp.float32))
+    keep = np.isfinite(lse)[..., None]
+    w = np.where(keep[..., 0], np.exp(lse), 0.0)
+    want = np.where(keep, out, 0.0)
+    want = (want * w[..., None]).sum(0) / np.where(w.sum(0) == 0, 1.0, w.sum(0))[..., None]
+    np.testing.assert_allclose(np.asarray(merged), want, rtol=1e-5, atol=1e-6)
+    assert np.isneginf(np.asarray(merged_lse)[1, 2]) and (np.asarray(merged)[1, 2] == 0).all()
+    np.testing.assert_allclose(np.asarray(merged_lse)[0], np.log(w.sum(0)[0]), rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("num_heads", "page_size", "num_splits"), [(128, 64, None), (16, 64, 3), (128, 16, 2), (20, 32, 1)]
+)
+def test_decode_on_hopper_matches_oracle(num_heads, page_size, num_splits):
+    if jax.default_backend() != "gpu" or not mgpu_prefill_available(jax.devices()[0].device_kind):
+        pytest.skip("needs a Hopper GPU (H100/H200) for Mosaic GPU")
+    # Lengths: one key, a partial last block, none, several blocks, a whole block.
+    b = make_mla_batch(6, seq_lens=[1, 700, 0, 2049, 64], num_heads=num_heads, kv_lora_rank=512, rope_dim=64,
+                       block_size=page_size, dtype=jnp.bfloat16)  # fmt: skip
+    scale = 192**-0.5
+    out, lse = mgpu_decode.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=scale,
+                                      kv_lora_rank=512, return_lse=True, num_splits=num_splits)  # fmt: skip
+    want, want_lse = mla_decode_oracle(np.asarray(b.q_decode.astype(jnp.float32)), b.latents, kv_lora_rank=512,
+                                       sm_scale=scale)  # fmt: skip
+    assert out.shape == want.shape and out.dtype == jnp.bfloat16
+    out = np.asarray(out, np.float64)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=5e-2, rtol=1e-3)
