@@ -154,6 +154,7 @@ def test_info_says_which_kernel_serves_mla_decodes_and_prefills(monkeypatch, cap
     h100 = PallasMLAGPUBackend.kernel_plan(576, jnp.bfloat16, "auto", 64, "NVIDIA H100 80GB HBM3")
     assert "in the Mosaic GPU prefill kernel (prefill_pallas_mosaic_gpu)" in h100[-1], h100
     assert "with >= 64 query heads the Mosaic GPU MLA decode kernel" in h100[0], h100
+    assert "batches of >= 16 requests" in h100[0], h100
     a100 = PallasMLAGPUBackend.kernel_plan(576, jnp.bfloat16, "auto", 64, "NVIDIA A100-SXM4-80GB")
     assert "in the Triton kernel (the Mosaic GPU prefill needs Hopper" in a100[-1], a100
     assert "(the Mosaic GPU MLA decode needs Hopper)" in a100[0], a100

@@ -1,8 +1,9 @@
 """The PALLAS_MLA_GPU and PALLAS_MLA_TPU backends: MLA with the decode as a Pallas kernel.
 
 Decodes (the absorbed MQA over the latent cache) run in ``ops/mla/pallas_triton.py`` (GPU,
-Triton lowering; on Hopper with 64 or more query heads ``ops/mla/decode_pallas_mosaic_gpu.py``,
-2x faster at DeepSeek-V3's 128 heads, off with ``ATTN_STACK_MGPU_MLA_DECODE=0``) or
+Triton lowering; on Hopper, for 16 or more requests of 64 or more query heads,
+``ops/mla/decode_pallas_mosaic_gpu.py``, 2x faster at DeepSeek-V3's 128 heads; off with
+``ATTN_STACK_MGPU_MLA_DECODE=0``) or
 ``ops/mla/pallas_mosaic_tpu.py`` (Mosaic TPU). On GPU, prefills run in
 ``ops/mla/prefill_pallas_triton.py`` (up-projection in XLA, attention with q/k and v head sizes that
 differ in a Triton kernel), on Hopper in ``ops/mla/prefill_pallas_mosaic_gpu.py`` (the Mosaic GPU
@@ -39,6 +40,12 @@ logger = logging.getLogger(__name__)
 
 MGPU_MLA_DECODE_ENV = "ATTN_STACK_MGPU_MLA_DECODE"
 """Set to ``0`` to keep MLA decodes on the Triton kernel on Hopper."""
+
+
+MGPU_MLA_DECODE_MIN_REQS = 16
+"""Decode rows (requests) from which the Mosaic GPU MLA decode serves. Through the layer on an
+H100 (BENCHMARKS.md) it won at 16, 32 and 64 requests; at one request, where the call is
+host-bound, one run found it 100 us behind the Triton kernel and another within noise."""
 
 
 def mgpu_mla_decode_setting() -> bool:
@@ -82,7 +89,7 @@ class PallasMLAGPUImpl(_PallasMLAImpl):
         hopper = mgpu_prefill_available(platform.device_kind if platform.kind == "gpu" else None)
         self.mgpu_prefill = self.triton_prefill and not self.interpret and mgpu_prefill_setting() and hopper
         # Measured (BENCHMARKS.md): 2x the Triton kernel at 128 heads; 5-10 % behind it at 16
-        # heads, which the kernel pads to its 64-head wgmma rows.
+        # heads, which the kernel pads to its 64-head wgmma rows. Small batches: MGPU_MLA_DECODE_MIN_REQS.
         self.mgpu_decode = (
             not self.interpret and hopper and mgpu_mla_decode_setting()
             and self.num_heads >= decode_pallas_mosaic_gpu.BLOCK_H
@@ -108,7 +115,8 @@ class PallasMLAGPUImpl(_PallasMLAImpl):
 
     def decode(self, q_abs, kv_cache, seq_lens, block_tables, k_scale=None):
         _, page_size, width = kv_cache.shape
-        if self.mgpu_decode and decode_pallas_mosaic_gpu.unsupported_reason(
+        mosaic = self.mgpu_decode and q_abs.shape[0] >= MGPU_MLA_DECODE_MIN_REQS
+        if mosaic and decode_pallas_mosaic_gpu.unsupported_reason(
             kv_lora_rank=self.kv_lora_rank, width=width, page_size=page_size, dtype=q_abs.dtype,
             cache_dtype=kv_cache.dtype,
         ) is None:  # fmt: skip
@@ -174,8 +182,9 @@ class PallasMLAGPUBackend(MLACommonBackend):
             decode = f"{triton_decode} ({decode_reason})"
         else:
             decode = (
-                f"decodes: with >= {decode_pallas_mosaic_gpu.BLOCK_H} query heads the Mosaic GPU MLA decode kernel "
-                "(decode_pallas_mosaic_gpu), with fewer the Triton-lowered one (pallas_triton)"
+                f"decodes: batches of >= {MGPU_MLA_DECODE_MIN_REQS} requests with >= "
+                f"{decode_pallas_mosaic_gpu.BLOCK_H} query heads the Mosaic GPU MLA decode kernel "
+                "(decode_pallas_mosaic_gpu), others the Triton-lowered one (pallas_triton)"
             )
         lines = [decode, "sparse MLA: the Triton-lowered sparse kernel (sparse_pallas_triton)"]
         triton = f"prefills: up-projected in XLA, attention (q/k {qk}, v {v_head_dim}) in the Triton kernel"
