@@ -168,3 +168,42 @@ def test_sparse_forward_matches_oracle(backend):
     want = np.einsum("thc,chd->thd", lat, w_uv)
     n = sum(query_lens)
     np.testing.assert_allclose(np.asarray(out)[:n], want[:n], atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_impl_decodes_on_mosaic_gpu_for_a_deepseek_batch(monkeypatch):
+    """16 decode requests of DeepSeek-V3's shape (128 heads, latent 512 + 64, page 64) go through
+    PALLAS_MLA_GPU's Mosaic GPU decode on Hopper and match XLA_MLA on the same inputs."""
+    from attn_jax.ops.ragged_paged_attention.config import mgpu_prefill_available
+
+    if jax.default_backend() != "gpu" or not mgpu_prefill_available(jax.devices()[0].device_kind):
+        pytest.skip("needs a Hopper GPU (H100/H200) for Mosaic GPU")
+    from attn_jax.backends.mla_pallas import MGPU_MLA_DECODE_MIN_REQS
+    from attn_jax.ops.mla import decode_pallas_mosaic_gpu
+
+    calls = []
+    real = decode_pallas_mosaic_gpu.mla_decode
+    monkeypatch.setattr(decode_pallas_mosaic_gpu, "mla_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    c, rope, nope, dv, h, page = 512, 64, 128, 128, 128, 64
+    n = MGPU_MLA_DECODE_MIN_REQS
+    rng = np.random.default_rng(5)
+    seq_lens = rng.integers(1, 700, size=n).tolist()
+    b = make_mla_batch(5, seq_lens=seq_lens, num_heads=h, kv_lora_rank=c, rope_dim=rope, block_size=page,
+                       dtype=jnp.bfloat16)  # fmt: skip
+    md = build_common_attn_metadata([1] * n, seq_lens, b.block_tables, page)
+    new = np.stack([lat[-1] for lat in b.latents])
+    kv_c, k_pe = jnp.asarray(new[:, :c], jnp.bfloat16), jnp.asarray(new[:, c:], jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((md.num_tokens, h, nope + rope)), jnp.bfloat16)
+    w_uk = jnp.asarray(rng.standard_normal((c, h, nope)) * c**-0.5, jnp.bfloat16)
+    w_uv = jnp.asarray(rng.standard_normal((c, h, dv)) * c**-0.5, jnp.bfloat16)
+    spec = AttentionSpec(block_size=page, num_kv_heads=1, head_size=c + rope, dtype=jnp.bfloat16, num_q_heads=h)
+    built = XLAMLABackend.get_builder_cls()(spec).build(0, md)
+    outs = []
+    for backend in (PallasMLAGPUBackend, XLAMLABackend):
+        impl = backend.get_impl_cls()(h, c + rope, (nope + rope) ** -0.5, kv_lora_rank=c, qk_nope_head_dim=nope,
+                                      qk_rope_head_dim=rope, v_head_dim=dv)  # fmt: skip
+        out, _ = impl.forward(q, kv_c, k_pe, b.kv_cache, built, w_uk=w_uk, w_uv=w_uv)
+        outs.append(np.asarray(out.astype(jnp.float32), np.float64)[:n])
+    assert calls, "PALLAS_MLA_GPU did not take the Mosaic GPU decode"
+    assert np.isfinite(outs[0]).all()
+    np.testing.assert_allclose(outs[0], outs[1], atol=2e-2, rtol=2e-2)
