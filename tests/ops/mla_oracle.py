@@ -90,3 +90,26 @@ def indexer_oracle(q_idx, weights, keys: Sequence[np.ndarray], query_lens: Seque
             result.append(set(np.argsort(-scores, kind="stable")[:topk].tolist()))
             row += 1
     return result
+
+
+def check_deepseek_decode(decode, *, num_heads: int, block_size: int) -> None:
+    """Calls ``decode(q, kv_cache, seq_lens, block_tables, sm_scale=..., kv_lora_rank=512,
+    return_lse=True)`` (a compiled GPU kernel) on a bf16 batch of DeepSeek's latent (512 + 64)
+    whose requests hold one key, 700, none, 2049 and 64 (the pages past each length NaN), and
+    checks its output and LSE against the oracle."""
+    import jax.numpy as jnp
+
+    from attn_jax.testing.mla import make_mla_batch
+
+    b = make_mla_batch(6, seq_lens=[1, 700, 0, 2049, 64], num_heads=num_heads, kv_lora_rank=512, rope_dim=64,
+                       block_size=block_size, dtype=jnp.bfloat16)  # fmt: skip
+    scale = 192**-0.5
+    out, lse = decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=scale, kv_lora_rank=512,
+                      return_lse=True)  # fmt: skip
+    want, want_lse = mla_decode_oracle(np.asarray(b.q_decode.astype(jnp.float32)), b.latents, kv_lora_rank=512,
+                                       sm_scale=scale)  # fmt: skip
+    assert out.shape == want.shape and out.dtype == jnp.bfloat16
+    out = np.asarray(out, np.float64)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=5e-2, rtol=1e-3)

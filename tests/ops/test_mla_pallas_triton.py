@@ -3,6 +3,8 @@ oracle and the jnp reference; the same body compiled on a GPU under the ``gpu`` 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ import pytest
 from attn_jax.ops.mla import pallas_triton, reference
 from attn_jax.ops.mla.pallas_triton import MLADecodeBlockSizes
 from attn_jax.testing.mla import make_mla_batch
-from tests.ops.mla_oracle import mla_decode_oracle
+from tests.ops.mla_oracle import check_deepseek_decode, mla_decode_oracle
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 C, ROPE, H = 32, 16, 20  # 20 heads: two head blocks of 16, the second partial
@@ -77,12 +79,5 @@ def test_error_block_h():
 def test_decode_compiled_on_gpu(num_heads, block_size):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    b = make_mla_batch(6, seq_lens=[1, 700, 0, 2049, 64], num_heads=num_heads, kv_lora_rank=512, rope_dim=64,
-                       block_size=block_size, dtype=jnp.bfloat16)  # fmt: skip
-    scale = 192**-0.5
-    out, lse = pallas_triton.mla_decode(b.q_decode, b.kv_cache, b.seq_lens, b.block_tables, sm_scale=scale,
-                                        kv_lora_rank=512, return_lse=True, interpret=False)  # fmt: skip
-    want, want_lse = mla_decode_oracle(np.asarray(b.q_decode.astype(jnp.float32)), b.latents, kv_lora_rank=512,
-                                       sm_scale=scale)  # fmt: skip
-    np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=2e-2, rtol=2e-2)
-    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=5e-2, rtol=1e-3)
+    check_deepseek_decode(functools.partial(pallas_triton.mla_decode, interpret=False), num_heads=num_heads,
+                          block_size=block_size)  # fmt: skip
