@@ -95,3 +95,10 @@ def test_prefix_cache_benchmark_runs_s1_small_on_the_cpu(tmp_path):
     assert cascade["cascade_calls"] > 0 and cascade["cascade_prefix_len_max"] == 64
     assert cascade["greedy_tokens_identical_to_off"]
     assert "on+cascade" in result.stdout and "TTFT p50" in result.stdout
+
+
+def test_paged_stream_ceiling_lowers_for_cuda_on_the_cpu():
+    """The streaming-only kernel (the MLA decode's read ceiling) lowers at two ring depths."""
+    result = _run(ROOT / "benchmarks" / "paged_stream_ceiling.py", "--lower", "--configs", "1:1,2:3")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count("lowered (True)") == 2, result.stdout
