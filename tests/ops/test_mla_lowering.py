@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 from jax._src.mesh import AbstractDevice, AbstractMesh
 
-from attn_jax.ops.mla import pallas_triton, sparse_pallas_triton
+from attn_jax.ops.mla import indexer_pallas_triton, pallas_triton, sparse_pallas_triton
 from attn_jax.ops.mla.pallas_triton import MLADecodeBlockSizes
 
 H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
@@ -54,6 +54,19 @@ def test_sparse_lowers_for_h100():
                             sds((256, 2048), jnp.int32), sds((5,), jnp.int32), sds((4,), jnp.int32),
                             sds((4, 64), jnp.int32))  # fmt: skip
     assert 'name = "sparse_mla_triton"' in text
+
+
+@pytest.mark.parametrize("key_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_lightning_indexer_lowers_for_h100(key_dtype):
+    """DeepSeek-V3.2's indexer (64 index heads of 128) over a 4096-token context, keys bf16 or e4m3."""
+
+    def f(q, w, keys, qsl, lens, table):
+        return indexer_pallas_triton.lightning_indexer(q, w, keys, qsl, lens, table, topk=2048, interpret=False)
+
+    text = _export_for_h100(f, sds((256, 64, 128), jnp.bfloat16), sds((256, 64), jnp.float32),
+                            sds((4200, 64, 128), key_dtype), sds((5,), jnp.int32), sds((4,), jnp.int32),
+                            sds((4, 64), jnp.int32))  # fmt: skip
+    assert 'name = "lightning_indexer_triton"' in text
 
 
 def test_prefill_on_mosaic_gpu_lowers_for_h100():

@@ -1,14 +1,18 @@
-"""Sparse MLA over per-token top-k positions (jnp reference and the Triton kernel in the
-interpreter) and the lightning indexer, against float64 NumPy oracles; NaN in unused slots."""
+"""Sparse MLA over per-token top-k positions and the lightning indexer (each as the jnp
+reference and the Triton kernel in the interpreter), against float64 NumPy oracles; NaN in
+unused slots."""
 
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax.ops.mla import sparse_pallas_triton
-from attn_jax.ops.mla.sparse_reference import lightning_indexer, sparse_mla
+from attn_jax.ops.mla import indexer_pallas_triton, sparse_pallas_triton
+from attn_jax.ops.mla.sparse_reference import lightning_indexer as reference_indexer
+from attn_jax.ops.mla.sparse_reference import sparse_mla
 from attn_jax.testing.mla import make_mla_batch
 from tests.ops.mla_oracle import indexer_oracle, sparse_mla_oracle
 
@@ -59,9 +63,14 @@ def test_sparse_error_index_beyond_sequence():
         sparse_mla(q, b.kv_cache, topk, qsl, b.seq_lens, b.block_tables, sm_scale=0.1, kv_lora_rank=C)
 
 
-def test_lightning_indexer_matches_oracle_and_feeds_sparse_mla():
+@pytest.mark.parametrize("impl", ["reference", "triton_interpret"])
+def test_lightning_indexer_matches_oracle_and_feeds_sparse_mla(impl):
     rng = np.random.default_rng(3)
-    hi, di, topk = 2, 16, 8
+    hi, di, topk = 16, 16, 8
+    lightning_indexer = {
+        "reference": reference_indexer,
+        "triton_interpret": functools.partial(indexer_pallas_triton.lightning_indexer, interpret=True, block_l=16),
+    }[impl]
     idx_batch = make_mla_batch(5, seq_lens=SEQ_LENS, num_heads=1, kv_lora_rank=8, rope_dim=di - 8, block_size=S)
     num_tokens = sum(QUERY_LENS) + 1
     q_idx = rng.standard_normal((num_tokens, hi, di)).astype(np.float32)
@@ -106,3 +115,50 @@ def test_sparse_compiled_on_gpu():
     want, _ = sparse_mla_oracle(np.asarray(q.astype(jnp.float32)), b.latents, topk, qlens, kv_lora_rank=512,
                                 sm_scale=192**-0.5)  # fmt: skip
     np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=2e-2, rtol=2e-2)
+
+
+def test_indexer_kernel_scores_match_the_reference_and_refuse_odd_heads():
+    """The kernel's scores (not only their top-k) against a dense float64 computation of the
+    same formula; -inf exactly where a token may not look; the Triton tile rules named."""
+    rng = np.random.default_rng(4)
+    b = make_mla_batch(8, seq_lens=SEQ_LENS, num_heads=1, kv_lora_rank=8, rope_dim=8, block_size=S)
+    num_tokens = sum(QUERY_LENS) + 1
+    q_idx = rng.standard_normal((num_tokens, 16, 16)).astype(np.float32)
+    weights = rng.uniform(0.5, 1.5, (num_tokens, 16)).astype(np.float32)
+    qsl = np.concatenate([[0], np.cumsum(QUERY_LENS)]).astype(np.int32)
+    got = np.asarray(indexer_pallas_triton.index_scores(q_idx, weights, b.kv_cache, qsl, b.seq_lens, b.block_tables,
+                                                        interpret=True, block_l=16))  # fmt: skip
+    row = 0
+    for qlen, lat in zip(QUERY_LENS, b.latents, strict=True):
+        for i in range(qlen):
+            p = len(lat) - qlen + i
+            keys = np.asarray(lat[: p + 1], np.float64)
+            want = (weights[row, :, None] * np.maximum(q_idx[row].astype(np.float64) @ keys.T, 0)).sum(0)
+            np.testing.assert_allclose(got[row, : p + 1], want, rtol=1e-5, atol=1e-5)
+            assert np.isneginf(got[row, p + 1 :]).all()
+            row += 1
+    assert np.isneginf(got[row:]).all()  # the padding row
+    with pytest.raises(ValueError, match="index heads=8 must be a power of two >= 16"):
+        indexer_pallas_triton.index_scores(q_idx[:, :8], weights[:, :8], b.kv_cache, qsl, b.seq_lens, b.block_tables)
+
+
+@pytest.mark.gpu
+def test_indexer_compiled_on_gpu_matches_reference():
+    import jax
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    rng = np.random.default_rng(9)
+    qlens, lens = [4, 1, 200], [300, 2049, 200]
+    b = make_mla_batch(9, seq_lens=lens, num_heads=1, kv_lora_rank=64, rope_dim=64, block_size=64,
+                       dtype=jnp.bfloat16)  # fmt: skip
+    num_tokens = sum(qlens)
+    q_idx = jnp.asarray(rng.standard_normal((num_tokens, 64, 128)), jnp.bfloat16)
+    weights = jnp.asarray(rng.uniform(0.5, 1.5, (num_tokens, 64)), jnp.float32)
+    qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    args = (q_idx, weights, b.kv_cache, qsl, b.seq_lens, b.block_tables)
+    got = np.asarray(indexer_pallas_triton.index_scores(*args, interpret=False))
+    want = np.asarray(indexer_pallas_triton.index_scores(*args, interpret=True))
+    finite = np.isfinite(want)
+    assert (np.isfinite(got) == finite).all()
+    np.testing.assert_allclose(got[finite], want[finite], rtol=2e-2, atol=2e-2)

@@ -110,15 +110,9 @@ def lightning_indexer(
     """i32[T, topk]: per token the positions of its ``topk`` highest index scores among the
     positions it may see (``s <= p``), best first; -1 where fewer are visible, and for
     padding rows. ``I[t, s] = sum_j weights[t, j] * relu(q_idx[t, j] . k_idx[s])``."""
-    if not isinstance(topk, int) or topk < 1:
-        raise ValueError(f"topk={topk!r} must be an int >= 1")
+    check_indexer_inputs(q_idx, weights, k_idx_cache, topk)
     num_tokens = q_idx.shape[0]
     num_blocks, block_size, dim = k_idx_cache.shape
-    if q_idx.ndim != 3 or q_idx.shape[2] != dim or weights.shape != q_idx.shape[:2]:
-        raise ValueError(
-            f"q_idx.shape={tuple(q_idx.shape)} must be [T, HI, {dim}] (DI from k_idx_cache) and "
-            f"weights.shape={tuple(weights.shape)} must be [T, HI]"
-        )
     req, pos, real = token_positions(query_start_loc, seq_lens, num_tokens)
     pages_per_req = block_tables.shape[1]
     max_len = pages_per_req * block_size
@@ -128,8 +122,28 @@ def lightning_indexer(
     scores = jnp.einsum("th,thl->tl", weights.astype(jnp.float32), jax.nn.relu(logits), precision=_HIGHEST)
     j = jnp.arange(max_len)[None, :]
     visible = real[:, None] & (j <= pos[:, None])
-    scores = jnp.where(visible, scores, -jnp.inf)
-    if topk > max_len:
-        scores = jnp.pad(scores, ((0, 0), (0, topk - max_len)), constant_values=-jnp.inf)
+    return topk_of_scores(jnp.where(visible, scores, -jnp.inf), topk)
+
+
+def check_indexer_inputs(q_idx, weights, k_idx_cache, topk) -> None:
+    """ValueError naming a lightning-indexer input whose shape or ``topk`` is off."""
+    if not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk={topk!r} must be an int >= 1")
+    dim = k_idx_cache.shape[-1]
+    if k_idx_cache.ndim != 3:
+        raise ValueError(f"k_idx_cache.shape={tuple(k_idx_cache.shape)} must be [num_blocks, block_size, DI]")
+    if q_idx.ndim != 3 or q_idx.shape[2] != dim or weights.shape != q_idx.shape[:2]:
+        raise ValueError(
+            f"q_idx.shape={tuple(q_idx.shape)} must be [T, HI, {dim}] (DI from k_idx_cache) and "
+            f"weights.shape={tuple(weights.shape)} must be [T, HI]"
+        )
+
+
+def topk_of_scores(scores, topk: int):
+    """i32[T, topk]: the positions of each row's ``topk`` highest scores f32[T, L], best first;
+    -1 where a row has fewer finite scores (-inf marks a position the token may not see)."""
+    length = scores.shape[1]
+    if topk > length:
+        scores = jnp.pad(scores, ((0, 0), (0, topk - length)), constant_values=-jnp.inf)
     values, idx = jax.lax.top_k(scores, topk)
     return jnp.where(jnp.isneginf(values), -1, idx).astype(jnp.int32)
