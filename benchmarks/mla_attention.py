@@ -16,6 +16,10 @@ sizes), the jnp prefill (``xla_mla_dense``) and cuDNN on the
 up-projected dense k/v (v zero-padded to 192: jax.nn's API takes one head size) as a peer,
 against the FLOPs floor.
 
+MLA-IDX (only when named) times DeepSeek-V3.2's lightning indexer: the Triton kernel
+(ops/mla/indexer_pallas_triton.py) against the jnp reference, 4 chunks of 1024 tokens ending
+at 4096, against the FLOPs floor, with the share of top-k positions they agree on.
+
     python benchmarks/mla_attention.py                      # MLA-D1 and MLA-D1-16
     python benchmarks/mla_attention.py --sweep --workloads MLA-D1 --write
 
@@ -165,9 +169,60 @@ def prefill_rows(spec, ceilings, sweep: bool = False) -> list[dict]:
     return out
 
 
+def indexer_rows(ceilings, *, num_reqs: int = 4, new_tokens: int = 1024, context_len: int = 4096,
+                 topk: int = 2048) -> list[dict]:  # fmt: skip
+    """DeepSeek-V3.2's lightning indexer (64 index heads of 128, bf16) for ``num_reqs`` chunks of
+    ``new_tokens`` ending at ``context_len``: the Triton kernel (``indexer_pallas_triton``) and
+    the jnp reference, against the FLOPs floor; ``topk_agree`` is the share of the reference's
+    chosen positions the kernel also chose."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from attn_jax.ops.mla import indexer_pallas_triton, sparse_reference
+
+    heads, dim, page = 64, 128, 64
+    pages = context_len // page
+    keys = jax.random.split(jax.random.key(9), 3)
+    k_cache = jax.random.normal(keys[0], (num_reqs * pages + 8, page, dim), jnp.bfloat16)
+    table = jnp.asarray(np.random.default_rng(9).permutation(num_reqs * pages + 8)[: num_reqs * pages]
+                        .reshape(num_reqs, pages).astype(np.int32))  # fmt: skip
+    t = num_reqs * new_tokens
+    q_idx = jax.random.normal(keys[1], (t, heads, dim), jnp.bfloat16)
+    weights = jax.random.uniform(keys[2], (t, heads), jnp.float32, 0.5, 1.5) * dim**-0.5
+    qsl = jnp.arange(0, t + 1, new_tokens, dtype=jnp.int32)
+    lens = jnp.full((num_reqs,), context_len, jnp.int32)
+    visible = num_reqs * sum(context_len - new_tokens + i + 1 for i in range(new_tokens))
+    flops = 2.0 * heads * dim * visible
+    floor_s = flops / ceilings["matmul_flops_per_s"]
+    print(f"MLA-IDX: {t} tokens over {context_len}, {flops / 1e12:.3f} TFLOP, floor {floor_s * 1e6:.1f} us")
+    args = (q_idx, weights, k_cache, qsl, lens, table)
+    ref_fn = jax.jit(functools.partial(sparse_reference.lightning_indexer, topk=topk))
+    ref = np.asarray(ref_fn(*args))
+    rows = []
+    for impl, fn in (("pallas_indexer_triton", jax.jit(functools.partial(indexer_pallas_triton.lightning_indexer,
+                                                                           topk=topk))),
+                     ("xla_reference", ref_fn)):  # fmt: skip
+        try:
+            sec = time_fn(fn, *args, reps=10, inner=2)
+            got = np.asarray(fn(*args))
+        except Exception as e:  # noqa: BLE001 - a configuration that fails is a row, not the end of the run
+            print(f"  {impl}: failed: {type(e).__name__}: {str(e)[:200]}")
+            continue
+        agree = float(np.mean([len(set(a) & set(b)) / len(set(b)) for a, b in zip(got, ref, strict=True)]))
+        rows.append({"workload": "MLA-IDX", "impl": impl, "time_us": sec * 1e6, "tflop_per_s": flops / sec / 1e12,
+                     "pct_of_floor": 100 * floor_s / sec, "topk_agree": agree})  # fmt: skip
+        print(f"  {impl:22s} {sec * 1e6:9.1f} us {flops / sec / 1e12:6.1f} TFLOP/s {100 * floor_s / sec:5.1f}% of "
+              f"floor  top-k agreement {agree:.4f}")  # fmt: skip
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="MLA-D1,MLA-D1-16,MLA-P1", help="comma-separated MLA_WORKLOADS names")
+    parser.add_argument(
+        "--workloads", default="MLA-D1,MLA-D1-16,MLA-P1",
+        help="comma-separated MLA_WORKLOADS names, and MLA-IDX (DeepSeek-V3.2's lightning indexer)",
+    )  # fmt: skip
     parser.add_argument("--impls", default="pallas_mla_gpu,pallas_mla_mgpu,xla_reference")
     parser.add_argument(
         "--sweep", action="store_true", help="also time block_h x pages_per_tile x num_kv_splits x num_warps x stages"
@@ -192,6 +247,9 @@ def main(argv=None) -> int:
           f"bf16 matmul {ceilings['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")  # fmt: skip
     rows = []
     for name in args.workloads.split(","):
+        if name == "MLA-IDX":
+            rows.extend(indexer_rows(ceilings))
+            continue
         spec = MLA_WORKLOADS[name]
         if spec.query_len != 1:
             rows.extend(prefill_rows(spec, ceilings, sweep=args.sweep))
