@@ -39,11 +39,12 @@ def stream_pages(cache, table, *, slots: int, splits: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    from attn_jax.ops.ragged_paged_attention.pallas_mosaic_gpu import smem_transforms
+
     num_pages, page, width = cache.shape
     num_reqs, pages_per_req = table.shape
     per_split = -(-pages_per_req // splits)
     kv = cache.reshape(num_pages * page, width)
-    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def body(table_ref, kv_ref, out_ref, ring, bars):
         cta = lax.axis_index("cta")
@@ -70,7 +71,7 @@ def stream_pages(cache, table, *, slots: int, splits: int):
     def entry(table_ref, kv_ref, out_ref):
         pl.run_scoped(
             functools.partial(body, table_ref, kv_ref, out_ref),
-            plgpu.SMEM((slots, page, width), cache.dtype, transforms=swizzled),
+            plgpu.SMEM((slots, page, width), cache.dtype, transforms=smem_transforms(width, cache.dtype)),
             plgpu.Barrier(num_barriers=slots),
         )
 

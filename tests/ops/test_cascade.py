@@ -12,7 +12,7 @@ import pytest
 from attn_jax.ops.ragged_paged_attention import pallas_triton, reference
 from attn_jax.ops.ragged_paged_attention.cascade import cascade_ragged_paged_attention
 from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes
-from attn_jax.ops.ragged_paged_attention.merge import merge_attn_states
+from attn_jax.ops.ragged_paged_attention.merge import merge_attn_states, merge_many_attn_states
 from attn_jax.testing.workloads import make_ragged_batch
 from tests.ops.ragged_checks import TOLERANCES, make_options, read_back
 from tests.oracle import attention_oracle
@@ -136,3 +136,26 @@ def test_cascade_refusals_are_named():
     unshared = make_ragged_batch(3, query_lens=[1, 2], context_lens=[40, 33], **_SHAPE)
     with pytest.raises(ValueError, match=r"request 1's first 2 pages differ from request 0's"):
         cascade_ragged_paged_attention(*unshared.op_args, sm_scale=0.1, prefix_len=32)
+
+
+def test_merge_many_attn_states_matches_one_softmax_over_all_keys():
+    """Splits' normalised outputs and LSEs merge into the softmax over their union; an empty
+    split (-inf, its output garbage) contributes nothing; a row empty everywhere is zero."""
+    rng = np.random.default_rng(3)
+    k, r, h, c, n = 3, 2, 4, 8, 5
+    scores = rng.standard_normal((k, r, h, n))
+    values = rng.standard_normal((k, r, n, c))
+    lse = np.log(np.exp(scores).sum(-1))
+    out = np.einsum("krhn,krnc->krhc", np.exp(scores - lse[..., None]), values)
+    lse[1, 0] = -np.inf  # request 0's second split saw no key
+    out[1, 0] = np.nan
+    lse[:, 1, 2] = -np.inf  # request 1, head 2: no key anywhere
+    parts = list(jnp.asarray(out, jnp.float32)), list(jnp.asarray(lse, jnp.float32))
+    merged, merged_lse = merge_many_attn_states(*parts)
+    keep = np.isfinite(lse)[..., None]
+    w = np.where(keep[..., 0], np.exp(lse), 0.0)
+    want = np.where(keep, out, 0.0)
+    want = (want * w[..., None]).sum(0) / np.where(w.sum(0) == 0, 1.0, w.sum(0))[..., None]
+    np.testing.assert_allclose(np.asarray(merged), want, rtol=1e-5, atol=1e-6)
+    assert np.isneginf(np.asarray(merged_lse)[1, 2]) and (np.asarray(merged)[1, 2] == 0).all()
+    np.testing.assert_allclose(np.asarray(merged_lse)[0], np.log(w.sum(0)[0]), rtol=1e-6)

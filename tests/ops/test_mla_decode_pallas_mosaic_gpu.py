@@ -1,5 +1,5 @@
 """The Mosaic GPU MLA decode kernel (``ops/mla/decode_pallas_mosaic_gpu``): its lowering for
-CUDA from the CPU, what it refuses, its split choice and merge, and, compiled on a Hopper GPU
+CUDA from the CPU, what it refuses, its split choice, and, compiled on a Hopper GPU
 (marker ``gpu``), its output and LSE against the float64 oracle on ragged batches whose pages
 past each request's length hold NaN."""
 
@@ -9,7 +9,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from attn_jax.ops.mla import decode_pallas_mosaic_gpu as mgpu_decode
@@ -64,28 +63,6 @@ def test_default_num_splits_fills_the_sms():
     assert mgpu_decode.default_num_splits(num_reqs=64, num_heads=16, pages_per_req=64, page_size=64) == 2
     assert mgpu_decode.default_num_splits(num_reqs=1, **one_wave) == 16
     assert mgpu_decode.default_num_splits(num_reqs=1, num_heads=128, pages_per_req=2, page_size=64) == 1
-
-
-def test_merge_splits_matches_one_softmax_over_all_keys():
-    """Splits' normalised outputs and LSEs merge into the softmax over their union; an empty
-    split (-inf, its output garbage) contributes nothing; a row empty everywhere is zero."""
-    rng = np.random.default_rng(3)
-    k, r, h, c, n = 3, 2, 4, 8, 5
-    scores = rng.standard_normal((k, r, h, n))
-    values = rng.standard_normal((k, r, n, c))
-    lse = np.log(np.exp(scores).sum(-1))
-    out = np.einsum("krhn,krnc->krhc", np.exp(scores - lse[..., None]), values)
-    lse[1, 0] = -np.inf  # request 0's second split saw no key
-    out[1, 0] = np.nan
-    lse[:, 1, 2] = -np.inf  # request 1, head 2: no key anywhere
-    merged, merged_lse = mgpu_decode.merge_splits(jnp.asarray(out, jnp.float32), jnp.asarray(lse, jnp.float32))
-    keep = np.isfinite(lse)[..., None]
-    w = np.where(keep[..., 0], np.exp(lse), 0.0)
-    want = np.where(keep, out, 0.0)
-    want = (want * w[..., None]).sum(0) / np.where(w.sum(0) == 0, 1.0, w.sum(0))[..., None]
-    np.testing.assert_allclose(np.asarray(merged), want, rtol=1e-5, atol=1e-6)
-    assert np.isneginf(np.asarray(merged_lse)[1, 2]) and (np.asarray(merged)[1, 2] == 0).all()
-    np.testing.assert_allclose(np.asarray(merged_lse)[0], np.log(w.sum(0)[0]), rtol=1e-6)
 
 
 @pytest.mark.gpu

@@ -19,7 +19,8 @@ of the work between two warpgroups:
   out of the scores and their ``c_kv`` rows zeroed in shared memory first, so NaN or garbage
   there cannot reach an output (0 * NaN would).
 - With splits (few requests: ``default_num_splits``), each CTA writes its share's normalised
-  output in q's dtype and its log-sum-exp; ``merge_splits`` combines them in float32.
+  output in q's dtype and its log-sum-exp; ``merge.merge_many_attn_states`` combines them in
+  float32.
 
 Shared memory is q (72 KiB), the ring (2 x 72 KiB) and ``p`` (8 KiB): 225 KiB of Hopper's
 227, which is why the ring has two slots and the key block is 64. Supported: bfloat16 /
@@ -41,8 +42,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from attn_jax.ops.mla.pallas_triton import NUM_SMS_DEFAULT
 from attn_jax.ops.mla.validate import dynamic_validate, is_concrete, static_validate_decode
 from attn_jax.ops.ragged_paged_attention.config import MOSAIC_GPU_SMEM_BYTES
+from attn_jax.ops.ragged_paged_attention.merge import merge_many_attn_states
+from attn_jax.ops.ragged_paged_attention.pallas_mosaic_gpu import SUPPORTED_DTYPES, smem_transforms
 
 BLOCK_H = 64
 """Query heads per CTA: wgmma's M for one warpgroup."""
@@ -50,12 +54,8 @@ BLOCK_KV = 64
 """Keys per block of the ring (and wgmma's N for the scores)."""
 NUM_SLOTS = 2
 """Ring depth: what Hopper's shared memory holds beside q at 576-wide rows."""
-NUM_SMS = 132
-"""SMs assumed when choosing splits (an H100 SXM)."""
-SUPPORTED_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
-__all__ = ["BLOCK_H", "BLOCK_KV", "default_num_splits", "merge_splits", "mla_decode", "smem_bytes",
-           "unsupported_reason"]  # fmt: skip
+__all__ = ["BLOCK_H", "BLOCK_KV", "default_num_splits", "mla_decode", "smem_bytes", "unsupported_reason"]
 
 
 def smem_bytes(width: int, itemsize: int = 2) -> int:
@@ -86,7 +86,7 @@ def unsupported_reason(*, kv_lora_rank: int, width: int, page_size: int, dtype, 
 
 
 def default_num_splits(*, num_reqs: int, num_heads: int, pages_per_req: int, page_size: int,
-                       num_sms: int = NUM_SMS) -> int:  # fmt: skip
+                       num_sms: int = NUM_SMS_DEFAULT) -> int:  # fmt: skip
     """Context splits so the CTAs about fill the SMs once (one CTA per SM: its shared memory),
     each split keeping at least 4 key blocks."""
     ctas = num_reqs * -(-num_heads // BLOCK_H)
@@ -236,20 +236,6 @@ def _kernel(lens_ref, bt_ref, q_ref, kv_ref, out_ref, lse_ref, scoped, *, page_s
             fetch(rows, slot)
 
 
-def merge_splits(out, lse):
-    """(out f[R, H, C], lse f32[R, H]) from the splits' normalised outputs f[K, R, H, C] and
-    log-sum-exps f32[K, R, H] (-inf: an empty split), in float32; a row every split saw empty
-    gives zeros and -inf."""
-    m = jnp.max(lse, axis=0)
-    empty = jnp.isneginf(m)
-    w = jnp.exp(lse - jnp.where(empty, 0.0, m)[None])  # 0 for an empty split
-    total = jnp.sum(w, axis=0)
-    parts = jnp.where((w > 0)[..., None], out.astype(jnp.float32), 0.0)
-    merged = jnp.sum(parts * w[..., None], axis=0) / jnp.where(empty, 1.0, total)[..., None]
-    lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, total)))
-    return merged.astype(out.dtype), lse
-
-
 def mla_decode(
     q,  # f[R, H, C + Rope]
     kv_cache,  # [P, S, C + Rope], q's dtype
@@ -302,7 +288,6 @@ def _decode(q, kv_cache, seq_lens, block_tables, *, sm_scale, kv_lora_rank, num_
         q = jnp.pad(q, ((0, 0), (0, padded - num_heads), (0, 0)))
     kv = kv_cache.reshape(num_pages * page_size, width)  # a bitcast: one latent row per slot
     chunks = BLOCK_KV // min(page_size, BLOCK_KV)
-    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def entry(lens_ref, bt_ref, q_ref, kv_ref, out_ref, lse_ref):
         body = functools.partial(
@@ -312,9 +297,9 @@ def _decode(q, kv_cache, seq_lens, block_tables, *, sm_scale, kv_lora_rank, num_
         pl.run_scoped(
             lambda *args: body(args),
             (
-                plgpu.SMEM((BLOCK_H, width), q.dtype, transforms=swizzled),
-                plgpu.SMEM((NUM_SLOTS, BLOCK_KV, width), kv.dtype, transforms=swizzled),
-                plgpu.SMEM((BLOCK_H, BLOCK_KV), q.dtype, transforms=swizzled),
+                plgpu.SMEM((BLOCK_H, width), q.dtype, transforms=smem_transforms(width, q.dtype)),
+                plgpu.SMEM((NUM_SLOTS, BLOCK_KV, width), kv.dtype, transforms=smem_transforms(width, kv.dtype)),
+                plgpu.SMEM((BLOCK_H, BLOCK_KV), q.dtype, transforms=smem_transforms(BLOCK_KV, q.dtype)),
                 plgpu.SMEM((BLOCK_H,), jnp.float32),
                 plgpu.SMEM((BLOCK_H,), jnp.float32),
             ),
@@ -344,5 +329,5 @@ def _decode(q, kv_cache, seq_lens, block_tables, *, sm_scale, kv_lora_rank, num_
     if num_splits == 1:
         out, lse = out[0], lse[0]
     else:
-        out, lse = merge_splits(out, lse)
+        out, lse = merge_many_attn_states(list(out), list(lse))
     return out[:, :num_heads], lse[:, :num_heads]

@@ -41,24 +41,10 @@ def _kernel(qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, *refs, sm_scale
     start, qlen = qsl_ref[r], qsl_ref[r + 1] - qsl_ref[r]
     lo, hi = lo_ref[r], hi_ref[r]
     first, last = start + qb * block_q, start + jnp.minimum((qb + 1) * block_q, qlen)
-    pl.when((qb * block_q < qlen) & ((first < lo) | (last > hi)))(
-        lambda: _block(
-            ids,
-            qsl_ref,
-            lens_ref,
-            q_ref,
-            knope_ref,
-            kpe_ref,
-            v_ref,
-            out_ref,
-            None,
-            sm_scale=sm_scale,
-            nope=nope,
-            block_q=block_q,
-            block_k=block_k,
-            span=(lo, hi),
-        )  # fmt: skip
-    )
+    block = functools.partial(_block, ids, qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, out_ref, None,
+                              sm_scale=sm_scale, nope=nope, block_q=block_q, block_k=block_k,
+                              span=(lo, hi))  # fmt: skip
+    pl.when((qb * block_q < qlen) & ((first < lo) | (last > hi)))(block)
 
 
 def _block(ids, qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, out_ref, lse_ref, *, sm_scale, nope, block_q,

@@ -4,6 +4,9 @@ split of a row's keys into two disjoint sets."""
 
 from __future__ import annotations
 
+import functools
+import operator
+
 import jax.numpy as jnp
 
 
@@ -29,19 +32,25 @@ def merge_attn_states(
             f"merge_attn_states needs out_a.shape == out_b.shape = [T, Hq, D] and lse shapes [T, Hq]: "
             f"got out_a {out_a.shape}, lse_a {lse_a.shape}, out_b {out_b.shape}, lse_b {lse_b.shape}"
         )
-    lse_a = jnp.asarray(lse_a, jnp.float32)
-    lse_b = jnp.asarray(lse_b, jnp.float32)
-    lse_a = jnp.where(jnp.isinf(lse_a), -jnp.inf, lse_a)
-    lse_b = jnp.where(jnp.isinf(lse_b), -jnp.inf, lse_b)
-    m = jnp.maximum(lse_a, lse_b)
+    return merge_many_attn_states((out_a, out_b), (lse_a, lse_b))
+
+
+def merge_many_attn_states(outs, lses):
+    """``merge_attn_states`` over any number of disjoint key sets: ``outs`` K x f[..., D] (each
+    normalised over its set), ``lses`` K x f32[...] (an infinite LSE marks an empty set) ->
+    (out f[..., D] in ``outs[0]``'s dtype, lse f32[...]); split-KV partials merge this way."""
+    lses = [jnp.asarray(lse, jnp.float32) for lse in lses]
+    lses = [jnp.where(jnp.isinf(lse), -jnp.inf, lse) for lse in lses]
+    m = functools.reduce(jnp.maximum, lses)
     empty = jnp.isneginf(m)
     m_safe = jnp.where(empty, 0.0, m)
-    w_a = jnp.exp(lse_a - m_safe)  # 0 for an empty part
-    w_b = jnp.exp(lse_b - m_safe)
-    total = w_a + w_b
+    weights = [jnp.exp(lse - m_safe) for lse in lses]  # 0 for an empty part
+    total = functools.reduce(operator.add, weights)
     scale = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, total))
-    a = jnp.where((w_a > 0)[..., None], out_a.astype(jnp.float32), 0.0)  # an empty part's rows are not read
-    b = jnp.where((w_b > 0)[..., None], out_b.astype(jnp.float32), 0.0)
-    out = (a * (w_a * scale)[..., None] + b * (w_b * scale)[..., None]).astype(out_a.dtype)
+    parts = [  # an empty part's rows are not read
+        jnp.where((w > 0)[..., None], out.astype(jnp.float32), 0.0) * (w * scale)[..., None]
+        for out, w in zip(outs, weights, strict=True)
+    ]
+    out = functools.reduce(operator.add, parts).astype(outs[0].dtype)
     lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, total)))
     return out, lse

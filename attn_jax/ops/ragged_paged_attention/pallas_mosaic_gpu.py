@@ -88,6 +88,7 @@ __all__ = [
     "mgpu_schedule",
     "prefill_attention",
     "prefill_attention_kv",
+    "smem_transforms",
     "unsupported_reason",
 ]
 
@@ -427,7 +428,7 @@ def prefill_attention(
     )  # fmt: skip
 
 
-def _smem_transforms(row_elems: int, dtype):
+def smem_transforms(row_elems: int, dtype):
     """Tiling and swizzle of a shared-memory tile whose rows are ``row_elems`` of ``dtype``."""
     itemsize = np.dtype(dtype).itemsize
     swizzle = swizzle_bytes(row_elems * itemsize)
@@ -483,7 +484,7 @@ def _launch(q, k, v, schedule, block_tables, scales, *, page_size, v_row0, sm_sc
     if pad:
         q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
     fp8 = scales is not None
-    transforms = _smem_transforms(head_dim, q.dtype)
+    transforms = smem_transforms(head_dim, q.dtype)
     ring = (bs.steps_in_flight, bs.block_kv)
 
     def entry(sched_ref, bt_ref, q_ref, k_ref, v_ref, *refs):
@@ -491,16 +492,16 @@ def _launch(q, k, v, schedule, block_tables, scales, *, page_size, v_row0, sm_sc
         out_ref, lse_ref = (*refs[1 if fp8 else 0 :], None)[:2]
         scratch = (
             plgpu.SMEM((2, bs.block_q, head_dim), q.dtype, transforms=transforms),
-            plgpu.SMEM((2, bs.block_q, dv), q.dtype, transforms=_smem_transforms(dv, q.dtype))
+            plgpu.SMEM((2, bs.block_q, dv), q.dtype, transforms=smem_transforms(dv, q.dtype))
             if dv != head_dim
             else None,
-            plgpu.SMEM((*ring, head_dim), k.dtype, transforms=_smem_transforms(head_dim, k.dtype)),
-            plgpu.SMEM((*ring, dv), v.dtype, transforms=_smem_transforms(dv, v.dtype)),
+            plgpu.SMEM((*ring, head_dim), k.dtype, transforms=smem_transforms(head_dim, k.dtype)),
+            plgpu.SMEM((*ring, dv), v.dtype, transforms=smem_transforms(dv, v.dtype)),
             plgpu.SMEM((2, bs.block_q), jnp.float32) if return_lse else None,
-            plgpu.SMEM((2, bs.block_q, head_dim), k.dtype, transforms=_smem_transforms(head_dim, k.dtype))
+            plgpu.SMEM((2, bs.block_q, head_dim), k.dtype, transforms=smem_transforms(head_dim, k.dtype))
             if fp8
             else None,
-            plgpu.SMEM((*ring, dv), jnp.float16, transforms=_smem_transforms(dv, jnp.float16)) if fp8 else None,
+            plgpu.SMEM((*ring, dv), jnp.float16, transforms=smem_transforms(dv, jnp.float16)) if fp8 else None,
         )
         body = functools.partial(
             _kernel, sched_ref, bt_ref, q_ref, k_ref, v_ref, scales_ref, out_ref, lse_ref, bs=bs, page_size=page_size,
