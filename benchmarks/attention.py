@@ -67,6 +67,7 @@ from attn_jax.ops.ragged_paged_attention.config import (
     check_block_sizes,
     gpu_batch_mode,
     gpu_block_sizes,
+    kv_heads_to_pack,
     mgpu_block_sizes,
     mgpu_prefill_available,
     next_pow2,
@@ -712,12 +713,17 @@ def tune_candidates(b: DeviceBatch) -> list[GpuBlockSizes]:
     group = s.num_q_heads // s.num_kv_heads
     decode = gpu_batch_mode(b.query_lens) == "decode"
     rows_opts = (16,) if decode else (64, 128)
-    tile_opts = (64, 128, 256) if decode else (32, 64, 128)
+    tile_opts = (32, 64, 128, 256) if decode else (32, 64, 128)
     h = default_block_sizes(b).num_kv_splits
     split_opts = sorted({max(h // 2, 1), h, 2 * h}) if decode else (1,)
+    # Narrow heads in decode: one KV head a program, or as many as fill 256 columns (kv_heads_to_pack);
+    # 512 columns ran at half the speed on the H100 (BENCHMARKS.md).
+    packs = {1, kv_heads_to_pack(s.head_size, s.num_kv_heads)} if decode else {1}
     out = []
-    for rows, tile, warps, stages, splits in itertools.product(rows_opts, tile_opts, (4, 8), (2, 3), split_opts):
-        bs = GpuBlockSizes(max(rows // next_pow2(group), 1), max(tile // s.block_size, 1), splits, warps, stages)
+    grid = itertools.product(rows_opts, tile_opts, (4, 8), (2, 3), split_opts, sorted(packs))
+    for rows, tile, warps, stages, splits, pack in grid:
+        bs = GpuBlockSizes(max(rows // (next_pow2(pack) * next_pow2(group)), 1), max(tile // s.block_size, 1),
+                           splits, warps, stages, kv_heads_per_program=pack)  # fmt: skip
         try:
             check_block_sizes(bs, group=group, page_size=s.block_size)
         except ValueError:
@@ -739,7 +745,8 @@ def tune(b: DeviceBatch, log) -> tuple[GpuBlockSizes, float, list]:
         log(f"  tune {b.spec.name} {bs}: {t * 1e3:.3f} ms")
     ok = [r for r in rows if "ms" in r]
     best = min(ok, key=lambda r: r["ms"])
-    fields = {k: best[k] for k in ("block_q", "pages_per_tile", "num_kv_splits", "num_warps", "num_stages")}
+    fields = {k: best[k] for k in ("block_q", "pages_per_tile", "num_kv_splits", "num_warps", "num_stages",
+                                   "kv_heads_per_program")}  # fmt: skip
     return GpuBlockSizes(**fields), best["ms"] / 1e3, rows
 
 

@@ -179,18 +179,29 @@ def with_nonfinite_entries(batch: RaggedBatch, entries=NONFINITE_ENTRIES) -> Rag
     )  # fmt: skip
 
 
-def check_nonfinite_output(batch: RaggedBatch, options: dict, out) -> None:
+def check_nonfinite_output(batch: RaggedBatch, options: dict, out, *, upper: RaggedBatch | None = None) -> None:
     """Exactly the output rows (token, head) whose oracle output is non-finite are non-finite
-    in ``out``; the others match the oracle; padding rows are finite."""
+    in ``out``; the others match the oracle; padding rows are finite. With ``upper`` (``batch``
+    with its non-finite entries spread further), at least ``batch``'s rows and at most
+    ``upper``'s are non-finite."""
     out = np.asarray(out, np.float64)
     n = batch.num_actual_tokens
-    with np.errstate(invalid="ignore", over="ignore"):
-        expected = attention_oracle(np.asarray(batch.q, np.float64), batch.k_seqs, batch.v_seqs, batch.query_lens,
-                                    **options)  # fmt: skip
-    bad_expected = ~np.isfinite(expected).all(-1)  # bool[n, Hq]
+
+    def bad_rows(b):
+        with np.errstate(invalid="ignore", over="ignore"):
+            expected = attention_oracle(np.asarray(b.q, np.float64), b.k_seqs, b.v_seqs, b.query_lens, **options)
+        return expected, ~np.isfinite(expected).all(-1)  # bool[n, Hq]
+
+    expected, bad_expected = bad_rows(batch)
     assert bad_expected.any() and not bad_expected.all(), "the test batch must have clean and poisoned rows"
     bad = ~np.isfinite(out[:n]).all(-1)
-    np.testing.assert_array_equal(bad, bad_expected, err_msg="non-finite output rows (token, head) differ")
+    if upper is None:
+        np.testing.assert_array_equal(bad, bad_expected, err_msg="non-finite output rows (token, head) differ")
+    else:
+        bad_upper = bad_rows(upper)[1]
+        missed = np.argwhere(bad_expected & ~bad)
+        assert not len(missed), f"rows that see a non-finite entry stayed finite: {missed}"
+        assert (bad <= bad_upper).all(), f"non-finite rows past the bound: {np.argwhere(bad & ~bad_upper)}"
     assert np.isfinite(out[n:]).all(), "padding rows must be finite"
     tol = TOLERANCES[batch.q.dtype.name]
     np.testing.assert_allclose(out[:n][~bad], expected[~bad], rtol=tol.rtol, atol=tol.atol)

@@ -122,6 +122,19 @@ def test_a_tuned_entry_that_does_not_fit_is_named(monkeypatch):
     table = {"device_kind": "X", "source": "test", "entries": [entry]}
     tables = {("gpu_", "X"): table}
     monkeypatch.setattr(config, "tuned_table_for", lambda prefix, kind: tables.get((prefix, kind)))
-    with pytest.raises(ValueError, match=r"block_q=1 gives 4 rows for a head group of 4 .* needs at least 16"):
+    with pytest.raises(ValueError, match=r"block_q=1 x kv_heads_per_program=1 gives 4 rows for a head group of 4 .*"):
         config.gpu_block_sizes(num_reqs=1, pages_per_req=4, page_size=16, head_size=64, num_kv_heads=2, group=4,
                                mode="decode", device_kind="X")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("head_size", "num_kv_heads", "pack"),
+    [(80, 8, 3), (96, 8, 2), (112, 8, 2), (80, 2, 2), (80, 1, 1), (48, 8, 5), (128, 8, 1), (64, 8, 1), (192, 8, 1)],
+)
+def test_narrow_heads_pack_kv_heads_in_decode(head_size, num_kv_heads, pack):
+    assert config.kv_heads_to_pack(head_size, num_kv_heads) == pack
+    dims = dict(num_reqs=64, pages_per_req=256, page_size=16, head_size=head_size, num_kv_heads=num_kv_heads, group=4)
+    decode = config.gpu_block_sizes(mode="decode", **dims)
+    assert decode.kv_heads_per_program == pack and decode.rows(4) >= 16
+    assert decode.rows(4) == 16 or decode.block_q == 1  # no more rows than the packed heads need
+    assert config.gpu_block_sizes(mode="mixed", **dims).kv_heads_per_program == 1

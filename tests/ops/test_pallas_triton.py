@@ -22,6 +22,7 @@ from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes, gpu_block_
 from attn_jax.testing.workloads import make_ragged_batch
 from tests.ops.ragged_checks import (
     NONFINITE_BATCH,
+    NONFINITE_ENTRIES,
     check,
     check_nonfinite_output,
     make_options,
@@ -79,6 +80,31 @@ CASES: dict[str, tuple[dict, dict, GpuBlockSizes]] = {
         SPLIT,
     ),
     "head_24_bf16_window": (dict(_MIXED, head_size=24, dtype=jnp.bfloat16), dict(sliding_window=5), ONE_PASS),
+    # Adjacent KV heads packed into one tile (kv_heads_per_program): 4 KV heads in programs of
+    # 3 + 1, a head group of 3 padded to 4; all heads of a request in one program; fp8.
+    "head_80_pack_3_decode_split_kv": (
+        dict(
+            query_lens=[1, 1, 1],
+            context_lens=[70, 3, 33],
+            num_q_heads=12,
+            num_kv_heads=4,
+            head_size=80,
+            block_size=16,
+            extra_blocks=1,
+        ),
+        dict(sinks=True, logits_soft_cap=3.0),
+        GpuBlockSizes(block_q=1, pages_per_tile=2, num_kv_splits=2, kv_heads_per_program=3),
+    ),  # fmt: skip
+    "head_96_pack_2_mixed": (
+        dict(_MIXED, head_size=96, num_tokens=33, dtype=jnp.bfloat16),
+        dict(alibi=True, sliding_window=9),
+        GpuBlockSizes(block_q=4, pages_per_tile=1, kv_heads_per_program=2),
+    ),
+    "head_40_pack_3_fp8": (
+        dict(_MIXED, num_q_heads=6, num_kv_heads=3, head_size=40, cache_dtype_str="fp8_e4m3", extra_blocks=2),
+        {},
+        GpuBlockSizes(block_q=4, pages_per_tile=1, num_kv_splits=3, kv_heads_per_program=3),
+    ),
 }
 
 
@@ -103,6 +129,23 @@ def test_nonfinite_inputs_reach_exactly_the_rows_that_see_them_interpret(bs, win
     options = make_options(batch, sliding_window=window)
     out, _ = run_op(batch, options, use_jit=True, op=_op(bs, interpret=True))
     check_nonfinite_output(batch, options, out)
+
+
+def test_nonfinite_inputs_with_packed_kv_heads_stay_in_their_request_interpret():
+    """Packed KV heads share a tile, so a non-finite cached or new key / value may reach the
+    rows of the heads packed with it in its request (``0 * NaN`` in ``q @ k.T``); never other
+    requests' rows, nor rows that do not see its position."""
+    entries = [e for e in NONFINITE_ENTRIES if e[0] == "q"] + [  # each kv entry on one head of 2, spread to both
+        (what, where, 0, value) for what, where, _, value in NONFINITE_ENTRIES if what != "q"
+    ]
+    spread = entries + [(what, where, 1, value) for what, where, _, value in entries if what != "q"]
+    batch = make_ragged_batch(0, **NONFINITE_BATCH)
+    bs = GpuBlockSizes(4, 1, kv_heads_per_program=2)
+    for window in (4, None):
+        options = make_options(batch, sliding_window=window)
+        out, _ = run_op(with_nonfinite_entries(batch, entries), options, use_jit=True, op=_op(bs, interpret=True))
+        check_nonfinite_output(with_nonfinite_entries(batch, entries), options, out,
+                               upper=with_nonfinite_entries(batch, spread))  # fmt: skip
 
 
 def test_kv_sharing_writes_nothing_and_matches_reference():

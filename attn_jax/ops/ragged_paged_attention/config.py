@@ -48,6 +48,9 @@ class GpuBlockSizes:
     ``pages_per_tile`` must then be 1), for pages too large for shared memory; None: whole pages.
     num_kv_splits: flash-decoding splits of each q-block's KV range (1 = one pass).
     num_warps, num_stages: Triton's warps per program and software-pipelining depth.
+    kv_heads_per_program: adjacent KV heads one program attends together, their columns
+    read as one tile of ``head_tile(D * kv_heads_per_program)`` (narrow heads: fewer masked
+    lanes per key); rows are ``block_q * next_pow2(kv_heads_per_program) * next_pow2(G)``.
     """
 
     block_q: int
@@ -56,10 +59,15 @@ class GpuBlockSizes:
     num_warps: int = 4
     num_stages: int = 2
     keys_per_tile: int | None = None
+    kv_heads_per_program: int = 1
 
     def tile(self, page_size: int) -> int:
         """Keys per K/V tile."""
         return self.keys_per_tile or self.pages_per_tile * page_size
+
+    def rows(self, group: int) -> int:
+        """Query rows per program: tokens x packed KV heads x the head group, each padded to a power of two."""
+        return self.block_q * next_pow2(self.kv_heads_per_program) * next_pow2(group)
 
 
 def next_pow2(n: int) -> int:
@@ -99,9 +107,10 @@ def triton_smem_bytes(bs: GpuBlockSizes, *, group: int, page_size: int, head_siz
     bytes) and for a tile inside one page (a contiguous copy the compiler double-buffers:
     bfloat16, head 256, one 128-key page asked for exactly twice), once for 16-bit data
     gathered from several pages (MMA dots: 256-key tiles at 3 stages launched, which twice
-    would not), plus the q block (``block_q * next_pow2(G)`` rows), plus 1 KiB.
+    would not), plus the q block (``bs.rows(G)`` rows), plus 1 KiB. A tile is
+    ``head_tile(D * kv_heads_per_program)`` columns wide.
     """
-    rows, tile, width = bs.block_q * next_pow2(group), bs.tile(page_size), head_tile(head_size)
+    rows, tile, width = bs.rows(group), bs.tile(page_size), head_tile(head_size * bs.kv_heads_per_program)
     q_bytes = np.dtype(q_dtype).itemsize
     kv_bytes = max(np.dtype(kv_dtype).itemsize, q_bytes)
     copies = 2 if kv_bytes >= 4 or bs.pages_per_tile == 1 else 1
@@ -110,7 +119,7 @@ def triton_smem_bytes(bs: GpuBlockSizes, *, group: int, page_size: int, head_siz
 
 def check_block_sizes(bs: GpuBlockSizes, *, group: int, page_size: int) -> None:
     """Raises ValueError naming the field when ``bs`` cannot tile this configuration."""
-    rows, tile = bs.block_q * next_pow2(group), bs.tile(page_size)
+    rows, tile = bs.rows(group), bs.tile(page_size)
     if bs.keys_per_tile is not None:
         k = bs.keys_per_tile
         if isinstance(k, bool) or not isinstance(k, int) or k < 16 or k & (k - 1) or k >= page_size:
@@ -119,7 +128,7 @@ def check_block_sizes(bs: GpuBlockSizes, *, group: int, page_size: int) -> None:
             )
         if bs.pages_per_tile != 1:
             raise ValueError(f"block sizes: keys_per_tile={k} needs pages_per_tile=1, not {bs.pages_per_tile}")
-    for name in ("block_q", "pages_per_tile", "num_kv_splits", "num_warps", "num_stages"):
+    for name in ("block_q", "pages_per_tile", "num_kv_splits", "num_warps", "num_stages", "kv_heads_per_program"):
         value = getattr(bs, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"block sizes: {name}={value!r} must be a positive int")
@@ -129,8 +138,8 @@ def check_block_sizes(bs: GpuBlockSizes, *, group: int, page_size: int) -> None:
             raise ValueError(f"block sizes: {name}={value} must be a power of two")
     if rows < 16:
         raise ValueError(
-            f"block sizes: block_q={bs.block_q} gives {rows} rows for a head group of {group} "
-            "(padded to a power of two); the GPU kernel needs at least 16"
+            f"block sizes: block_q={bs.block_q} x kv_heads_per_program={bs.kv_heads_per_program} gives {rows} "
+            f"rows for a head group of {group} (each padded to a power of two); the GPU kernel needs at least 16"
         )
     if tile < 16:
         raise ValueError(
@@ -220,6 +229,20 @@ def fit_smem(bs: GpuBlockSizes, *, group: int, page_size: int, limit: int, **dim
     return bs, steps
 
 
+MAX_PACKED_WIDTH = 256
+"""The widest tile ``kv_heads_to_pack`` packs KV heads into (columns)."""
+
+
+def kv_heads_to_pack(head_size: int, num_kv_heads: int) -> int:
+    """How many adjacent KV heads a decode program reads as one tile for a head narrower than
+    its power-of-two tile: the most that fit ``MAX_PACKED_WIDTH`` columns (more bytes per key
+    loaded; head 80: 3, 240 of 256 columns; 96 and 112: 2). 1 for power-of-two heads, whose
+    tiles have no masked columns."""
+    if head_tile(head_size) == head_size:
+        return 1
+    return max(1, min(num_kv_heads, MAX_PACKED_WIDTH // head_size))
+
+
 def gpu_block_choice(
     *,
     num_reqs: int,
@@ -239,10 +262,12 @@ def gpu_block_choice(
     (``kv_dtype`` None: the cache holds ``q_dtype``).
 
     The heuristic packs 16 rows per q-block for decode (one token times the head group,
-    padded to a power of two) and 64 for mixed batches, with tiles of 64 keys. A decode
+    padded to a power of two; a narrow head packs ``kv_heads_to_pack`` KV heads a program)
+    and 64 for mixed batches, with tiles of 64 keys. A decode
     bucket whose ``num_reqs * num_kv_heads`` programs would not fill ``2 * num_sms`` splits
     the KV range (flash-decoding) as long as each split keeps at least 4 tiles; an
-    unsplit decode program gets 8 warps, every other 4. A tuned entry may set any field,
+    unsplit decode program of one KV head gets 8 warps, every other 4 (packed heads ran
+    8-10 % faster on 4 at head 80 on the H100, BENCHMARKS.md). A tuned entry may set any field,
     ``num_kv_splits`` and ``num_warps`` included.
     """
     if mode not in GPU_MODES:
@@ -251,10 +276,12 @@ def gpu_block_choice(
     kv_name = np.dtype(q_dtype if kv_dtype is None else kv_dtype).name
     source = "heuristic"
     decode_only = mode == "decode"
+    pack = kv_heads_to_pack(head_size, num_kv_heads) if decode_only else 1
     fields: dict[str, int] = {
-        "block_q": max((16 if decode_only else 64) // next_pow2(group), 1),
+        "block_q": max((16 if decode_only else 64) // (next_pow2(pack) * next_pow2(group)), 1),
         "pages_per_tile": max(64 // page_size, 1),
         "num_stages": 2,
+        "kv_heads_per_program": pack,
     }
     table = tuned_table_for("gpu_", device_kind)
     key = (mode, head_size, group, page_size, q_name, kv_name)
@@ -267,10 +294,11 @@ def gpu_block_choice(
             break
     if "num_kv_splits" not in fields:
         max_tiles = -(-pages_per_req // fields["pages_per_tile"])
-        programs = num_reqs * num_kv_heads
+        programs = num_reqs * -(-num_kv_heads // fields["kv_heads_per_program"])
         fields["num_kv_splits"] = max(1, min((2 * num_sms) // programs, max_tiles // 4)) if decode_only else 1
     if "num_warps" not in fields:  # an unsplit decode program streams a whole KV range: more loads in flight
-        fields["num_warps"] = 8 if decode_only and fields["num_kv_splits"] == 1 else 4
+        unsplit = decode_only and fields["num_kv_splits"] == 1
+        fields["num_warps"] = 8 if unsplit and fields["kv_heads_per_program"] == 1 else 4
     bs = GpuBlockSizes(**fields)
     check_block_sizes(bs, group=group, page_size=page_size)
     limit = gpu_smem_limit(device_kind)

@@ -138,7 +138,7 @@ def _attend_block(
     ids, sched_ref, block_tables_ref, q_ref, kv_ref, scales_ref, *rest,
     sm_scale, causal, sliding_window, soft_cap, has_alibi, has_sinks,
     group, block_q, group_pad, tile, num_kv_splits, spare_row, has_out_init=False, has_lse=False, fp8=False,
-    num_init_splits=0, store_states=False,
+    num_init_splits=0, store_states=False, head_size, kv_heads_per_program=1,
 ):  # fmt: skip
     """One (q-block, kv head, kv split) of ``ids``. ``fp8``: FP8 attention (the query quantised to e4m3 here,
     e4m3 x e4m3 dots with f32 accumulation, the weights quantised for ``p @ v``).
@@ -155,33 +155,52 @@ def _attend_block(
     init_refs = [rest.pop(0) for _ in range(3)] if num_init_splits else None
     if has_out_init:
         del rest[: 2 if has_lse else 1]  # aliased to the output refs
-    b, kv_head, split = ids
-    num_tokens, num_q_heads, head_size = q_ref.shape
-    _, _, page_size, _, _ = kv_ref.shape
+    b, kv_block, split = ids
+    num_tokens, num_q_heads, _ = q_ref.shape
+    _, _, page_size, kv_width = kv_ref.shape  # the cache's heads flattened: [2, P, S, Hkv * D]
+    num_kv_heads = kv_width // head_size
     pages_per_req = block_tables_ref.shape[1]
-    rows = block_q * group_pad
+    pack, pack_pad = kv_heads_per_program, next_pow2(kv_heads_per_program)
+    rows = block_q * pack_pad * group_pad
 
     req, tok_start, tok_end = sched_ref[0, b], sched_ref[1, b], sched_ref[2, b]
     pos_start, kv_len = sched_ref[3, b], sched_ref[4, b]
 
+    # Rows are (token, packed kv head, head of its group). A program attends ``pack`` adjacent
+    # KV heads at once: their columns are adjacent in every cached row, so one K/V tile of
+    # ``width`` columns holds them all (head 80, 3 heads: 240 of 256 columns read, against 80
+    # of 128 for one), and each row's q sits in its own head's columns with zeros elsewhere,
+    # so q @ k.T scores each row against its own head only. p @ v fills every column; a row
+    # keeps its own head's. ``pack`` = 1: a head narrower than its power-of-two tile loads its
+    # D columns and masks the rest to 0.
     r = jnp.arange(rows, dtype=jnp.int32)
-    tok = tok_start + r // group_pad  # i32[rows]
+    tok = tok_start + r // (pack_pad * group_pad)  # i32[rows]
+    slot = (r // group_pad) % pack_pad
     g = r % group_pad
-    row_valid = (tok < tok_end) & (g < group)
+    kv_head0 = kv_block * pack
+    kv_head = kv_head0 + slot
+    row_valid = (tok < tok_end) & (g < group) & (slot < pack) & (kv_head < num_kv_heads)
     tok_c = jnp.minimum(tok, num_tokens - 1)
     head = jnp.minimum(kv_head * group + g, num_q_heads - 1)
     # Every index is an array (no ':'), which both the Triton lowering and the interpreter take.
-    # A head narrower than its power-of-two tile loads its D columns and masks the rest to 0.
-    # The column index stays a plain arange (no clamp): Triton then sees contiguous columns
-    # and issues 16-byte loads; masked-off columns are never read.
-    head_pad = head_tile(head_size)
-    d = jnp.arange(head_pad, dtype=jnp.int32)[None, :]  # i32[1, Dp]
-    d_valid = d < head_size if head_pad != head_size else True
+    # The cache's column index stays a plain arange plus a scalar (no clamp): Triton then sees
+    # contiguous columns and issues 16-byte loads; masked-off columns are never read.
+    width = head_tile(head_size * pack)
+    c = jnp.arange(width, dtype=jnp.int32)[None, :]  # i32[1, W]
+    kv_col = kv_head0 * head_size + c
+    kv_cols = c < jnp.minimum(pack, num_kv_heads - kv_head0) * head_size if width != head_size else True
+    if pack == 1:
+        own, d, out_col = (c < head_size if width != head_size else True), c, c
+    else:  # a row's own columns; its q / out column d; a bijection onto [0, W) for the interpreter's stores
+        first = (slot * head_size)[:, None]
+        own = (c >= first) & (c < first + head_size)
+        d = jnp.clip(c - first, 0, head_size - 1)
+        out_col = jax.lax.rem(c + width - first, width)
 
-    def cols(mask):  # a row mask, narrowed to the head's real columns
-        return mask & d_valid
+    def cols(mask):  # a row mask, narrowed to the row's own columns
+        return mask & own
 
-    q = plgpu.load(q_ref.at[tok_c[:, None], head[:, None], d], mask=cols(row_valid[:, None]), other=0.0)  # [rows, Dp]
+    q = plgpu.load(q_ref.at[tok_c[:, None], head[:, None], d], mask=cols(row_valid[:, None]), other=0.0)  # [rows, W]
     q_pos = (pos_start + (tok - tok_start))[:, None]  # i32[rows, 1]
 
     # KV range of this q-block: [lo, hi) positions, then this split's share of its tiles.
@@ -209,7 +228,7 @@ def _attend_block(
     if has_sinks:
         sinks = plgpu.load(sinks_ref.at[head], mask=row_valid, other=common.MASK_VALUE)
         sinks = jnp.where(split == 0, sinks, common.MASK_VALUE)  # the sink joins one split only
-    state = common.init_softmax_state(rows, head_pad, sinks=sinks)
+    state = common.init_softmax_state(rows, width, sinks=sinks)
     if has_sinks:  # splits other than 0 start empty: denom = 0
         state = (state[0], jnp.where(split == 0, state[1], 0.0), state[2])
     if num_init_splits:  # the other part's splits join split 0 (acc in this call's v units)
@@ -228,15 +247,16 @@ def _attend_block(
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
     def fp8_scores(page, offset, in_range, v, masked):
-        """FP8 attention's q.k: the key tile is loaded transposed, e4m3[Dp, tile] (D runs down the
+        """FP8 attention's q.k: the key tile is loaded transposed, e4m3[W, tile] (W runs down the
         rows, still contiguous in memory), so the dot takes it as is, with no transpose of an fp8
         tile. A masked tile routes non-finite values (common.route_nonfinite_values) in f32."""
-        d_col = jnp.arange(head_pad, dtype=jnp.int32)[:, None]  # i32[Dp, 1]
-        key_cols = in_range[None, :] & (d_col < head_size) if head_pad != head_size else in_range[None, :]
-        k_t = plgpu.load(kv_ref.at[0, page[None, :], offset[None, :], kv_head, d_col], mask=key_cols, other=0.0)
+        c_t = jnp.arange(width, dtype=jnp.int32)[:, None]  # i32[W, 1]
+        key_cols = in_range[None, :] & (kv_cols.T if width != head_size else True)
+        k_t = plgpu.load(kv_ref.at[0, page[None, :], offset[None, :], kv_head0 * head_size + c_t], mask=key_cols,
+                         other=0.0)  # fmt: skip
         if masked:  # the routing's arithmetic in f32 (exact for e4m3 entries), then e4m3 again
             v32 = v.astype(jnp.float32)
-            poison = v32 - v32  # f32[tile, Dp]: 0, or NaN where a value is not finite
+            poison = v32 - v32  # f32[tile, W]: 0, or NaN where a value is not finite
             k_t = (k_t.astype(jnp.float32) + poison.T).astype(common.FP8_DTYPE)
             v = jnp.where(poison == 0, v32, 0.0).astype(common.FP8_DTYPE)
         dims = (((1,), (0,)), ((), ()))
@@ -248,13 +268,13 @@ def _attend_block(
         page = plgpu.load(block_tables_ref.at[req, jnp.minimum(j // page_size, pages_per_req - 1)])
         offset = j % page_size
         if fp8:
-            v = plgpu.load(kv_ref.at[1, page[:, None], offset[:, None], kv_head, d], mask=cols(in_range[:, None]),
+            v = plgpu.load(kv_ref.at[1, page[:, None], offset[:, None], kv_col], mask=in_range[:, None] & kv_cols,
                            other=0.0)  # fmt: skip
             s, v = fp8_scores(page, offset, in_range, v, masked)
         else:
-            page, offset = page[:, None], offset[:, None]
-            k = plgpu.load(kv_ref.at[0, page, offset, kv_head, d], mask=cols(in_range[:, None]), other=0.0)
-            v = plgpu.load(kv_ref.at[1, page, offset, kv_head, d], mask=cols(in_range[:, None]), other=0.0)
+            page, offset, key_cols = page[:, None], offset[:, None], in_range[:, None] & kv_cols
+            k = plgpu.load(kv_ref.at[0, page, offset, kv_col], mask=key_cols, other=0.0)
+            v = plgpu.load(kv_ref.at[1, page, offset, kv_col], mask=key_cols, other=0.0)
             k = common.dequantize(k, None, q.dtype)  # fp8 scales fold into sm_scale and the output
             v = common.dequantize(v, None, q.dtype)
             if masked:  # rows of a masked tile share p @ v: keep a value's NaN from rows that do not see it
@@ -289,19 +309,19 @@ def _attend_block(
     # masked-off rows must not alias real ones: there they go to a spare token row.
     tok_s = jnp.where(row_valid, tok_c, num_tokens) if spare_row else tok_c
     head_s = jnp.where(row_valid, head, 0) if spare_row else head
-    # The interpreter's outputs are head_pad wide (sliced by the caller) and its masked
-    # stores write every index they name: there every column is stored.
+    # The interpreter's outputs are W wide (sliced by the caller) and its masked stores
+    # write every index they name: there every column is stored, a row's own at [0, D).
     store_mask = row_valid[:, None] if spare_row else cols(row_valid[:, None])
     m, denom, acc = state
     if not store_states:
         out_ref = rest[0]
         out = common.finalize_softmax_state(state) * v_scale
-        plgpu.store(out_ref.at[tok_s[:, None], head_s[:, None], d], out.astype(out_ref.dtype), mask=store_mask)
+        plgpu.store(out_ref.at[tok_s[:, None], head_s[:, None], out_col], out.astype(out_ref.dtype), mask=store_mask)
         if has_lse:
             plgpu.store(rest[1].at[tok_s, head_s], common.log_sum_exp(m, denom), mask=row_valid)
     else:
         acc_ref, m_ref, denom_ref = rest
-        plgpu.store(acc_ref.at[split, tok_s[:, None], head_s[:, None], d], acc * v_scale, mask=store_mask)
+        plgpu.store(acc_ref.at[split, tok_s[:, None], head_s[:, None], out_col], acc * v_scale, mask=store_mask)
         plgpu.store(m_ref.at[split, tok_s, head_s], m, mask=row_valid)
         plgpu.store(denom_ref.at[split, tok_s, head_s], denom, mask=row_valid)
 
@@ -483,7 +503,9 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
     scales = jnp.stack([
         jnp.float32(1.0) if x is None else jnp.asarray(x, jnp.float32).reshape(()) for x in (k_scale, v_scale, q_scale)
     ])  # fmt: skip
-    inputs = [schedule, block_tables, q, kv_cache, scales]
+    pack = block_sizes.kv_heads_per_program
+    flat_cache = kv_cache.reshape(*kv_cache.shape[:3], num_kv_heads * head_size)  # a bitcast: no copy
+    inputs = [schedule, block_tables, q, flat_cache, scales]
     if alibi_slopes is not None:
         inputs.append(jnp.asarray(alibi_slopes, jnp.float32))
     if sinks is not None:
@@ -491,7 +513,7 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
     if state_init is not None:
         inputs += list(state_init)
     out_tokens = num_tokens + 1 if interpret else num_tokens  # the interpreter's spare row
-    out_cols = head_tile(head_size) if interpret else head_size  # and its full-width tiles
+    out_cols = head_tile(head_size * pack) if interpret else head_size  # and its full-width tiles
     aliases = {}
     if out_init is not None:  # rows another kernel wrote: this launch writes only its own rows
         aliases = {len(inputs): 0}
@@ -517,10 +539,11 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
         tile=block_sizes.tile(kv_cache.shape[2]), num_kv_splits=splits, spare_row=interpret,
         has_out_init=out_init is not None, has_lse=return_lse, fp8=q_scale is not None,
         num_init_splits=0 if state_init is None else state_init[0].shape[0], store_states=raw,
+        head_size=head_size, kv_heads_per_program=pack,
     )  # fmt: skip
     result = pl.pallas_call(
         kernel,
-        grid=(schedule.shape[1], num_kv_heads, splits),
+        grid=(schedule.shape[1], pl.cdiv(num_kv_heads, pack), splits),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
         interpret=interpret,
