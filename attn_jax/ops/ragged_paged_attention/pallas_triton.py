@@ -124,14 +124,16 @@ def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp
     return xp.stack(rows)[:, order].astype(np.int32)
 
 
-def _kernel(sched_ref, *refs, **params):
+def _kernel(sched_ref, block_tables_ref, q_ref, kv_ref, *refs, has_scales, **params):
     """One (q-block, kv head, kv split): ``_attend_block``, for a q-block with rows. A q-block
     with none (the schedule's unused tail, sized for the worst case; in traced metadata every
     block of the Mosaic GPU split's rest when that kernel serves all rows) returns at once:
     on an H100 P1's traced rest schedule, 1,033 empty q-blocks x 8 heads, took 81 us when they
-    ran the whole body (BENCHMARKS.md)."""
+    ran the whole body (BENCHMARKS.md). Without ``has_scales`` there is no scales operand."""
     ids = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # read outside the branch (the interpreter's rule)
-    pl.when(sched_ref[2, ids[0]] > sched_ref[1, ids[0]])(lambda: _attend_block(ids, sched_ref, *refs, **params))
+    refs = refs if has_scales else (None, *refs)
+    body = functools.partial(_attend_block, ids, sched_ref, block_tables_ref, q_ref, kv_ref, *refs, **params)
+    pl.when(sched_ref[2, ids[0]] > sched_ref[1, ids[0]])(body)
 
 
 def _attend_block(
@@ -213,7 +215,7 @@ def _attend_block(
     s_lo = t_lo + split * per_split
     s_hi = jnp.minimum(s_lo + per_split, t_hi)
 
-    k_scale, v_scale = scales_ref[0], scales_ref[1]
+    k_scale, v_scale = (scales_ref[0], scales_ref[1]) if scales_ref is not None else (1.0, 1.0)
     p_scale = None
     if fp8:  # q / q_scale in e4m3; the scales multiply the dots' f32 results
         q_scale = scales_ref[2]
@@ -500,12 +502,15 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
     num_kv_heads = kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
     splits = block_sizes.num_kv_splits
-    scales = jnp.stack([
-        jnp.float32(1.0) if x is None else jnp.asarray(x, jnp.float32).reshape(()) for x in (k_scale, v_scale, q_scale)
-    ])  # fmt: skip
     pack = block_sizes.kv_heads_per_program
     flat_cache = kv_cache.reshape(*kv_cache.shape[:3], num_kv_heads * head_size)  # a bitcast: no copy
-    inputs = [schedule, block_tables, q, flat_cache, scales]
+    inputs = [schedule, block_tables, q, flat_cache]
+    has_scales = not (k_scale is None and v_scale is None and q_scale is None)
+    if has_scales:  # else none: XLA would build an array of ones in a kernel of its own, a launch before ours
+        inputs.append(jnp.stack([
+            jnp.float32(1.0) if x is None else jnp.asarray(x, jnp.float32).reshape(())
+            for x in (k_scale, v_scale, q_scale)
+        ]))  # fmt: skip
     if alibi_slopes is not None:
         inputs.append(jnp.asarray(alibi_slopes, jnp.float32))
     if sinks is not None:
@@ -539,7 +544,7 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
         tile=block_sizes.tile(kv_cache.shape[2]), num_kv_splits=splits, spare_row=interpret,
         has_out_init=out_init is not None, has_lse=return_lse, fp8=q_scale is not None,
         num_init_splits=0 if state_init is None else state_init[0].shape[0], store_states=raw,
-        head_size=head_size, kv_heads_per_program=pack,
+        head_size=head_size, kv_heads_per_program=pack, has_scales=has_scales,
     )  # fmt: skip
     result = pl.pallas_call(
         kernel,
