@@ -51,6 +51,9 @@ class GpuBlockSizes:
     kv_heads_per_program: adjacent KV heads one program attends together, their columns
     read as one tile of ``head_tile(D * kv_heads_per_program)`` (narrow heads: fewer masked
     lanes per key); rows are ``block_q * next_pow2(kv_heads_per_program) * next_pow2(G)``.
+    Packed heads share their tiles' dots: a non-finite cached key or value may reach the rows
+    of the heads packed with it in its request (never other requests, nor rows that do not
+    see its position).
     """
 
     block_q: int
