@@ -190,10 +190,11 @@ def _attend_block(
     width = head_tile(head_size * pack)
     c = jnp.arange(width, dtype=jnp.int32)[None, :]  # i32[1, W]
     kv_col = kv_head0 * head_size + c
-    kv_cols = c < jnp.minimum(pack, num_kv_heads - kv_head0) * head_size if width != head_size else True
-    if pack == 1:
-        own, d, out_col = (c < head_size if width != head_size else True), c, c
+    if pack == 1:  # the cache's real columns and the row's own: the same static mask
+        kv_cols = own = c < head_size if width != head_size else True
+        d = out_col = c
     else:  # a row's own columns; its q / out column d; a bijection onto [0, W) for the interpreter's stores
+        kv_cols = c < jnp.minimum(pack, num_kv_heads - kv_head0) * head_size
         first = (slot * head_size)[:, None]
         own = (c >= first) & (c < first + head_size)
         d = jnp.clip(c - first, 0, head_size - 1)
@@ -252,10 +253,8 @@ def _attend_block(
         """FP8 attention's q.k: the key tile is loaded transposed, e4m3[W, tile] (W runs down the
         rows, still contiguous in memory), so the dot takes it as is, with no transpose of an fp8
         tile. A masked tile routes non-finite values (common.route_nonfinite_values) in f32."""
-        c_t = jnp.arange(width, dtype=jnp.int32)[:, None]  # i32[W, 1]
         key_cols = in_range[None, :] & (kv_cols.T if width != head_size else True)
-        k_t = plgpu.load(kv_ref.at[0, page[None, :], offset[None, :], kv_head0 * head_size + c_t], mask=key_cols,
-                         other=0.0)  # fmt: skip
+        k_t = plgpu.load(kv_ref.at[0, page[None, :], offset[None, :], kv_col.T], mask=key_cols, other=0.0)
         if masked:  # the routing's arithmetic in f32 (exact for e4m3 entries), then e4m3 again
             v32 = v.astype(jnp.float32)
             poison = v32 - v32  # f32[tile, W]: 0, or NaN where a value is not finite
