@@ -65,8 +65,10 @@ from attn_jax.ops.ragged_paged_attention.config import (
     TUNED_DIR,
     GpuBlockSizes,
     check_block_sizes,
+    decode_part_block_sizes,
     gpu_batch_mode,
     gpu_block_sizes,
+    gpu_smem_limit,
     kv_heads_to_pack,
     mgpu_block_sizes,
     mgpu_prefill_available,
@@ -180,12 +182,22 @@ def measure_ceilings() -> dict[str, float]:
 # --------------------------------------------------------------------------- implementations
 def schedules(b: DeviceBatch, block_sizes: GpuBlockSizes, mgpu: bool) -> dict:
     """The kernel's schedule arguments, as the metadata builder makes them on this device
-    (the Mosaic GPU split for prefill batches on Hopper); ``mgpu=False`` leaves the split
-    out (the Triton kernel serves all), ``mgpu="force"`` makes it for any batch."""
+    (the Mosaic GPU split for prefill batches on Hopper, a mixed batch's decodes on decode blocks
+    in the Triton launch); ``mgpu=False`` leaves the split out (the Triton kernel serves all),
+    ``mgpu="force"`` makes it for any batch."""
     qsl, seq = np.asarray(b.query_start_loc), np.asarray(b.seq_lens)
-    out = {"schedule": jnp.asarray(pallas_triton.gpu_schedule(qsl, seq, num_tokens=b.num_tokens,
-                                                            block_q=block_sizes.block_q, xp=np))}  # fmt: skip
     kind = jax.devices()[0].device_kind
+    s = b.spec
+    decode_bs = None
+    if gpu_batch_mode(b.query_lens) == "mixed":
+        decode_bs = decode_part_block_sizes(
+            block_sizes, default_block_sizes(b, mode="decode"), group=s.num_q_heads // s.num_kv_heads,
+            page_size=s.block_size, limit=gpu_smem_limit(kind), head_size=s.head_size, q_dtype=s.dtype,
+            kv_dtype=s.dtype,
+        )  # fmt: skip
+    make = pallas_triton.gpu_schedule if decode_bs is None else pallas_triton.mixed_schedule
+    schedule = make(qsl, seq, num_tokens=b.num_tokens, block_q=block_sizes.block_q, xp=np)
+    out = {"schedule": jnp.asarray(schedule), "decode_block_sizes": decode_bs}
     if mgpu_prefill_available(kind) and (mgpu == "force" or (mgpu and gpu_batch_mode(b.query_lens) == "prefill")):
         mbs = mgpu_block_sizes(head_size=b.spec.head_size, device_kind=kind)
         out.update(mgpu_split(qsl, seq, num_tokens=b.num_tokens, block_q=block_sizes.block_q, mgpu_bs=mbs))
@@ -304,12 +316,14 @@ KERNEL_CLASSES = (
 """(class, substring of the kernel name) for ``cupti_timing.summarize``; first match wins, the rest is "other"."""
 
 
-def default_block_sizes(b: DeviceBatch) -> GpuBlockSizes:
+def default_block_sizes(b: DeviceBatch, mode: str | None = None) -> GpuBlockSizes:
+    """The builder's Triton blocks for the batch (``mode``: its batch mode unless given)."""
     s = b.spec
     return gpu_block_sizes(
         num_reqs=len(b.query_lens), pages_per_req=int(b.block_tables.shape[1]), page_size=s.block_size,
         head_size=s.head_size, num_kv_heads=s.num_kv_heads, group=s.num_q_heads // s.num_kv_heads,
-        mode=gpu_batch_mode(b.query_lens), q_dtype=s.dtype, kv_dtype=s.dtype, device_kind=jax.devices()[0].device_kind,
+        mode=mode or gpu_batch_mode(b.query_lens), q_dtype=s.dtype, kv_dtype=s.dtype,
+        device_kind=jax.devices()[0].device_kind,
     )  # fmt: skip
 
 

@@ -162,10 +162,14 @@ def run_config(cfg: SweepConfig, interpret: bool = False) -> list[dict]:
                 batch.q, cache, interpret=interpret, block_sizes=bs, mgpu_schedule=used.mgpu_schedule,
                 mgpu_block_sizes=used.mgpu_block_sizes, **{k: v for k, v in options.items() if k != "sm_scale"},
             )  # fmt: skip
+            decode_bs = None if mgpu else used.decode_block_sizes  # a mixed batch's decodes, same launch
             row["kernel"] = ("mosaic_gpu+triton" if mgpu else "triton") + f" {dataclasses.astuple(bs)}"
-            row["smem_estimate"] = triton_smem_bytes(
-                bs, group=cfg.group, page_size=cfg.page_size, head_size=cfg.head_size, q_dtype=act,
-                kv_dtype=cache.dtype,
+            if decode_bs is not None:
+                row["kernel"] += f" decodes {dataclasses.astuple(decode_bs)}"
+            row["smem_estimate"] = max(
+                triton_smem_bytes(x, group=cfg.group, page_size=cfg.page_size, head_size=cfg.head_size, q_dtype=act,
+                                  kv_dtype=cache.dtype)
+                for x in (bs, decode_bs) if x is not None
             )  # fmt: skip
             check_output(batch, options, out.reshape(batch.q.shape), cache)
             check_cache(batch, cache)

@@ -39,8 +39,10 @@ from attn_jax.ops.ragged_paged_attention.config import (
     GpuBlockChoice,
     GpuBlockSizes,
     MgpuBlockSizes,
+    decode_part_block_sizes,
     gpu_batch_mode,
     gpu_block_choice,
+    gpu_smem_limit,
     mgpu_block_sizes,
     mgpu_prefill_available,
 )
@@ -64,6 +66,9 @@ class PallasGPUAttentionMetadata:
     slot_mapping: Array  # i32[T]
     schedule: Array  # i32[5, NB]: per q-block request, token range, first position, kv length
     block_sizes: GpuBlockSizes = dataclasses.field(metadata=dict(static=True))
+    # A mixed batch's decodes on decode blocks in the same launch (``schedule`` from
+    # ``pallas_triton.mixed_schedule``), else None.
+    decode_block_sizes: GpuBlockSizes | None = dataclasses.field(default=None, metadata=dict(static=True))
     # The Mosaic GPU prefill split (``mgpu_split``), else None: its q-tiles, and the q-blocks
     # of the rows it leaves over (None: it serves every row).
     mgpu_schedule: Array | None = None  # i32[4, NT]
@@ -162,7 +167,7 @@ def ragged_paged_attention(
     k_scale=None, v_scale=None, interpret: bool | None = None, block_sizes: GpuBlockSizes | None = None,
     schedule=None, mgpu_schedule=None, rest_schedule=None,
     mgpu_block_sizes: MgpuBlockSizes | None = None, return_lse: bool = False, q_scale=None, state_init=None,
-    return_states: bool = False,
+    return_states: bool = False, decode_block_sizes: GpuBlockSizes | None = None,
 ):  # fmt: skip
     """PALLAS_GPU's op: ``pallas_triton.ragged_paged_attention``'s contract, with a prefill
     batch's long requests on the Mosaic GPU kernel.
@@ -173,7 +178,7 @@ def ragged_paged_attention(
     the Mosaic GPU kernel computes its tiles and the Triton kernel the other rows into the
     same buffer (with ``return_lse``, their LSE too); otherwise the Triton kernel serves every
     row on ``schedule`` (and so with ``return_states`` and ``state_init``, cascade attention's
-    fused merge).
+    fused merge), a mixed batch's decodes on ``decode_block_sizes`` when given.
     FP8 attention (``q_scale``, an e4m3 cache) splits the same way (``FP8_PLAN``).
     """
     features = dict(
@@ -195,7 +200,7 @@ def ragged_paged_attention(
     if not use_mgpu:
         return triton(
             q, k, v, kv_cache, schedule=schedule, return_lse=return_lse, state_init=state_init,
-            return_states=return_states,
+            return_states=return_states, decode_block_sizes=decode_block_sizes,
         )  # fmt: skip
     pallas_triton.validate_inputs(
         q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, block_sizes=block_sizes, **kwargs
@@ -282,7 +287,9 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
     Mixed batches stay on the Triton kernel alone: on the H100, DESIGN.md's M1 (4 chunks of
     512 + 60 decodes) took 0.369 ms there against 0.388 ms split in two launches
     (BENCHMARKS.md), its time being the decodes' KV reads. Whether the split is there is
-    part of the jit key: a prefill bucket compiles once more.
+    part of the jit key: a prefill bucket compiles once more. In that one launch a mixed
+    batch's decodes run on the bucket's decode blocks (``decode_part_block_sizes``) beside the
+    other rows' q-blocks, so they stream their KV as a decode batch does.
     """
 
     def __init__(self, kv_cache_spec, device_kind: str | None = None, mgpu_prefill: bool | None = None) -> None:
@@ -389,6 +396,16 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
             )  # fmt: skip
         return choice
 
+    def decode_part_block_sizes(self, *, num_reqs: int, pages_per_req: int, block_sizes: GpuBlockSizes):
+        """``config.decode_part_block_sizes`` for a mixed bucket launched on ``block_sizes``."""
+        spec = self.kv_cache_spec
+        decode = self.block_choice(num_reqs=num_reqs, pages_per_req=pages_per_req, mode="decode").block_sizes
+        return decode_part_block_sizes(
+            block_sizes, decode, group=(spec.num_q_heads or spec.num_kv_heads) // spec.num_kv_heads,
+            page_size=spec.block_size, limit=gpu_smem_limit(self.device_kind), head_size=spec.head_size,
+            q_dtype=spec.dtype, kv_dtype=spec.dtype if spec.cache_dtype is None else spec.cache_dtype,
+        )  # fmt: skip
+
     def _build(self, common_attn_metadata, step_query_lens=None) -> tuple[PallasGPUAttentionMetadata, str]:
         base = super().build(0, common_attn_metadata)
         num_tokens = base.slot_mapping.shape[0]
@@ -406,8 +423,12 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
             # a mixed batch's is not (M1: 33), as host metadata would have it.
             split_here = num_tokens >= tile * max(num_reqs, 1)
         bs = self.block_choice(num_reqs=num_reqs, pages_per_req=pages_per_req, mode=mode).block_sizes
+        decode_bs = None
+        if mode == "mixed":
+            decode_bs = self.decode_part_block_sizes(num_reqs=num_reqs, pages_per_req=pages_per_req, block_sizes=bs)
         xp = np if concrete else jnp
-        schedule = pallas_triton.gpu_schedule(
+        make_schedule = pallas_triton.gpu_schedule if decode_bs is None else pallas_triton.mixed_schedule
+        schedule = make_schedule(
             xp.asarray(base.query_start_loc), xp.asarray(base.seq_lens), num_tokens=num_tokens,
             block_q=bs.block_q, xp=xp,
         )  # fmt: skip
@@ -420,7 +441,7 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
             )  # fmt: skip
         md = PallasGPUAttentionMetadata(
             query_start_loc=base.query_start_loc, seq_lens=base.seq_lens, block_tables=base.block_tables,
-            slot_mapping=base.slot_mapping, schedule=schedule, block_sizes=bs, **split,
+            slot_mapping=base.slot_mapping, schedule=schedule, block_sizes=bs, decode_block_sizes=decode_bs, **split,
         )  # fmt: skip
         return md, mode
 
@@ -446,8 +467,9 @@ class PallasGPUAttentionImpl(PallasKernelImpl):
 
     def kernel_kwargs(self, md) -> dict:
         return dict(
-            mgpu_schedule=md.mgpu_schedule, rest_schedule=md.rest_schedule, mgpu_block_sizes=md.mgpu_block_sizes
-        )
+            mgpu_schedule=md.mgpu_schedule, rest_schedule=md.rest_schedule, mgpu_block_sizes=md.mgpu_block_sizes,
+            decode_block_sizes=md.decode_block_sizes,
+        )  # fmt: skip
 
     def cascade_kwargs(self, md) -> dict:
         """Both parts' blocks, q-blocks and the suffix's tables from the builder, and the merge
@@ -508,13 +530,24 @@ class PallasGPUAttentionBackend(XLAAttentionBackend):
             "decode and mixed batches: one Triton-lowered Pallas launch (pallas_triton)",
             "k/v write: a Pallas kernel storing whole token rows in place (kv_write)",
         ]
-        for mode in ("decode", "mixed", "prefill"):
-            choice = gpu_block_choice(
+        choices = {
+            mode: gpu_block_choice(
                 num_reqs=64, pages_per_req=-(-4096 // block_size), page_size=block_size, head_size=head_size,
                 num_kv_heads=num_kv_heads, group=group, mode=mode, q_dtype=dtype, kv_dtype=cache_dtype,
                 device_kind=device_kind,
-            )  # fmt: skip
+            )
+            for mode in ("decode", "mixed", "prefill")
+        }  # fmt: skip
+        for mode, choice in choices.items():
             lines.append(f"Triton {mode} blocks (group {group}): {choice.block_sizes} from {choice.source}")
+        part = decode_part_block_sizes(
+            choices["mixed"].block_sizes, choices["decode"].block_sizes, group=group, page_size=block_size,
+            limit=gpu_smem_limit(device_kind), head_size=head_size, q_dtype=dtype, kv_dtype=cache_dtype,
+        )  # fmt: skip
+        lines.append(
+            "mixed batches' decodes: the mixed blocks (they split the KV range)" if part is None
+            else f"mixed batches' decodes, in the same launch: {part} (decode blocks on the launch's warps, stages)"
+        )  # fmt: skip
         if query_quant:
             lines.append(FP8_PLAN)
         if not mgpu_prefill_available(device_kind):

@@ -22,6 +22,7 @@ from attn_jax.backends.pallas_gpu import (
 )
 from attn_jax.backends.xla import XLAAttentionBackend
 from attn_jax.metadata import MetadataBuckets
+from attn_jax.ops.ragged_paged_attention import pallas_triton
 from attn_jax.platforms import Platform
 from attn_jax.registry import AttentionBackendEnum as ABE
 from attn_jax.selector import explain_attn_backend_selection, get_attn_backend, global_force_attn_backend
@@ -68,8 +69,15 @@ def test_builder_plans_on_the_host_per_mode():
     assert isinstance(md_decode, PallasGPUAttentionMetadata) and isinstance(md_decode.schedule, np.ndarray)
     assert md_decode.block_sizes.block_q * 4 == 16  # decode: 16 rows of one token x group 4
     assert md_mixed.block_sizes.block_q * 4 == 64
+    # A mixed batch's decodes: the decode bucket's blocks on the launch's warps and stages, a block each.
+    assert md_decode.decode_block_sizes is None
+    dbs, bs = md_mixed.decode_block_sizes, md_mixed.block_sizes
+    assert dbs.block_q * 4 == 16
+    assert (dbs.num_warps, dbs.num_stages, dbs.num_kv_splits) == (bs.num_warps, bs.num_stages, 1)
+    num_tokens, num_reqs = md_mixed.slot_mapping.shape[0], md_mixed.block_tables.shape[0]
+    assert md_mixed.schedule.shape[1] == pallas_triton.max_num_q_blocks(num_tokens, num_reqs, bs.block_q) + num_reqs
     traced = jax.jit(lambda md: builder.build(0, md).schedule)(mixed)
-    np.testing.assert_array_equal(np.asarray(traced)[:, :3], md_mixed.schedule[:, :3])
+    np.testing.assert_array_equal(np.asarray(traced), md_mixed.schedule)
     small = MetadataBuckets(token_buckets=(4,), request_buckets=(4,), blocks_per_request_buckets=(4,))
     decode_small = build_common_attn_metadata([1, 1, 1], [5, 20, 33], tables, block_size=16, buckets=small)
     sizes = []

@@ -206,6 +206,9 @@ def test_kernel_plan_names_the_kernel_per_batch_kind(monkeypatch):
     h100 = "NVIDIA H100 80GB HBM3"
     plan = B.kernel_plan(128, jnp.bfloat16, jnp.bfloat16, 16, h100)
     assert "decode and mixed batches: one Triton" in plan[0] and "Mosaic GPU kernel" in plan[-1]
+    # the tuned decode entry's 128-key tiles on the mixed entry's 4 warps and 3 stages
+    assert "mixed batches' decodes, in the same launch: GpuBlockSizes(block_q=4, pages_per_tile=8, " in "\n".join(plan)
+    assert "num_warps=4, num_stages=3" in next(line for line in plan if line.startswith("mixed batches' decodes"))
     assert "no sinks" in B.kernel_plan(128, jnp.bfloat16, jnp.bfloat16, 16, h100, has_sink=True)[-1]
     assert "needs Hopper" in B.kernel_plan(128, jnp.bfloat16, jnp.bfloat16, 16, "NVIDIA A100-SXM4-80GB")[-1]
 

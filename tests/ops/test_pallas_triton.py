@@ -108,8 +108,33 @@ CASES: dict[str, tuple[dict, dict, GpuBlockSizes]] = {
 }
 
 
-def _op(block_sizes, interpret):
-    return functools.partial(pallas_triton.ragged_paged_attention, block_sizes=block_sizes, interpret=interpret)
+# A mixed batch's decodes on decode blocks beside the other rows' q-blocks, one launch: (batch,
+# options, the other rows' blocks, the decodes' blocks).
+DECODE_PART_CASES: dict[str, tuple[dict, dict, GpuBlockSizes, GpuBlockSizes]] = {
+    "padding_wider_decode_tiles": (
+        dict(_MIXED, num_tokens=33, num_padding_requests=1, extra_blocks=2),
+        {},
+        ONE_PASS,
+        GpuBlockSizes(4, 2),
+    ),
+    "head_80_decodes_pack_3_sinks_soft_cap": (
+        dict(_MIXED, num_q_heads=12, num_kv_heads=4, head_size=80, extra_blocks=1),
+        dict(sinks=True, logits_soft_cap=3.0),
+        ONE_PASS,
+        GpuBlockSizes(block_q=1, pages_per_tile=2, kv_heads_per_program=3),
+    ),
+    "fp8_window_alibi": (
+        dict(_MIXED, dtype=jnp.bfloat16, cache_dtype_str="fp8_e4m3", extra_blocks=2),
+        dict(sliding_window=9, alibi=True),
+        ONE_PASS,
+        GpuBlockSizes(4, 2),
+    ),
+}
+
+
+def _op(block_sizes, interpret, decode_block_sizes=None):
+    return functools.partial(pallas_triton.ragged_paged_attention, block_sizes=block_sizes, interpret=interpret,
+                             decode_block_sizes=decode_block_sizes)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -117,6 +142,27 @@ def test_kernel_matches_oracle_interpret(name):
     batch_kwargs, options, bs = CASES[name]
     batch = make_ragged_batch(0, **batch_kwargs)
     check(batch, make_options(batch, **options), use_jit=True, op=_op(bs, True))
+
+
+@pytest.mark.parametrize("name", list(DECODE_PART_CASES))
+def test_decode_part_matches_oracle_interpret(name):
+    batch_kwargs, options, bs, decode_bs = DECODE_PART_CASES[name]
+    batch = make_ragged_batch(0, **batch_kwargs)
+    check(batch, make_options(batch, **options), use_jit=True, op=_op(bs, True, decode_bs))
+
+
+@pytest.mark.parametrize(
+    ("decode_bs", "match"),
+    [
+        (GpuBlockSizes(4, 2, num_warps=8), r"their \{.*'num_warps': 8.*\} must equal block_sizes'"),
+        (GpuBlockSizes(4, 2, num_kv_splits=2), r"with one KV split"),
+        (GpuBlockSizes(1, 2), r"gives 4 rows .* at least 16"),
+    ],
+)
+def test_decode_part_that_cannot_share_the_launch_is_named(decode_bs, match):
+    batch = make_ragged_batch(0, **_MIXED)
+    with pytest.raises(ValueError, match=match):
+        run_op(batch, make_options(batch), use_jit=False, op=_op(ONE_PASS, True, decode_bs))
 
 
 @pytest.mark.parametrize(
@@ -279,6 +325,26 @@ def test_host_and_traced_schedules_agree():
     assert (req < len(batch.seq_lens)).all()
 
 
+def test_mixed_schedule_gives_each_decode_one_block_of_its_own():
+    batch = make_ragged_batch(0, **dict(_MIXED, num_tokens=40, num_padding_requests=2))
+    args = (np.asarray(batch.query_start_loc), np.asarray(batch.seq_lens))
+    num_reqs = len(batch.seq_lens)
+    host = pallas_triton.mixed_schedule(*args, num_tokens=40, block_q=4, xp=np)
+    step = jax.jit(lambda a, b: pallas_triton.mixed_schedule(a, b, num_tokens=40, block_q=4))
+    np.testing.assert_array_equal(host, np.asarray(step(*args)))
+    rest, decodes = host[:, :-num_reqs], host[:, -num_reqs:]
+    covered = np.zeros(40, int)
+    for s, e in zip(host[1], host[2], strict=True):
+        covered[s:e] += 1
+    assert (covered == 1).all(), "every token row (padding included) belongs to exactly one q-block"
+    is_decode = np.diff(args[0]) == 1
+    real = decodes[:, decodes[2] > decodes[1]]
+    assert sorted(real[0]) == list(np.flatnonzero(is_decode)), "a block per decode, in the decode part only"
+    np.testing.assert_array_equal(real[4], args[1][real[0]])  # the KV length: the whole sequence
+    np.testing.assert_array_equal(real[3], real[4] - 1)  # the token's position: the last
+    assert not np.isin(rest[0, rest[2] > rest[1]], np.flatnonzero(is_decode)).any()
+
+
 # ------------------------------------------------------------------ on a GPU
 @gpu
 @needs_gpu
@@ -287,6 +353,15 @@ def test_kernel_matches_oracle_compiled(name):
     batch_kwargs, options, bs = CASES[name]
     batch = make_ragged_batch(0, **batch_kwargs)
     check(batch, make_options(batch, **options), use_jit=True, op=_op(bs, False))
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("name", list(DECODE_PART_CASES))
+def test_decode_part_matches_oracle_compiled(name):
+    batch_kwargs, options, bs, decode_bs = DECODE_PART_CASES[name]
+    batch = make_ragged_batch(0, **batch_kwargs)
+    check(batch, make_options(batch, **options), use_jit=True, op=_op(bs, False, decode_bs))
 
 
 @gpu

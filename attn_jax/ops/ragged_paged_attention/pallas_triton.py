@@ -124,16 +124,52 @@ def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp
     return xp.stack(rows)[:, order].astype(np.int32)
 
 
-def _kernel(sched_ref, block_tables_ref, q_ref, kv_ref, *refs, has_scales, **params):
+def mixed_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp=jnp):
+    """i32[5, NB + R]: a mixed batch's q-blocks for one launch in two parts, ``gpu_schedule``'s
+    blocks of every row but the decodes' (``block_q`` tokens; NB as there), then one block per
+    request for the decodes (requests of one new token; a request of more gets an empty block
+    there), longest KV first. The kernel runs the second part on decode blocks (``_attend``'s
+    ``decode_block_sizes``): the decodes stream their KV as a decode batch's programs do while
+    the other rows' programs compute beside them."""
+    num_reqs = seq_lens.shape[0]
+    qsl = query_start_loc.astype(np.int32)
+    is_decode = (qsl[1:] - qsl[:-1]) == 1
+    segments = (  # the decodes' segments are empty: their rows are the second part's
+        xp.arange(num_reqs + 1, dtype=np.int32),
+        xp.concatenate([xp.where(is_decode, qsl[1:], qsl[:-1]), qsl[-1:]]),
+        xp.concatenate([qsl[1:], xp.full((1,), num_tokens, np.int32)]),
+    )
+    rest = gpu_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, block_q=block_q, xp=xp, segments=segments)
+    zero = xp.zeros((num_reqs,), np.int32)
+    kv_len = xp.where(is_decode, seq_lens.astype(np.int32), zero)
+    decodes = xp.stack([
+        xp.arange(num_reqs, dtype=np.int32), qsl[:-1], xp.where(is_decode, qsl[1:], qsl[:-1]),
+        xp.maximum(kv_len - 1, 0), kv_len,
+    ])  # fmt: skip
+    decodes = decodes[:, xp.argsort(-kv_len, stable=True)]
+    return xp.concatenate([rest, decodes], axis=1).astype(np.int32)
+
+
+def _kernel(sched_ref, block_tables_ref, q_ref, kv_ref, *refs, has_scales, parts, **params):
     """One (q-block, kv head, kv split): ``_attend_block``, for a q-block with rows. A q-block
     with none (the schedule's unused tail, sized for the worst case; in traced metadata every
     block of the Mosaic GPU split's rest when that kernel serves all rows) returns at once:
     on an H100 P1's traced rest schedule, 1,033 empty q-blocks x 8 heads, took 81 us when they
-    ran the whole body (BENCHMARKS.md). Without ``has_scales`` there is no scales operand."""
+    ran the whole body (BENCHMARKS.md). Without ``has_scales`` there is no scales operand.
+
+    ``parts``: ((first q-block, end q-block, KV-head programs, the part's static block
+    parameters), ...) in grid order. One part, or two: a mixed batch's other rows on their
+    blocks and its decodes on decode blocks (``mixed_schedule``), one launch."""
     ids = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # read outside the branch (the interpreter's rule)
     refs = refs if has_scales else (None, *refs)
-    body = functools.partial(_attend_block, ids, sched_ref, block_tables_ref, q_ref, kv_ref, *refs, **params)
-    pl.when(sched_ref[2, ids[0]] > sched_ref[1, ids[0]])(body)
+    has_rows = sched_ref[2, ids[0]] > sched_ref[1, ids[0]]
+    for lo, hi, kv_programs, part in parts:
+        body = functools.partial(_attend_block, ids, sched_ref, block_tables_ref, q_ref, kv_ref, *refs, **params,
+                                 **dict(part))  # fmt: skip
+        run = has_rows
+        if len(parts) > 1:
+            run = run & (ids[0] >= lo) & (ids[0] < hi) & (ids[1] < kv_programs)
+        pl.when(run)(body)
 
 
 def _attend_block(
@@ -354,6 +390,7 @@ def ragged_paged_attention(
     q_scale=None,  # f32[] | None: FP8 attention (an e4m3 cache), as the reference's
     state_init=None,  # (m, denom, acc) | None: another call's return_states, over other keys, to fold in
     return_states: bool = False,
+    decode_block_sizes: GpuBlockSizes | None = None,
 ):
     """The reference op's contract (``reference.ragged_paged_attention``) as a Pallas GPU kernel.
 
@@ -373,6 +410,10 @@ def ragged_paged_attention(
     state, acc unnormalised), merged by no one. With ``state_init`` (such states, over keys
     this call does not see, as cascade attention's prefix part) each row's softmax starts
     from them: the result is ``merge_attn_states`` of the two parts, in this one launch.
+
+    With ``decode_block_sizes`` (a mixed batch: ``schedule`` from ``mixed_schedule``) the batch's
+    decodes run on those blocks and its other rows on ``block_sizes``, in one launch; both take
+    one KV split and the same warps and stages (the launch's).
 
     With ``q_scale`` (FP8 attention, the reference's semantics) each program quantises its
     q-block to e4m3 as it loads it, so both dots are e4m3 x e4m3 with float32 accumulation
@@ -405,16 +446,22 @@ def ragged_paged_attention(
         return (*empty, jnp.zeros(q.shape[:2], jnp.float32)) if return_lse else empty
     if (return_lse and out_init is not None) != (lse_init is not None):
         raise ValueError("lse_init goes with out_init and return_lse=True (the other kernel's rows' LSE), not alone")
+    if decode_block_sizes is not None:
+        check_decode_part(block_sizes, decode_block_sizes, group=q.shape[1] // kv_cache.shape[3],
+                          page_size=kv_cache.shape[2], return_states=return_states, out_init=out_init)  # fmt: skip
+    make_schedule = gpu_schedule if decode_block_sizes is None else mixed_schedule
     if schedule is None:
-        schedule = gpu_schedule(
+        schedule = make_schedule(
             jnp.asarray(query_start_loc), jnp.asarray(seq_lens), num_tokens=num_tokens, block_q=block_sizes.block_q
         )
-    # gpu_schedule cuts R + 1 segments (each request, the padding), the Mosaic GPU split's rest 2R + 1.
+    # gpu_schedule cuts R + 1 segments (each request, the padding), the Mosaic GPU split's rest 2R + 1;
+    # mixed_schedule adds a block per request.
     full = max_num_q_blocks(num_tokens, num_reqs, block_sizes.block_q)
-    expected = [(len(_SCHEDULE_FIELDS), nb) for nb in (full, full + num_reqs)]
+    expected = [(len(_SCHEDULE_FIELDS), nb) for nb in ((full, full + num_reqs) if decode_block_sizes is None
+                                                         else (full + num_reqs,))]  # fmt: skip
     if tuple(schedule.shape) not in expected:
         raise ValueError(
-            f"schedule.shape={tuple(schedule.shape)} must be one of {expected} (gpu_schedule with "
+            f"schedule.shape={tuple(schedule.shape)} must be one of {expected} ({make_schedule.__name__} with "
             f"block_q={block_sizes.block_q}, num_tokens={num_tokens}, num_reqs={num_reqs})"
         )
     out, lse = _attend(
@@ -422,7 +469,7 @@ def ragged_paged_attention(
         alibi_slopes, sinks, k_scale, v_scale, out_init, q_scale, lse_init, state_init,
         sm_scale=float(sm_scale), causal=causal, sliding_window=sliding_window,
         soft_cap=logits_soft_cap, block_sizes=block_sizes, interpret=interpret, return_lse=return_lse,
-        return_states=return_states,
+        return_states=return_states, decode_block_sizes=decode_block_sizes,
     )  # fmt: skip
     if return_states:
         return out, kv_cache
@@ -460,6 +507,23 @@ def validate_inputs(
     return block_sizes
 
 
+def check_decode_part(
+    block_sizes: GpuBlockSizes, decode_block_sizes: GpuBlockSizes, *, group: int, page_size: int,
+    return_states: bool = False, out_init=None,
+) -> None:  # fmt: skip
+    """Raises ValueError unless ``decode_block_sizes`` can run beside ``block_sizes`` in one launch."""
+    check_block_sizes(decode_block_sizes, group=group, page_size=page_size)
+    launch = ("num_kv_splits", "num_warps", "num_stages")
+    theirs = {f: getattr(block_sizes, f) for f in launch}
+    mine = {f: getattr(decode_block_sizes, f) for f in launch}
+    if mine != theirs or theirs["num_kv_splits"] != 1:
+        raise ValueError(
+            f"decode_block_sizes share the launch: their {mine} must equal block_sizes' {theirs}, with one KV split"
+        )
+    if return_states or out_init is not None:
+        raise ValueError("decode_block_sizes (a mixed batch's decode part) takes no return_states and no out_init")
+
+
 def write_new_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale, *, interpret: bool):
     """The new k/v at slot_mapping (None: no write): compiled, ``kv_write.write_kv`` (a Pallas
     kernel, in place under donation); in the interpreter ``write_to_kv_cache``'s scatter."""
@@ -491,17 +555,29 @@ def check_gpu_shapes(*, head_size: int, page_size: int) -> None:
         "interpret",
         "return_lse",
         "return_states",
+        "decode_block_sizes",
     ),
 )
 def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v_scale, out_init, q_scale=None,
             lse_init=None, state_init=None, *, sm_scale, causal, sliding_window, soft_cap, block_sizes, interpret,
-            return_lse=False, return_states=False):  # fmt: skip
-    """(out f[T, Hq, D], lse f32[T, Hq] or None); with ``return_states``, ((m, denom, acc), None)."""
+            return_lse=False, return_states=False, decode_block_sizes=None):  # fmt: skip
+    """(out f[T, Hq, D], lse f32[T, Hq] or None); with ``return_states``, ((m, denom, acc), None).
+    With ``decode_block_sizes`` the schedule's last R q-blocks are the decode part's."""
     num_tokens, num_q_heads, head_size = q.shape
+    num_reqs = block_tables.shape[0]
     num_kv_heads = kv_cache.shape[3]
+    page_size = kv_cache.shape[2]
     group = num_q_heads // num_kv_heads
     splits = block_sizes.num_kv_splits
-    pack = block_sizes.kv_heads_per_program
+    part_sizes = [block_sizes] if decode_block_sizes is None else [block_sizes, decode_block_sizes]
+    ends = [schedule.shape[1]] if decode_block_sizes is None else [schedule.shape[1] - num_reqs, schedule.shape[1]]
+    parts = tuple(
+        (first, end, pl.cdiv(num_kv_heads, bs.kv_heads_per_program),
+         (("block_q", bs.block_q), ("tile", bs.tile(page_size)), ("kv_heads_per_program", bs.kv_heads_per_program)))
+        for bs, first, end in zip(part_sizes, [0, *ends[:-1]], ends, strict=True)
+    )  # fmt: skip
+    pack = min(bs.kv_heads_per_program for bs in part_sizes)  # the most KV-head programs
+    widest = max(head_tile(head_size * bs.kv_heads_per_program) for bs in part_sizes)
     flat_cache = kv_cache.reshape(*kv_cache.shape[:3], num_kv_heads * head_size)  # a bitcast: no copy
     inputs = [schedule, block_tables, q, flat_cache]
     has_scales = not (k_scale is None and v_scale is None and q_scale is None)
@@ -517,7 +593,7 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
     if state_init is not None:
         inputs += list(state_init)
     out_tokens = num_tokens + 1 if interpret else num_tokens  # the interpreter's spare row
-    out_cols = head_tile(head_size * pack) if interpret else head_size  # and its full-width tiles
+    out_cols = widest if interpret else head_size  # and its full-width tiles
     aliases = {}
     if out_init is not None:  # rows another kernel wrote: this launch writes only its own rows
         aliases = {len(inputs): 0}
@@ -539,11 +615,10 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, causal=causal, sliding_window=sliding_window, soft_cap=soft_cap,
         has_alibi=alibi_slopes is not None, has_sinks=sinks is not None, group=group,
-        block_q=block_sizes.block_q, group_pad=next_pow2(group),
-        tile=block_sizes.tile(kv_cache.shape[2]), num_kv_splits=splits, spare_row=interpret,
+        group_pad=next_pow2(group), num_kv_splits=splits, spare_row=interpret,
         has_out_init=out_init is not None, has_lse=return_lse, fp8=q_scale is not None,
         num_init_splits=0 if state_init is None else state_init[0].shape[0], store_states=raw,
-        head_size=head_size, kv_heads_per_program=pack, has_scales=has_scales,
+        head_size=head_size, has_scales=has_scales, parts=parts,
     )  # fmt: skip
     result = pl.pallas_call(
         kernel,
