@@ -308,9 +308,17 @@ WORKLOADS: dict[str, WorkloadSpec] = {
             (1024,) * 4 + (2048,) * 60,
         ),
         WorkloadSpec("P1", "prefill: 4 requests of 4096 new tokens, no cache, causal", (4096,) * 4, (0,) * 4),
+        WorkloadSpec(
+            "M2",
+            "mixed, a serving step: 1 prefill chunk of 512 new tokens on 1024 cached, then 63 decodes on 2048 cached",
+            (512,) + (1,) * 63,
+            (1024,) + (2048,) * 63,
+        ),
     )
 }
-"""DESIGN.md's benchmark workloads (bf16, 32 q heads, 8 kv heads, head_dim 128, block 16).
+"""DESIGN.md's benchmark workloads (bf16, 32 q heads, 8 kv heads, head_dim 128, block 16), and
+M2, a continuous-batching step as a serving engine's chunked prefill makes it (one chunk
+beside the running decodes; not in DESIGN.md).
 
 "Context" in DESIGN.md's wording is read as cached tokens: a D1 request has seq_len 4097.
 """

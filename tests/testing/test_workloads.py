@@ -87,7 +87,7 @@ def test_make_ragged_batch_rejects_bad_arguments(args, kwargs, message):
 
 
 def test_benchmark_workloads_match_design():
-    assert set(WORKLOADS) == {"D1", "D2", "M1", "P1"}
+    assert set(WORKLOADS) == {"D1", "D2", "M1", "P1", "M2"}  # M2: a serving step, not DESIGN.md's
     for spec in WORKLOADS.values():
         assert (spec.num_q_heads, spec.num_kv_heads, spec.head_size, spec.block_size) == (32, 8, 128, 16)
         assert spec.dtype == "bfloat16" and spec.causal
@@ -97,6 +97,8 @@ def test_benchmark_workloads_match_design():
     m1 = WORKLOADS["M1"]
     assert sorted(zip(m1.query_lens, m1.context_lens, strict=True)) == [(1, 2048)] * 60 + [(512, 1024)] * 4
     assert WORKLOADS["P1"].query_lens == (4096,) * 4 and WORKLOADS["P1"].context_lens == (0,) * 4
+    m2 = WORKLOADS["M2"]
+    assert sorted(zip(m2.query_lens, m2.context_lens, strict=True)) == [(1, 2048)] * 63 + [(512, 1024)]
 
 
 def test_workload_make_batch_with_overrides():
