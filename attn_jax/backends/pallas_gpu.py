@@ -217,8 +217,8 @@ def ragged_paged_attention(
 
 
 TRACED_METADATA_COST = (
-    "on an H100, write + attend per step through the layer: D1 0.485 vs 0.449 ms, M1 0.432 vs 0.420, "
-    "P1 1.167 vs 1.125, D2 level (BENCHMARKS.md, 2026-11-26)"
+    "on an H100, write + attend per step through the layer: D1 0.485 vs 0.449 ms, P1 1.167 vs 1.125, D2 level; "
+    "mixed batches M1 0.444 vs 0.399, M2 0.336-0.342 vs 0.286-0.305 (BENCHMARKS.md, 2026-11-26 and 27)"
 )
 _traced_warned = False
 
