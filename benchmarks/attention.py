@@ -68,7 +68,6 @@ from attn_jax.ops.ragged_paged_attention.config import (
     decode_part_block_sizes,
     gpu_batch_mode,
     gpu_block_sizes,
-    gpu_smem_limit,
     kv_heads_to_pack,
     mgpu_block_sizes,
     mgpu_prefill_available,
@@ -192,7 +191,7 @@ def schedules(b: DeviceBatch, block_sizes: GpuBlockSizes, mgpu: bool) -> dict:
     if gpu_batch_mode(b.query_lens) == "mixed":
         decode_bs = decode_part_block_sizes(
             block_sizes, default_block_sizes(b, mode="decode"), group=s.num_q_heads // s.num_kv_heads,
-            page_size=s.block_size, limit=gpu_smem_limit(kind), head_size=s.head_size, q_dtype=s.dtype,
+            page_size=s.block_size, device_kind=kind, head_size=s.head_size, q_dtype=s.dtype,
             kv_dtype=s.dtype,
         )  # fmt: skip
     make = pallas_triton.gpu_schedule if decode_bs is None else pallas_triton.mixed_schedule

@@ -36,7 +36,7 @@ def workload_rows(name: str, device_kind: str, decode_tiles: list[int], two_kern
 
     from attn_jax.backends.pallas_gpu import mgpu_split
     from attn_jax.ops.ragged_paged_attention import pallas_mosaic_gpu, pallas_triton
-    from attn_jax.ops.ragged_paged_attention.config import decode_part_block_sizes, gpu_smem_limit, mgpu_block_sizes
+    from attn_jax.ops.ragged_paged_attention.config import decode_part_block_sizes, mgpu_block_sizes
     from attn_jax.testing.workloads import WORKLOADS
 
     spec = WORKLOADS[name]
@@ -46,7 +46,7 @@ def workload_rows(name: str, device_kind: str, decode_tiles: list[int], two_kern
     launch = default_block_sizes(b)
     decode = decode_part_block_sizes(
         launch, default_block_sizes(b, mode="decode"), group=spec.num_q_heads // spec.num_kv_heads,
-        page_size=spec.block_size, limit=gpu_smem_limit(device_kind), head_size=spec.head_size,
+        page_size=spec.block_size, device_kind=device_kind, head_size=spec.head_size,
         q_dtype=spec.dtype, kv_dtype=spec.dtype,
     )  # fmt: skip
     if decode is None:

@@ -42,7 +42,6 @@ from attn_jax.ops.ragged_paged_attention.config import (
     decode_part_block_sizes,
     gpu_batch_mode,
     gpu_block_choice,
-    gpu_smem_limit,
     mgpu_block_sizes,
     mgpu_prefill_available,
 )
@@ -402,7 +401,7 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         decode = self.block_choice(num_reqs=num_reqs, pages_per_req=pages_per_req, mode="decode").block_sizes
         return decode_part_block_sizes(
             block_sizes, decode, group=(spec.num_q_heads or spec.num_kv_heads) // spec.num_kv_heads,
-            page_size=spec.block_size, limit=gpu_smem_limit(self.device_kind), head_size=spec.head_size,
+            page_size=spec.block_size, device_kind=self.device_kind, head_size=spec.head_size,
             q_dtype=spec.dtype, kv_dtype=spec.dtype if spec.cache_dtype is None else spec.cache_dtype,
         )  # fmt: skip
 
@@ -542,7 +541,7 @@ class PallasGPUAttentionBackend(XLAAttentionBackend):
             lines.append(f"Triton {mode} blocks (group {group}): {choice.block_sizes} from {choice.source}")
         part = decode_part_block_sizes(
             choices["mixed"].block_sizes, choices["decode"].block_sizes, group=group, page_size=block_size,
-            limit=gpu_smem_limit(device_kind), head_size=head_size, q_dtype=dtype, kv_dtype=cache_dtype,
+            device_kind=device_kind, head_size=head_size, q_dtype=dtype, kv_dtype=cache_dtype,
         )  # fmt: skip
         lines.append(
             "mixed batches' decodes: the mixed blocks (they split the KV range)" if part is None

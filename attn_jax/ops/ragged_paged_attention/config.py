@@ -233,18 +233,18 @@ def fit_smem(bs: GpuBlockSizes, *, group: int, page_size: int, limit: int, **dim
 
 
 def decode_part_block_sizes(
-    launch: GpuBlockSizes, decode: GpuBlockSizes, *, group: int, page_size: int, limit: int, **dims
+    launch: GpuBlockSizes, decode: GpuBlockSizes, *, group: int, page_size: int, device_kind: str | None, **dims
 ) -> GpuBlockSizes | None:
     """A mixed batch's decode part (its decodes in the same launch as its other rows, see
     ``pallas_triton.mixed_schedule``): ``decode`` (the bucket's decode blocks) on ``launch``'s
-    warps and stages, unsplit, stepped down (``fit_smem``) to ``limit``; None when ``launch``
-    splits the KV range. On the H100 a serving step of one 512-token chunk and 63 decodes on
+    warps and stages, unsplit, stepped down (``fit_smem``) to ``device_kind``'s shared memory;
+    None when ``launch`` splits the KV range. On the H100 a serving step of one 512-token chunk and 63 decodes on
     2048 took 211 us against 244 with the decodes on the mixed blocks, M1 309 against 315
     (BENCHMARKS.md)."""
     if launch.num_kv_splits != 1:
         return None
     part = dataclasses.replace(decode, num_kv_splits=1, num_warps=launch.num_warps, num_stages=launch.num_stages)
-    return fit_smem(part, group=group, page_size=page_size, limit=limit, **dims)[0]
+    return fit_smem(part, group=group, page_size=page_size, limit=gpu_smem_limit(device_kind), **dims)[0]
 
 
 MAX_PACKED_WIDTH = 256

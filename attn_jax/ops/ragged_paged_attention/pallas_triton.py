@@ -134,18 +134,16 @@ def mixed_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, 
     num_reqs = seq_lens.shape[0]
     qsl = query_start_loc.astype(np.int32)
     is_decode = (qsl[1:] - qsl[:-1]) == 1
-    segments = (  # the decodes' segments are empty: their rows are the second part's
+    # A decode's row ends its request: the first part starts there (empty), the second ends there.
+    split = xp.where(is_decode, qsl[1:], qsl[:-1])
+    segments = (
         xp.arange(num_reqs + 1, dtype=np.int32),
-        xp.concatenate([xp.where(is_decode, qsl[1:], qsl[:-1]), qsl[-1:]]),
+        xp.concatenate([split, qsl[-1:]]),
         xp.concatenate([qsl[1:], xp.full((1,), num_tokens, np.int32)]),
     )
     rest = gpu_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, block_q=block_q, xp=xp, segments=segments)
-    zero = xp.zeros((num_reqs,), np.int32)
-    kv_len = xp.where(is_decode, seq_lens.astype(np.int32), zero)
-    decodes = xp.stack([
-        xp.arange(num_reqs, dtype=np.int32), qsl[:-1], xp.where(is_decode, qsl[1:], qsl[:-1]),
-        xp.maximum(kv_len - 1, 0), kv_len,
-    ])  # fmt: skip
+    kv_len = xp.where(is_decode, seq_lens.astype(np.int32), 0)
+    decodes = xp.stack([xp.arange(num_reqs, dtype=np.int32), qsl[:-1], split, xp.maximum(kv_len - 1, 0), kv_len])
     decodes = decodes[:, xp.argsort(-kv_len, stable=True)]
     return xp.concatenate([rest, decodes], axis=1).astype(np.int32)
 
@@ -457,8 +455,8 @@ def ragged_paged_attention(
     # gpu_schedule cuts R + 1 segments (each request, the padding), the Mosaic GPU split's rest 2R + 1;
     # mixed_schedule adds a block per request.
     full = max_num_q_blocks(num_tokens, num_reqs, block_sizes.block_q)
-    expected = [(len(_SCHEDULE_FIELDS), nb) for nb in ((full, full + num_reqs) if decode_block_sizes is None
-                                                         else (full + num_reqs,))]  # fmt: skip
+    widths = (full, full + num_reqs) if decode_block_sizes is None else (full + num_reqs,)
+    expected = [(len(_SCHEDULE_FIELDS), nb) for nb in widths]
     if tuple(schedule.shape) not in expected:
         raise ValueError(
             f"schedule.shape={tuple(schedule.shape)} must be one of {expected} ({make_schedule.__name__} with "
@@ -569,15 +567,17 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
     page_size = kv_cache.shape[2]
     group = num_q_heads // num_kv_heads
     splits = block_sizes.num_kv_splits
-    part_sizes = [block_sizes] if decode_block_sizes is None else [block_sizes, decode_block_sizes]
-    ends = [schedule.shape[1]] if decode_block_sizes is None else [schedule.shape[1] - num_reqs, schedule.shape[1]]
+    nb = schedule.shape[1]
+    part_blocks = [(block_sizes, 0, nb)]
+    if decode_block_sizes is not None:
+        part_blocks = [(block_sizes, 0, nb - num_reqs), (decode_block_sizes, nb - num_reqs, nb)]
     parts = tuple(
         (first, end, pl.cdiv(num_kv_heads, bs.kv_heads_per_program),
          (("block_q", bs.block_q), ("tile", bs.tile(page_size)), ("kv_heads_per_program", bs.kv_heads_per_program)))
-        for bs, first, end in zip(part_sizes, [0, *ends[:-1]], ends, strict=True)
+        for bs, first, end in part_blocks
     )  # fmt: skip
-    pack = min(bs.kv_heads_per_program for bs in part_sizes)  # the most KV-head programs
-    widest = max(head_tile(head_size * bs.kv_heads_per_program) for bs in part_sizes)
+    kv_programs = max(part[2] for part in parts)  # the grid's KV-head axis: the part with the most programs
+    widest = max(head_tile(head_size * bs.kv_heads_per_program) for bs, _, _ in part_blocks)
     flat_cache = kv_cache.reshape(*kv_cache.shape[:3], num_kv_heads * head_size)  # a bitcast: no copy
     inputs = [schedule, block_tables, q, flat_cache]
     has_scales = not (k_scale is None and v_scale is None and q_scale is None)
@@ -622,7 +622,7 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
     )  # fmt: skip
     result = pl.pallas_call(
         kernel,
-        grid=(schedule.shape[1], pl.cdiv(num_kv_heads, pack), splits),
+        grid=(nb, kv_programs, splits),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
         interpret=interpret,
