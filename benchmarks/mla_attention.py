@@ -97,11 +97,13 @@ def floors(spec) -> tuple[float, float]:
 
 
 def prefill_rows(spec, ceilings, sweep: bool = False) -> list[dict]:
-    """MLA-P1: causal prefill over no context, q/k nope 128 + rope 64, v 128. ``xla_mla_dense``
+    """MLA-P1: causal prefill over no context, q/k nope 128 + rope 64, v 128; each row timed by
+    the host clock (calls back to back) and by its device span (CUPTI). ``xla_mla_dense``
     (ops/mla/dense.py: latents up-projected per request, then attention in XLA), the Triton
     kernel at four block sizes (``sweep``: block_q x block_k x warps x stages), on Hopper the
     Mosaic GPU kernel (``prefill_pallas_mosaic_gpu``, metadata traced) and the cuDNN
     peer (``jax.nn.dot_product_attention`` on the up-projected dense k/v) when it runs."""
+    import cupti_timing
     import jax
     import jax.numpy as jnp
 
@@ -132,14 +134,21 @@ def prefill_rows(spec, ceilings, sweep: bool = False) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - a failing peer is a line, not the end of the run
             print(f"  {impl}: failed: {type(e).__name__}: {str(e)[:200]}")
             return None
+        try:  # the call's device span (CUPTI): its kernels, no host dispatch
+            d = cupti_timing.summarize(cupti_timing.trace_calls({impl: lambda: fn(*args)}, n=10)[impl])["median_us"]
+        except RuntimeError as e:  # a call whose kernels leave gaps does not split into calls
+            print(f"  {impl}: no device span: {e}")
+            d = float("nan")
+        d *= 1e-6
         result = jnp.asarray(fn(*args), jnp.float32)[..., :dv].reshape(r * n, h, dv)
         if not refs:
             refs.append(result)  # the first row (xla_mla_dense) is the others' reference
         err = float(jnp.linalg.norm(result - refs[0]) / jnp.linalg.norm(refs[0]))
-        print(f"  {impl:16s} {t * 1e6:9.1f} us {flops / t / 1e12:6.1f} TFLOP/s {100 * floor_s / t:5.1f}% of floor"
-              f"  rel L2 vs xla_mla_dense {err:.1e}")  # fmt: skip
+        print(f"  {impl:16s} {t * 1e6:9.1f} us {flops / t / 1e12:6.1f} TFLOP/s {100 * floor_s / t:5.1f}% of floor;"
+              f" device {d * 1e6:8.1f} us {flops / d / 1e12:6.1f} TFLOP/s  rel L2 vs dense {err:.1e}")  # fmt: skip
         out.append({"workload": spec.name, "impl": impl, "time_us": t * 1e6, "tflop_per_s": flops / t / 1e12,
-                    "pct_of_floor": 100 * floor_s / t, "bound": "compute", "rel_l2_vs_xla_mla_dense": err})  # fmt: skip
+                    "pct_of_floor": 100 * floor_s / t, "device_us": d * 1e6, "device_tflop_per_s": flops / d / 1e12,
+                    "bound": "compute", "rel_l2_vs_xla_mla_dense": err})  # fmt: skip
         return t
 
     row("xla_mla_dense", dense, q, cache, w_uk, w_uv, qsl, lens, table)

@@ -100,7 +100,8 @@ class PallasMLAGPUImpl(_PallasMLAImpl):
             return super().prefill(q, kv_cache, w_uk, w_uv, md, k_scale)
         max_len = md.prefill_block_tables.shape[1] * kv_cache.shape[1]
         if self.mgpu_prefill and prefill_pallas_mosaic_gpu.unsupported_reason(
-            qk_head_dim=q.shape[2], v_head_dim=self.v_head_dim, dtype=q.dtype, max_len=max_len
+            qk_head_dim=q.shape[2], v_head_dim=self.v_head_dim, dtype=q.dtype, max_len=max_len,
+            rope_dim=kv_cache.shape[2] - self.kv_lora_rank,
         ) is None:  # fmt: skip
             return prefill_pallas_mosaic_gpu.mla_prefill(
                 q, kv_cache, w_uk, w_uv, md.prefill_query_start_loc, md.prefill_seq_lens, md.prefill_block_tables,

@@ -81,8 +81,11 @@ def test_prefill_on_mosaic_gpu_lowers_for_h100():
     assert "do not tile 64-key blocks" in prefill_pallas_mosaic_gpu.unsupported_reason(
         qk_head_dim=192, v_head_dim=128, dtype=jnp.bfloat16, max_len=4112
     )  # fmt: skip
-    assert "not one of" in prefill_pallas_mosaic_gpu.unsupported_reason(
+    assert "k_nope head size 8 is not one of" in prefill_pallas_mosaic_gpu.unsupported_reason(
         qk_head_dim=72, v_head_dim=128, dtype=jnp.bfloat16, max_len=4096
+    )  # fmt: skip
+    assert "rope_dim=32" in prefill_pallas_mosaic_gpu.unsupported_reason(
+        qk_head_dim=160, v_head_dim=128, dtype=jnp.bfloat16, max_len=4096, rope_dim=32
     )  # fmt: skip
 
     def f(q, cache, w_uk, w_uv, qsl, lens, table):

@@ -17,15 +17,20 @@ from tests.ops.mla_oracle import mla_prefill_oracle
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("traced", [False, True], ids=["host_metadata", "traced_metadata"])
-def test_prefill_on_mosaic_gpu_matches_oracle(traced):
+@pytest.mark.parametrize(
+    ("traced", "padding"), [(False, 3), (True, 3), (True, 1100)],
+    ids=["host_metadata", "traced_metadata", "traced_metadata_long_padding"],
+)  # fmt: skip
+def test_prefill_on_mosaic_gpu_matches_oracle(traced, padding):
+    """Padding rows: a few, or more than the Triton kernel's q-blocks cover in one pass (its
+    padding programs loop)."""
     if jax.default_backend() != "gpu" or not mgpu_prefill_available(jax.devices()[0].device_kind):
         pytest.skip("needs a Hopper GPU (H100/H200) for Mosaic GPU")
     rng = np.random.default_rng(11)
     query_lens, seq_lens = [300, 1, 140, 5, 130], [400, 300, 140, 50, 200]
     b = make_mla_batch(11, seq_lens=seq_lens, num_heads=16, kv_lora_rank=512, rope_dim=64, block_size=64,
                        dtype=jnp.bfloat16)  # fmt: skip
-    num_tokens = sum(query_lens) + 3  # 3 padding rows
+    num_tokens = sum(query_lens) + padding
     q = jnp.asarray(rng.standard_normal((num_tokens, 16, 192)), jnp.bfloat16)
     w_uk = jnp.asarray(rng.standard_normal((512, 16, 128)) * 512**-0.5, jnp.bfloat16)
     w_uv = jnp.asarray(rng.standard_normal((512, 16, 128)) * 512**-0.5, jnp.bfloat16)

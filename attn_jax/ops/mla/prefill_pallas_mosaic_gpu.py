@@ -1,12 +1,13 @@
 """Up-projected MLA prefill with its attention in the Mosaic GPU prefill kernel (Hopper).
 
 The latents are up-projected as for the Triton kernel (``prefill_pallas_triton.up_project``);
-the keys ``[k_nope | k_pe]`` (``k_pe`` repeated for every head) and the values are laid out
-request by request, each request's ``L = pages_per_req * block_size`` rows one "page", for
-``pallas_mosaic_gpu.prefill_attention_kv`` (q/k and v head sizes differ: 192 and 128 for
-DeepSeek). The rows its 128-token tiles leave over (at most 7 at either end of a request's
-8-aligned span, and requests shorter than a tile) are the Triton MLA prefill kernel's, which
-writes them into the same output (``prefill_pallas_triton.attend`` with ``spans``).
+the keys' two parts (``k_nope`` per head, ``k_pe`` shared by the heads, never repeated or
+concatenated) and the values are laid out request by request, each request's ``L =
+pages_per_req * block_size`` rows one "page", for ``pallas_mosaic_gpu.prefill_attention_kv``
+(q/k and v head sizes differ: 192 and 128 for DeepSeek). The rows its 128-token tiles leave
+over (at most 7 at either end of a request's 8-aligned span, and requests shorter than a
+tile) are the Triton MLA prefill kernel's, which writes them, and zeros in the padding rows
+no request owns, into the same output (``prefill_pallas_triton.attend`` with ``spans``).
 """
 
 from __future__ import annotations
@@ -17,20 +18,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn_jax.ops.mla.prefill_pallas_triton import attend, up_project, validate_prefill, zero_unowned_rows
+from attn_jax.ops.mla.prefill_pallas_triton import attend, up_project, validate_prefill
 from attn_jax.ops.mla.validate import is_concrete
 from attn_jax.ops.ragged_paged_attention import pallas_mosaic_gpu
 from attn_jax.ops.ragged_paged_attention.config import MOSAIC_GPU_SMEM_BYTES, MgpuBlockSizes, mgpu_block_sizes
 
 
-def unsupported_reason(*, qk_head_dim: int, v_head_dim: int, dtype, max_len: int) -> str | None:
+def unsupported_reason(*, qk_head_dim: int, v_head_dim: int, dtype, max_len: int, rope_dim: int = 64) -> str | None:
     """Why the Mosaic GPU kernel cannot serve this MLA prefill, or None. ``max_len``: the
-    rows per request (``pages_per_req * block_size``), which must tile its K/V blocks."""
+    rows per request (``pages_per_req * block_size``), which must tile its K/V blocks;
+    ``rope_dim``: the part of ``qk_head_dim`` that is ``k_pe`` (the rest is ``k_nope``)."""
     if np.dtype(dtype) not in pallas_mosaic_gpu.SUPPORTED_DTYPES:
         return f"the Mosaic GPU prefill kernel takes bfloat16/float16 activations, not {np.dtype(dtype)}"
-    for name, width in (("q/k", qk_head_dim), ("v", v_head_dim)):
+    for name, width in (("k_nope", qk_head_dim - rope_dim), ("v", v_head_dim)):
         if width not in pallas_mosaic_gpu.SUPPORTED_HEAD_SIZES:
             return f"{name} head size {width} is not one of {list(pallas_mosaic_gpu.SUPPORTED_HEAD_SIZES)}"
+    if rope_dim % 64:
+        return f"rope_dim={rope_dim} must be whole 128-byte tiles of 16-bit values (a multiple of 64)"
     bs = mgpu_block_sizes(head_size=max(qk_head_dim, v_head_dim))
     smem = bs.smem_bytes(qk_head_dim, dtype, v_head_size=v_head_dim)
     if smem > MOSAIC_GPU_SMEM_BYTES:
@@ -62,7 +66,8 @@ def mla_prefill(
     validate_prefill(q, kv_cache, w_uk, w_uv, query_start_loc, seq_lens, block_tables, sm_scale=sm_scale,
                      kv_lora_rank=kv_lora_rank, k_scale=k_scale, block_q=block_q, block_k=block_k)  # fmt: skip
     max_len = block_tables.shape[1] * kv_cache.shape[1]
-    dims = dict(qk_head_dim=q.shape[2], v_head_dim=w_uv.shape[2], dtype=q.dtype, max_len=max_len)
+    dims = dict(qk_head_dim=q.shape[2], v_head_dim=w_uv.shape[2], dtype=q.dtype, max_len=max_len,
+                rope_dim=kv_cache.shape[2] - kv_lora_rank)  # fmt: skip
     if (reason := unsupported_reason(**dims)) is not None:
         raise ValueError(f"the Mosaic GPU MLA prefill cannot serve these shapes: {reason}")
     xp = np if is_concrete(query_start_loc, seq_lens) else jnp
@@ -83,11 +88,12 @@ def _prefill(q, kv_cache, w_uk, w_uv, qsl, lens, tables, k_scale, tiles, spans, 
     k_nope, k_pe, v = up_project(kv_cache, w_uk, w_uv, lens, tables, k_scale, kv_lora_rank=kv_lora_rank, dtype=q.dtype)
     num_reqs, max_len, num_heads, nope = k_nope.shape
     rope, dv = k_pe.shape[2], v.shape[3]
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (num_reqs, max_len, num_heads, rope))], -1)
+    rows = num_reqs * max_len
     out = pallas_mosaic_gpu.prefill_attention_kv(
-        q, k.reshape(num_reqs * max_len, num_heads, nope + rope), v.reshape(num_reqs * max_len, num_heads, dv),
-        tiles, jnp.arange(num_reqs, dtype=jnp.int32)[:, None], page_size=max_len, sm_scale=sm_scale,
+        q, k_nope.reshape(rows, num_heads, nope), v.reshape(rows, num_heads, dv), tiles,
+        jnp.arange(num_reqs, dtype=jnp.int32)[:, None], page_size=max_len, sm_scale=sm_scale,
+        k_rope=k_pe.reshape(rows, rope),
     )  # fmt: skip
-    out = attend(q, k_nope, k_pe, v, qsl, lens, sm_scale=sm_scale, q_block=q_block, block_q=block_q, block_k=block_k,
-                 num_warps=4, num_stages=2, interpret=False, spans=spans, out_init=out)  # fmt: skip
-    return zero_unowned_rows(out, qsl, q.shape[0])
+    # The rows left over, and zeros in the padding rows, written in place.
+    return attend(q, k_nope, k_pe, v, qsl, lens, sm_scale=sm_scale, q_block=q_block, block_q=block_q,
+                  block_k=block_k, num_warps=4, num_stages=2, interpret=False, spans=spans, out_init=out)  # fmt: skip

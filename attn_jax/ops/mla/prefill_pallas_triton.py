@@ -31,20 +31,40 @@ def _kernel(qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, *refs, sm_scale
     """One (request, q-block, head). ``rest``: refs are (span_lo, span_hi, out_init, out): the
     rows of each request's ``[span_lo, span_hi)`` are another kernel's (the Mosaic GPU prefill's,
     already in ``out_init``, aliased to ``out``): a block inside its span returns at once, the
-    others store only their own rows (masked stores: compiled only). Else refs are (out, lse)."""
+    others store only their own rows, and the programs of one more "request" (index R) store
+    zeros in the rows no request owns (masked stores: compiled only). Else refs are (out, lse)."""
     ids = pl.program_id(0), pl.num_programs(1) - 1 - pl.program_id(1), pl.program_id(2)  # the heaviest q-blocks first
     if not rest:
         return _block(ids, qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, *refs, sm_scale=sm_scale, nope=nope,
                       block_q=block_q, block_k=block_k)  # fmt: skip
     lo_ref, hi_ref, _, out_ref = refs
-    r, qb, _ = ids
-    start, qlen = qsl_ref[r], qsl_ref[r + 1] - qsl_ref[r]
-    lo, hi = lo_ref[r], hi_ref[r]
-    first, last = start + qb * block_q, start + jnp.minimum((qb + 1) * block_q, qlen)
-    block = functools.partial(_block, ids, qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, out_ref, None,
-                              sm_scale=sm_scale, nope=nope, block_q=block_q, block_k=block_k,
-                              span=(lo, hi))  # fmt: skip
-    pl.when((qb * block_q < qlen) & ((first < lo) | (last > hi)))(block)
+    r, qb, h = ids
+    num_reqs = lens_ref.shape[0]
+
+    @pl.when(r < num_reqs)
+    def _request():
+        start, qlen = qsl_ref[r], qsl_ref[r + 1] - qsl_ref[r]
+        lo, hi = lo_ref[r], hi_ref[r]
+        first, last = start + qb * block_q, start + jnp.minimum((qb + 1) * block_q, qlen)
+        block = functools.partial(_block, ids, qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, out_ref, None,
+                                  sm_scale=sm_scale, nope=nope, block_q=block_q, block_k=block_k,
+                                  span=(lo, hi))  # fmt: skip
+        pl.when((qb * block_q < qlen) & ((first < lo) | (last > hi)))(block)
+
+    @pl.when(r == num_reqs)
+    def _padding():  # rows [qsl[R], T), block_q at a time, this program every num_programs(1)-th block
+        num_tokens, dv = out_ref.shape[0], out_ref.shape[2]
+        first = qsl_ref[num_reqs] + qb * block_q
+        stride = pl.num_programs(1) * block_q
+        zeros = jnp.zeros((block_q, dv), out_ref.dtype)
+        dvv = jnp.arange(dv, dtype=jnp.int32)[None, :]
+
+        def store(k, _):
+            rows = first + k * stride + jnp.arange(block_q, dtype=jnp.int32)
+            rows_c = jnp.minimum(rows, num_tokens - 1)[:, None]
+            plgpu.store(out_ref.at[rows_c, h, dvv], zeros, mask=(rows < num_tokens)[:, None])
+
+        jax.lax.fori_loop(0, jnp.maximum(num_tokens - first + stride - 1, 0) // stride, store, None)
 
 
 def _block(ids, qsl_ref, lens_ref, q_ref, knope_ref, kpe_ref, v_ref, out_ref, lse_ref, *, sm_scale, nope, block_q,
@@ -206,7 +226,8 @@ def attend(q, k_nope, k_pe, v, qsl, lens, *, sm_scale, q_block, block_q, block_k
            spans=None, out_init=None):  # fmt: skip
     """The kernel over up-projected keys and values: (out f[T + 1, H, Dv], lse f32[T + 1, H]),
     row T a spare; with ``spans`` (i32[R] lo, i32[R] hi) and ``out_init`` f[T, H, Dv] (another
-    kernel's rows), only the rows outside the spans are written into ``out_init``, which is returned."""
+    kernel's rows), only the rows outside the spans, and zeros in the rows no request owns, are
+    written into ``out_init``, which is returned."""
     num_tokens, num_heads, _ = q.shape
     num_reqs, dv = k_nope.shape[0], v.shape[3]
     rest = spans is not None
@@ -221,7 +242,7 @@ def attend(q, k_nope, k_pe, v, qsl, lens, *, sm_scale, q_block, block_q, block_k
         out_shape, inputs = jax.ShapeDtypeStruct(out_init.shape, out_init.dtype), (*inputs, *spans, out_init)
     return pl.pallas_call(
         kernel,
-        grid=(num_reqs, pl.cdiv(q_block, block_q), num_heads),
+        grid=(num_reqs + rest, pl.cdiv(q_block, block_q), num_heads),  # rest: + the padding rows' programs
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,

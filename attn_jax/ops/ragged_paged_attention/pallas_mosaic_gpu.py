@@ -29,7 +29,10 @@ Structure (JAX's ``attention_mgpu.py``, FlashAttention-3 style, adapted to pages
   not per run of consecutive pages: a TMA box has a static shape, and a run's length is
   only known at run time. Keys and values may also come held apart and of different
   widths (``prefill_attention_kv``: MLA's up-projected q/k 192 and v 128, one page per
-  request); the paged cache passes its one array as both, V rows from ``v_row0``.
+  request); the paged cache passes its one array as both, V rows from ``v_row0``. A key
+  may come in two parts, the second shared by every head (MLA's ``k_pe``): each part has
+  its own ring and q.k is two wgmmas over q's matching columns, so no per-head copy of
+  the shared part is ever written.
 - Causal: KV blocks above the diagonal are never fetched (the loop ends at the tile's
   last position); blocks wholly below it skip the mask.
 - FP8 attention (``q_scale``, an e4m3 cache): each compute warpgroup quantises its q rows
@@ -185,9 +188,12 @@ def mgpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, tile: int, xp=j
     return xp.stack(rows)[:, order].astype(np.int32), (lo.astype(np.int32), hi.astype(np.int32))
 
 
-def _kernel(sched_ref, bt_ref, q_ref, k_ref, v_ref, scales_ref, out_ref, lse_ref, scoped, *, bs: MgpuBlockSizes,
-            page_size: int, group: int, sm_scale: float, v_row0: int, zero_tail: bool = True):  # fmt: skip
-    """One CTA. ``scales_ref`` f32[3] (k_scale, v_scale, q_scale) or None: FP8 attention, the
+def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_ref, lse_ref, scoped, *,
+            bs: MgpuBlockSizes, page_size: int, group: int, sm_scale: float, v_row0: int,
+            zero_tail: bool = True):  # fmt: skip
+    """One CTA. ``krope_ref`` [N, Dr] or None: the keys' second part, shared by the heads
+    (keys ``[k | krope]``, q as wide as both). ``scales_ref`` f32[3] (k_scale, v_scale,
+    q_scale) or None: FP8 attention, the
     cache e4m3, q quantised to e4m3 in the kernel (q8_smem), q.k on FP8 wgmma; each V block
     converted to float16 in a shared-memory ring (vb_smem, exact; Hopper converts e4m3 to f16
     only) for p @ v in float16, since FP8 wgmma takes no N-major B operand. The two compute
@@ -199,9 +205,13 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, v_ref, scales_ref, out_ref, lse_ref
     fp8 = scales_ref is not None
     pv_dtype = jnp.float16 if fp8 else dtype
     pages_per_req = bt_ref.shape[1]
-    (q_smem2, o_smem2, k_smem, v_smem, lse_smem2, q8_smem2, vb_smem), (k_bars, v_bars, q_bars), consumed, sched_bar = (
-        scoped
-    )
+    (
+        (q_smem2, o_smem2, k_smem, v_smem, lse_smem2, q8_smem2, vb_smem, krope_smem),
+        (k_bars, v_bars, q_bars),
+        consumed,
+        sched_bar,
+    ) = scoped
+    dk = k_smem.shape[-1]  # the per-head part of a key
     k_consumed, v_consumed, vb_ready = (*consumed, None)[:3]
     tile = lax.axis_index("tile")
     q_head = lax.axis_index("heads")
@@ -269,7 +279,12 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, v_ref, scales_ref, out_ref, lse_ref
             slot = lax.rem(step, jnp.int32(steps))
 
             def qk_scope(acc_ref):
-                plgpu.wgmma(acc_ref, q_operand, k_smem.at[slot].transpose((1, 0)))
+                if krope_ref is None:
+                    plgpu.wgmma(acc_ref, q_operand, k_smem.at[slot].transpose((1, 0)))
+                else:  # q . [k | krope] = q[:, :dk] . k + q[:, dk:] . krope
+                    plgpu.wgmma(acc_ref, q_operand.at[:, pl.ds(0, dk)], k_smem.at[slot].transpose((1, 0)))
+                    dr = krope_smem.shape[-1]
+                    plgpu.wgmma(acc_ref, q_operand.at[:, pl.ds(dk, dr)], krope_smem.at[slot].transpose((1, 0)))
                 if fp8:  # under the q.k wgmma, before the sync the other warpgroup's p @ v waits behind
                     convert_v(step, slot, masked)
                 schedule_sync()
@@ -366,6 +381,10 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, v_ref, scales_ref, out_ref, lse_ref
                     smem.at[slot, pl.ds(c * chunk, chunk)],
                     bars.at[slot],
                 )
+                if plane == 0 and krope_ref is not None:
+                    plgpu.copy_gmem_to_smem(
+                        krope_ref.at[pl.ds(row, chunk)], krope_smem.at[slot, pl.ds(c * chunk, chunk)], bars.at[slot]
+                    )
 
         for i in range(steps):
 
@@ -440,13 +459,13 @@ def _prefill(q, kv_cache, schedule, block_tables, scales, *, sm_scale, bs, inter
     _, num_blocks, page_size, num_kv_heads, head_dim = kv_cache.shape
     num_slots = num_blocks * page_size
     kv = kv_cache.reshape(2 * num_slots, num_kv_heads, head_dim)  # a bitcast: K rows, then V rows
-    return _launch(q, kv, kv, schedule, block_tables, scales, page_size=page_size, v_row0=num_slots,
+    return _launch(q, kv, None, kv, schedule, block_tables, scales, page_size=page_size, v_row0=num_slots,
                    sm_scale=sm_scale, bs=bs, interpret=interpret, zero_tail=zero_tail,
                    return_lse=return_lse)  # fmt: skip
 
 
 def prefill_attention_kv(
-    q,  # f[T, Hq, Dk]
+    q,  # f[T, Hq, Dk + Dr]
     k,  # f[N, Hkv, Dk]: key rows, ``page_size`` to a page
     v,  # f[N, Hkv, Dv]: value rows, the same pages
     schedule,  # i32[4, NT] from mgpu_schedule
@@ -454,32 +473,44 @@ def prefill_attention_kv(
     *,
     page_size: int,
     sm_scale: float,
+    k_rope=None,  # f[N, Dr] | None: the keys' second part, one row per slot shared by every head
     block_sizes: MgpuBlockSizes | None = None,
 ):
     """f[T, Hq, Dv]: ``prefill_attention`` over keys and values held apart, whose widths may
     differ (MLA's up-projected prefill: q/k 192, v 128), 16-bit; rows the schedule's tiles do
-    not cover are undefined. Both widths must be ``SUPPORTED_HEAD_SIZES``."""
-    for name, width in (("q/k", k.shape[-1]), ("v", v.shape[-1])):
+    not cover are undefined. With ``k_rope`` a key is ``[k | k_rope]`` (MLA: ``k_nope`` 128
+    per head, ``k_pe`` 64 shared), never concatenated in memory. ``Dk`` and ``Dv`` must be
+    ``SUPPORTED_HEAD_SIZES``, ``Dr`` a multiple of 64, and q as wide as the whole key."""
+    for name, width in (("k", k.shape[-1]), ("v", v.shape[-1])):
         if width not in SUPPORTED_HEAD_SIZES:
             raise ValueError(f"{name} head size {width} is not one of {list(SUPPORTED_HEAD_SIZES)}")
-    bs = block_sizes or mgpu_block_sizes(head_size=max(k.shape[-1], v.shape[-1]))
-    return _prefill_kv(q, k, v, schedule, block_tables, page_size=page_size, sm_scale=float(sm_scale), bs=bs)
+    dr = 0 if k_rope is None else k_rope.shape[-1]
+    if k_rope is not None and (k_rope.ndim != 2 or k_rope.shape[0] != k.shape[0] or dr % 64):
+        raise ValueError(
+            f"k_rope must be [N={k.shape[0]}, Dr] with Dr a multiple of 64 (whole 128-byte tiles), got {k_rope.shape}"
+        )
+    if q.shape[-1] != k.shape[-1] + dr:
+        raise ValueError(f"q's width {q.shape[-1]} must be the key's, {k.shape[-1]} + {dr}")
+    bs = block_sizes or mgpu_block_sizes(head_size=max(q.shape[-1], v.shape[-1]))
+    return _prefill_kv(q, k, k_rope, v, schedule, block_tables, page_size=page_size, sm_scale=float(sm_scale), bs=bs)
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "sm_scale", "bs"))
-def _prefill_kv(q, k, v, schedule, block_tables, *, page_size, sm_scale, bs):
-    return _launch(q, k, v, schedule, block_tables, None, page_size=page_size, v_row0=0, sm_scale=sm_scale, bs=bs,
-                   interpret=False, zero_tail=True, return_lse=False)  # fmt: skip
+def _prefill_kv(q, k, k_rope, v, schedule, block_tables, *, page_size, sm_scale, bs):
+    return _launch(q, k, k_rope, v, schedule, block_tables, None, page_size=page_size, v_row0=0, sm_scale=sm_scale,
+                   bs=bs, interpret=False, zero_tail=True, return_lse=False)  # fmt: skip
 
 
-def _launch(q, k, v, schedule, block_tables, scales, *, page_size, v_row0, sm_scale, bs, interpret, zero_tail,
+def _launch(q, k, k_rope, v, schedule, block_tables, scales, *, page_size, v_row0, sm_scale, bs, interpret, zero_tail,
             return_lse):  # fmt: skip
-    """The kernel over key rows ``k`` [N, Hkv, Dk] and value rows ``v`` (from row ``v_row0``; the
-    paged cache passes its one array as both) for the schedule's tiles of ``q``."""
+    """The kernel over key rows ``k`` [N, Hkv, Dk] (with ``k_rope`` [N, Dr] or None, their shared
+    second part) and value rows ``v`` (from row ``v_row0``; the paged cache passes its one array
+    as both) for the schedule's tiles of ``q``."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, dv = k.shape[1], v.shape[-1]
     chunks = bs.block_kv // min(page_size, bs.block_kv)
     num_tiles = schedule.shape[1]
+    rope = k_rope is not None
     pad = -num_tokens % 8  # a TMA over q and out wants whole 8-row tiles of tokens
     if pad:
         q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
@@ -487,31 +518,38 @@ def _launch(q, k, v, schedule, block_tables, scales, *, page_size, v_row0, sm_sc
     transforms = smem_transforms(head_dim, q.dtype)
     ring = (bs.steps_in_flight, bs.block_kv)
 
-    def entry(sched_ref, bt_ref, q_ref, k_ref, v_ref, *refs):
+    def entry(sched_ref, bt_ref, q_ref, k_ref, *refs):
+        krope_ref, refs = (refs[0], refs[1:]) if rope else (None, refs)
+        v_ref, refs = refs[0], refs[1:]
         scales_ref = refs[0] if fp8 else None
         out_ref, lse_ref = (*refs[1 if fp8 else 0 :], None)[:2]
+        dk = k.shape[-1]
         scratch = (
             plgpu.SMEM((2, bs.block_q, head_dim), q.dtype, transforms=transforms),
             plgpu.SMEM((2, bs.block_q, dv), q.dtype, transforms=smem_transforms(dv, q.dtype))
             if dv != head_dim
             else None,
-            plgpu.SMEM((*ring, head_dim), k.dtype, transforms=smem_transforms(head_dim, k.dtype)),
+            plgpu.SMEM((*ring, dk), k.dtype, transforms=smem_transforms(dk, k.dtype)),
             plgpu.SMEM((*ring, dv), v.dtype, transforms=smem_transforms(dv, v.dtype)),
             plgpu.SMEM((2, bs.block_q), jnp.float32) if return_lse else None,
             plgpu.SMEM((2, bs.block_q, head_dim), k.dtype, transforms=smem_transforms(head_dim, k.dtype))
             if fp8
             else None,
             plgpu.SMEM((*ring, dv), jnp.float16, transforms=smem_transforms(dv, jnp.float16)) if fp8 else None,
+            plgpu.SMEM((*ring, k_rope.shape[-1]), k_rope.dtype, transforms=smem_transforms(k_rope.shape[-1], k.dtype))
+            if rope
+            else None,
         )
         body = functools.partial(
-            _kernel, sched_ref, bt_ref, q_ref, k_ref, v_ref, scales_ref, out_ref, lse_ref, bs=bs, page_size=page_size,
+            _kernel, sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_ref, lse_ref, bs=bs,
+            page_size=page_size,
             group=num_q_heads // num_kv_heads, sm_scale=sm_scale, v_row0=v_row0, zero_tail=zero_tail,
         )  # fmt: skip
         pl.run_scoped(
             lambda *args: body(args),
             scratch,
             (
-                plgpu.Barrier(num_arrivals=chunks, num_barriers=bs.steps_in_flight),
+                plgpu.Barrier(num_arrivals=chunks * (2 if rope else 1), num_barriers=bs.steps_in_flight),
                 plgpu.Barrier(num_arrivals=chunks, num_barriers=bs.steps_in_flight),
                 plgpu.Barrier(num_barriers=2),
             ),
@@ -533,7 +571,7 @@ def _launch(q, k, v, schedule, block_tables, scales, *, page_size, v_row0, sm_sc
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=interpret,
         kernel_name="ragged_paged_prefill_mgpu",
-    )(schedule, block_tables, q, k, v, *([scales] if fp8 else []))
+    )(schedule, block_tables, q, k, *([k_rope] if rope else []), v, *([scales] if fp8 else []))
     if not return_lse:
         return out[:num_tokens]
     out, lse = out
