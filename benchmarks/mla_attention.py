@@ -12,9 +12,9 @@ default splits, or each of 1-8 with --sweep) and ``xla_reference`` (the jnp refe
 time, GB/s, TFLOP/s, % of the binding floor and the relative L2 error against the
 reference computed in float32 on the same inputs. MLA-P1 (4 x 4096 causal prefill, 16
 heads, q/k 192, v 128) runs the Triton prefill (ops/mla/prefill_pallas_triton.py, a few block
-sizes), the jnp prefill (``xla_mla_dense``) and cuDNN on the
-up-projected dense k/v (v zero-padded to 192: jax.nn's API takes one head size) as a peer,
-against the FLOPs floor.
+sizes), the jnp prefill (``xla_mla_dense``), the Mosaic GPU kernel on Hopper, and cuDNN and
+FlashAttention-3 on the up-projected dense k/v (v zero-padded to 192: their APIs take one
+k/v head size) as peers, against the FLOPs floor, by host clock and device span (CUPTI).
 
 MLA-IDX (only when named) times DeepSeek-V3.2's lightning indexer: the Triton kernel
 (ops/mla/indexer_pallas_triton.py) against the jnp reference, 4 chunks of 1024 tokens ending
@@ -101,9 +101,12 @@ def prefill_rows(spec, ceilings, sweep: bool = False) -> list[dict]:
     the host clock (calls back to back) and by its device span (CUPTI). ``xla_mla_dense``
     (ops/mla/dense.py: latents up-projected per request, then attention in XLA), the Triton
     kernel at four block sizes (``sweep``: block_q x block_k x warps x stages), on Hopper the
-    Mosaic GPU kernel (``prefill_pallas_mosaic_gpu``, metadata traced) and the cuDNN
-    peer (``jax.nn.dot_product_attention`` on the up-projected dense k/v) when it runs."""
+    Mosaic GPU kernel (``prefill_pallas_mosaic_gpu``, metadata traced) and the peers on the
+    up-projected dense k/v (outside the timing; v zero-padded to 192, their APIs taking one
+    k/v head size): cuDNN (``jax.nn.dot_product_attention``) when it runs, FlashAttention-3
+    (``fa3_peer``, the ``flash-attn3-jax`` wheel) when it imports."""
     import cupti_timing
+    import fa3_peer
     import jax
     import jax.numpy as jnp
 
@@ -174,6 +177,14 @@ def prefill_rows(spec, ceilings, sweep: bool = False) -> list[dict]:
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, nope + spec.rope_dim - dv)))  # jax.nn takes one head size
     cudnn = jax.jit(lambda q, k, v: sdpa(q, k, v)[..., :dv])
     row("cudnn_dense_vpad", cudnn, q.reshape(r, n, h, -1), k, v)
+    try:  # FlashAttention-3's dense call (its binding takes one k/v shape: v padded to 192 as for cuDNN)
+        fa3, notes = fa3_peer.import_fa3()
+    except ImportError as e:
+        print(f"  fa3_dense_vpad: skipped: {e}")
+    else:
+        print(f"  fa3 ({fa3_peer.FA3_WHEEL}): {'; '.join(notes) or 'imported'}")
+        flash = jax.jit(lambda q, k, v: fa3.flash_mha(q, k, v, softmax_scale=scale, is_causal=True)[..., :dv])
+        row("fa3_dense_vpad", flash, q.reshape(r, n, h, -1), k, v)
     del q_
     return out
 
