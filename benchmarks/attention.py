@@ -326,11 +326,18 @@ def default_block_sizes(b: DeviceBatch, mode: str | None = None) -> GpuBlockSize
     )  # fmt: skip
 
 
-def layer_step_ms(b: DeviceBatch, traced: bool, reps: int = 30, inner: int = 5) -> float:
+LAYER_METADATA_PATHS = ("host", "host_per_step", "traced")
+
+
+def layer_step_ms(b: DeviceBatch, metadata: str, reps: int = 30, inner: int = 5) -> float:
     """Median ms per step of write + attend through the public ``Attention`` layer (PALLAS_GPU,
-    cache donated): ``traced`` passes ``CommonAttentionMetadata`` into ``jax.jit(layer.__call__)``
-    as the README's example does; else ``layer.prepare(md)`` builds the backend's metadata on
-    the host first, as the engine does."""
+    cache donated), ``metadata`` one of ``LAYER_METADATA_PATHS``: "traced" passes the host's
+    ``CommonAttentionMetadata`` into ``jax.jit(layer.__call__)`` every step (its arrays go to
+    the device with the call); "host" builds the backend's metadata with ``layer.prepare(md)``
+    once and reuses it on the device every step; "host_per_step" calls ``layer.prepare(md)``
+    every step, as the engine does for each new batch (the host's schedule, then its copy)."""
+    if metadata not in LAYER_METADATA_PATHS:
+        raise ValueError(f"metadata={metadata!r}; valid: {LAYER_METADATA_PATHS}")
     s = b.spec
     layer = Attention(s.num_q_heads, s.head_size, s.head_size**-0.5, s.num_kv_heads, block_size=s.block_size,
                       dtype=s.dtype, attn_backend=AttentionBackendEnum.PALLAS_GPU)  # fmt: skip
@@ -344,7 +351,7 @@ def layer_step_ms(b: DeviceBatch, traced: bool, reps: int = 30, inner: int = 5) 
     T = b.num_tokens
     q = b.q.reshape(T, -1)
     k = jax.random.normal(jax.random.key(7), (T, s.num_kv_heads * s.head_size), b.q.dtype)
-    attn_md = md if traced else layer.prepare(md)
+    reused = md if metadata == "traced" else layer.prepare(md)
     step = jax.jit(layer.__call__, donate_argnums=3)
     state = {"cache": jnp.array(b.kv_cache)}
     times = []
@@ -352,6 +359,7 @@ def layer_step_ms(b: DeviceBatch, traced: bool, reps: int = 30, inner: int = 5) 
         jax.block_until_ready(state["cache"])
         t0 = time.perf_counter()
         for _ in range(inner):
+            attn_md = layer.prepare(md) if metadata == "host_per_step" else reused
             out, state["cache"] = step(q, k, k, state["cache"], attn_md)
         jax.block_until_ready((out, state["cache"]))
         if i:  # the first round compiles
@@ -979,10 +987,15 @@ def main(argv=None) -> int:
         if "layer" in impls:  # the public layer: host-built metadata vs metadata traced under jit
 
             def layer(b=b, record=record):
-                for traced in (False, True):
-                    impl = "layer_traced_metadata" if traced else "layer_host_metadata"
-                    note = "write + attend through Attention.__call__ in a donated jit, host clock"
-                    record(impl, layer_step_ms(b, traced) / 1e3, float("nan"), {"note": note})
+                times = {}
+                for metadata in LAYER_METADATA_PATHS:
+                    impl = {"host": "layer_host_metadata", "host_per_step": "layer_host_metadata_per_step",
+                            "traced": "layer_traced_metadata"}[metadata]  # fmt: skip
+                    note = f"write + attend through Attention.__call__ in a donated jit, host clock ({metadata})"
+                    times[metadata] = layer_step_ms(b, metadata)
+                    record(impl, times[metadata] / 1e3, float("nan"), {"note": note})
+                log(f"    traced / host: {times['traced'] / times['host']:.3f} (metadata reused), "
+                    f"{times['traced'] / times['host_per_step']:.3f} (host metadata built every step)")  # fmt: skip
 
             attempt("layer", layer)
         if "xla" in impls:
