@@ -196,6 +196,26 @@ def test_kernel_lowers_for_cuda_at_every_head_size(head_size, cache_dtype):
     assert pallas_mosaic_gpu.swizzle_bytes(head_size * 2) == swizzle
 
 
+def test_split_key_lowers_for_cuda_and_bad_parts_are_named():
+    """Keys held as two parts (MLA: ``k_nope`` per head, ``k_pe`` shared) lower as two wgmmas
+    over q's column halves; a part or a q of the wrong width is refused naming the shapes."""
+    sds = jax.ShapeDtypeStruct
+    bf16 = jnp.bfloat16
+    q, k, v = sds((1024, 4, 192), bf16), sds((1024, 4, 128), bf16), sds((1024, 4, 128), bf16)
+    sched, pages = sds((4, 8), jnp.int32), sds((2, 1), jnp.int32)
+
+    def attend(q, k, v, sched, pages, k_rope):
+        return pallas_mosaic_gpu.prefill_attention_kv(q, k, v, sched, pages, page_size=512, sm_scale=0.1,
+                                                      k_rope=k_rope)  # fmt: skip
+
+    exported = jax.export.export(jax.jit(attend), platforms=["cuda"])(q, k, v, sched, pages, sds((1024, 64), bf16))
+    assert "mosaic_gpu" in exported.mlir_module()
+    with pytest.raises(ValueError, match=r"k_rope must be \[N=1024, Dr\].*\(1024, 32\)"):
+        jax.eval_shape(attend, sds((1024, 4, 160), bf16), k, v, sched, pages, sds((1024, 32), bf16))
+    with pytest.raises(ValueError, match="q's width 192 must be the key's, 128 \\+ 0"):
+        jax.eval_shape(attend, q, k, v, sched, pages, None)
+
+
 def test_kernel_plan_names_the_kernel_per_batch_kind(monkeypatch):
     from attn_jax.backends.pallas_gpu import MGPU_PREFILL_ENV
     from attn_jax.backends.pallas_gpu import PallasGPUAttentionBackend as B
