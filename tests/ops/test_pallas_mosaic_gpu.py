@@ -214,6 +214,8 @@ def test_split_key_lowers_for_cuda_and_bad_parts_are_named():
         jax.eval_shape(attend, sds((1024, 4, 160), bf16), k, v, sched, pages, sds((1024, 32), bf16))
     with pytest.raises(ValueError, match="q's width 192 must be the key's, 128 \\+ 0"):
         jax.eval_shape(attend, q, k, v, sched, pages, None)
+    with pytest.raises(ValueError, match="k_rope's dtype float16 must be k's, bfloat16"):
+        jax.eval_shape(attend, q, k, v, sched, pages, sds((1024, 64), jnp.float16))
 
 
 def test_kernel_plan_names_the_kernel_per_batch_kind(monkeypatch):

@@ -193,10 +193,10 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_r
             zero_tail: bool = True):  # fmt: skip
     """One CTA. ``krope_ref`` [N, Dr] or None: the keys' second part, shared by the heads
     (keys ``[k | krope]``, q as wide as both). ``scales_ref`` f32[3] (k_scale, v_scale,
-    q_scale) or None: FP8 attention, the
-    cache e4m3, q quantised to e4m3 in the kernel (q8_smem), q.k on FP8 wgmma; each V block
-    converted to float16 in a shared-memory ring (vb_smem, exact; Hopper converts e4m3 to f16
-    only) for p @ v in float16, since FP8 wgmma takes no N-major B operand. The two compute
+    q_scale) or None: FP8 attention, the cache e4m3, q quantised to e4m3 in the kernel
+    (q8_smem), q.k on FP8 wgmma; each V block converted to float16 in a shared-memory ring
+    (vb_smem, exact; Hopper converts e4m3 to f16 only) for p @ v in float16, since FP8
+    wgmma takes no N-major B operand. The two compute
     warpgroups convert half a 128-key block each, while their q.k wgmma runs, and meet on
     ``vb_ready`` before p @ v (a 64-key block: each converts it whole)."""
     block_q, block_kv, steps = bs.block_q, bs.block_kv, bs.steps_in_flight
@@ -489,6 +489,8 @@ def prefill_attention_kv(
         raise ValueError(
             f"k_rope must be [N={k.shape[0]}, Dr] with Dr a multiple of 64 (whole 128-byte tiles), got {k_rope.shape}"
         )
+    if k_rope is not None and k_rope.dtype != k.dtype:
+        raise ValueError(f"k_rope's dtype {k_rope.dtype} must be k's, {k.dtype}")
     if q.shape[-1] != k.shape[-1] + dr:
         raise ValueError(f"q's width {q.shape[-1]} must be the key's, {k.shape[-1]} + {dr}")
     bs = block_sizes or mgpu_block_sizes(head_size=max(q.shape[-1], v.shape[-1]))
