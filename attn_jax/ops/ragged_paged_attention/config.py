@@ -238,9 +238,8 @@ def decode_part_block_sizes(
     """A mixed batch's decode part (its decodes in the same launch as its other rows, see
     ``pallas_triton.mixed_schedule``): ``decode`` (the bucket's decode blocks) on ``launch``'s
     warps and stages, unsplit, stepped down (``fit_smem``) to ``device_kind``'s shared memory;
-    None when ``launch`` splits the KV range. On the H100 a serving step of one 512-token chunk and 63 decodes on
-    2048 took 211 us against 244 with the decodes on the mixed blocks, M1 309 against 315
-    (BENCHMARKS.md)."""
+    None when ``launch`` splits the KV range. What it gains on the H100: BENCHMARKS.md ("Mixed
+    batches: their decodes on decode blocks in the same launch")."""
     if launch.num_kv_splits != 1:
         return None
     part = dataclasses.replace(decode, num_kv_splits=1, num_warps=launch.num_warps, num_stages=launch.num_stages)
