@@ -113,11 +113,12 @@ def run_layer(layer, q, k, v, md, num_blocks, reps: int, inner: int = 5):
     return statistics.median(times) * 1e3, np.asarray(out.astype(jnp.float32)).reshape(q.shape), cache, step, attn_md
 
 
-def attention_kernel_us(step, args, cache, attn_md) -> tuple[dict[str, float], jax.Array]:
+def attention_kernel_us(step, args, cache, attn_md) -> tuple[dict[str, float], float | None, jax.Array]:
     """(device microseconds per step by kernel class (CUPTI medians of 20 calls, ``cupti_timing``;
-    {} off GPU), the cache after the traced steps: ``cache`` itself is donated to them)."""
+    {} off GPU), the step's median device span (first kernel's start to last kernel's end; None
+    off GPU), the cache after the traced steps: ``cache`` itself is donated to them)."""
     if jax.default_backend() != "gpu":
-        return {}, cache
+        return {}, None, cache
     import cupti_timing
     from attention import KERNEL_CLASSES
 
@@ -128,12 +129,13 @@ def attention_kernel_us(step, args, cache, attn_md) -> tuple[dict[str, float], j
         return out, state["cache"]
 
     try:
-        groups = cupti_timing.trace_calls({"step": call}, n=20)["step"]
-        kernels = cupti_timing.summarize(groups, KERNEL_CLASSES)["median_us_by_class"]
+        groups = cupti_timing.trace_calls({"step": call}, n=20, gap_s=3e-2)["step"]  # host work inside a step
+        summary = cupti_timing.summarize(groups, KERNEL_CLASSES)
+        kernels, span = summary["median_us_by_class"], summary["median_us"]
     except Exception as e:  # noqa: BLE001 - the wall-clock timing stands without the trace
         print(f"  (no CUPTI kernel times: {type(e).__name__}: {str(e).splitlines()[0][:200]})", flush=True)
-        kernels = {}
-    return kernels, state["cache"]
+        kernels, span = {}, None
+    return kernels, span, state["cache"]
 
 
 SWEEP = [
@@ -289,14 +291,15 @@ def main(argv=None) -> int:
             ms, out, cache, step, attn_md = run_layer(layer, q, k, v, md, num_blocks, args.reps)
             T = q.shape[0]
             args3 = (q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1))
-            kernels, cache = attention_kernel_us(step, args3, cache, attn_md)  # the old cache was donated
+            kernels, span, cache = attention_kernel_us(step, args3, cache, attn_md)  # the old cache was donated
             attn_us = sum(t for c, t in kernels.items() if c.startswith("attention_"))
             q_used = quantized_query(q64, float(layer.q_scale)) if layer.query_quant else q64
             quantized = oracle_rows(q_used, *cache_seqs(layer, cache, md, query_lens), query_lens, rows, D**-0.5)
             row = {
                 "layer": name, **LAYERS[name], "ms_per_step_incl_write": ms,
                 "tflop_per_s_incl_write": total_flops / ms / 1e9, "kernel_us": kernels,
-                "attention_kernel_us": attn_us or None,
+                "attention_kernel_us": attn_us or None, "device_span_us": span,
+                "tflop_per_s_device_span": total_flops / span / 1e6 if span else None,
                 "tflop_per_s_attention_kernels": total_flops / attn_us / 1e6 if attn_us else None,
                 "rel_l2_vs_quantized_oracle": rel_l2(out[rows], quantized),
                 "rel_l2_vs_unquantized_oracle": rel_l2(out[rows], unquantized),
@@ -314,6 +317,8 @@ def main(argv=None) -> int:
             kernel_txt = ""
             if attn_us:
                 kernel_txt = f", kernels {attn_us:.1f} us = {row['tflop_per_s_attention_kernels']:.0f} TFLOP/s"
+            if span:
+                kernel_txt += f", device span {span:.1f} us = {row['tflop_per_s_device_span']:.0f} TFLOP/s"
             log(f"  {name:<14} {ms:8.3f} ms/step incl. write = {row['tflop_per_s_incl_write']:7.1f} TFLOP/s"
                 f"{kernel_txt}; "
                 f"rel L2 {row['rel_l2_vs_quantized_oracle']:.2e} vs quantised oracle, "
