@@ -12,16 +12,17 @@ import pytest
 
 from tests.subprocess_env import CPU_COMPILE_FLAG
 
-# Tests build many engines and kernels of the same shapes, each a new jitted closure that XLA
-# would compile again: one session-wide persistent cache (a fresh temporary folder, shared
-# with the xdist workers and the subprocesses tests start through the environment) compiles
-# each program once. Set before any test module imports jax; a cache the caller set is kept.
 # XLA's CPU backend spends most of a test's time in LLVM optimising programs that then run a
 # few times on tiny shapes: -O0 there (test_multistep_decode + test_deepseek 99 -> 72 s on the
 # CI machine). Not where a GPU is, so the marked GPU cases compile as users' programs do; not
 # when the caller chose a level. Subprocesses get it through ``tests.subprocess_env``.
 if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_COMPILE_FLAG}".strip()
+
+# Tests build many engines and kernels of the same shapes, each a new jitted closure that XLA
+# would compile again: one session-wide persistent cache (a fresh temporary folder, shared
+# with the xdist workers and the subprocesses tests start through the environment) compiles
+# each program once. Set before any test module imports jax; a cache the caller set is kept.
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="attn-stack-jax-cache-")
