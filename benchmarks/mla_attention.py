@@ -14,7 +14,8 @@ reference computed in float32 on the same inputs. MLA-P1 (4 x 4096 causal prefil
 heads, q/k 192, v 128) runs the Triton prefill (ops/mla/prefill_pallas_triton.py, a few block
 sizes), the jnp prefill (``xla_mla_dense``), the Mosaic GPU kernel on Hopper, and cuDNN and
 FlashAttention-3 on the up-projected dense k/v (v zero-padded to 192: their APIs take one
-k/v head size) as peers, against the FLOPs floor, by host clock and device span (CUPTI).
+k/v head size) as peers, and the public ``MLAAttention`` layer (latent write + up-projection +
+attention, as a model calls it), against the FLOPs floor, by host clock and device span (CUPTI).
 
 MLA-IDX (only when named) times DeepSeek-V3.2's lightning indexer: the Triton kernel
 (ops/mla/indexer_pallas_triton.py) against the jnp reference, 4 chunks of 1024 tokens ending
@@ -168,6 +169,7 @@ def prefill_rows(spec, ceilings, sweep: bool = False) -> list[dict]:
         mgpu = jax.jit(functools.partial(prefill_pallas_mosaic_gpu.mla_prefill, sm_scale=scale,
                                          kv_lora_rank=spec.kv_lora_rank, q_block=n))  # fmt: skip
         row("pallas_mla_mosaic_gpu", mgpu, q, cache, w_uk, w_uv, qsl, lens, table)
+    layer_row(spec, row, q, cache, table, w_uk, w_uv)
     latent = cache[table].reshape(r, n, -1)
     c_kv, k_pe = latent[..., : spec.kv_lora_rank], latent[..., spec.kv_lora_rank :]
     k = jnp.concatenate([jnp.einsum("rlc,chd->rlhd", c_kv, w_uk),
@@ -187,6 +189,39 @@ def prefill_rows(spec, ceilings, sweep: bool = False) -> list[dict]:
         row("fa3_dense_vpad", flash, q.reshape(r, n, h, -1), k, v)
     del q_
     return out
+
+
+def layer_row(spec, row, q, cache, table, w_uk, w_uv) -> None:
+    """MLA-P1 through the public ``MLAAttention`` layer as a model calls it: the new latents
+    written into the cache (donated; they are the ones it already holds, so the row's output
+    is comparable), ``kv_b_proj`` up-projecting them, the backend's attention; metadata built
+    on the host once (``metadata_builder.build``, as the engine builds it)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
+    from attn_jax.mla_layer import MLAAttention
+
+    nope, dv, c, h = 128, 128, spec.kv_lora_rank, spec.num_heads
+    r, n = spec.num_reqs, spec.query_len
+    layer = MLAAttention(h, (nope + spec.rope_dim) ** -0.5, nope, spec.rope_dim, dv, None, c,
+                         block_size=spec.block_size, dtype=jnp.bfloat16)  # fmt: skip
+    buckets = MetadataBuckets((r * n,), (r,), (table.shape[1],))  # the workload's own sizes: no padding
+    md = build_common_attn_metadata([n] * r, [n] * r, np.asarray(table), spec.block_size, buckets)
+    meta = layer.metadata_builder.build(0, md)
+    pad = md.num_tokens - r * n  # the bucket's padding rows
+    latent = jnp.pad(cache[table].reshape(r * n, -1), ((0, pad), (0, 0)))
+    kv_b_proj = jnp.concatenate([w_uk, w_uv], axis=-1).reshape(c, h * (nope + dv))
+    step = jax.jit(layer.__call__, donate_argnums=(3,))
+    state = {"cache": jnp.array(cache)}
+
+    def call(q, kv_c, k_pe):
+        out, state["cache"] = step(q, kv_c, k_pe, state["cache"], meta, kv_b_proj)
+        return out[: r * n].reshape(r * n, h, dv)
+
+    q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
+    row(f"MLAAttention layer ({layer.attn_backend.get_name()})", call, q, latent[:, :c], latent[:, c:])
 
 
 def indexer_rows(ceilings, *, num_reqs: int = 4, new_tokens: int = 1024, context_len: int = 4096,

@@ -57,6 +57,18 @@ def test_two_steps_prefill_then_decode_match_oracle(kv_cache_dtype, context_chun
         want, _ = mla_prefill_oracle(q.reshape(-1, H, NOPE + ROPE), latents, w_uk, w_uv, query_lens, sm_scale=scale)
         n = sum(query_lens)
         np.testing.assert_allclose(np.asarray(out)[:n], want[:n].reshape(n, -1), atol=3e-5, rtol=3e-5)
+        assert not np.asarray(out)[n:].any()  # padding rows: zero (the prefill step's rows in place too)
+
+
+def test_prefill_rows_are_read_in_place_only_when_they_are_the_batch_in_order():
+    """All-prefill batches skip the gather and scatter of rows (``prefill_rows_in_order``);
+    a batch with decodes keeps them, wherever its prefills sit."""
+    builder = _layer().metadata_builder
+    table = np.array([[0, 1], [2, 3]], np.int32)
+    cases = {(4, 17): True, (1, 17): False, (17, 1): False}
+    for query_lens, in_order in cases.items():
+        md = build_common_attn_metadata(query_lens, [max(q, 5) for q in query_lens], table, S)
+        assert builder.build(0, md).prefill_rows_in_order is in_order, query_lens
 
 
 def test_errors_name_the_bad_value():

@@ -75,6 +75,9 @@ class MLAMetadata:
     prefill_q_block: int = dataclasses.field(default=0, metadata=dict(static=True))
     """Query rows per prefill request block (``dense.mla_prefill_dense``): the power of two
     >= the longest prefill; 0 without prefills."""
+    prefill_rows_in_order: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    """No decodes and ``prefill_rows`` is 0, 1, ... then padding: the prefill part reads the
+    query and writes the output in place, no gather and no scatter of the batch's rows."""
 
 
 class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
@@ -128,6 +131,8 @@ class MLAMetadataBuilder(AttentionMetadataBuilder[MLAMetadata]):
             num_decodes=np.int32(decodes.size), num_prefills=np.int32(prefills.size),
             has_decodes=bool(decodes.size), has_prefills=bool(prefills.size),
             prefill_q_block=next_pow2(int(qlens[prefills].max())) if prefills.size else 0,
+            prefill_rows_in_order=bool(prefills.size and not decodes.size
+                                       and (flat == np.arange(flat.size)).all()),
         )  # fmt: skip
 
     def build_for_jit(self, common_attn_metadata, step_query_lens=None, common_prefix_len=0) -> MLAMetadata:
@@ -273,6 +278,10 @@ class XLAMLAImpl(AttentionImpl[MLAMetadata]):
             o_lat = self.decode(q_abs, kv_cache, md.decode_seq_lens, md.decode_block_tables, k_scale)
             o = jnp.einsum("thc,chd->thd", o_lat, w_uv.astype(o_lat.dtype), precision=precision)
             out = out.at[md.decode_rows].set(o.astype(out.dtype), mode="drop")
+        if md.prefill_rows_in_order:  # the rows are the prefills' (then padding, left 0 as below)
+            o = self.prefill(query, kv_cache, w_uk, w_uv, md, k_scale).astype(query.dtype)
+            real = jnp.arange(num_tokens, dtype=jnp.int32) < md.prefill_query_start_loc[-1]
+            return jnp.where(real[:, None, None], o, jnp.zeros((), o.dtype)), kv_cache
         if md.has_prefills:
             q = query[jnp.minimum(md.prefill_rows, num_tokens - 1)]
             o = self.prefill(q, kv_cache, w_uk, w_uv, md, k_scale)
