@@ -20,6 +20,8 @@ import logging
 import os
 from typing import ClassVar
 
+import jax.numpy as jnp
+
 from attn_jax.backends.base import AttentionConfig
 from attn_jax.backends.mla_xla import MLACommonBackend, XLAMLAImpl
 from attn_jax.backends.pallas_gpu import mgpu_prefill_setting
@@ -31,6 +33,8 @@ from attn_jax.ops.mla import (
     prefill_pallas_triton,
     sparse_pallas_triton,
 )
+from attn_jax.ops.mla.validate import validate_write
+from attn_jax.ops.ragged_paged_attention import kv_write
 from attn_jax.ops.ragged_paged_attention.config import mgpu_prefill_available
 from attn_jax.platforms import Platform, current_platform
 from attn_jax.types import cache_storage_dtype
@@ -94,6 +98,15 @@ class PallasMLAGPUImpl(_PallasMLAImpl):
             not self.interpret and hopper and mgpu_mla_decode_setting()
             and self.num_heads >= decode_pallas_mosaic_gpu.BLOCK_H
         )  # fmt: skip
+
+    def write_latents(self, kv_cache, kv_c, k_pe, slot_mapping, k_scale=None):
+        """Compiled: the Pallas k/v write with one plane (``kv_write.write_latents``), the rows
+        stored at copy speed where XLA's scatter took 4-5x longer (BENCHMARKS.md)."""
+        if self.interpret:
+            return super().write_latents(kv_cache, kv_c, k_pe, slot_mapping, k_scale)
+        validate_write(kv_cache, kv_c, k_pe, slot_mapping, kv_lora_rank=self.kv_lora_rank, k_scale=k_scale)
+        latents = jnp.concatenate([kv_c, k_pe], axis=-1)
+        return kv_write.write_latents(kv_cache, latents, slot_mapping, k_scale, interpret=False)
 
     def prefill(self, q, kv_cache, w_uk, w_uv, md, k_scale=None):
         if not self.triton_prefill:

@@ -222,6 +222,11 @@ class XLAMLAImpl(AttentionImpl[MLAMetadata]):
         self.kv_cache_dtype = validate_cache_dtype(kv_cache_dtype)
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
 
+    def write_latents(self, kv_cache, kv_c, k_pe, slot_mapping, k_scale=None):
+        """Each new token's ``[kv_c | k_pe]`` into its slot (an XLA scatter); overridden by kernels."""
+        return reference.write_latent_cache(kv_cache, kv_c, k_pe, slot_mapping, kv_lora_rank=self.kv_lora_rank,
+                                            k_scale=k_scale)  # fmt: skip
+
     def decode(self, q_abs, kv_cache, seq_lens, block_tables, k_scale=None):
         """Absorbed decode op: q_abs f[Rd, H, C + R] -> f[Rd, H, C]; overridden by the kernels."""
         return reference.mla_decode(q_abs, kv_cache, seq_lens, block_tables, sm_scale=self.scale,
@@ -263,8 +268,7 @@ class XLAMLAImpl(AttentionImpl[MLAMetadata]):
         if np.dtype(kv_cache.dtype).itemsize != 1:
             k_scale = None  # only an fp8 latent cache is scaled; v_scale is unused (one latent, one scale)
         if self.kv_sharing_target_layer_name is None and key is not None:
-            kv_cache = reference.write_latent_cache(kv_cache, key, value, md.slot_mapping,
-                                                    kv_lora_rank=self.kv_lora_rank, k_scale=k_scale)  # fmt: skip
+            kv_cache = self.write_latents(kv_cache, key, value, md.slot_mapping, k_scale)
         num_tokens = query.shape[0]
         precision = jax.lax.Precision.HIGHEST if query.dtype == jnp.float32 else None
         if topk_positions is not None:

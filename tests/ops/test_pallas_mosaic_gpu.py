@@ -280,6 +280,24 @@ def test_write_kernel_matches_scatter_interpret(cache_dtype):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))  # NaN where NaN
 
 
+@pytest.mark.parametrize("cache_dtype", [jnp.bfloat16, jnp.float8_e4m3fn])
+def test_latent_write_kernel_matches_scatter_interpret(cache_dtype):
+    """MLA's latent cache through the same kernel with one plane (``write_latents``): rows at
+    their slots, -1 and out-of-range slots dropped, the rest of the cache (NaN) untouched."""
+    from attn_jax.ops.mla import reference as mla_reference
+
+    rng = np.random.default_rng(3)
+    cache = jnp.full((4, 16, 96), jnp.nan, cache_dtype)
+    kv_c, k_pe = (jnp.asarray(rng.standard_normal((21, n)), jnp.bfloat16) for n in (64, 32))
+    slots = rng.permutation(64)[:21].astype(np.int32)
+    slots[3], slots[-1] = -1, 64 + 7
+    scale = jnp.float32(0.5) if cache_dtype == jnp.float8_e4m3fn else None
+    ref = mla_reference.write_latent_cache(cache, kv_c, k_pe, np.where(slots < 64, slots, -1), kv_lora_rank=64,
+                                           k_scale=scale)  # fmt: skip
+    out = kv_write.write_latents(cache, jnp.concatenate([kv_c, k_pe], -1), slots, scale, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))  # NaN where NaN
+
+
 def test_write_kernel_is_in_place_under_donation():
     step = jax.jit(functools.partial(kv_write.write_kv, interpret=True), donate_argnums=0)
     cache = jnp.zeros((2, 4, 16, 2, 32), jnp.float32)

@@ -28,11 +28,10 @@ from attn_jax.kv_cache import dequantize_from_cache, quantize_to_cache
 from attn_jax.ops.mla.validate import (
     check_scale,
     dynamic_validate,
-    dynamic_validate_slots,
     is_concrete,
     static_validate_decode,
     static_validate_prefill,
-    static_validate_write,
+    validate_write,
 )
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -46,12 +45,9 @@ def write_latent_cache(kv_cache, kv_c, k_pe, slot_mapping, *, kv_lora_rank: int,
     Cast to the cache dtype (fp8: ``latent / k_scale``, clipped); a scatter, in place under
     ``jit`` with the cache donated.
     """
-    static_validate_write(kv_cache, kv_c, k_pe, slot_mapping, kv_lora_rank=kv_lora_rank)
-    check_scale(kv_cache, k_scale)
+    validate_write(kv_cache, kv_c, k_pe, slot_mapping, kv_lora_rank=kv_lora_rank, k_scale=k_scale)
     num_blocks, block_size, width = kv_cache.shape
     num_slots = num_blocks * block_size
-    if is_concrete(slot_mapping):
-        dynamic_validate_slots(slot_mapping, num_slots=num_slots)
     rows = quantize_to_cache(jnp.concatenate([kv_c, k_pe], axis=-1), kv_cache.dtype, k_scale)  # [T, C + R]
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range: dropped
     flat = jnp.asarray(kv_cache).reshape(num_slots, width).at[slots].set(rows, mode="drop")

@@ -153,3 +153,11 @@ def dynamic_validate(seq_lens, block_tables, *, num_blocks: int, block_size: int
 def dynamic_validate_slots(slot_mapping, *, num_slots: int) -> None:
     """Every slot in [-1, num_slots) (-1 = padding, not written)."""
     check_slot_ids(np.asarray(slot_mapping), num_slots)
+
+
+def validate_write(kv_cache, kv_c, k_pe, slot_mapping, *, kv_lora_rank, k_scale) -> None:
+    """A latent write's checks: shapes and dtypes, the scale, and the slots when concrete."""
+    static_validate_write(kv_cache, kv_c, k_pe, slot_mapping, kv_lora_rank=kv_lora_rank)
+    check_scale(kv_cache, k_scale)
+    if is_concrete(slot_mapping):
+        dynamic_validate_slots(slot_mapping, num_slots=kv_cache.shape[0] * kv_cache.shape[1])

@@ -35,11 +35,13 @@ def _column_block(width: int) -> int:
     return min(width & -width, 2048)
 
 
-def _write_kernel(slots_ref, k_ref, v_ref, cache_in_ref, cache_ref, *, num_slots, block_tokens, cols, spare):
-    del cache_in_ref  # aliased to cache_ref
+def _write_kernel(slots_ref, *refs, num_slots, block_tokens, cols, spare):
+    """``refs``: one [T, width] row array per cache plane (k and v; MLA's one latent), the
+    cache in (aliased to the output, unused), the cache out [planes, slots, width]."""
+    *row_refs, _, cache_ref = refs
     t0 = pl.program_id(0) * block_tokens
     c0 = pl.program_id(1) * cols
-    num_tokens = k_ref.shape[0]
+    num_tokens = row_refs[0].shape[0]
     tok = t0 + jnp.arange(block_tokens, dtype=jnp.int32)
     tok_ok = tok < num_tokens
     tok_c = jnp.minimum(tok, num_tokens - 1)
@@ -50,8 +52,8 @@ def _write_kernel(slots_ref, k_ref, v_ref, cache_in_ref, cache_ref, *, num_slots
     slot = jnp.where(ok, slot, num_slots if spare else 0)[:, None]
     c = c0 + jnp.arange(cols, dtype=jnp.int32)[None, :]
     row = tok_c[:, None]
-    plgpu.store(cache_ref.at[0, slot, c], plgpu.load(k_ref.at[row, c]), mask=ok[:, None])
-    plgpu.store(cache_ref.at[1, slot, c], plgpu.load(v_ref.at[row, c]), mask=ok[:, None])
+    for plane, rows_ref in enumerate(row_refs):
+        plgpu.store(cache_ref.at[plane, slot, c], plgpu.load(rows_ref.at[row, c]), mask=ok[:, None])
 
 
 def write_kv(
@@ -87,20 +89,45 @@ def write_kv(
     v_new = quantize_to_cache(value, kv_cache.dtype, v_scale)
     if key.shape[0] == 0:
         return kv_cache
+    num_tokens = key.shape[0]
+    rows = (k_new.reshape(num_tokens, -1), v_new.reshape(num_tokens, -1))
     return _write(
-        kv_cache, k_new, v_new, slot_mapping.astype(jnp.int32), interpret=interpret, block_tokens=block_tokens
-    )
+        kv_cache, rows, slot_mapping.astype(jnp.int32), interpret=interpret, block_tokens=block_tokens
+    ).reshape(kv_cache.shape)
+
+
+def write_latents(
+    kv_cache,  # [P, S, C + R]: MLA's latent cache, one row per token
+    latents,  # f[T, C + R]: each new token's [kv_c | k_pe]
+    slot_mapping,  # i32[T]; -1 = padding, not written
+    k_scale=None,  # f32[] | None: an fp8 cache stores latent / k_scale
+    *,
+    interpret: bool | None = None,
+    block_tokens: int = BLOCK_TOKENS,
+):
+    """``mla.reference.write_latent_cache``'s contract for rows already joined, as the same
+    kernel with one plane: the latent cache viewed ``[1, P * S, C + R]``, each row stored at
+    its slot, in place under donation."""
+    kv_cache, latents, slot_mapping = jnp.asarray(kv_cache), jnp.asarray(latents), jnp.asarray(slot_mapping)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if latents.shape[0] == 0:
+        return kv_cache
+    rows = (quantize_to_cache(latents, kv_cache.dtype, _scalar_scale("k_scale", k_scale)),)
+    return _write(
+        kv_cache[None], rows, slot_mapping.astype(jnp.int32), interpret=interpret, block_tokens=block_tokens
+    ).reshape(kv_cache.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_tokens"))
-def _write(kv_cache, k_new, v_new, slots, *, interpret, block_tokens):
-    shape = kv_cache.shape
-    _, num_blocks, page_size, num_kv_heads, head_size = shape
-    num_slots, width = num_blocks * page_size, num_kv_heads * head_size
-    num_tokens = k_new.shape[0]
-    flat = kv_cache.reshape(2, num_slots, width)
+def _write(kv_cache, rows, slots, *, interpret, block_tokens):
+    """[planes, num_slots, width]: ``rows[p]`` (f[T, width]) stored into plane p at ``slots``."""
+    planes = len(rows)
+    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+    num_tokens, width = rows[0].shape
+    flat = kv_cache.reshape(planes, num_slots, width)
     if interpret:  # a spare row per plane for the interpreter's masked stores
-        flat = jnp.concatenate([flat, jnp.zeros((2, 1, width), flat.dtype)], axis=1)
+        flat = jnp.concatenate([flat, jnp.zeros((planes, 1, width), flat.dtype)], axis=1)
     cols = _column_block(width)
     kernel = functools.partial(
         _write_kernel, num_slots=num_slots, block_tokens=block_tokens, cols=cols, spare=interpret
@@ -109,11 +136,11 @@ def _write(kv_cache, k_new, v_new, slots, *, interpret, block_tokens):
         kernel,
         grid=(pl.cdiv(num_tokens, block_tokens), width // cols),
         out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
-        input_output_aliases={3: 0},
+        input_output_aliases={1 + planes: 0},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="kv_write_gpu",
-    )(slots, k_new.reshape(num_tokens, width), v_new.reshape(num_tokens, width), flat)
+    )(slots, *rows, flat)
     if interpret:
         out = out[:, :num_slots]
-    return out.reshape(shape)
+    return out
