@@ -13,6 +13,8 @@ It replaces ``attn_jax.kv_cache.write_to_kv_cache`` (two XLA scatters) with the 
 contract: negative slots (padding) and slots from ``P * S`` on write nothing, fp8 caches
 store ``x / scale`` quantised by ``quantize_to_cache``; two tokens with the same slot
 leave either one's values. ``benchmarks/attention.py`` times both (BENCHMARKS.md).
+``write_latents`` runs the same kernel over one plane: MLA's latent cache ``[P, S, C + R]``
+(PALLAS_MLA_GPU's write, in place of ``mla.reference.write_latent_cache``'s scatter).
 """
 
 from __future__ import annotations
