@@ -276,16 +276,16 @@ class XLAMLAImpl(AttentionImpl[MLAMetadata]):
             o_lat = self.sparse(q_abs, kv_cache, topk_positions, md, k_scale)
             o = jnp.einsum("thc,chd->thd", o_lat, w_uv.astype(o_lat.dtype), precision=precision)
             return o.astype(query.dtype), kv_cache
+        if md.prefill_rows_in_order:  # no decodes: the rows are the prefills', then padding (0, as below)
+            o = self.prefill(query, kv_cache, w_uk, w_uv, md, k_scale).astype(query.dtype)
+            real = jnp.arange(num_tokens, dtype=jnp.int32) < md.prefill_query_start_loc[-1]
+            return jnp.where(real[:, None, None], o, jnp.zeros((), o.dtype)), kv_cache
         out = jnp.zeros((num_tokens, self.num_heads, self.v_head_dim), query.dtype)
         if md.has_decodes:
             q_abs = self._absorb(query[jnp.minimum(md.decode_rows, num_tokens - 1)], w_uk, precision)
             o_lat = self.decode(q_abs, kv_cache, md.decode_seq_lens, md.decode_block_tables, k_scale)
             o = jnp.einsum("thc,chd->thd", o_lat, w_uv.astype(o_lat.dtype), precision=precision)
             out = out.at[md.decode_rows].set(o.astype(out.dtype), mode="drop")
-        if md.prefill_rows_in_order:  # the rows are the prefills' (then padding, left 0 as below)
-            o = self.prefill(query, kv_cache, w_uk, w_uv, md, k_scale).astype(query.dtype)
-            real = jnp.arange(num_tokens, dtype=jnp.int32) < md.prefill_query_start_loc[-1]
-            return jnp.where(real[:, None, None], o, jnp.zeros((), o.dtype)), kv_cache
         if md.has_prefills:
             q = query[jnp.minimum(md.prefill_rows, num_tokens - 1)]
             o = self.prefill(q, kv_cache, w_uk, w_uv, md, k_scale)

@@ -172,21 +172,10 @@ def test_quantize_fp8_saturates_and_keeps_nan():
 # --- lowering for an H100 from the CPU -------------------------------------------------------------
 
 
-def test_triton_kernel_lowers_to_fp8_dots_for_h100(monkeypatch):
+def test_triton_kernel_lowers_to_fp8_dots_for_h100():
     """Both dots are ``tt.dot`` on f8E4M3FN operands with an f32 result (FP8 wgmma on Hopper)."""
-    from jax._src.mesh import AbstractDevice, AbstractMesh
-    from jax._src.pallas.triton import lowering as triton_lowering
+    from tests.ops.triton_lowering import export_for_h100
 
-    modules = []
-    lower = triton_lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        modules.append(result.module.operation.get_asm())
-        return result
-
-    monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", capture)
-    h100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
     sds = jax.ShapeDtypeStruct
 
     def f(q, cache, qsl, lens, table, slots):
@@ -197,10 +186,8 @@ def test_triton_kernel_lowers_to_fp8_dots_for_h100(monkeypatch):
 
     shapes = (sds((512, 32, 128), jnp.bfloat16), sds((2, 1100, 16, 8, 128), jnp.float8_e4m3fn), sds((5,), jnp.int32),
               sds((4,), jnp.int32), sds((4, 256), jnp.int32), sds((512,), jnp.int32))  # fmt: skip
-    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h100)):
-        exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[triton])(*shapes)
-    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+    text, modules = export_for_h100(f, *shapes)
+    assert "__gpu$xla.gpu.triton" in text
     dots = [line for text in modules for line in text.splitlines() if "tt.dot" in line]
     assert dots, "no tt.dot in the lowered kernel"
     fp8_dots = [d for d in dots if d.count("xf8E4M3FN>") == 2 and "xf32>" in d]

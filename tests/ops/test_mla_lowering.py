@@ -7,21 +7,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from jax._src.mesh import AbstractDevice, AbstractMesh
 
 from attn_jax.ops.mla import indexer_pallas_triton, pallas_triton, sparse_pallas_triton
 from attn_jax.ops.mla.pallas_triton import MLADecodeBlockSizes
+from tests.ops.triton_lowering import export_for_h100
 
-H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-TRITON = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
 sds = jax.ShapeDtypeStruct
 
 
 def _export_for_h100(f, *shapes):
-    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=H100)):
-        exported = jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[TRITON])(*shapes)
-    text = exported.mlir_module()
-    assert exported.platforms == ("cuda",) and "__gpu$xla.gpu.triton" in text
+    text, _ = export_for_h100(f, *shapes)
+    assert "__gpu$xla.gpu.triton" in text
     return text
 
 

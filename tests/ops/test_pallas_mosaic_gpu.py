@@ -298,24 +298,12 @@ def test_latent_write_kernel_matches_scatter_interpret(cache_dtype):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))  # NaN where NaN
 
 
-def test_write_kernels_lower_for_cuda_one_store_per_plane(monkeypatch):
+def test_write_kernels_lower_for_cuda_one_store_per_plane():
     """The Triton lowering of the k/v write (two planes) and the latent write (one), for an
     abstract H100 from the CPU: one masked ``tt.store`` of rows per plane, the cache aliased."""
-    from jax._src.mesh import AbstractDevice, AbstractMesh
-    from jax._src.pallas.triton import lowering as triton_lowering
+    from tests.ops.triton_lowering import export_for_h100
 
-    modules = []
-    lower = triton_lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        modules.append(result.module.operation.get_asm())
-        return result
-
-    monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", capture)
-    h100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
     sds = jax.ShapeDtypeStruct
-    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     kv = functools.partial(kv_write.write_kv, interpret=False)
     latents = functools.partial(kv_write.write_latents, interpret=False)
     cases = (
@@ -324,11 +312,7 @@ def test_write_kernels_lower_for_cuda_one_store_per_plane(monkeypatch):
         (latents, (sds((64, 64, 576), jnp.bfloat16), sds((300, 576), jnp.bfloat16), sds((300,), jnp.int32)), 1),
     )  # fmt: skip
     for fn, shapes, planes in cases:
-        modules.clear()
-        with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h100)):
-            exported = jax.export.export(jax.jit(fn, donate_argnums=0), platforms=["cuda"],
-                                         disabled_checks=[triton])(*shapes)  # fmt: skip
-        text = exported.mlir_module()
+        text, modules = export_for_h100(fn, *shapes, donate_argnums=0)
         assert "kv_write_gpu" in text and ("tf.aliasing_output" in text or "jax.buffer_donor" in text)
         stores = [line for m in modules for line in m.splitlines() if "tt.store" in line]
         assert len(stores) == planes, stores
