@@ -96,8 +96,9 @@ class EngineCore:
     Args:
       engine: an ``attn_jax.serving.Engine`` (only its public API is used, plus
         ``engine_probe`` for the metrics' counts).
-      receive: ``receive(block) -> commands`` queued since the last call; waits for one
-        when ``block`` (the engine is idle).
+      receive: ``receive(timeout) -> commands`` queued since the last call; when none is
+        queued, waits up to ``timeout`` seconds for one (None: until one comes, the engine
+        being idle; 0: not at all).
       emit: takes each message (above), in order.
     """
 
@@ -130,7 +131,7 @@ class EngineCore:
 
     def _round(self) -> bool:
         """Runs the queued commands, steps once if there is work; False to stop."""
-        commands = self._receive(not self.engine.has_unfinished())
+        commands = self._commands()
         outputs, report = {}, RoundReport()
         stopping = stepped = False
         for command in commands:
@@ -148,6 +149,19 @@ class EngineCore:
         if self._admitted or outputs or stepped:
             self._emit_round(outputs, report)
         return not stopping
+
+    def _commands(self) -> list[tuple]:
+        """The commands to run this round. With a call in flight, the round waits for its
+        dispatch time (``Engine.dispatch_delay``: the next call then still reaches the device
+        before it runs dry) and takes everything that arrived by then, so an arrival joins the
+        next call instead of the one after it."""
+        if not self.engine.has_unfinished():
+            return self._receive(None)
+        commands = self._receive(0.0)
+        deadline = time.perf_counter() + self.engine.dispatch_delay()
+        while not any(c[0] == "stop" for c in commands) and (left := deadline - time.perf_counter()) > 0:
+            commands += self._receive(left)
+        return commands
 
     def _count_compilations(self, report: RoundReport) -> None:
         """Counts (and logs) step shapes compiled while serving: each stalled every stream."""

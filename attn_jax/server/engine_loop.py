@@ -124,10 +124,9 @@ class _EngineThread:
         self._thread = threading.Thread(target=core.run, name="attn-stack-engine", daemon=True)
         self._thread.start()
 
-    def _receive(self, block: bool) -> list[tuple]:
+    def _receive(self, timeout: float | None) -> list[tuple]:
         with self._cond:
-            while block and not self._commands:
-                self._cond.wait()
+            self._cond.wait_for(lambda: self._commands, timeout)
             commands, self._commands = self._commands, []
         return commands
 

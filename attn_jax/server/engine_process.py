@@ -50,11 +50,10 @@ def _child_main(factory: Callable[[], object], conn) -> None:
         return
     conn.send(("ready", {"max_model_len": engine.max_model_len}))
 
-    def receive(block: bool) -> list[tuple]:
+    def receive(timeout: float | None) -> list[tuple]:
         commands = []
         try:
-            if block:
-                conn.poll(None)
+            conn.poll(timeout)
             while conn.poll(0):
                 commands.append(conn.recv())
         except (EOFError, OSError):  # the parent has gone: stop

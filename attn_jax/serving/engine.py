@@ -68,6 +68,7 @@ from attn_jax.ops.ragged_paged_attention.config import next_pow2
 from attn_jax.serving.block_allocator import BlockAllocator
 from attn_jax.serving.cascade import CascadeConfig
 from attn_jax.serving.detokenizer import IncrementalDetokenizer
+from attn_jax.serving.dispatch_pacer import DispatchPacer
 from attn_jax.serving.kv_cache_manager import PrefixCacheStats
 from attn_jax.serving.metrics import EngineTotals, StepStats, StepStatsLog
 from attn_jax.serving.model_runner import DispatchedCall, ModelRunner, kv_cache_bytes_per_block
@@ -316,6 +317,7 @@ class Engine:
         ]
         self._in_flight: _InFlight | None = None
         self._last_end: float = 0.0  # when the last call's tokens were known computed
+        self._pacer = DispatchPacer()
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
         self._requests: dict[str, _RequestState] = {}  # live requests (waiting, running, or aborted unreported)
@@ -709,6 +711,8 @@ class Engine:
         batches, rows, steps, num_steps = scheduled
         common = [s.num_common_prefix_blocks() for s in self.schedulers]  # after the failed requests left
         call = self.runner.execute(batches, rows, steps, num_steps, num_common_blocks=common)
+        if not call.compiled:
+            self._pacer.observe_host(call.dispatch_end - start)
         dispatched = self._account(batches, steps, call, start)
         if self.async_scheduling:
             events += self._resolve(self._in_flight)
@@ -759,12 +763,17 @@ class Engine:
         are dropped."""
         if step is None:
             return []
-        tokens = self.runner.read_tokens(step.call.tokens)
+        call = step.call
+        waited = call.ready_at is None and not call.tokens.is_ready()  # so its end is seen exactly
+        tokens = self.runner.read_tokens(call.tokens)
         now = time.perf_counter()
-        end = now if step.call.ready_at is None else step.call.ready_at
+        end = now if call.ready_at is None else call.ready_at
         begin = min(max(step.step_start, self._last_end), end)
+        if waited and not call.compiled:
+            device_seconds = end - max(call.dispatch_end, self._last_end)
+            self._pacer.observe_device((call.num_steps, call.token_bucket), device_seconds)
         self._last_end = end
-        stats = dataclasses.replace(step.stats, seconds=end - begin, latency_seconds=now - step.call.dispatch_start)
+        stats = dataclasses.replace(step.stats, seconds=end - begin, latency_seconds=now - call.dispatch_start)
         self.stats.replace(step.stats_index, stats)
         self.totals = self.totals.add(stats)
         events = []
@@ -778,6 +787,18 @@ class Engine:
             except Exception as e:  # e.g. the tokenizer fails on this request alone
                 events.append(self._fail(state, e))
         return events
+
+    def dispatch_delay(self) -> float:
+        """Seconds a server may still collect arrivals before its next ``step`` and keep the
+        device busy: the call in flight's predicted end on the device, less the host's recent
+        cost to schedule and dispatch a call and a margin (``serving/dispatch_pacer.py``).
+        0 when no call is in flight, it has run already, or calls of its kind are not timed yet."""
+        flight = self._in_flight
+        if flight is None or flight.call.ready_at is not None:
+            return 0.0
+        call = flight.call
+        start = max(call.dispatch_end, self._last_end)
+        return self._pacer.delay((call.num_steps, call.token_bucket), start, time.perf_counter())
 
     def synchronize(self) -> None:
         """Waits for the dispatched step to finish on the device (timing)."""

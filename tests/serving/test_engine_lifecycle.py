@@ -64,6 +64,17 @@ class SlowModel:
         return logits + zero, kv_caches
 
 
+class BusyModel(SlowModel):
+    """A Llama whose step also runs matmuls on the device (about ``SLEEP`` seconds of CPU
+    work, dispatched asynchronously as a GPU step is; a host callback is run inside the call)."""
+
+    def step(self, params, kv_caches, token_ids, positions, attn_metadata, logits_rows):
+        logits, kv_caches = self.inner.step(params, kv_caches, token_ids, positions, attn_metadata, logits_rows)
+        x = jnp.full((512, 512), 0.01, jnp.float32) + logits[0, 0] * 0
+        busy = jax.lax.fori_loop(0, 40, lambda i, y: jnp.tanh(y @ y), x)
+        return logits + busy[0, 0] * 0, kv_caches
+
+
 def _engine(model=None, **kwargs) -> Engine:
     kwargs = dict(dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32), **kwargs)
     return Engine(model or LlamaModel(CONFIG, block_size=4), PARAMS, LetterTokenizer(), **kwargs)
@@ -143,3 +154,25 @@ def test_calls_are_timed_to_read_back_and_ttft_is_measured(reference, async_sche
     assert 0 < span.prefill_tokens_per_s <= calls[0].num_prefill_tokens / (0.8 * SLEEP)
     for c in results:
         assert SLEEP <= c.ttft_seconds <= c.latency_seconds <= wall
+
+
+def test_dispatch_delay_lets_the_next_step_wait_while_the_call_in_flight_runs(reference):
+    """Every call keeps the device busy for a while: once calls are timed, right after a
+    ``step`` the next may wait for part of the call in flight, never longer than calls take,
+    and a loop that waits that long gets the same tokens; with nothing in flight it is 0."""
+    model = BusyModel(LlamaModel(CONFIG, block_size=4))
+    engine = _engine(model, buckets=MetadataBuckets((32,), (4,), (8,)))
+    assert engine.dispatch_delay() == 0.0
+    engine.generate(PROMPTS[:2], GREEDY)  # compiles, then times the calls
+    for prompt in PROMPTS[:2]:
+        engine.add_request(prompt, GREEDY)
+    delays, outputs = [], {}
+    while engine.has_unfinished():
+        for event in engine.step():
+            outputs.setdefault(event.request_id, []).append(event.token_id)
+        delays.append(engine.dispatch_delay())
+        time.sleep(delays[-1])
+    assert list(outputs.values()) == reference[:2]
+    assert delays[-1] == 0.0  # the last step read the last call back: nothing in flight
+    longest = max(s.latency_seconds for s in engine.stats)
+    assert all(0.0 < d < longest for d in delays[:-1]), (delays, longest)

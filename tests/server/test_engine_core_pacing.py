@@ -1,0 +1,55 @@
+"""The engine core's round with a call in flight: it waits until ``Engine.dispatch_delay``
+has passed, taking the commands that arrive meanwhile, so an arrival joins the next call
+(not the one after it); idle, it waits for a command without a limit."""
+
+from __future__ import annotations
+
+import time
+
+from attn_jax.models.llama import LlamaConfig, LlamaModel, init_params
+from attn_jax.server.engine_core import EngineCore, GenerationSpec
+from attn_jax.serving import Engine
+
+CONFIG = LlamaConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+    eos_token_ids=(1,),
+)  # fmt: skip
+SPEC = GenerationSpec(prompt=[3, 4, 5], max_tokens=4, ignore_eos=True)
+DELAY = 0.05  # seconds the engine says the next dispatch may wait
+
+
+def test_a_round_waits_for_the_dispatch_time_and_admits_what_arrived_meanwhile():
+    engine = Engine(LlamaModel(CONFIG, block_size=4), init_params(CONFIG, seed=0), max_num_seqs=4,
+                    max_num_batched_tokens=32, max_model_len=32)  # fmt: skip
+    engine.dispatch_delay = lambda: DELAY if engine.has_unfinished() else 0.0
+    live_at_step, step = [], engine.step
+
+    def counting_step():
+        live_at_step.append(engine.num_live_requests)
+        return step()
+
+    engine.step = counting_step
+    timeouts, messages, b_before_step = [], [], []
+
+    def receive(timeout):
+        timeouts.append(timeout)
+        if timeout is None:  # idle: the first request, later the end
+            return [("stop",)] if b_before_step else [("submit", "a", SPEC, time.perf_counter())]
+        if timeout == 0.0:
+            return []
+        if not b_before_step:  # "b" arrives halfway through the first wait
+            time.sleep(timeout / 2)
+            b_before_step.append(len(live_at_step))
+            return [("submit", "b", SPEC, time.perf_counter())]
+        time.sleep(timeout)
+        return []
+
+    EngineCore(engine, receive, messages.append).run()
+    assert timeouts[:2] == [None, 0.0] and DELAY - 0.01 < timeouts[2] <= DELAY and 0 < timeouts[3] <= DELAY / 2
+    assert live_at_step[b_before_step[0]] == 2  # the step right after "b" arrived had it queued
+    tokens = {}
+    for message in messages:
+        for request_id, pieces, reason, error in message[2]:
+            assert error is None and reason in (None, "length")
+            tokens[request_id] = tokens.get(request_id, 0) + sum(n for _, n in pieces)
+    assert tokens == {"a": 4, "b": 4} and messages[-1][0] == "closed"
