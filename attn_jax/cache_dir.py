@@ -10,6 +10,10 @@ import pathlib
 
 CACHE_ENV = "ATTN_STACK_CACHE_DIR"
 
+PACKAGE_RELATIVE_SOURCES = r".*/(?=attn_jax/)"
+"""JAX's ``hlo_source_file_canonicalization_regex`` while the compilation cache is on: attn-stack's
+source files named from ``attn_jax/`` on, wherever the package lies."""
+
 
 def cache_root() -> pathlib.Path:
     """``$ATTN_STACK_CACHE_DIR``, else ``~/.cache/attn-stack``."""
@@ -19,9 +23,16 @@ def cache_root() -> pathlib.Path:
 def enable_compilation_cache() -> str:
     """Points JAX's persistent compilation cache at ``<cache root>/jax-compilation`` unless one is
     already set (``JAX_COMPILATION_CACHE_DIR`` or ``jax.config``), so a restarted server loads its
-    step programs instead of compiling them again; returns the folder in use."""
+    step programs instead of compiling them again; returns the folder in use.
+
+    Also names attn-stack's source files from ``attn_jax/`` on in the programs' source locations
+    (``PACKAGE_RELATIVE_SOURCES``, unless a canonicalisation regex is set already): a Pallas
+    kernel's Triton or Mosaic GPU module keeps its locations, which are part of the cache key, so
+    without this the same code installed or checked out at another path compiles everything again."""
     import jax
 
+    if not jax.config.jax_hlo_source_file_canonicalization_regex:
+        jax.config.update("jax_hlo_source_file_canonicalization_regex", PACKAGE_RELATIVE_SOURCES)
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current
