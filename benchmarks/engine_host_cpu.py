@@ -1,7 +1,7 @@
-"""The engine's own host time per step at batch 1, ``num_scheduler_steps=1``, on the CPU.
+"""The engine's own host time per step on the CPU, one step per call, at batch 1 or more.
 
-Runs the tiny random model (``attn_jax.testing.models.tiny_random_engine``) one request
-at a time and times each ``Engine.step`` in the main thread's CPU time
+Runs the tiny random model (``attn_jax.testing.models.tiny_random_engine``) with ``--batch``
+requests at a time and times each ``Engine.step`` in the main thread's CPU time
 (``time.thread_time``, so other processes on a busy machine do not count), less the
 time inside the jitted call and inside reading the tokens back: what is left is the
 Python the engine core and the model runner run per step (scheduling, the packed step
@@ -9,6 +9,7 @@ inputs, the attention metadata, accounting, detokenisation). The GPU step's host
 is the same code (``benchmarks/generate_gpu.py`` reports its ``host_ms_per_step``).
 
     python benchmarks/engine_host_cpu.py --runs 5 --tokens 300
+    python benchmarks/engine_host_cpu.py --batch 64 --tokens 128
 
 Writes JSON only with ``--write`` (the committed file) or ``--out PATH``.
 """
@@ -24,17 +25,19 @@ import time
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
 
-def measure(runs: int, tokens: int) -> dict:
-    """Median per-step host CPU ms of each run (the first and last 5 steps left out)."""
+def measure(runs: int, tokens: int, batch: int = 1) -> dict:
+    """Median per-step host CPU ms of each run of ``batch`` requests of ``tokens`` new tokens
+    (the first and last 5 steps left out)."""
     import jax
 
     from attn_jax.serving import SamplingParams
     from attn_jax.testing.models import tiny_random_engine
 
-    engine = tiny_random_engine(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=tokens + 64)
+    engine = tiny_random_engine(max_num_seqs=batch, max_num_batched_tokens=max(64, 32 * batch),
+                                max_model_len=tokens + 64)  # fmt: skip
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
-    prompt = list(range(100, 132))
-    engine.generate([prompt], params)  # compiles the prefill and decode shapes
+    prompts = [list(range(100 + i, 132 + i)) for i in range(batch)]
+    engine.generate(prompts, params)  # compiles the prefill and decode shapes
     spent = {"device": 0.0}
     runner = engine.runner
     read, jitted = runner.read_tokens, runner._jit_step
@@ -53,7 +56,8 @@ def measure(runs: int, tokens: int) -> dict:
     medians = []
     try:
         for _ in range(runs):
-            engine.add_request(prompt, params)
+            for prompt in prompts:
+                engine.add_request(prompt, params)
             per_step = []
             while engine.has_unfinished():
                 spent["device"] = 0.0
@@ -67,6 +71,7 @@ def measure(runs: int, tokens: int) -> dict:
         "host_ms_per_step_runs": medians,
         "host_ms_per_step_median": statistics.median(medians),
         "tokens_per_run": tokens,
+        "batch": batch,
         "jax": jax.__version__,
     }
 
@@ -74,17 +79,19 @@ def measure(runs: int, tokens: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--tokens", type=int, default=300, help="tokens per run (one request)")
+    parser.add_argument("--tokens", type=int, default=300, help="new tokens per request")
+    parser.add_argument("--batch", type=int, default=1, help="requests per run, all submitted at once")
     add_output_args(parser, "engine_host_cpu.json")
     args = parser.parse_args()
-    if args.runs < 1 or args.tokens < 20:
-        parser.error(f"--runs={args.runs} must be >= 1 and --tokens={args.tokens} >= 20")
-    result = measure(args.runs, args.tokens) | {
+    if args.runs < 1 or args.tokens < 20 or args.batch < 1:
+        parser.error(f"--runs={args.runs} and --batch={args.batch} must be >= 1 and --tokens={args.tokens} >= 20")
+    result = measure(args.runs, args.tokens, args.batch) | {
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     runs = ", ".join(f"{m:.3f}" for m in result["host_ms_per_step_runs"])
-    print(f"engine host CPU time per step, batch 1: median {result['host_ms_per_step_median']:.3f} ms (runs: {runs})")
+    median = result["host_ms_per_step_median"]
+    print(f"engine host CPU time per step, batch {args.batch}: median {median:.3f} ms (runs: {runs})")
     write_json(output_path(args), result)
 
 

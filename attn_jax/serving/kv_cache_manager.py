@@ -157,7 +157,15 @@ class KVCacheManager:
         and ``computed_blocks`` (cache hits from ``get_computed_blocks``, for a request
         with no pages yet): the hits referenced and appended, then new pages. False, with
         nothing taken, when the pool cannot supply them."""
-        if computed_blocks and request.blocks:
+        if not computed_blocks:  # a running request's next tokens (most calls: no new page)
+            new = -(-(request.num_computed + num_new_tokens) // self.block_size) - len(request.blocks)
+            if new <= 0:
+                return True
+            if not self.allocator.can_allocate(new):
+                return False
+            request.blocks += self.allocator.allocate(new)
+            return True
+        if request.blocks:
             raise ValueError(
                 f"request {request.request_id!r} holds {len(request.blocks)} pages already: "
                 "cache hits are taken only on admission"

@@ -239,7 +239,7 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed, budget)
             if n <= 0 or request.num_generated >= request.params.max_new_tokens:
                 continue  # nothing to compute, or its last token is pending and ends it
-            while not manager.can_allocate(request, n):
+            while not manager.allocate_slots(request, n):  # nothing taken when the pool cannot supply them
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
@@ -247,7 +247,6 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue
-            manager.allocate_slots(request, n)
             scheduled.append(request)
             num_new.append(n)
             budget -= n
