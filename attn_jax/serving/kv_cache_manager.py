@@ -142,41 +142,40 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * self.block_size
 
+    def _new_pages(self, request: Request, num_new_tokens: int, num_hits: int) -> int:
+        """Free pages ``num_new_tokens`` more tokens take beyond the request's own pages and its
+        ``num_hits`` cached ones."""
+        num_tokens = request.num_computed + num_hits * self.block_size + num_new_tokens
+        return max(-(-num_tokens // self.block_size) - len(request.blocks) - num_hits, 0)
+
     def num_pages_needed(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> int:
         """Pages an ``allocate_slots`` call takes from the pool: new pages, plus evictable
         cached ones among ``computed_blocks`` (they leave the evictable pool)."""
-        num_tokens = request.num_computed + len(computed_blocks) * self.block_size + num_new_tokens
-        new = max(-(-num_tokens // self.block_size) - len(request.blocks) - len(computed_blocks), 0)
+        new = self._new_pages(request, num_new_tokens, len(computed_blocks))
         return new + sum(self.allocator.is_evictable(b) for b in computed_blocks)
-
-    def can_allocate(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
-        return self.allocator.can_allocate(self.num_pages_needed(request, num_new_tokens, computed_blocks))
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """Pages for ``num_new_tokens`` more tokens of ``request`` after its computed ones
         and ``computed_blocks`` (cache hits from ``get_computed_blocks``, for a request
         with no pages yet): the hits referenced and appended, then new pages. False, with
-        nothing taken, when the pool cannot supply them."""
-        if not computed_blocks:  # a running request's next tokens (most calls: no new page)
-            new = -(-(request.num_computed + num_new_tokens) // self.block_size) - len(request.blocks)
-            if new <= 0:
-                return True
-            if not self.allocator.can_allocate(new):
-                return False
-            request.blocks += self.allocator.allocate(new)
-            return True
-        if request.blocks:
+        nothing taken, when the pool cannot supply them. (A running request's next tokens
+        usually need no new page: one division, nothing else.)"""
+        if computed_blocks and request.blocks:
             raise ValueError(
                 f"request {request.request_id!r} holds {len(request.blocks)} pages already: "
                 "cache hits are taken only on admission"
             )
-        if not self.can_allocate(request, num_new_tokens, computed_blocks):
+        new = self._new_pages(request, num_new_tokens, len(computed_blocks))
+        if computed_blocks:
+            if not self.allocator.can_allocate(self.num_pages_needed(request, num_new_tokens, computed_blocks)):
+                return False
+            self.allocator.touch(computed_blocks)
+            request.blocks += computed_blocks
+            self._num_cached[id(request)] = max(self._num_cached.get(id(request), 0), len(computed_blocks))
+        elif not self.allocator.can_allocate(new):
             return False
-        num_tokens = request.num_computed + len(computed_blocks) * self.block_size + num_new_tokens
-        self.allocator.touch(computed_blocks)
-        request.blocks += computed_blocks
-        self._num_cached[id(request)] = max(self._num_cached.get(id(request), 0), len(computed_blocks))
-        request.blocks += self.allocator.allocate(max(-(-num_tokens // self.block_size) - len(request.blocks), 0))
+        if new:
+            request.blocks += self.allocator.allocate(new)
         return True
 
     def blocks_completed(self, request: Request, num_new_tokens: int) -> list[bytes]:
