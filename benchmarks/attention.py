@@ -23,7 +23,10 @@ region (``fa3_peer.py``), every output checked against the float32 reference and
 
 Besides the host-timed ``ms`` (median of back-to-back calls), rows of pallas_gpu, the write
 step and fa3 carry ``device_ms``: the median over ``--cupti-calls`` calls of each call's
-GPU time from a CUPTI trace (``cupti_timing.py``), with the same floors.
+GPU time from a CUPTI trace (``cupti_timing.py``), each call waited for and the device idle
+between calls, with the same floors; their ``back_to_back_us`` is the steady state, the same
+calls issued without waiting (a launch gap between a call's kernels that the host hides behind
+the device's earlier work, as in a model's step, then does not count).
 
     python benchmarks/attention.py                       # all workloads, all implementations
     python benchmarks/attention.py --tune M1,P1          # + block-size sweeps, writes tuned/gpu_*.json
@@ -295,7 +298,7 @@ def with_write_ms(b: DeviceBatch, reps: int = 30, inner: int = 5, cupti_calls: i
         summary = cupti_timing.summarize(cupti_timing.trace_calls({"step": one_step}, n=cupti_calls)["step"],
                                          KERNEL_CLASSES)  # fmt: skip
         out_ms["device_us_per_step"] = summary.pop("mean_us_by_class")
-        out_ms["device_step"] = summary
+        out_ms["device_step"] = add_back_to_back(summary, one_step, cupti_calls)
     except Exception as e:  # noqa: BLE001 - a profiler that cannot run here must not lose the timings
         out_ms["device_us_per_step"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     state.clear()
@@ -483,8 +486,20 @@ def torch_sdpa_time(b: DeviceBatch) -> float:
 
 
 def device_summary(fn, *args, calls: int = 50) -> dict:
-    """``cupti_timing.summarize`` of ``calls`` calls of ``fn(*args)`` (device span per call, medians)."""
-    return cupti_timing.summarize(cupti_timing.trace_calls({"fn": lambda: fn(*args)}, n=calls)["fn"])
+    """``cupti_timing.summarize`` of ``calls`` calls of ``fn(*args)`` (device span per call, medians),
+    with ``back_to_back_us``: the same calls issued without waiting."""
+    summary = cupti_timing.summarize(cupti_timing.trace_calls({"fn": lambda: fn(*args)}, n=calls)["fn"])
+    return add_back_to_back(summary, lambda: fn(*args), calls)
+
+
+def add_back_to_back(summary: dict, call, calls: int) -> dict:
+    """``summary`` with ``back_to_back_us`` (``cupti_timing.back_to_back_us`` of ``calls`` calls
+    of ``call``), or ``back_to_back_error`` when that trace fails: the isolated spans stand."""
+    try:
+        summary["back_to_back_us"] = cupti_timing.back_to_back_us(call, n=calls)
+    except Exception as e:  # noqa: BLE001
+        summary["back_to_back_error"] = f"{type(e).__name__}: {e}"[:300]
+    return summary
 
 
 # --------------------------------------------------------------------------- FlashAttention-3
@@ -618,7 +633,7 @@ def run_fa3(fa3, b: DeviceBatch, ref, ours, pages, splits, cupti_calls: int, rec
                 for impl in batch:
                     done[impl]["device_error"] = f"{type(e).__name__}: {e}"[:300]
         for impl, groups in traced.items():
-            done[impl]["device"] = cupti_timing.summarize(groups)
+            done[impl]["device"] = add_back_to_back(cupti_timing.summarize(groups), thunks[impl], cupti_calls)
         for c in cs:
             if c.impl not in done:
                 continue
@@ -704,6 +719,9 @@ def peer_table(results: list[dict]) -> str:
             dev = r.get("device") or r.get("device_step") or {}
             if "median_kernel_sum_us" in dev:
                 note.append(f"kernels sum {dev['median_kernel_sum_us']:.1f} us")
+            if "back_to_back_us" in dev:
+                b2b = dev["back_to_back_us"]
+                note.append(f"back to back {b2b:.1f} us a call ({100 * r['floor_ms'] * 1e3 / b2b:.1f} % of floor)")
             if dev.get("median_us_by_class"):
                 note.append(", ".join(f"{c} {us:.1f} us" for c, us in dev["median_us_by_class"].items()))
             err = r.get("max_abs_err_vs_f32")

@@ -4,8 +4,9 @@
 GPU), waiting for each call and sleeping ``gap_s`` after it so the device idles between
 calls; ``group_calls`` splits the GPU streams' events into calls at those idle gaps (the
 k-th group is the k-th call) and ``summarize`` gives each call's device span and kernel sum
-(every event on the streams: kernels and the memsets a call issues). No host clock enters
-the numbers.
+(every event on the streams: kernels and the memsets a call issues). ``back_to_back_us`` is
+the steady state instead: calls issued without waiting, the span of all of them over their
+count. No host clock enters the numbers.
 
     groups = trace_calls({"fa3": lambda: fn(*args)}, n=50)["fa3"]
     summarize(groups)["median_us"]
@@ -61,29 +62,57 @@ def group_calls(events: Sequence[DeviceEvent], expected: int, min_gap_ns: float)
     return groups
 
 
-def trace_calls(
-    calls: dict[str, Callable[[], object]], n: int = 50, gap_s: float = 1e-3
-) -> dict[str, list[list[DeviceEvent]]]:
-    """Each of ``calls`` (name -> a thunk returning what to wait on) run once to warm up, then
-    ``n`` times each inside one trace; the device events of every call, by name."""
+def _traced_events(run: Callable[[], None]) -> list[DeviceEvent]:
+    """The GPU stream events of ``run()`` under ``jax.profiler.trace``, by start."""
     from jax.profiler import ProfileData
 
-    for call in calls.values():
-        jax.block_until_ready(call())
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir):
-            for call in calls.values():
-                for _ in range(n):
-                    jax.block_until_ready(call())
-                    time.sleep(gap_s)
+            run()
         files = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
         if not files:
             raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {log_dir}")
         events = gpu_stream_events(ProfileData.from_file(files[0]))
     if not events:
         raise RuntimeError(f"the trace has no GPU stream events (device: {jax.devices()[0].device_kind})")
+    return events
+
+
+def trace_calls(
+    calls: dict[str, Callable[[], object]], n: int = 50, gap_s: float = 1e-3
+) -> dict[str, list[list[DeviceEvent]]]:
+    """Each of ``calls`` (name -> a thunk returning what to wait on) run once to warm up, then
+    ``n`` times each inside one trace; the device events of every call, by name."""
+    for call in calls.values():
+        jax.block_until_ready(call())
+
+    def run():
+        for call in calls.values():
+            for _ in range(n):
+                jax.block_until_ready(call())
+                time.sleep(gap_s)
+
+    events = _traced_events(run)
     groups = group_calls(events, n * len(calls), min_gap_ns=gap_s * 1e9 / 3)
     return {name: groups[i * n : (i + 1) * n] for i, name in enumerate(calls)}
+
+
+def back_to_back_us(call: Callable[[], object], n: int = 50) -> float:
+    """Device microseconds per call when ``n`` calls of ``call`` are issued without waiting,
+    the host running ahead as it does through a model's layers: the span of all their GPU
+    events over ``n``. Unlike ``trace_calls``' spans, a launch gap between a call's kernels
+    that the host hides behind the device's earlier work does not count. Only the last
+    call's result is waited on (a thunk may donate the previous one's buffers)."""
+    jax.block_until_ready(call())
+
+    def run():
+        last = None
+        for _ in range(n):
+            last = call()
+        jax.block_until_ready(last)
+
+    events = _traced_events(run)
+    return (max(e.start_ns + e.duration_ns for e in events) - events[0].start_ns) / 1e3 / n
 
 
 def summarize(groups: list[list[DeviceEvent]], classes: Sequence[tuple[str, str]] = ()) -> dict:

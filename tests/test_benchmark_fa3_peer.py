@@ -292,6 +292,18 @@ def test_group_calls_treats_overlapping_streams_as_one_call():
     assert len(cupti_timing.group_calls(ev, expected=1, min_gap_ns=500)) == 1
 
 
+def test_back_to_back_spans_every_call_and_waits_on_the_last_only(monkeypatch):
+    issued = []
+
+    def fake_events(run):
+        run()
+        return _events([(1000, 300), (1350, 300), (1700, 400)])  # 3 calls issued back to back: 1.1 us
+
+    monkeypatch.setattr(cupti_timing, "_traced_events", fake_events)
+    us = cupti_timing.back_to_back_us(lambda: issued.append(1) or jnp.zeros(2), n=3)
+    assert us == pytest.approx(1.1 / 3) and len(issued) == 4  # one warm-up call, then the 3 traced
+
+
 def test_group_calls_refuses_a_count_it_cannot_explain():
     with pytest.raises(RuntimeError, match="split into 2 calls .* expected 3"):
         cupti_timing.group_calls(_events([(0, 10), (1000, 10)]), expected=3, min_gap_ns=500)
@@ -313,6 +325,7 @@ def _fake_trace(calls, n=50, gap_s=1e-3):
 @pytest.mark.parametrize("name", ["M1", "P1"])
 def test_run_fa3_rows_check_every_call_and_pick_the_best_splits(small, name, monkeypatch):
     monkeypatch.setattr(cupti_timing, "trace_calls", _fake_trace)
+    monkeypatch.setattr(cupti_timing, "back_to_back_us", lambda call, n=50: 9.0)
     monkeypatch.setattr(attention, "time_jax", lambda fn, *a, **k: 1e-3)
     if name == "M1":
         b, ref = small
@@ -331,6 +344,7 @@ def test_run_fa3_rows_check_every_call_and_pick_the_best_splits(small, name, mon
     attention.run_fa3(FakeFA3, b, ref, ref, pages, [1, 2, 3], 5, record, results, lambda *a: None)
     rows = {r["impl"]: r for r in results}
     assert not [r for r in results if "error" in r]
+    assert all(r["device"]["back_to_back_us"] == 9.0 for r in results if "_s" in r["impl"] or "dense" in r["impl"])
     for r in results:
         assert r["max_abs_err_vs_f32"] < 2e-5 and r["max_abs_err_vs_pallas_gpu"] < 2e-5, r["impl"]
     if name == "M1":
@@ -348,7 +362,7 @@ def test_peer_table_puts_fa3_beside_attn_stack_and_says_what_is_missing():
     dev = {"device_tflop_per_s": 600.0, "device_pct_of_floor": 80.0, "floor_ms": 0.8}
     results = [
         {"workload": "P1", "impl": "pallas_gpu_with_write", "device_ms": 1.0, **dev,
-         "device_step": {"median_kernel_sum_us": 997.0,
+         "device_step": {"median_kernel_sum_us": 997.0, "back_to_back_us": 1000.0,
                          "median_us_by_class": {"attention_mosaic_gpu": 950.0, "kv_write_pallas": 47.0}}},
         {"workload": "P1", "impl": "fa3_paged_p128", "device_ms": 0.85, "num_splits": 1, **dev},
         {"workload": "P1", "impl": "fa3_paged_p16_s1", "device_ms": 0.9, **dev},  # a sweep row: not in the table
@@ -361,7 +375,8 @@ def test_peer_table_puts_fa3_beside_attn_stack_and_says_what_is_missing():
     lines = attention.peer_table(results).splitlines()
     assert lines[2] == (
         "| P1 | attn-stack, write + attend | 1.000 | 600 | 80.0 | 0.800 |  | "
-        "kernels sum 997.0 us; attention_mosaic_gpu 950.0 us, kv_write_pallas 47.0 us |"
+        "kernels sum 997.0 us; back to back 1000.0 us a call (80.0 % of floor); "
+        "attention_mosaic_gpu 950.0 us, kv_write_pallas 47.0 us |"
     )
     assert lines[3] == "| P1 | FA3 paged, page 16 | 0.950 | 600 | 80.0 | 0.800 | 4.00e-03 | num_splits 1 |"
     assert lines[4] == "| P1 | FA3 paged, page 128 | 0.850 | 600 | 80.0 | 0.800 |  | num_splits 1 |"
