@@ -110,7 +110,6 @@ def build_engine(opts: dict):
         max_num_seqs=opts["concurrency"], max_num_batched_tokens=opts["max_num_batched_tokens"],
         max_model_len=opts["prompt_len"] + opts["max_tokens"], kv_cache_bytes=int(opts["kv_cache_gib"] * (1 << 30)),
         num_scheduler_steps=opts["num_scheduler_steps"], enable_prefix_caching=not opts["no_prefix_caching"],
-        overlap_prefill_calls=opts["overlap_prefill_calls"],
     )  # fmt: skip
     if opts["model"] == TINY:
         return tiny_random_engine(attn_backend=backend, block_size=opts["block_size"], **limits)
@@ -574,10 +573,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-max-shapes", type=int, default=None, help="Engine.warmup's max_shapes (default: all)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
-        "--overlap-prefill-calls", action="store_true",
-        help="Engine(overlap_prefill_calls=True): the call after a one-step prefill call is queued right behind it",
-    )  # fmt: skip
-    p.add_argument(
         "--no-compilation-cache", action="store_true",
         help="no persistent JAX compilation cache (attn-stack serve's default: on, under $ATTN_STACK_CACHE_DIR)",
     )  # fmt: skip
@@ -639,7 +634,6 @@ def _workload(args: argparse.Namespace, procs: int) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "num_scheduler_steps": args.num_scheduler_steps,
         "prefix_caching": not args.no_prefix_caching,
-        "overlap_prefill_calls": args.overlap_prefill_calls,
         "engine_warmup": not args.no_engine_warmup,
         "compilation_cache": not args.no_compilation_cache,
         "gil_switch_interval_ms": args.gil_switch_interval_ms,

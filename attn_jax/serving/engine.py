@@ -21,13 +21,7 @@ schedules step N+1 while the device runs step N. A decode's input token then com
 the device (the previous step's output, never copied to the host first), and tokens
 reach the caller one ``step`` late. Stop tokens and max lengths still end requests
 exactly: a request whose last token is pending is not scheduled again, and a token
-computed after its request stopped at EOS is dropped. With ``overlap_prefill_calls`` a
-one-step call that prefills, dispatched while an older call is still unread, is followed at
-once by the next call (two queued on the device), so the device does not wait for the host
-to read and process the older call's tokens after a short call; the next ``step`` reads
-the prefill call back and dispatches nothing. The next call takes every input token from
-the prefill call, so this happens only when every request with a token still on the
-device is in it.
+computed after its request stopped at EOS is dropped.
 
 Multi-step decoding (``num_scheduler_steps`` K > 1, vLLM's multi-step scheduling): when a
 step holds decodes only and no request waits to be admitted, one call runs K decode steps
@@ -240,11 +234,6 @@ class Engine:
         cache) are offered to the attention group's builder, which runs cascade attention
         (the shared prefix read once for the batch) when it pays (``serving/cascade.py``);
         ``StepStats.cascade_prefix_len`` and ``totals.cascade_steps`` count it.
-      overlap_prefill_calls: with asynchronous scheduling, a one-step call that prefills
-        (admits requests) while an older call is still unread is followed on the device by
-        the next call at once, before the host reads and processes the older call's tokens
-        (so the device does not wait for that after a short call); its own tokens then come
-        from the next ``step``, which dispatches nothing. Off by default (not measured yet).
     """
 
     def __init__(
@@ -267,7 +256,6 @@ class Engine:
         stats_window: int = STATS_WINDOW,
         enable_prefix_caching: bool = True,
         cascade_attention: CascadeConfig | bool = True,
-        overlap_prefill_calls: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -306,7 +294,6 @@ class Engine:
                 raise ValueError(f"buckets.{name} ends at {largest}, below the engine's limit {limit}")
         self.buckets = buckets
         self.async_scheduling = bool(async_scheduling)
-        self.overlap_prefill_calls = bool(overlap_prefill_calls)
         self.num_scheduler_steps = validate_positive_int("num_scheduler_steps", num_scheduler_steps)
         self.eos_token_ids = set(config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -328,7 +315,7 @@ class Engine:
             )  # fmt: skip
             for _ in range(self.num_shards)
         ]
-        self._in_flight: collections.deque[_InFlight] = collections.deque()  # dispatched, unread, oldest first
+        self._in_flight: _InFlight | None = None
         self._last_end: float = 0.0  # when the last call's tokens were known computed
         self._pacer = DispatchPacer()
         self._rng = np.random.default_rng(seed)
@@ -591,7 +578,7 @@ class Engine:
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running, a dispatched step is unread, or an
         abort's final event is still to come."""
-        return bool(self._in_flight) or bool(self._aborted) or any(s.has_unfinished() for s in self.schedulers)
+        return self._in_flight is not None or bool(self._aborted) or any(s.has_unfinished() for s in self.schedulers)
 
     def get_request(self, request_id: str) -> Request:
         """The request with this id, live or among the last ``max_finished_requests``
@@ -660,8 +647,8 @@ class Engine:
         if not any(b.requests for b in batches):
             return None
         rows_of_pending = {}
-        if self._in_flight:  # the last dispatched call holds every pending input token (see _overlaps)
-            rows_of_pending = {id(r): row for _, _, row, r in self._in_flight[-1].sampled}
+        if self._in_flight is not None:
+            rows_of_pending = {id(r): row for _, _, row, r in self._in_flight.sampled}
         rows = {}
         for batch in batches:
             for i in reversed(range(len(batch.requests))):
@@ -713,30 +700,14 @@ class Engine:
         known: with asynchronous scheduling the previous step's (read back while this one
         runs), else this step's; and the final events of requests aborted since the last
         call. May return none, e.g. while a long prompt is prefilled in chunks."""
+        start = time.perf_counter()
         events = [self._report_abort(state) for state in self._aborted]
         self._aborted.clear()
-        if not self.async_scheduling:
-            dispatched = self._dispatch(events)
-            return events + self._resolve(dispatched)
-        if len(self._in_flight) >= 2:  # a call queued right behind a prefill call: read the prefill's back
-            keep = len(self._in_flight) - 1
-        else:
-            dispatched = self._dispatch(events)
-            if dispatched is None:
-                keep = 0
-            else:
-                keep = 2 if self._overlaps(dispatched) and self._dispatch(events) is not None else 1
-        while len(self._in_flight) > keep:
-            events += self._resolve(self._in_flight.popleft())
-        return events
-
-    def _dispatch(self, events: list[TokenEvent]) -> _InFlight | None:
-        """Schedules and dispatches the next call (queued in ``_in_flight`` under asynchronous
-        scheduling); None when there is no work."""
-        start = time.perf_counter()
         scheduled = self._schedule(events)
         if scheduled is None:
-            return None
+            events += self._resolve(self._in_flight)
+            self._in_flight = None
+            return events
         batches, rows, steps, num_steps = scheduled
         common = [s.num_common_prefix_blocks() for s in self.schedulers]  # after the failed requests left
         call = self.runner.execute(batches, rows, steps, num_steps, num_common_blocks=common)
@@ -744,27 +715,11 @@ class Engine:
             self._pacer.observe_host(call.dispatch_end - start)
         dispatched = self._account(batches, steps, call, start)
         if self.async_scheduling:
-            self._in_flight.append(dispatched)
-        return dispatched
-
-    def _overlaps(self, dispatched: _InFlight) -> bool:
-        """Whether the next call is dispatched right behind ``dispatched`` (``overlap_prefill_calls``):
-        a one-step call that prefills, with an older call still unread, and every request whose
-        input token is still on the device in ``dispatched`` (the next call takes it from there)."""
-        if not (
-            self.overlap_prefill_calls
-            and len(self._in_flight) >= 2
-            and dispatched.call.num_steps == 1
-            and dispatched.stats.num_prefill_tokens > 0
-        ):
-            return False
-        in_call = {id(request) for _, _, _, request in dispatched.sampled}
-        return all(
-            id(r) in in_call
-            for s in self.schedulers
-            for r in s.running
-            if r.num_pending and r.num_generated < r.params.max_new_tokens
-        )
+            events += self._resolve(self._in_flight)
+            self._in_flight = dispatched
+        else:
+            events += self._resolve(dispatched)
+        return events
 
     def _report_abort(self, state: _RequestState) -> TokenEvent:
         self._retire(state)
@@ -838,16 +793,17 @@ class Engine:
         device busy: the call in flight's predicted end on the device, less the host's recent
         cost to schedule and dispatch a call and a margin (``serving/dispatch_pacer.py``).
         0 when no call is in flight, it has run already, or calls of its kind are not timed yet."""
-        if len(self._in_flight) != 1 or self._in_flight[0].call.ready_at is not None:
-            return 0.0  # (two: the next step reads the older back and dispatches nothing)
-        call = self._in_flight[0].call
+        flight = self._in_flight
+        if flight is None or flight.call.ready_at is not None:
+            return 0.0
+        call = flight.call
         start = max(call.dispatch_end, self._last_end)
         return self._pacer.delay((call.num_steps, call.token_bucket), start, time.perf_counter())
 
     def synchronize(self) -> None:
         """Waits for the dispatched step to finish on the device (timing)."""
-        if self._in_flight:
-            jax.block_until_ready(self._in_flight[-1].call.tokens)
+        if self._in_flight is not None:
+            jax.block_until_ready(self._in_flight.call.tokens)
 
     def _append_token(self, state: _RequestState, token: int, now: float) -> TokenEvent:
         request = state.request

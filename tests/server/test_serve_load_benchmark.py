@@ -61,15 +61,14 @@ def test_summary_of_records(serve_load):
 @pytest.mark.slow
 def test_the_benchmark_runs_on_the_tiny_model(tmp_path):
     """Every request completes with exactly max_tokens tokens in both phases, the offline
-    run generated the same count, and each figure the report needs is there (with calls
-    queued behind prefill calls, ``--overlap-prefill-calls``)."""
+    run generated the same count, and each figure the report needs is there."""
     out = tmp_path / "serve_load.json"
     concurrency, per_client, max_tokens, poisson = 4, 2, 6, 4
     args = [
         "--model", "tiny-random", "--concurrency", str(concurrency), "--requests-per-client", str(per_client),
         "--prompt-len", "12", "--max-tokens", str(max_tokens), "--rate", "20", "--poisson-requests", str(poisson),
         "--poisson-warmup-requests", "2", "--client-procs", "1", "--max-num-batched-tokens", "64",
-        "--warmup-rounds", "1", "--overlap-prefill-calls", "--out", str(out),
+        "--warmup-rounds", "1", "--out", str(out),
     ]  # fmt: skip
     env = os.environ | {
         "JAX_PLATFORMS": "cpu",
@@ -96,4 +95,3 @@ def test_the_benchmark_runs_on_the_tiny_model(tmp_path):
     warmup = r["offline"]["engine_warmup"]
     assert warmup["num_shapes"] == warmup["num_compilations"] == r["server"]["final"]["num_compilations"] > 0
     assert r["offline"]["compilations_during"] == 0 and r["workload"]["engine_warmup"] is True
-    assert r["workload"]["overlap_prefill_calls"] is True

@@ -89,7 +89,7 @@ def test_finished_requests_leave_and_the_record_is_bounded(reference):
     engine = _engine(max_finished_requests=2)
     results = engine.generate(PROMPTS, GREEDY)  # generate keeps every completion it returns
     assert [c.output_ids for c in results] == reference
-    assert engine.num_live_requests == 0 and not engine._aborted and not engine._in_flight
+    assert engine.num_live_requests == 0 and not engine._aborted and engine._in_flight is None
     assert list(engine._finished) == [r.request_id for r in results][-2:]  # the latest two finished last here
     kept = results[-1].request_id
     assert engine.completion(kept) == results[-1] and engine.get_request(kept).output_ids == reference[-1]

@@ -47,71 +47,13 @@ PREEMPTING = dict(max_num_seqs=3, max_num_batched_tokens=24, num_blocks=10, buck
         PREEMPTING,
         dict(max_num_seqs=8, max_num_batched_tokens=64, num_scheduler_steps=4),  # multi-step decoding
         dict(PREEMPTING, num_scheduler_steps=4),
-        dict(max_num_seqs=5, max_num_batched_tokens=7, overlap_prefill_calls=True),  # calls queued behind prefills
-        dict(PREEMPTING, num_scheduler_steps=4, overlap_prefill_calls=True),
     ],
     ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items() if k != "buckets"),
 )
 def test_greedy_tokens_do_not_depend_on_the_limits(reference, limits):
     engine = _engine(**limits)
-    overlaps = _count_overlaps(engine)
     assert [c.output_ids for c in engine.generate(PROMPTS, GREEDY)] == reference
     assert all(s.allocator.num_free == engine.num_blocks for s in engine.schedulers)
-    assert not engine._in_flight and (overlaps[0] > 0) == engine.overlap_prefill_calls
-
-
-def _count_overlaps(engine: Engine) -> list[int]:
-    """A counter of the calls the engine queues right behind a prefill call (``overlap_prefill_calls``)."""
-    count, overlaps = [0], engine._overlaps
-
-    def counting(dispatched):
-        result = overlaps(dispatched)
-        count[0] += result
-        return result
-
-    engine._overlaps = counting
-    return count
-
-
-def test_calls_queued_behind_prefills_keep_tokens_eos_and_aborts_exact(reference):
-    """Requests arriving while others decode, so prefill calls run with an older call unread and
-    the next call is queued right behind them: the same greedy tokens; a request that samples
-    EOS stops there; an abort while two calls are queued ends that request alone."""
-    limits = dict(max_num_seqs=8, max_num_batched_tokens=64, buckets=MetadataBuckets((64,), (8,), (12,)))
-    for steps in (1, 4):
-        engine = _engine(**limits, num_scheduler_steps=steps, overlap_prefill_calls=True)
-        overlaps = _count_overlaps(engine)
-        ids, events = [], []
-        for prompt in PROMPTS:  # one arrival per step
-            ids.append(engine.add_request(prompt, GREEDY))
-            events += engine.step()
-        events += list(engine.stream())
-        assert overlaps[0] > 0
-        assert [engine.completion(i).output_ids for i in ids] == reference
-        assert [e.token_id for e in events if e.request_id == ids[2]] == reference[2]
-        assert engine.schedulers[0].allocator.num_free == engine.num_blocks and not engine._in_flight
-
-    eos = reference[3][1]  # the fourth request's second token becomes EOS
-    engine = _engine(**limits, overlap_prefill_calls=True)
-    engine.eos_token_ids = {eos}
-    overlaps = _count_overlaps(engine)
-    ids = []
-    for prompt in PROMPTS:
-        ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=6)))
-        engine.step()
-        if len(engine._in_flight) == 2 and len(ids) == 4:
-            engine.abort_request(ids[0])  # while a call is queued behind a prefill call
-    list(engine.stream())
-    assert overlaps[0] > 0
-    done = [engine.completion(i) for i in ids]
-    for c, want in zip(done, reference, strict=True):
-        if c.request_id == ids[0] and c.finish_reason == "abort":
-            assert c.output_ids == want[: len(c.output_ids)]
-        elif eos in want:
-            assert c.output_ids == want[: want.index(eos) + 1] and c.finish_reason == "stop"
-        else:
-            assert c.output_ids == want and c.finish_reason == "length"
-    assert engine.schedulers[0].allocator.num_free == engine.num_blocks
 
 
 def test_asynchronous_steps_stop_at_eos_exactly():

@@ -140,7 +140,7 @@ def _check_nothing_left(engine: Engine, start: dict[str, int]) -> None:
             assert size <= bounded[name], name
         else:
             assert size == start[name], f"{name}: {start[name]} at the start, {size} after the run"
-    assert engine.num_live_requests == 0 and not engine._in_flight
+    assert engine.num_live_requests == 0 and engine._in_flight is None
     for s in engine.schedulers:
         assert s.allocator.num_free == engine.num_blocks and s.allocator.num_used == 0
     assert engine.totals.steps == len(engine.stats) > STATS_WINDOW  # every call counted, the window wrapped
