@@ -9,8 +9,9 @@ MLA-D1 sits near the ridge (~0.3 GB against ~73 GFLOP), so the row says which fl
 Implementations: ``pallas_mla_gpu`` (ops/mla/pallas_triton.py; default block sizes, or a
 sweep with --sweep), ``pallas_mla_mgpu`` (ops/mla/decode_pallas_mosaic_gpu.py, Hopper; its
 default splits, or each of 1-8 with --sweep) and ``xla_reference`` (the jnp reference); each row has the median
-time, GB/s, TFLOP/s, % of the binding floor and the relative L2 error against the
-reference computed in float32 on the same inputs. MLA-P1 (4 x 4096 causal prefill, 16
+time by the host clock, GB/s, TFLOP/s, % of the binding floor and the relative L2 error
+against the reference computed in float32 on the same inputs, and (rows at the defaults) the
+CUPTI device span of a call waited for and the time per call issued back to back. MLA-P1 (4 x 4096 causal prefill, 16
 heads, q/k 192, v 128) runs the Triton prefill (ops/mla/prefill_pallas_triton.py, a few block
 sizes), the jnp prefill (``xla_mla_dense``), the Mosaic GPU kernel on Hopper, and cuDNN and
 FlashAttention-3 on the up-projected dense k/v (v zero-padded to 192: their APIs take one
@@ -54,6 +55,27 @@ def time_fn(fn, *args, reps: int = 20, inner: int = 5) -> float:
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / inner)
     return statistics.median(times)
+
+
+def device_times(fn, *args, calls: int = 20) -> dict[str, float]:
+    """CUPTI device microseconds of ``fn(*args)``: ``device_us``, the median span of ``calls``
+    calls each waited for (no host dispatch in it), and ``back_to_back_us``, the same calls
+    issued without waiting (``cupti_timing.back_to_back_us``); NaN where a trace cannot say."""
+    import cupti_timing
+
+    out = {}
+    try:
+        groups = cupti_timing.trace_calls({"call": lambda: fn(*args)}, n=calls)["call"]
+        out["device_us"] = cupti_timing.summarize(groups)["median_us"]
+    except RuntimeError as e:  # a call whose kernels leave gaps does not split into calls
+        print(f"  no device span: {e}")
+        out["device_us"] = float("nan")
+    try:
+        out["back_to_back_us"] = cupti_timing.back_to_back_us(lambda: fn(*args), n=calls)
+    except RuntimeError as e:
+        print(f"  no back-to-back time: {e}")
+        out["back_to_back_us"] = float("nan")
+    return out
 
 
 def measure_ceilings() -> dict[str, float]:
@@ -331,12 +353,16 @@ def main(argv=None) -> int:
                 print(f"  {impl} {extra or ''}: failed: {type(e).__name__}: {str(e)[:200]}")
                 return
             err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+            dev = {} if extra else device_times(fn, *args)  # swept rows: the host clock only
+            pct = {f"{k[:-3]}_pct_of_floor": 100 * floor_s / (us * 1e-6) for k, us in dev.items()}
             row = {"workload": spec.name, "impl": impl, **(extra or {}), "time_us": t * 1e6,
                    "gb_per_s": nbytes / t / 1e9, "tflop_per_s": flops / t / 1e12,
-                   "pct_of_floor": 100 * floor_s / t, "bound": bound, "rel_l2_vs_f32": err}  # fmt: skip
+                   "pct_of_floor": 100 * floor_s / t, "bound": bound, "rel_l2_vs_f32": err, **dev, **pct}  # fmt: skip
             rows.append(row)
+            device = "".join(f"; {k} {us:.1f} ({pct[f'{k[:-3]}_pct_of_floor']:.1f} %)" for k, us in dev.items())
             print(f"  {impl:16s} {str(extra or ''):60s} {t * 1e6:9.1f} us {row['gb_per_s']:7.0f} GB/s "
-                  f"{row['tflop_per_s']:6.1f} TFLOP/s {row['pct_of_floor']:5.1f}% of floor  err {err:.1e}")  # fmt: skip
+                  f"{row['tflop_per_s']:6.1f} TFLOP/s {row['pct_of_floor']:5.1f}% of floor  err {err:.1e}"
+                  f"{device}")  # fmt: skip
 
         kw = dict(sm_scale=scale, kv_lora_rank=spec.kv_lora_rank)
         if "pallas_mla_gpu" in args.impls:
