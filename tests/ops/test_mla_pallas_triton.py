@@ -60,6 +60,21 @@ def test_default_block_sizes_deepseek_shape():
     assert (few.block_h, few.num_kv_splits, few.num_warps) == (64, 8, 8)  # 32 programs: split
 
 
+@pytest.mark.parametrize(
+    "device_kind, warps_stages", [("NVIDIA H100 80GB HBM3", (4, 3)), ("NVIDIA A100-SXM4-80GB", (8, 2)), (None, (8, 2))]
+)
+def test_default_block_sizes_sixteen_heads_take_three_stages_where_hopper_smem_holds_them(device_kind, warps_stages):
+    bs = pallas_triton.default_block_sizes(
+        num_reqs=64, num_heads=16, pages_per_req=64, page_size=64, device_kind=device_kind
+    )  # MLA-D1-16
+    assert (bs.block_h, bs.pages_per_tile, bs.num_kv_splits) == (16, 1, 4)
+    assert (bs.num_warps, bs.num_stages) == warps_stages
+    wide = pallas_triton.default_block_sizes(
+        num_reqs=64, num_heads=64, pages_per_req=64, page_size=64, device_kind=device_kind
+    )
+    assert (wide.num_warps, wide.num_stages) == (8, 2)  # only 16-head programs were measured
+
+
 def test_error_non_power_of_two_rank():
     b = make_mla_batch(0, seq_lens=[3], num_heads=4, kv_lora_rank=24, rope_dim=16, block_size=16)
     with pytest.raises(ValueError, match=r"kv_lora_rank=24 must be a power of two for the Triton MLA kernel"):
