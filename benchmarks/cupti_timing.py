@@ -101,8 +101,10 @@ def back_to_back_us(call: Callable[[], object], n: int = 50) -> float:
     """Device microseconds per call when ``n`` calls of ``call`` are issued without waiting,
     the host running ahead as it does through a model's layers: the span of all their GPU
     events over ``n``. Unlike ``trace_calls``' spans, a launch gap between a call's kernels
-    that the host hides behind the device's earlier work does not count. Only the last
-    call's result is waited on (a thunk may donate the previous one's buffers)."""
+    that the host hides behind the device's earlier work does not count; but it cannot go
+    below the host's dispatch rate, so for a call whose dispatch takes longer than its
+    kernels it times the host. Only the last call's result is waited on (a thunk may donate
+    the previous one's buffers)."""
     jax.block_until_ready(call())
 
     def run():
