@@ -4,7 +4,7 @@ DeepSeek-V3's decode shape (128 query heads over one latent cache of 512 + 64, p
 4096 tokens of context) at ``--requests`` requests: ``pallas_triton.default_block_sizes``'
 choice, then 64-head programs of 8 warps with as many KV splits as the heuristic gives them
 (its choice before 32-head programs), each timed ``--repeats`` times alternately (host clock
-around synchronised calls, medians of 20 x 5, as ``mla_attention.py``). Then the user's path:
+around synchronised calls, medians of 20 x 5, and the CUPTI device span, as ``mla_attention.py``). Then the user's path:
 ``MLAAttention.__call__`` (the layer picks PALLAS_MLA_GPU) under ``jax.jit`` with the cache
 donated, its metadata built on the host (``layer.metadata_builder.build``, as the engine
 does): the new latent written, ``q_nope`` absorbed, the kernel at its defaults, the output
@@ -22,7 +22,7 @@ import functools
 import sys
 
 from gpu_check import gpu_device  # benchmarks/, the script's folder
-from mla_attention import make_batch, time_fn  # benchmarks/, the script's folder
+from mla_attention import device_times, make_batch, time_fn  # benchmarks/, the script's folder
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
 
@@ -92,10 +92,11 @@ def main(argv=None) -> int:
                     )
                 )
                 t = time_fn(fn, q, cache, lens, table)
-                rows.append(
-                    {"requests": reqs, "choice": name, "repeat": rep, "block_sizes": str(bs), "time_us": t * 1e6}
-                )
-                print(f"{reqs:3d} requests  {name:18s} {bs}  {t * 1e6:8.1f} us", flush=True)
+                dev = device_times(fn, q, cache, lens, table)
+                rows.append({"requests": reqs, "choice": name, "repeat": rep, "block_sizes": str(bs),
+                             "time_us": t * 1e6, **dev})  # fmt: skip
+                print(f"{reqs:3d} requests  {name:18s} {bs}  {t * 1e6:8.1f} us; device {dev['device_us']:8.1f} us",
+                      flush=True)  # fmt: skip
         t, backend = layer_seconds(spec, cache, table)
         rows.append({"requests": reqs, "choice": f"MLAAttention layer ({backend})", "time_us": t * 1e6})
         print(f"{reqs:3d} requests  MLAAttention layer ({backend}), write + absorb + kernel + up-projection  "
