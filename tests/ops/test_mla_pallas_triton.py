@@ -63,7 +63,7 @@ def test_default_block_sizes_deepseek_shape():
 @pytest.mark.parametrize(
     "device_kind, warps_stages", [("NVIDIA H100 80GB HBM3", (4, 3)), ("NVIDIA A100-SXM4-80GB", (8, 2)), (None, (8, 2))]
 )
-def test_default_block_sizes_sixteen_heads_take_three_stages_where_hopper_smem_holds_them(device_kind, warps_stages):
+def test_default_block_sizes_sixteen_heads_take_three_stages_where_the_smem_holds_them(device_kind, warps_stages):
     bs = pallas_triton.default_block_sizes(
         num_reqs=64, num_heads=16, pages_per_req=64, page_size=64, device_kind=device_kind
     )  # MLA-D1-16
@@ -73,6 +73,10 @@ def test_default_block_sizes_sixteen_heads_take_three_stages_where_hopper_smem_h
         num_reqs=64, num_heads=64, pages_per_req=64, page_size=64, device_kind=device_kind
     )
     assert (wide.num_warps, wide.num_stages) == (8, 2)  # only 16-head programs were measured
+    f32 = pallas_triton.default_block_sizes(
+        num_reqs=64, num_heads=16, pages_per_req=64, page_size=64, device_kind=device_kind, kv_itemsize=4
+    )
+    assert (f32.num_warps, f32.num_stages) == (8, 2)  # three float32 tiles would not fit, and were not measured
 
 
 def test_error_non_power_of_two_rank():

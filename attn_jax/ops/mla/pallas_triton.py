@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from attn_jax.ops.mla.reference import fold_fp8_scale
 from attn_jax.ops.mla.validate import dynamic_validate, is_concrete, static_validate_decode
-from attn_jax.ops.ragged_paged_attention.config import GPU_SMEM_BYTES, gpu_smem_limit
+from attn_jax.ops.ragged_paged_attention.config import gpu_smem_limit
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 """Finite stand-in for -inf: the running max starts here, so exp(m_old - m_new) never sees inf - inf."""
@@ -63,7 +63,7 @@ class MLADecodeBlockSizes:
 
 def default_block_sizes(
     *, num_reqs: int, num_heads: int, pages_per_req: int, page_size: int, num_sms: int = NUM_SMS_DEFAULT,
-    device_kind: str | None = None,
+    device_kind: str | None = None, kv_width: int = 576, kv_itemsize: int = 2,
 ) -> MLADecodeBlockSizes:  # fmt: skip
     """A shape heuristic: every head of a request in one program up to 64 heads, 8
     warps (128 heads: two 64-head programs, as a 128 x 512 float32 accumulator does not fit
@@ -71,16 +71,18 @@ def default_block_sizes(
     programs each. When 32-head programs alone fill every SM (many requests of many
     heads), 32-head programs of 4 warps and no split instead: on the H100 they beat the
     64-head ones by 19 % at MLA-D1's 64 requests and lose by 3-10 % at 1-16 requests.
-    16-head programs take 4 warps and 3 stages where ``device_kind`` has Hopper's shared
-    memory (``gpu_smem_limit``): MLA-D1-16's device time 119 -> 116 us on the H100
-    (BENCHMARKS.md)."""
+    16-head programs over a 2-byte cache take 4 warps and 3 stages where three KV tiles
+    (``kv_width`` values of ``kv_itemsize`` bytes a key) fit ``device_kind``'s shared memory
+    (``gpu_smem_limit``; Hopper's at DeepSeek's 576): MLA-D1-16's device time 119 -> 116 us
+    on the H100 (BENCHMARKS.md)."""
     block_h = min(max(_next_pow2(num_heads), 16), 64)
     num_warps, num_stages = 8, 2
     if num_heads > block_h and num_reqs * -(-num_heads // 32) >= num_sms:
         block_h, num_warps = 32, 4
-    if block_h == 16 and gpu_smem_limit(device_kind) >= GPU_SMEM_BYTES["H100"]:
-        num_warps, num_stages = 4, 3
     pages_per_tile = max(1, 64 // page_size)
+    tile_bytes = pages_per_tile * page_size * kv_width * kv_itemsize
+    if block_h == 16 and kv_itemsize == 2 and 3 * tile_bytes <= gpu_smem_limit(device_kind):
+        num_warps, num_stages = 4, 3
     head_blocks = -(-num_heads // block_h)
     tiles = max(1, -(-pages_per_req // pages_per_tile))
     splits = max(1, min(tiles, (2 * num_sms) // max(num_reqs * head_blocks, 1), 16))
@@ -206,7 +208,8 @@ def mla_decode(
         interpret = jax.default_backend() != "gpu"
     bs = block_sizes or default_block_sizes(
         num_reqs=num_reqs, num_heads=q.shape[1], pages_per_req=pages_per_req, page_size=page_size,
-        device_kind=None if interpret else jax.devices()[0].device_kind,
+        device_kind=None if interpret else jax.devices()[0].device_kind, kv_width=width,
+        kv_itemsize=kv_cache.dtype.itemsize,
     )  # fmt: skip
     check_block_sizes(bs, kv_lora_rank=kv_lora_rank, rope_dim=width - kv_lora_rank, page_size=page_size)
     q, out_scale = fold_fp8_scale(q, kv_cache, k_scale)
