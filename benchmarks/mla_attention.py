@@ -366,7 +366,8 @@ def main(argv=None) -> int:
 
         kw = dict(sm_scale=scale, kv_lora_rank=spec.kv_lora_rank)
         if "pallas_mla_gpu" in args.impls:
-            record("pallas_mla_gpu", jax.jit(functools.partial(pallas_triton.mla_decode, **kw)))
+            default = functools.partial(pallas_triton.mla_decode, **kw, device_kind=dev.device_kind)  # as the layer
+            record("pallas_mla_gpu", jax.jit(default))
             if args.sweep:
                 pages = -(-spec.context_len // spec.block_size)
                 stages = [int(x) for x in args.sweep_stages.split(",")]

@@ -90,7 +90,8 @@ class PallasMLAGPUImpl(_PallasMLAImpl):
                            "prefills run in jnp (ops/mla/dense.py), not the Triton prefill kernel", dims)  # fmt: skip
         # Read once, here at the edge: the Mosaic GPU prefill on Hopper (compiled) unless turned off.
         platform = current_platform()
-        hopper = mgpu_prefill_available(platform.device_kind if platform.kind == "gpu" else None)
+        self.device_kind = platform.device_kind if platform.kind == "gpu" else None  # the decode's default blocks
+        hopper = mgpu_prefill_available(self.device_kind)
         self.mgpu_prefill = self.triton_prefill and not self.interpret and mgpu_prefill_setting() and hopper
         # Measured (BENCHMARKS.md): 2x the Triton kernel at 128 heads; 5-10 % behind it at 16
         # heads, which the kernel pads to its 64-head wgmma rows. Small batches: MGPU_MLA_DECODE_MIN_REQS.
@@ -138,7 +139,7 @@ class PallasMLAGPUImpl(_PallasMLAImpl):
                                                        kv_lora_rank=self.kv_lora_rank)  # fmt: skip
         return pallas_triton.mla_decode(q_abs, kv_cache, seq_lens, block_tables, sm_scale=self.scale,
                                         kv_lora_rank=self.kv_lora_rank, interpret=self.interpret,
-                                        k_scale=k_scale)  # fmt: skip
+                                        k_scale=k_scale, device_kind=self.device_kind)  # fmt: skip
 
     def sparse(self, q_abs, kv_cache, topk_positions, md, k_scale=None):
         return sparse_pallas_triton.sparse_mla(

@@ -119,6 +119,22 @@ def test_forward_mixed_batch_matches_oracle(backend):
     np.testing.assert_array_equal(written, new)
 
 
+def test_gpu_impl_hands_its_device_kind_to_the_triton_decode(monkeypatch):
+    """The device kind is read once at the edge (the impl) and reaches the op, whose default
+    blocks depend on the device's shared memory (``pallas_triton.default_block_sizes``)."""
+    from attn_jax.backends import mla_pallas
+    from attn_jax.ops.mla import pallas_triton
+
+    monkeypatch.setattr(mla_pallas, "current_platform", lambda: GPU)
+    seen = {}
+    monkeypatch.setattr(pallas_triton, "mla_decode", lambda *a, **k: seen.update(k))
+    impl = PallasMLAGPUBackend.get_impl_cls()(H, C + ROPE, 0.1, kv_lora_rank=C, qk_nope_head_dim=NOPE,
+                                              qk_rope_head_dim=ROPE, v_head_dim=DV)  # fmt: skip
+    impl.decode(jnp.zeros((2, H, C + ROPE)), jnp.zeros((4, S, C + ROPE)), jnp.ones(2, jnp.int32),
+                jnp.zeros((2, 1), jnp.int32))  # fmt: skip
+    assert seen["device_kind"] == GPU.device_kind
+
+
 def test_impl_rejects_unsupported_options():
     with pytest.raises(NotImplementedError, match=r"sliding_window=8: MLA backends support none of"):
         XLAMLABackend.get_impl_cls()(H, C + ROPE, 0.1, sliding_window=8, kv_lora_rank=C, qk_nope_head_dim=NOPE,

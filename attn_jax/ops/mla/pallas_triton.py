@@ -190,10 +190,12 @@ def mla_decode(
     interpret: bool | None = None,
     block_sizes: MLADecodeBlockSizes | None = None,
     k_scale=None,  # f32[] | None: required for fp8 caches (folded into q and the output)
+    device_kind: str | None = None,
 ):
     """``reference.mla_decode``'s contract as a Pallas GPU kernel. ``interpret=None`` runs
     compiled on a GPU and in the Pallas interpreter elsewhere; ``block_sizes`` default to
-    ``default_block_sizes`` for the shapes.
+    ``default_block_sizes`` for the shapes and ``device_kind`` (``jax.Device.device_kind``
+    of the GPU, read by the caller; None: no device's shared memory is assumed).
 
     Example::
 
@@ -204,14 +206,13 @@ def mla_decode(
     num_reqs, pages_per_req = block_tables.shape
     if is_concrete(seq_lens, block_tables):
         dynamic_validate(seq_lens, block_tables, num_blocks=num_blocks, block_size=page_size)
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
     bs = block_sizes or default_block_sizes(
         num_reqs=num_reqs, num_heads=q.shape[1], pages_per_req=pages_per_req, page_size=page_size,
-        device_kind=None if interpret else jax.devices()[0].device_kind, kv_width=width,
-        kv_itemsize=kv_cache.dtype.itemsize,
+        device_kind=device_kind, kv_width=width, kv_itemsize=kv_cache.dtype.itemsize,
     )  # fmt: skip
     check_block_sizes(bs, kv_lora_rank=kv_lora_rank, rope_dim=width - kv_lora_rank, page_size=page_size)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
     q, out_scale = fold_fp8_scale(q, kv_cache, k_scale)
     out, lse = _decode(
         q, kv_cache, jnp.asarray(seq_lens), jnp.asarray(block_tables),
