@@ -298,7 +298,7 @@ def with_write_ms(b: DeviceBatch, reps: int = 30, inner: int = 5, cupti_calls: i
         summary = cupti_timing.summarize(cupti_timing.trace_calls({"step": one_step}, n=cupti_calls)["step"],
                                          KERNEL_CLASSES)  # fmt: skip
         out_ms["device_us_per_step"] = summary.pop("mean_us_by_class")
-        out_ms["device_step"] = add_back_to_back(summary, one_step, cupti_calls)
+        out_ms["device_step"] = cupti_timing.with_back_to_back(summary, one_step, cupti_calls)
     except Exception as e:  # noqa: BLE001 - a profiler that cannot run here must not lose the timings
         out_ms["device_us_per_step"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     state.clear()
@@ -489,17 +489,7 @@ def device_summary(fn, *args, calls: int = 50) -> dict:
     """``cupti_timing.summarize`` of ``calls`` calls of ``fn(*args)`` (device span per call, medians),
     with ``back_to_back_us``: the same calls issued without waiting."""
     summary = cupti_timing.summarize(cupti_timing.trace_calls({"fn": lambda: fn(*args)}, n=calls)["fn"])
-    return add_back_to_back(summary, lambda: fn(*args), calls)
-
-
-def add_back_to_back(summary: dict, call, calls: int) -> dict:
-    """``summary`` with ``back_to_back_us`` (``cupti_timing.back_to_back_us`` of ``calls`` calls
-    of ``call``), or ``back_to_back_error`` when that trace fails: the isolated spans stand."""
-    try:
-        summary["back_to_back_us"] = cupti_timing.back_to_back_us(call, n=calls)
-    except Exception as e:  # noqa: BLE001
-        summary["back_to_back_error"] = f"{type(e).__name__}: {e}"[:300]
-    return summary
+    return cupti_timing.with_back_to_back(summary, lambda: fn(*args), calls)
 
 
 # --------------------------------------------------------------------------- FlashAttention-3
@@ -633,7 +623,8 @@ def run_fa3(fa3, b: DeviceBatch, ref, ours, pages, splits, cupti_calls: int, rec
                 for impl in batch:
                     done[impl]["device_error"] = f"{type(e).__name__}: {e}"[:300]
         for impl, groups in traced.items():
-            done[impl]["device"] = add_back_to_back(cupti_timing.summarize(groups), thunks[impl], cupti_calls)
+            summary = cupti_timing.summarize(groups)
+            done[impl]["device"] = cupti_timing.with_back_to_back(summary, thunks[impl], cupti_calls)
         for c in cs:
             if c.impl not in done:
                 continue

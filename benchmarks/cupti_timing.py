@@ -117,6 +117,16 @@ def back_to_back_us(call: Callable[[], object], n: int = 50) -> float:
     return (max(e.start_ns + e.duration_ns for e in events) - events[0].start_ns) / 1e3 / n
 
 
+def with_back_to_back(summary: dict, call: Callable[[], object], n: int = 50) -> dict:
+    """``summary`` (of isolated calls) with ``back_to_back_us`` of ``n`` calls of ``call``, or
+    ``back_to_back_error`` when that trace fails: the isolated spans stand without it."""
+    try:
+        summary["back_to_back_us"] = back_to_back_us(call, n=n)
+    except Exception as e:  # noqa: BLE001 - a trace that cannot run must not lose the other timings
+        summary["back_to_back_error"] = f"{type(e).__name__}: {e}"[:300]
+    return summary
+
+
 def summarize(groups: list[list[DeviceEvent]], classes: Sequence[tuple[str, str]] = ()) -> dict:
     """Per-call device microseconds over calls: ``median_us`` (and mean, min, max) of each call's
     span, from its first event's start to its last event's end, which counts launch gaps

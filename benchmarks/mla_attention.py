@@ -63,19 +63,15 @@ def device_times(fn, *args, calls: int = 20) -> dict[str, float]:
     issued without waiting (``cupti_timing.back_to_back_us``); NaN where a trace cannot say."""
     import cupti_timing
 
-    out = {}
+    summary = {"median_us": float("nan")}
     try:
-        groups = cupti_timing.trace_calls({"call": lambda: fn(*args)}, n=calls)["call"]
-        out["device_us"] = cupti_timing.summarize(groups)["median_us"]
+        summary = cupti_timing.summarize(cupti_timing.trace_calls({"call": lambda: fn(*args)}, n=calls)["call"])
     except RuntimeError as e:  # a call whose kernels leave gaps does not split into calls
         print(f"  no device span: {e}")
-        out["device_us"] = float("nan")
-    try:
-        out["back_to_back_us"] = cupti_timing.back_to_back_us(lambda: fn(*args), n=calls)
-    except RuntimeError as e:
-        print(f"  no back-to-back time: {e}")
-        out["back_to_back_us"] = float("nan")
-    return out
+    summary = cupti_timing.with_back_to_back(summary, lambda: fn(*args), calls)
+    if "back_to_back_error" in summary:
+        print(f"  no back-to-back time: {summary['back_to_back_error']}")
+    return {"device_us": summary["median_us"], "back_to_back_us": summary.get("back_to_back_us", float("nan"))}
 
 
 def measure_ceilings() -> dict[str, float]:
