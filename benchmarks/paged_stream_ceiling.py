@@ -128,10 +128,10 @@ def main(argv=None) -> int:
     for slots, splits in configs:
         fn = jax.jit(functools.partial(stream_pages, slots=slots, splits=splits))
         t = time_fn(fn, cache, table)
-        dev = device_times(fn, cache, table)
-        d = dev["device_us"] * 1e-6
+        span = device_times(fn, cache, table)
+        d = span["device_us"] * 1e-6
         rows.append({"slots": slots, "splits": splits, "time_us": t * 1e6, "gb_per_s": nbytes / t / 1e9,
-                     "pct_of_copy": 100 * nbytes / t / copy, **dev,
+                     "pct_of_copy": 100 * nbytes / t / copy, **span,
                      "device_pct_of_copy": 100 * nbytes / d / copy})  # fmt: skip
         print(f"  slots={slots} splits={splits}: {t * 1e6:7.1f} us {nbytes / t / 1e9:6.0f} GB/s "
               f"{100 * nbytes / t / copy:5.1f} % of copy; device {d * 1e6:7.1f} us "
