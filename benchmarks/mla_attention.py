@@ -349,13 +349,13 @@ def main(argv=None) -> int:
                 print(f"  {impl} {extra or ''}: failed: {type(e).__name__}: {str(e)[:200]}")
                 return
             err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-            dev = {} if extra else device_times(fn, *args)  # swept rows: the host clock only
-            pct = {f"{k[:-3]}_pct_of_floor": 100 * floor_s / (us * 1e-6) for k, us in dev.items()}
+            span = {} if extra else device_times(fn, *args)  # swept rows: the host clock only
+            pct = {f"{k[:-3]}_pct_of_floor": 100 * floor_s / (us * 1e-6) for k, us in span.items()}
             row = {"workload": spec.name, "impl": impl, **(extra or {}), "time_us": t * 1e6,
                    "gb_per_s": nbytes / t / 1e9, "tflop_per_s": flops / t / 1e12,
-                   "pct_of_floor": 100 * floor_s / t, "bound": bound, "rel_l2_vs_f32": err, **dev, **pct}  # fmt: skip
+                   "pct_of_floor": 100 * floor_s / t, "bound": bound, "rel_l2_vs_f32": err, **span, **pct}  # fmt: skip
             rows.append(row)
-            device = "".join(f"; {k} {us:.1f} ({pct[f'{k[:-3]}_pct_of_floor']:.1f} %)" for k, us in dev.items())
+            device = "".join(f"; {k} {us:.1f} ({pct[f'{k[:-3]}_pct_of_floor']:.1f} %)" for k, us in span.items())
             print(f"  {impl:16s} {str(extra or ''):60s} {t * 1e6:9.1f} us {row['gb_per_s']:7.0f} GB/s "
                   f"{row['tflop_per_s']:6.1f} TFLOP/s {row['pct_of_floor']:5.1f}% of floor  err {err:.1e}"
                   f"{device}")  # fmt: skip
