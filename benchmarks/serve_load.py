@@ -199,10 +199,43 @@ def prepare_engine(opts: dict):
     return engine, offline
 
 
-def probe_answer(engine, message: tuple) -> tuple:
-    """The answer to the coordinator's ``("mark",)`` or ``("summary", first_step)``."""
+def thread_cpu_seconds(native_id: int | None) -> float | None:
+    """CPU seconds (user + system) so far of this process's thread ``native_id``
+    (``threading.get_native_id``), from Linux's /proc; None elsewhere or for None."""
+    if native_id is None:
+        return None
+    try:
+        with open(f"/proc/self/task/{native_id}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name: state, ppid, ...
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, in ticks
+
+
+def cpu_marks(prefix: str, thread_id: int | None) -> dict:
+    """CPU seconds so far of this whole process and of its thread ``thread_id``: what
+    ``cpu_fractions`` turns into busy fractions over a phase."""
+    return {f"{prefix}_process_cpu": time.process_time(), f"{prefix}_thread_cpu": thread_cpu_seconds(thread_id)}
+
+
+def cpu_fractions(before: dict, after: dict) -> dict:
+    """Each CPU mark's seconds over a phase per second of wall time (1.0: one core busy
+    throughout; a process's may exceed 1 with several busy threads)."""
+    wall = after["time"] - before["time"]
+    out = {}
+    for key, value in after.items():
+        if key.endswith("_cpu") and value is not None and before.get(key) is not None and wall > 0:
+            out[key.removesuffix("_cpu")] = (value - before[key]) / wall
+    return out
+
+
+def probe_answer(engine, message: tuple, core_thread: int | None = None) -> tuple:
+    """The answer to the coordinator's ``("mark",)`` or ``("summary", first_step)``; a mark
+    carries the engine process's CPU seconds and its core thread's (``core_thread``)."""
     if message[0] == "mark":
-        return "mark", {"num_compilations": engine.num_compilations, "step": len(engine.stats)}
+        marks = cpu_marks("engine", core_thread)
+        mark = {"num_compilations": engine.num_compilations, "step": len(engine.stats), "time": time.monotonic()}
+        return "mark", mark | marks
     return "summary", _step_summary(engine, message[1])
 
 
@@ -211,11 +244,12 @@ def engine_with_probe(opts: dict, probe) -> object:
     ``probe``, then answers probes there from a thread while the engine core serves."""
     engine, offline = prepare_engine(opts)
     probe.send(("offline", offline))
+    core_thread = threading.get_native_id()  # the engine process runs its core in the thread that built it
 
     def answer() -> None:
         while True:
             try:
-                probe.send(probe_answer(engine, probe.recv()))
+                probe.send(probe_answer(engine, probe.recv(), core_thread))
             except (EOFError, OSError):
                 return
 
@@ -267,7 +301,10 @@ def serve_process(opts: dict, port: int, conn) -> None:
         conn.send(("ready", {"uvicorn": uvicorn.__version__, "loop": str(config.loop), "http": str(config.http)}))
         while True:
             message = conn.recv()
-            if message[0] in ("mark", "summary"):
+            if message[0] == "mark":  # the HTTP process's CPU beside the engine's: which one saturates
+                kind, answer = probe(message)
+                conn.send((kind, answer | cpu_marks("http", thread.native_id)))
+            elif message[0] == "summary":
                 conn.send(probe(message))
             else:
                 break
@@ -525,7 +562,9 @@ def print_table(result: dict) -> None:
         if s is not None:
             print(
                 f"{name}: {s['failed']} failed, {s['compilations_during']} compilations during it, client CPU "
-                f"{', '.join(f'{c:.0%}' for c in s['client_cpu_fraction'])}, engine {s['engine_steps']}"
+                f"{', '.join(f'{c:.0%}' for c in s['client_cpu_fraction'])}, server CPU "
+                f"{', '.join(f'{k} {v:.0%}' for k, v in s.get('server_cpu_fraction', {}).items())}, "
+                f"engine {s['engine_steps']}"
             )
 
 
@@ -685,7 +724,10 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
 
     def measured(records, cpu, mark, **extra) -> dict:
         summary = summarize(records, args.max_tokens) | extra | {"client_cpu_fraction": cpu}
-        summary["compilations_during"] = server.ask("mark")["num_compilations"] - mark["num_compilations"]
+        end = server.ask("mark")
+        summary["compilations_during"] = end["num_compilations"] - mark["num_compilations"]
+        # engine_thread: the engine core's thread; http_thread: uvicorn's event loop
+        summary["server_cpu_fraction"] = cpu_fractions(mark, end)
         summary["engine_steps"] = server.ask("summary", mark["step"])
         return summary
 

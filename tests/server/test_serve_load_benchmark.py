@@ -58,6 +58,39 @@ def test_summary_of_records(serve_load):
     assert serve_load.percentiles([]) == {"p50": None, "p90": None, "p99": None, "mean": None}
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread CPU time comes from Linux's /proc")
+def test_cpu_marks_count_a_busy_thread_and_not_an_idle_one(serve_load):
+    """A thread spinning throughout shows about one core busy; the main thread, asleep, none."""
+    import threading
+    import time
+
+    spinning, done, ids = threading.Event(), threading.Event(), {}
+
+    def spin():
+        ids["spin"] = threading.get_native_id()
+        spinning.set()
+        while not done.is_set():
+            pass
+
+    def marks():
+        both = serve_load.cpu_marks("spin", ids["spin"]) | serve_load.cpu_marks("idle", threading.get_native_id())
+        return both | {"time": time.monotonic()}
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    spinning.wait()
+    before = marks()
+    time.sleep(0.4)
+    after = marks()
+    done.set()
+    worker.join()
+    f = serve_load.cpu_fractions(before, after)
+    assert set(f) == {"spin_process", "spin_thread", "idle_process", "idle_thread"}
+    assert 0.5 < f["spin_thread"] <= 1.1 and f["idle_thread"] < 0.1  # clock ticks: 10 ms
+    assert f["spin_process"] >= f["spin_thread"] - 0.05
+    assert serve_load.thread_cpu_seconds(None) is None and serve_load.thread_cpu_seconds(2**31 - 1) is None
+
+
 @pytest.mark.slow
 def test_the_benchmark_runs_on_the_tiny_model(tmp_path):
     """Every request completes with exactly max_tokens tokens in both phases, the offline
@@ -89,6 +122,9 @@ def test_the_benchmark_runs_on_the_tiny_model(tmp_path):
         assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] and 0 < s["e2e_ms"]["p50"]
         assert s["itl_ms"]["p50"] is not None and s["tokens_per_chunk"] >= 1
         assert s["engine_steps"]["steps"] > 0 and s["compilations_during"] == 0  # all compiled by Engine.warmup
+        cpu = s["server_cpu_fraction"]  # the engine's and the HTTP server's processes and main threads
+        assert set(cpu) == {"engine_process", "engine_thread", "http_process", "http_thread"}
+        assert cpu["engine_process"] > 0 and all(v >= 0 for v in cpu.values())
     ratio = r["closed_loop"]["output_tokens_per_s"] / r["offline"]["tokens_per_s"]
     assert r["targets"]["throughput_ratio"] == pytest.approx(ratio)
     assert r["targets"]["poisson_ttft_p50_ms"] == r["poisson"]["ttft_ms"]["p50"]
