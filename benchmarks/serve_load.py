@@ -20,7 +20,9 @@ step shape, at most ``--warmup-rounds``):
 - closed loop: ``--concurrency`` clients each send ``--requests-per-client`` requests
   back to back: output tokens/s, TTFT, inter-token latency (gaps between streamed
   chunks), time per output token and end-to-end latency percentiles; the ratio of the
-  server's tokens/s to the offline engine's;
+  server's tokens/s to the offline engine's; how busy the engine's and the HTTP server's
+  processes and main threads were (``server_cpu_fraction``, Linux), so a run says which
+  side sets the pace;
 - open loop: ``--poisson-requests`` requests arriving as a Poisson process at ``--rate``
   requests/s: the same latencies (TTFT p50 is the issue's target).
 
