@@ -10,6 +10,10 @@ pipe: ``EngineProcess(factory)`` spawns a process that builds the engine with
 pickled. The parent (``EngineLoop``) reads the messages on its event loop
 (``add_reader``); its commands go out through a sender thread of their own, so a
 parent writing commands and a child writing rounds can never both block on full pipes.
+Commands and messages travel on two one-way pipes: uvloop's ``add_reader`` makes the
+descriptor it watches non-blocking, and on one two-way pipe that made a burst of commands
+(hundreds of requests at once) fail with ``BlockingIOError`` once the pipe was full. The
+watched end is set back to blocking, so a large message that arrives in pieces is read whole.
 
 The parent never touches JAX's devices: everything that does (``check_num_devices``,
 the backend's selection, the compilation cache) belongs in ``factory``. The engine
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
 import queue
 import signal
 import threading
@@ -39,30 +44,31 @@ class EngineStartError(RuntimeError):
     """The engine process could not build its engine; the message is the factory's error."""
 
 
-def _child_main(factory: Callable[[], object], conn) -> None:
-    """The engine process: builds the engine, says it is ready, runs the core until stopped."""
+def _child_main(factory: Callable[[], object], commands, messages) -> None:
+    """The engine process: builds the engine, says it is ready on ``messages``, runs the core
+    on ``commands`` until stopped."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = factory()
     except BaseException as e:
         detail = str(e) if isinstance(e, (ValueError, OSError)) else traceback.format_exc()
-        conn.send(("error", detail or type(e).__name__))
+        messages.send(("error", detail or type(e).__name__))
         return
-    conn.send(("ready", {"max_model_len": engine.max_model_len}))
+    messages.send(("ready", {"max_model_len": engine.max_model_len}))
 
     def receive(timeout: float | None) -> list[tuple]:
-        commands = []
+        received = []
         try:
-            conn.poll(timeout)
-            while conn.poll(0):
-                commands.append(conn.recv())
+            commands.poll(timeout)
+            while commands.poll(0):
+                received.append(commands.recv())
         except (EOFError, OSError):  # the parent has gone: stop
-            commands.append(("stop",))
-        return commands
+            received.append(("stop",))
+        return received
 
     def emit(message: tuple) -> None:
         try:
-            conn.send(message)
+            messages.send(message)
         except OSError:  # the parent has gone; the next receive stops the loop
             pass
 
@@ -79,10 +85,14 @@ class EngineProcess:
 
     def __init__(self, factory: Callable[[], object]) -> None:
         ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_child_main, args=(factory, child), name="attn-stack-engine", daemon=True)
+        commands, self._commands = ctx.Pipe(duplex=False)  # (reading end, writing end)
+        self._messages, messages = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(
+            target=_child_main, args=(factory, commands, messages), name="attn-stack-engine", daemon=True
+        )
         self.process.start()
-        child.close()
+        commands.close()
+        messages.close()
         try:
             info = self._wait_ready()
         except BaseException:
@@ -95,7 +105,7 @@ class EngineProcess:
 
     def _wait_ready(self) -> dict:
         try:
-            kind, payload = self._conn.recv()  # a warm-up may take minutes
+            kind, payload = self._messages.recv()  # a warm-up may take minutes
         except EOFError:
             self.process.join(5)
             raise EngineStartError(
@@ -111,12 +121,12 @@ class EngineProcess:
     def start(self, aloop: asyncio.AbstractEventLoop, on_message: Callable[[tuple], None]) -> None:
         """Hands every message to ``on_message`` on ``aloop`` (call from ``aloop``'s thread);
         the process's exit without a ``closed`` message becomes one, naming its exit code."""
-        fd = self._conn.fileno()
+        fd = self._messages.fileno()
 
         def readable() -> None:
             try:
-                while self._conn.poll(0):
-                    message = self._conn.recv()
+                while self._messages.poll(0):
+                    message = self._messages.recv()
                     on_message(message)
                     if message[0] == "closed":
                         aloop.remove_reader(fd)
@@ -127,6 +137,7 @@ class EngineProcess:
                 on_message(("closed", [], [], None, f"the engine process exited with code {self.process.exitcode}"))
 
         aloop.add_reader(fd, readable)
+        os.set_blocking(fd, True)  # uvloop made it non-blocking: a message arriving in pieces is read whole
 
     def send(self, command: tuple) -> None:
         """Queues a command for the engine process (thread-safe, never blocks)."""
@@ -136,7 +147,7 @@ class EngineProcess:
         while True:
             command = self._outbox.get()
             try:
-                self._conn.send(command)
+                self._commands.send(command)
             except OSError:  # the process has gone; its reader reports it
                 return
             if command[0] == "stop":

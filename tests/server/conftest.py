@@ -78,6 +78,13 @@ class Server:
                 out[sample.name, labels] = sample.value
         return out
 
+    def rss_bytes(self) -> int:
+        """Resident memory of the server process and every process under it (the engine's)."""
+        import psutil
+
+        root = psutil.Process(self.process.pid)
+        return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+
     def close(self) -> None:
         self.http.close()
         self.process.terminate()
