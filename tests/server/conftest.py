@@ -78,6 +78,17 @@ class Server:
                 out[sample.name, labels] = sample.value
         return out
 
+    def wait_for(self, condition, what: str, timeout: float = 60.0) -> dict[tuple[str, tuple], float]:
+        """Polls ``/metrics`` until ``condition(metrics)`` holds; returns those metrics (fails
+        the test, saying ``what`` was awaited, after ``timeout`` seconds)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            metrics = self.metrics()
+            if condition(metrics):
+                return metrics
+            time.sleep(0.05)
+        pytest.fail(f"{what}: still not so after {timeout} s: {metrics}")
+
     def rss_bytes(self) -> int:
         """Resident memory of the server process and every process under it (the engine's)."""
         import psutil
@@ -94,6 +105,15 @@ class Server:
             self.process.kill()
             self.process.wait()
         self._log.close()
+
+
+USED, RUNNING = ("attn_stack_kv_cache_blocks_used", ()), ("attn_stack_num_requests_running", ())
+WAITING = ("attn_stack_num_requests_waiting", ())
+
+
+def idle(metrics: dict) -> bool:
+    """No KV page in use and no request running or waiting (``Server.metrics``' samples)."""
+    return metrics[USED] == 0 and metrics[RUNNING] == 0 and metrics[WAITING] == 0
 
 
 def sse_data(lines) -> Iterator[str]:

@@ -12,21 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import pytest
 
 from attn_jax.serving import SamplingParams
 from attn_jax.testing.models import TINY_RANDOM, tiny_random_engine
-from tests.server.conftest import Server
+from tests.server.conftest import Server, idle
 
 LIMITS = dict(max_model_len=64, max_num_seqs=32, max_num_batched_tokens=256)
 ARGS = ["--model", TINY_RANDOM, "--no-warmup"] + [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
 LOAD_CLIENTS = int(os.environ.get("ATTN_STACK_LOAD_CLIENTS", "300"))
 NEW_TOKENS = 4
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,"]
-USED, RUNNING = ("attn_stack_kv_cache_blocks_used", ()), ("attn_stack_num_requests_running", ())
-WAITING = ("attn_stack_num_requests_waiting", ())
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +31,6 @@ def server():
     server = Server(*ARGS)  # loads while the test builds its reference engine
     yield server
     server.close()
-
-
-def _settled(server: Server, timeout: float = 60.0) -> None:
-    """Waits until every KV page is back and no request runs or waits."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        m = server.metrics()
-        if m[USED] == m[RUNNING] == m[WAITING] == 0:
-            return
-        time.sleep(0.05)
-    pytest.fail(f"pages or requests left after the clients: {server.metrics()}")
 
 
 @pytest.mark.slow
@@ -71,6 +57,6 @@ def test_hundreds_of_streaming_clients_lose_nothing_and_memory_returns_to_its_ba
     rss = []
     for _ in range(2):
         assert asyncio.run(round_()) == want
-        _settled(server)
+        server.wait_for(idle, "every KV page back, nothing running or waiting, after the clients")
         rss.append(server.rss_bytes())
     assert rss[1] <= 1.05 * rss[0], f"resident memory grew from {rss[0] >> 20} MiB to {rss[1] >> 20} MiB"

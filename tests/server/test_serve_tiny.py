@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -25,7 +24,7 @@ import pytest
 from attn_jax.cli import main
 from attn_jax.serving import SamplingParams
 from attn_jax.testing.models import TINY_RANDOM, tiny_random_engine
-from tests.server.conftest import Server, sse_data
+from tests.server.conftest import USED, Server, idle, sse_data
 
 LIMITS = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16)
 ARGS = ["--model", TINY_RANDOM, "--no-warmup"] + [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
@@ -144,8 +143,7 @@ def test_many_streaming_clients_at_once_lose_nothing(server, engine):
             return await asyncio.gather(*(ask(client, p) for p in prompts))
 
     assert asyncio.run(main_()) == [(w.text, 8) for w in want]
-    used = ("attn_stack_kv_cache_blocks_used", ())
-    _wait_for(server, lambda m: m[used] == 0, "every KV page back after the clients")
+    server.wait_for(lambda m: m[USED] == 0, "every KV page back after the clients")
 
 
 def test_seeded_sampling_matches_the_engine(client, engine):
@@ -169,24 +167,8 @@ def test_stop_strings_end_the_text_before_them(client, engine):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-def _wait_for(server: Server, condition, what: str, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        metrics = server.metrics()
-        if condition(metrics):
-            return metrics
-        time.sleep(0.05)
-    pytest.fail(f"{what}: still not so after {timeout} s: {metrics}")
-
-
-USED, RUNNING = ("attn_stack_kv_cache_blocks_used", ()), ("attn_stack_num_requests_running", ())
-WAITING = ("attn_stack_num_requests_waiting", ())
 ABORTED = ("attn_stack_request_success_total", (("finished_reason", "abort"),))
 LENGTH = ("attn_stack_request_success_total", (("finished_reason", "length"),))
-
-
-def _idle(m: dict) -> bool:
-    return m[USED] == 0 and m[RUNNING] == 0 and m[WAITING] == 0
 
 
 def _aborted_when_the_client_leaves(server: Server, leave) -> None:
@@ -194,9 +176,9 @@ def _aborted_when_the_client_leaves(server: Server, leave) -> None:
     until the server has aborted one (on a busy machine the request may finish before the
     client leaves: then it is tried again, up to 3 times); every KV page must come back."""
     for _ in range(3):
-        before = _wait_for(server, _idle, "the engine idle before the client")
+        before = server.wait_for(idle, "the engine idle before the client")
         leave()
-        after = _wait_for(server, _idle, "the engine idle, every KV page free, after the client left")
+        after = server.wait_for(idle, "the engine idle, every KV page free, after the client left")
         if after.get(ABORTED, 0) == before.get(ABORTED, 0) + 1:
             return
         assert after[LENGTH] == before.get(LENGTH, 0) + 1  # it finished before the client left
@@ -225,7 +207,7 @@ def test_a_client_that_leaves_before_its_answer_has_its_request_aborted(server):
         admitted = server.metrics()[prompt_tokens]
         with socket.create_connection(("127.0.0.1", server.port)) as conn:
             conn.sendall(head.encode() + b"\r\n\r\n" + body)
-            _wait_for(server, lambda m: m[prompt_tokens] > admitted, "the request admitted")
+            server.wait_for(lambda m: m[prompt_tokens] > admitted, "the request admitted")
 
     _aborted_when_the_client_leaves(server, leave)
 
@@ -338,10 +320,10 @@ def test_load_every_stream_completes_and_is_counted_while_one_client_leaves(serv
             return await asyncio.gather(*tasks), len(leaver_ids)
 
     for _ in range(3):
-        before = _wait_for(server, _idle, "the engine idle before the load")
+        before = server.wait_for(idle, "the engine idle before the load")
         got, leaver_prompt = asyncio.run(round_())
         assert got == [(w.text, 8, "length") for w in want]
-        after = _wait_for(server, _idle, "the engine idle, every KV page free, after the load")
+        after = server.wait_for(idle, "the engine idle, every KV page free, after the load")
 
         def delta(key, after=after, before=before) -> float:
             return after.get(key, 0) - before.get(key, 0)
