@@ -116,6 +116,17 @@ def idle(metrics: dict) -> bool:
     return metrics[USED] == 0 and metrics[RUNNING] == 0 and metrics[WAITING] == 0
 
 
+async def stream_greedy(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int) -> tuple[str, int]:
+    """One greedy streaming completion of exactly ``max_tokens`` tokens (``ignore_eos``):
+    its text, joined from the chunks, and the usage's completion token count."""
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = [c async for c in stream]
+    return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage.completion_tokens
+
+
 def sse_data(lines) -> Iterator[str]:
     """The ``data:`` payloads of a server-sent event stream's lines, as they arrive."""
     return (line[len("data: ") :] for line in lines if line.startswith("data: "))

@@ -17,7 +17,7 @@ import pytest
 
 from attn_jax.serving import SamplingParams
 from attn_jax.testing.models import TINY_RANDOM, tiny_random_engine
-from tests.server.conftest import Server, idle
+from tests.server.conftest import Server, idle, stream_greedy
 
 LIMITS = dict(max_model_len=64, max_num_seqs=32, max_num_batched_tokens=256)
 ARGS = ["--model", TINY_RANDOM, "--no-warmup"] + [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
@@ -42,17 +42,9 @@ def test_hundreds_of_streaming_clients_lose_nothing_and_memory_returns_to_its_ba
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     want = [(c.text, NEW_TOKENS) for c in tiny_random_engine(**LIMITS).generate(prompts, params)]
 
-    async def ask(client, prompt: str) -> tuple[str, int]:
-        stream = await client.completions.create(
-            model=TINY_RANDOM, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        chunks = [c async for c in stream]
-        return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage.completion_tokens
-
     async def round_() -> list[tuple[str, int]]:
         async with server.wait_ready().async_client() as client:
-            return await asyncio.gather(*(ask(client, p) for p in prompts))
+            return await asyncio.gather(*(stream_greedy(client, TINY_RANDOM, p, NEW_TOKENS) for p in prompts))
 
     rss = []
     for _ in range(2):

@@ -24,7 +24,7 @@ import pytest
 from attn_jax.cli import main
 from attn_jax.serving import SamplingParams
 from attn_jax.testing.models import TINY_RANDOM, tiny_random_engine
-from tests.server.conftest import USED, Server, idle, sse_data
+from tests.server.conftest import USED, Server, idle, sse_data, stream_greedy
 
 LIMITS = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16)
 ARGS = ["--model", TINY_RANDOM, "--no-warmup"] + [f"--{k.replace('_', '-')}={v}" for k, v in LIMITS.items()]
@@ -130,17 +130,9 @@ def test_many_streaming_clients_at_once_lose_nothing(server, engine):
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(24)]
     want = engine.generate(prompts, greedy(8, ignore_eos=True))
 
-    async def ask(client, prompt: str) -> tuple[str, int]:
-        stream = await client.completions.create(
-            model=TINY_RANDOM, prompt=prompt, max_tokens=8, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        chunks = [c async for c in stream]
-        return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage.completion_tokens
-
     async def main_():
         async with server.async_client() as client:
-            return await asyncio.gather(*(ask(client, p) for p in prompts))
+            return await asyncio.gather(*(stream_greedy(client, TINY_RANDOM, p, 8) for p in prompts))
 
     assert asyncio.run(main_()) == [(w.text, 8) for w in want]
     server.wait_for(lambda m: m[USED] == 0, "every KV page back after the clients")
