@@ -100,6 +100,7 @@ def read_config(reader) -> LlamaConfig:
         head_dim=_count(reader, f"{arch}.rope.dimension_count", default=hidden // num_heads),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", default=10000.0)),
         rope_scaling_factor=float(factor) if scaling == "linear" else 1.0,
+        rope_type="linear" if scaling == "linear" else "default",
         rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         max_position_embeddings=_count(reader, f"{arch}.context_length"),
         tie_word_embeddings="output.weight" not in names,

@@ -9,7 +9,11 @@ or the ``chat_template`` entry of ``tokenizer_config.json``). The weights are re
 ``llama.assemble_params`` as the GGUF path; the tokenizer runs on ``tokenizers``.
 
 Model types: ``SUPPORTED_MODEL_TYPES`` (Llama; Mistral with its sliding window; Qwen2 with
-its q/k/v biases). RoPE types: ``SUPPORTED_ROPE_TYPES``. Weight dtypes: F32, F16, BF16.
+its q/k/v biases). RoPE types: ``SUPPORTED_ROPE_TYPES`` (default, linear, Llama 3.1's llama3,
+YaRN), read from ``rope_scaling`` or ``rope_parameters`` with transformers 5's precedence
+(``_rope``). Weight dtypes: F32, F16, BF16. A configuration key that would change the model
+and that the loader does not read (a RoPE parameter, ``partial_rotary_factor``,
+``quantization_config``, ``hidden_act``...) is refused by name.
 
 Example::
 
@@ -29,13 +33,13 @@ import numpy as np
 
 from attn_jax.models.gguf_loader import ModelLoadError
 from attn_jax.models.gguf_tokenizer import GGUFTokenizer
-from attn_jax.models.llama import LlamaConfig, LlamaModel, assemble_params
+from attn_jax.models.llama import ROPE_PARAMETERS, ROPE_TYPES, LlamaConfig, LlamaModel, assemble_params
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 """``config.json``'s ``model_type`` values this loader reads."""
 
-SUPPORTED_ROPE_TYPES = ("default", "linear")
-"""``rope_parameters`` / ``rope_scaling`` types ``LlamaModel`` computes."""
+SUPPORTED_ROPE_TYPES = ROPE_TYPES
+"""``rope_parameters`` / ``rope_scaling`` types ``LlamaModel`` computes (``llama.rope_frequencies``)."""
 
 WEIGHT_DTYPES = ("F32", "F16", "BF16")
 """safetensors dtypes read (any of them converts to the requested dtype)."""
@@ -117,24 +121,77 @@ def _token_ids(value, key: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _rope(config: Mapping) -> tuple[float, float]:
-    """(theta, linear scaling factor) from transformers 5's ``rope_parameters`` or the older
-    top-level ``rope_theta`` and ``rope_scaling``."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise ModelLoadError(f"config.json rope_parameters={rope!r} must be an object")
+def _rope(config: Mapping, max_position_embeddings: int) -> dict:
+    """``LlamaConfig``'s ``rope_*`` fields, read as transformers 5 reads them: a non-empty
+    ``rope_scaling`` (the older key) replaces ``rope_parameters`` whole, its ``rope_theta``
+    included; theta is the chosen object's ``rope_theta``, else the top-level ``rope_theta``,
+    else 10000; llama3's and YaRN's ``original_max_position_embeddings`` defaults to
+    ``max_position_embeddings``. A key of the chosen object that its type does not take
+    is refused by name (``partial_rotary_factor`` unless 1)."""
+    scaling, parameters = config.get("rope_scaling"), config.get("rope_parameters")
+    for key, value in (("rope_scaling", scaling), ("rope_parameters", parameters)):
+        if value is not None and not isinstance(value, dict):
+            raise ModelLoadError(f"config.json {key}={value!r} must be an object")
+    source = "rope_scaling" if scaling else "rope_parameters"
+    rope = dict(scaling or parameters or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if rope_type not in ROPE_PARAMETERS:
         raise ModelLoadError(
-            f"rope_scaling type {rope_type!r} is not supported by attn_jax's LlamaModel; supported: "
+            f"config.json {source} type {rope_type!r} is not supported by attn_jax's LlamaModel; supported: "
             f"{list(SUPPORTED_ROPE_TYPES)}"
         )
+    required, optional = ROPE_PARAMETERS[rope_type]
+    known = {"rope_type", "type", "rope_theta", "factor", "partial_rotary_factor", *required, *optional}
+    unknown = sorted(set(rope) - known)
+    if unknown:
+        raise ModelLoadError(
+            f"config.json {source} has keys {unknown} that attn_jax does not read for rope_type {rope_type!r} "
+            f"(it reads {sorted(known - {'type'})})"
+        )
+    for where, value in ((source, rope.get("partial_rotary_factor")), ("", config.get("partial_rotary_factor"))):
+        if value not in (None, 1, 1.0):
+            name = f"{where} partial_rotary_factor" if where else "partial_rotary_factor"
+            raise ModelLoadError(
+                f"config.json {name}={value!r} is not supported: attn_jax's LlamaModel rotates the whole head"
+            )
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    factor = rope.get("factor", 1.0) if rope_type == "linear" else 1.0
-    for key, value in (("rope_theta", theta), ("rope factor", factor)):
+    if rope_type in ("llama3", "yarn"):
+        rope.setdefault("original_max_position_embeddings", max_position_embeddings)
+    factor = rope.get("factor")
+    if factor is None and rope_type == "yarn":  # transformers' DeepSeek-style default
+        factor = max_position_embeddings / rope["original_max_position_embeddings"]
+    if factor is None and rope_type != "default":
+        raise ModelLoadError(f"config.json {source} of type {rope_type!r} needs a factor")
+    for key, value in (("rope_theta", theta), (f"{source} factor", 1.0 if factor is None else factor)):
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise ModelLoadError(f"config.json {key}={value!r} must be a positive number")
-    return float(theta), float(factor)
+    extra = {}
+    for key in (*required, *optional):
+        value = rope.get(key)
+        if value is None:
+            continue
+        if key == "truncate":
+            if not isinstance(value, bool):
+                raise ModelLoadError(f"config.json {source} truncate={value!r} must be true or false")
+            extra[key] = value
+        elif isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ModelLoadError(f"config.json {source} {key}={value!r} must be a positive number")
+        else:
+            extra[key] = float(value)
+    missing = [key for key in required if key not in extra]
+    if missing:
+        raise ModelLoadError(f"config.json {source} of type {rope_type!r} lacks {missing}")
+    if rope_type == "llama3" and not extra["low_freq_factor"] < extra["high_freq_factor"]:
+        raise ModelLoadError(
+            f"config.json {source} low_freq_factor={extra['low_freq_factor']} must be below "
+            f"high_freq_factor={extra['high_freq_factor']}"
+        )
+    return dict(
+        rope_theta=float(theta),
+        rope_type=rope_type,
+        rope_scaling_factor=1.0 if rope_type == "default" else float(factor),
+        rope_parameters=tuple(sorted(extra.items())),
+    )
 
 
 def _sliding_window(config: Mapping, model_type: str, num_layers: int) -> int | None:
@@ -187,7 +244,15 @@ def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
     num_heads = _positive(config, "num_attention_heads")
     hidden = _positive(config, "hidden_size")
     num_layers = _positive(config, "num_hidden_layers")
-    theta, factor = _rope(config)
+    max_positions = _positive(config, "max_position_embeddings", default=2048)
+    rope = _rope(config, max_positions)
+    if config.get("quantization_config") is not None:
+        method = config["quantization_config"]
+        method = method.get("quant_method") if isinstance(method, dict) else method
+        raise ModelLoadError(
+            f"config.json quantization_config (quant_method={method!r}) is not supported: attn_jax reads "
+            "F32, F16 and BF16 weights only"
+        )
     if model_type == "qwen2":
         qkv_bias, o_bias = True, False
     elif model_type == "llama":
@@ -210,10 +275,9 @@ def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
             num_heads=num_heads,
             num_kv_heads=_positive(config, "num_key_value_heads", default=num_heads),
             head_dim=_positive(config, "head_dim", default=hidden // num_heads),
-            rope_theta=theta,
-            rope_scaling_factor=factor,
+            **rope,
             rms_norm_eps=float(eps),
-            max_position_embeddings=_positive(config, "max_position_embeddings", default=2048),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else -1,
             eos_token_ids=tuple(dict.fromkeys(eos)),

@@ -1,6 +1,7 @@
 """A Llama-family decoder in JAX whose attention runs through ``attn_jax.Attention``.
 
-RMSNorm, RoPE (Hugging Face's rotate-half form, the model's theta, linear scaling), GQA,
+RMSNorm, RoPE (Hugging Face's rotate-half form, the model's theta; linear, Llama 3 and YaRN
+scaling as transformers computes them, ``rope_frequencies``), GQA,
 SwiGLU, tied embeddings when the checkpoint ties them, optional attention-projection
 biases (Qwen2's q/k/v, Llama's ``attention_bias``) and a sliding window (Mistral). One
 call, ``LlamaModel.step``, runs a packed, mixed prefill + decode batch: every request's
@@ -21,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -47,7 +49,9 @@ class LlamaConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
-    rope_scaling_factor: float = 1.0  # linear scaling: positions are divided by it
+    rope_scaling_factor: float = 1.0  # the RoPE type's ``factor`` (linear: positions are divided by it)
+    rope_type: str = "default"  # one of ROPE_TYPES (transformers' ``rope_type``)
+    rope_parameters: tuple[tuple[str, float], ...] = ()  # the type's other keys (ROPE_PARAMETERS), sorted
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True
@@ -64,6 +68,38 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         validate_sliding_window(self.sliding_window)
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type={self.rope_type!r} is not supported; supported: {list(ROPE_TYPES)}")
+        if self.rope_type == "default" and self.rope_scaling_factor != 1.0:
+            raise ValueError(f"rope_scaling_factor={self.rope_scaling_factor} needs a rope_type other than 'default'")
+        keys = dict(self.rope_parameters)
+        required, optional = ROPE_PARAMETERS[self.rope_type]
+        missing = [k for k in required if k not in keys]
+        unknown = sorted(set(keys) - set(required) - set(optional))
+        if missing or unknown:
+            raise ValueError(
+                f"rope_type={self.rope_type!r} takes the parameters {list(required)} (and optionally "
+                f"{list(optional)}); {missing=}, {unknown=}"
+            )
+
+    def rope_parameter(self, name: str, default: float | None = None) -> float | None:
+        """One of ``rope_parameters`` (``default`` when absent)."""
+        return dict(self.rope_parameters).get(name, default)
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""RoPE types ``rope_frequencies`` computes (transformers' ``ROPE_INIT_FUNCTIONS`` names)."""
+
+ROPE_PARAMETERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "default": ((), ()),
+    "linear": ((), ()),
+    "llama3": (("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    "yarn": (
+        ("original_max_position_embeddings",),
+        ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+    ),
+}
+"""Each RoPE type's (required, optional) ``rope_parameters`` besides theta and ``factor``."""
 
 
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -223,13 +259,76 @@ def rms_norm(x, weight, eps: float):
     return weight * (x32 * jax.lax.rsqrt(variance + eps)).astype(x.dtype)
 
 
-def rope_cos_sin(positions, head_dim: int, theta: float, scaling_factor: float = 1.0):
-    """cos, sin f32[T, D] for i32[T] positions (Hugging Face's default/linear RoPE)."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))
-    inv_freq = jnp.asarray(inv_freq / scaling_factor, jnp.float32)  # f32[D/2]
+def rope_frequencies(config: LlamaConfig) -> tuple[np.ndarray, float]:
+    """``(inv_freq f32[D/2], attention_scaling)`` of the config's RoPE, computed in float32
+    as transformers' ``ROPE_INIT_FUNCTIONS[rope_type]`` does: cos and sin are multiplied by
+    ``attention_scaling`` (1 except for YaRN).
+
+    Example::
+
+        inv_freq, scale = rope_frequencies(LlamaConfig(..., rope_type="llama3", rope_scaling_factor=8.0,
+            rope_parameters=(("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                             ("original_max_position_embeddings", 8192))))
+    """
+    c = config
+    dim, factor, get = c.head_dim, c.rope_scaling_factor, c.rope_parameter
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    pos_freqs = np.float32(c.rope_theta) ** exponents  # f32[D/2]
+    inv_freq = np.float32(1.0) / pos_freqs
+    if c.rope_type == "default":
+        return inv_freq, 1.0
+    if c.rope_type == "linear":
+        return inv_freq / np.float32(factor), 1.0
+    if c.rope_type == "llama3":
+        low, high = get("low_freq_factor"), get("high_freq_factor")
+        old_context = get("original_max_position_embeddings")
+        low_wavelen, high_wavelen = old_context / low, old_context / high
+        wavelen = np.float32(2 * math.pi) / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(factor), inv_freq)
+        smooth = (np.float32(old_context) / wavelen - np.float32(low)) / np.float32(high - low)
+        smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
+    # yarn
+    original = get("original_max_position_embeddings")
+    attention_factor = get("attention_factor")
+    mscale, mscale_all_dim = get("mscale"), get("mscale_all_dim")
+
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast, beta_slow = get("beta_fast") or 32, get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(c.rope_theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation = np.float32(1) - ramp.astype(np.float32)
+    interpolation = np.float32(1.0) / (np.float32(factor) * pos_freqs)
+    inv_freq = interpolation * (1 - extrapolation) + inv_freq * extrapolation
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
+def rope_cos_sin(positions, inv_freq, attention_scaling: float = 1.0):
+    """cos, sin f32[T, D] for i32[T] positions and ``rope_frequencies``' f32[D/2] inverse
+    frequencies (Hugging Face's rotate-half layout), each times ``attention_scaling``."""
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)  # f32[D/2]
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # f32[T, D/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    if attention_scaling == 1.0:
+        return jnp.cos(emb), jnp.sin(emb)
+    return jnp.cos(emb) * attention_scaling, jnp.sin(emb) * attention_scaling
 
 
 def apply_rope(x, cos, sin):
@@ -277,6 +376,7 @@ class LlamaModel:
         self.mlp_sharded = mlp_sharded
         self.num_heads = num_heads or config.num_heads
         self.num_kv_heads = num_kv_heads or config.num_kv_heads
+        self.inv_freq, self.rope_attention_scaling = rope_frequencies(config)
         self.attn = Attention(
             self.num_heads,
             config.head_dim,
@@ -327,7 +427,7 @@ class LlamaModel:
         """
         c = self.config
         x = jnp.asarray(params["embed"])[token_ids].astype(self.dtype)  # f[T, H]
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, c.rope_scaling_factor)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_attention_scaling)
         num_tokens = token_ids.shape[0]
         if isinstance(attn_metadata, CommonAttentionMetadata):
             attn_metadata = self.attn.metadata_builder.build(0, attn_metadata)  # once, not per layer

@@ -49,6 +49,17 @@ MODELS = {
             rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
         ),
     ),
+    "llama3": (  # Llama 3.1's RoPE with an 8x factor over a 32-token original context
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32, "rope_theta": 10000.0,
+            },
+        ),  # fmt: skip
+    ),
     "mistral": (
         transformers.MistralConfig,
         transformers.MistralForCausalLM,
@@ -135,7 +146,7 @@ def loaded(checkpoint):
     return load_hf_checkpoint(folder, block_size=16)
 
 
-def test_config_matches_transformers(checkpoint, loaded):
+def test_config_matches_transformers(request, checkpoint, loaded):
     folder, hf = checkpoint
     model, params, tokenizer = loaded
     c, h = model.config, hf.config
@@ -145,27 +156,36 @@ def test_config_matches_transformers(checkpoint, loaded):
     assert c.eos_token_ids == (1,) and c.bos_token_id == 0 and tokenizer.eos_token_id == 1
     expected = {
         "llama": dict(qkv_bias=True, o_bias=True, sliding_window=None, rope_scaling_factor=2.0),
+        "llama3": dict(qkv_bias=False, o_bias=False, sliding_window=None, rope_type="llama3", rope_scaling_factor=8.0),
         "mistral": dict(qkv_bias=False, o_bias=False, sliding_window=8, rope_scaling_factor=1.0),
         "qwen2": dict(qkv_bias=True, o_bias=False, sliding_window=None, rope_scaling_factor=1.0),
-    }[h.model_type]
+    }[request.node.callspec.params["checkpoint"]]
     assert {k: getattr(c, k) for k in expected} == expected
     assert model.attn.sliding_window == expected["sliding_window"]
-    if h.model_type == "llama":  # the sharded path: an index and several files
+    if request.node.callspec.params["checkpoint"] == "llama":  # the sharded path: an index and several files
         assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("*.safetensors"))) > 2
 
 
 def test_logits_match_transformers(checkpoint, loaded):
     """One prefill over 20 tokens (past Mistral's 8-token window): every row's logits."""
     _, hf = checkpoint
+    _assert_prefill_logits_match(loaded, hf)
+
+
+def _assert_prefill_logits_match(loaded, hf, num_tokens: int = 20) -> None:
+    """Every row's logits of one prefill of ``num_tokens`` random ids, ours (``loaded``:
+    ``load_hf_checkpoint``'s triple) against transformers' model ``hf`` (1e-4)."""
     model, params, _ = loaded
-    ids = np.random.default_rng(1).integers(2, VOCAB, 20)
+    ids = np.random.default_rng(1).integers(2, VOCAB, num_tokens)
     n = len(ids)
-    md = build_common_attn_metadata([n], [n], [[0, 1]], block_size=16)
+    pages = -(-n // 16)
+    md = build_common_attn_metadata([n], [n], [list(range(pages))], block_size=16)
     tokens = np.zeros(md.num_tokens, np.int32)
     tokens[:n] = ids
     positions = np.zeros(md.num_tokens, np.int32)
     positions[:n] = np.arange(n)
-    logits, _ = model.step(params, model.init_kv_caches(2), tokens, positions, md, np.arange(n, dtype=np.int32))
+    caches = model.init_kv_caches(pages)
+    logits, _ = model.step(params, caches, tokens, positions, md, np.arange(n, dtype=np.int32))
     with torch.no_grad():
         want = hf(torch.tensor(ids[None])).logits[0].numpy()
     np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=1e-4)
@@ -189,6 +209,69 @@ def test_greedy_tokens_match_transformers_generate(checkpoint, loaded):
     assert len(want) == NEW_TOKENS and done.output_ids == want
     assert len(set(want)) > 3, "the random weights should not repeat one token"
     assert done.text == hf_tokenizer.decode(want, skip_special_tokens=True)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+ROPE_CONFIGS = {  # config.json RoPE keys -> what transformers 5 computes from them
+    "none": {},
+    "top-level-theta": {"rope_theta": 5e5},
+    "linear-old-keys": {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}},
+    "llama3": {"rope_parameters": {**LLAMA3_ROPE, "original_max_position_embeddings": 32, "rope_theta": 5e5}},
+    "llama3-default-original": {"rope_theta": 5e5, "rope_scaling": LLAMA3_ROPE},
+    # both keys: a non-empty rope_scaling replaces rope_parameters whole, rope_theta included
+    "both-keys": {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+        "rope_scaling": {**LLAMA3_ROPE, "original_max_position_embeddings": 32},
+    },
+    "both-keys-top-theta": {
+        "rope_theta": 3e5,
+        "rope_parameters": {"rope_type": "linear", "factor": 3.0, "rope_theta": 5e5},
+        "rope_scaling": {**LLAMA3_ROPE, "original_max_position_embeddings": 32},
+    },
+    "null-rope-scaling": {"rope_scaling": None, "rope_parameters": {"rope_type": "linear", "factor": 3.0}},
+    "empty-rope-scaling": {"rope_scaling": {}, "rope_parameters": {"rope_type": "linear", "factor": 3.0}},
+    "yarn": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+    "yarn-betas-untruncated": {
+        "rope_theta": 1e6,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    },
+    "yarn-mscale": {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "mscale": 1.0, "mscale_all_dim": 0.5}},
+    "yarn-attention-factor": {"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.3}},
+}
+
+
+@pytest.mark.parametrize("rope", ROPE_CONFIGS.values(), ids=ROPE_CONFIGS.keys())
+def test_rope_reads_as_transformers(tmp_path, rope):
+    """Every RoPE key that applies, with transformers' precedence: the inverse frequencies
+    and cos/sin scale of ``llama.rope_frequencies`` equal those of transformers'
+    ``LlamaRotaryEmbedding`` built from the same config.json."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from attn_jax.models.llama import rope_frequencies
+
+    _write_config(tmp_path, **rope)
+    ours = read_hf_config(tmp_path)
+    theirs = LlamaRotaryEmbedding(transformers.AutoConfig.from_pretrained(tmp_path))
+    inv_freq, scale = rope_frequencies(ours)
+    assert ours.rope_type == theirs.rope_type
+    np.testing.assert_allclose(inv_freq, theirs.inv_freq.numpy(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(theirs.attention_scaling, rel=1e-12)
+
+
+def test_rope_scaling_beside_rope_parameters_matches_transformers(tmp_path):
+    """The issue's silent case: transformers 5's ``rope_parameters`` of type default beside a
+    llama3 ``rope_scaling``. transformers honours the scaling; so does the loader (the
+    logits differ from the unscaled model's by far more than the tolerance)."""
+    _write_checkpoint("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    config["rope_scaling"] = {**LLAMA3_ROPE, "original_max_position_embeddings": 16}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert hf.config.rope_parameters["rope_type"] == "llama3"
+    loaded = load_hf_checkpoint(tmp_path)
+    assert loaded[0].config.rope_type == "llama3"
+    _assert_prefill_logits_match(loaded, hf, num_tokens=40)
 
 
 @pytest.mark.parametrize(
@@ -257,10 +340,24 @@ def _write_config(folder, **changes) -> None:
     [
         ({"model_type": "gpt2"}, r"model_type='gpt2' is not supported; supported: \['llama', 'mistral', 'qwen2'\]"),
         (
-            {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
-            r"rope_scaling type 'llama3' is not supported .*; supported: \['default', 'linear'\]",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 8.0, "rope_theta": 5e5}},
+            r"rope_parameters type 'dynamic' is not supported .*; supported: \['default', 'linear', 'llama3', 'yarn'\]",
         ),
-        ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, r"rope_scaling type 'yarn' is not supported"),
+        ({"rope_scaling": {"type": "longrope", "factor": 4.0}}, r"rope_scaling type 'longrope' is not supported"),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}},
+            r"rope_scaling of type 'llama3' lacks \['high_freq_factor'\]",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "mrope_section": [2, 2]}},
+            r"rope_parameters has keys \['mrope_section'\] that attn_jax does not read for rope_type 'linear'",
+        ),
+        ({"rope_scaling": {"rope_type": "linear"}}, r"rope_scaling of type 'linear' needs a factor"),
+        ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 is not supported"),
+        (
+            {"quantization_config": {"quant_method": "awq", "bits": 4}},
+            r"quantization_config \(quant_method='awq'\) is not supported",
+        ),
         ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported; supported: \['silu'\]"),
         ({"mlp_bias": True}, r"mlp_bias=true is not supported"),
         ({"num_key_value_heads": 3}, r"num_heads=4 must be divisible by num_kv_heads=3"),
@@ -270,7 +367,8 @@ def _write_config(folder, **changes) -> None:
             r"mixes sliding-window \(sliding_window=16\) and full-attention layers",
         ),
     ],
-    ids=["model_type", "llama3-rope", "yarn-rope", "hidden_act", "mlp_bias", "heads", "hidden_size", "layer-windows"],
+    ids=["model_type", "dynamic-rope", "longrope", "llama3-missing-key", "rope-unknown-key", "rope-no-factor",
+         "partial-rotary", "quantized", "hidden_act", "mlp_bias", "heads", "hidden_size", "layer-windows"],
 )
 def test_config_errors_name_the_value(tmp_path, changes, message):
     _write_config(tmp_path, **changes)
