@@ -100,7 +100,8 @@ DEFAULT_PROMPTS = (
 """What ``attn-stack generate`` continues when no ``--prompt`` is given."""
 
 MAX_MODEL_LEN = 2048
-"""Prompt + new tokens per request in ``attn-stack generate``."""
+"""Prompt + new tokens per request: ``attn-stack serve``'s default, and ``attn-stack generate``'s
+cap on its default (the model's context length or this, whichever is smaller)."""
 
 WARMUP_TOKENS = 2
 """New tokens per request of the warm-up generation: a prefill step and a decode step."""
@@ -150,6 +151,11 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     parser.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens per prompt (default: 32)")
+    parser.add_argument(
+        "--max-model-len", type=_positive_int, default=None,
+        help=f"prompt + new tokens per request (default: the model's context length or {MAX_MODEL_LEN}, "
+        "whichever is smaller)",
+    )  # fmt: skip
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0 = off)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0 = off)")
@@ -302,9 +308,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         forced = _forced_backend(args.backend)
     except ValueError as e:
         return _error(args, e)
-    if args.max_new_tokens >= MAX_MODEL_LEN:  # before loading anything; the engine checks prompt + new tokens
+    if args.max_model_len is not None and args.max_new_tokens >= args.max_model_len:  # before loading anything
         return _error(
-            args, f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt: max_model_len={MAX_MODEL_LEN}"
+            args,
+            f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt: --max-model-len {args.max_model_len}",
         )
 
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
@@ -329,7 +336,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
                 engine_kwargs = dict(
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_model_len=MAX_MODEL_LEN, seed=args.seed, num_scheduler_steps=args.num_scheduler_steps,
+                    max_model_len=args.max_model_len, seed=args.seed, num_scheduler_steps=args.num_scheduler_steps,
                     enable_prefix_caching=not args.no_prefix_caching,
                 )  # fmt: skip
                 engine = build_engine(
@@ -338,12 +345,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 report = explain_attn_backend_selection(
                     engine.model.config.head_dim, engine.model.dtype, block_size=engine.block_size
                 )
+                max_model_len = engine.max_model_len  # --max-model-len's default: the model's context, capped
+                if args.max_new_tokens >= max_model_len:
+                    raise ValueError(
+                        f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt: max_model_len="
+                        f"{max_model_len} (the model's context length, at most {MAX_MODEL_LEN}; see --max-model-len)"
+                    )
                 prompt_ids = [engine.encode(p, chat=args.chat) for p in prompts]
                 for i, p_ids in enumerate(prompt_ids):  # before compiling anything
-                    if len(p_ids) + args.max_new_tokens > MAX_MODEL_LEN:
+                    if len(p_ids) + args.max_new_tokens > max_model_len:
                         raise ValueError(
                             f"--prompt number {i + 1} has {len(p_ids)} tokens: with --max-new-tokens "
-                            f"{args.max_new_tokens} that exceeds max_model_len={MAX_MODEL_LEN}"
+                            f"{args.max_new_tokens} that exceeds max_model_len={max_model_len}"
                         )
                 progress.add_task(f"compiling the step (a {WARMUP_TOKENS}-token warm-up generation)", total=None)
                 _warm_up(engine, prompt_ids, args)
@@ -376,6 +389,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             "backend": backend,
             "backend_reason": why,
             "devices": args.devices,
+            "max_model_len": engine.max_model_len,
             "results": [
                 {
                     "prompt": p,

@@ -437,22 +437,25 @@ def test_tensor_errors_name_the_tensor(tmp_path, qwen2_tensors, damage, message)
         load_hf_weights(tmp_path)
 
 
-@pytest.mark.slow  # the CLI's engine compiles its step for max_model_len 2048 (about 15 s on 2 busy cores)
+@pytest.mark.slow  # the CLI's engine compiles its step (about 6 s on 2 busy cores)
 def test_cli_generate_takes_a_checkpoint_folder(tmp_path, capsys):
     """``attn-stack generate --model DIR --chat``: the chat template, the engine and the
-    greedy tokens of transformers on the same prompt."""
-    from attn_jax.cli import MAX_MODEL_LEN, main
+    greedy tokens of transformers on the same prompt; max_model_len defaults to the
+    checkpoint's 128 positions."""
+    from attn_jax.cli import main
 
     config_cls, model_cls, extra = MODELS["qwen2"]
     torch.manual_seed(0)
-    hf = model_cls(config_cls(**{**SIZES, "max_position_embeddings": MAX_MODEL_LEN}, **extra)).eval()
+    hf = model_cls(config_cls(**SIZES, **extra)).eval()
     _randomise(hf)
     hf.save_pretrained(tmp_path)
     _save_tokenizer(tmp_path)
     prompt = "Hello world"
     args = ["generate", "--model", str(tmp_path), "--prompt", prompt, "--chat", "--max-new-tokens", "6", "--json"]
     assert main(args) == 0
-    [result] = json.loads(capsys.readouterr().out)["results"]
+    out = json.loads(capsys.readouterr().out)
+    [result] = out["results"]
+    assert out["max_model_len"] == SIZES["max_position_embeddings"] == 128
     ids = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
     )
@@ -461,6 +464,31 @@ def test_cli_generate_takes_a_checkpoint_folder(tmp_path, capsys):
     want = out[0, len(ids) :].tolist()
     assert result["num_prompt_tokens"] == len(ids) and result["token_ids"] == want and 1 not in want
     assert result["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-model-len", "256"], r"max_model_len=256 exceeds the model's context length 128"),
+        (["--max-model-len", "64", "--max-new-tokens", "64"], r"no room for a prompt: --max-model-len 64"),
+        (["--max-new-tokens", "128"], r"no room for a prompt: max_model_len=128 \(the model's context length"),
+        (["--max-model-len", "16", "--max-new-tokens", "8"], r"--prompt number 1 has \d+ tokens: .*max_model_len=16"),
+    ],
+    ids=["past-context", "no-room", "no-room-default", "prompt-too-long"],
+)
+def test_cli_generate_max_model_len_errors(qwen2_tensors, tmp_path, capsys, flags, message):
+    """``generate --max-model-len``: one line and exit code 2 before anything compiles."""
+    import re
+
+    from attn_jax.cli import main
+
+    folder, _ = qwen2_tensors
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(folder / name, tmp_path / name)
+    _save_tokenizer(tmp_path)
+    assert main(["generate", "--model", str(tmp_path), "--prompt", PROMPT, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(message, err), err
 
 
 def test_cli_reports_a_bad_checkpoint_folder(tmp_path, capsys):
