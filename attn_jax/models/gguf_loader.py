@@ -33,6 +33,19 @@ class ModelLoadError(ValueError):
     """
 
 
+def check_finite_tensor(name: str, w: np.ndarray, where: str) -> None:
+    """Raises ``ModelLoadError`` naming tensor ``name`` of ``where`` (a file or folder) when
+    ``w`` holds a NaN or an infinity: such a model runs, and answers with empty or garbage
+    tokens. One pass over the tensor; loaders take ``check_finite=False`` to skip it."""
+    finite = np.isfinite(w)
+    if not finite.all():
+        nans = int(np.isnan(w).sum())
+        raise ModelLoadError(
+            f"tensor {name!r} of {where!r} holds non-finite values ({nans} NaN, {finite.size - int(finite.sum()) - nans} "
+            f"infinite of {finite.size}): the checkpoint is damaged (check_finite=False skips this check)"
+        )
+
+
 def _reader(path: pathlib.Path):
     if not path.exists():
         raise ModelLoadError(f"model file {str(path)!r} does not exist (expected a .gguf file)")
@@ -136,6 +149,7 @@ def load_gguf(
     path: str | os.PathLike,
     dtype=np.float32,
     progress: Callable[[int, int], None] | None = None,
+    check_finite: bool = True,
 ) -> tuple[LlamaConfig, dict]:
     """Reads and dequantises a Llama GGUF.
 
@@ -143,6 +157,8 @@ def load_gguf(
       path: the .gguf file.
       dtype: NumPy dtype of the returned weights (float32 default).
       progress: called as ``progress(done, total)`` after each tensor.
+      check_finite: raise ``ModelLoadError`` naming the first tensor with a NaN or an
+        infinity (one more pass over each tensor; False skips it).
 
     Returns ``(config, params)``; params (NumPy, ``dtype``) in ``llama.fuse_params``'
     layout (``llama.assemble_params`` builds it: q/k/v and gate/up fused, every matrix
@@ -171,6 +187,8 @@ def load_gguf(
             ) from e
         if w.shape != shape:
             raise ModelLoadError(f"{name} has shape {w.shape}; expected {shape}: the file is inconsistent")
+        if check_finite:
+            check_finite_tensor(name, w, str(path))
         done += 1
         if progress is not None:
             progress(done, total)

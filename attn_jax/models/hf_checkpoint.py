@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from attn_jax.models.gguf_loader import ModelLoadError
+from attn_jax.models.gguf_loader import ModelLoadError, check_finite_tensor
 from attn_jax.models.gguf_tokenizer import GGUFTokenizer
 from attn_jax.models.llama import ROPE_PARAMETERS, ROPE_TYPES, LlamaConfig, LlamaModel, assemble_params
 
@@ -315,6 +315,7 @@ def load_hf_weights(
     path: str | os.PathLike,
     dtype=np.float32,
     progress: Callable[[int, int], None] | None = None,
+    check_finite: bool = True,
 ) -> tuple[LlamaConfig, dict]:
     """Reads a checkpoint folder's config and safetensors weights (``load_gguf``'s sibling).
 
@@ -322,6 +323,8 @@ def load_hf_weights(
       path: the checkpoint folder.
       dtype: NumPy dtype of the returned weights (float32 default; ``ml_dtypes.bfloat16`` works).
       progress: called as ``progress(done, total)`` after each tensor.
+      check_finite: raise ``ModelLoadError`` naming the first tensor (in load order) with a
+        NaN or an infinity (one more pass over each tensor; False skips it).
 
     Returns ``(config, params)`` in ``load_gguf``'s layout (``llama.assemble_params``), with
     ``bq``/``bk``/``bv`` [Hq*D], [Hkv*D] per layer when the config has q/k/v biases and
@@ -362,9 +365,12 @@ def load_hf_weights(
                     f"tensor {name!r} has shape {tuple(view.get_shape())}; config.json implies {shape}"
                 )
             used.add(name)
+            tensor = handle.get_tensor(name)
+            if check_finite:
+                check_finite_tensor(name, tensor, str(folder))
             if progress is not None:
                 progress(len(used), total)
-            return handle.get_tensor(name)
+            return tensor
 
         params = assemble_params(config, get, dtype)
     unused = sorted(n for n in where if n not in used and not n.endswith(_IGNORED_SUFFIXES))
@@ -436,13 +442,21 @@ class HFTokenizer(GGUFTokenizer):
                     f"tokenizer_config.json {name}_token={token!r} is not in tokenizer.json's vocabulary"
                 )
             special_ids[name] = token_id
-        return cls(
+        template, source = _chat_template(folder, settings)
+        if template is not None:
+            _compile_chat_template(template, source)
+        tok = cls(
             tokenizer,
             special_ids,
-            chat_template=_chat_template(folder, settings),
+            chat_template=template,
             add_bos_token=bool(settings.get("add_bos_token", False)),
             add_eos_token=bool(settings.get("add_eos_token", False)),
         )
+        tok.chat_template_source = source
+        return tok
+
+    chat_template_source: str | None = None
+    """Where the chat template came from (``"tokenizer_config.json chat_template"``...), for messages."""
 
     def apply_chat_template(
         self,
@@ -457,29 +471,54 @@ class HFTokenizer(GGUFTokenizer):
                 "this checkpoint has no chat template (chat_template.jinja or tokenizer_config.json's "
                 "chat_template): encode the prompt as plain text instead"
             )
-        return super().apply_chat_template(messages, add_generation_prompt, tokenize, **template_kwargs)
+        import jinja2
+
+        try:
+            return super().apply_chat_template(messages, add_generation_prompt, tokenize, **template_kwargs)
+        except jinja2.TemplateError as e:  # the template's raise_exception, or an undefined name
+            raise ValueError(f"the chat template ({self.chat_template_source}) failed on these messages: {e}") from e
 
     def __repr__(self) -> str:
         return "HF" + super().__repr__().removeprefix("GGUF")
 
 
-def _chat_template(folder: pathlib.Path, settings: Mapping) -> str | None:
-    """transformers' order: ``chat_template.jinja``, ``chat_template.json``, then
-    ``tokenizer_config.json``'s ``chat_template`` (a string, or named templates: "default")."""
+def _chat_template(folder: pathlib.Path, settings: Mapping) -> tuple[str | None, str | None]:
+    """(template, where it came from) in transformers' order: ``chat_template.jinja``,
+    ``chat_template.json``, then ``tokenizer_config.json``'s ``chat_template`` (a string, or
+    named templates: "default")."""
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        try:
+            return jinja.read_text(encoding="utf-8"), repr(str(jinja))
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{str(jinja)!r} is not readable UTF-8 text: {e}") from e
+    source = f"{str(folder / 'chat_template.json')!r} chat_template"
     template = (_read_json(folder / "chat_template.json", required=False) or {}).get("chat_template")
     if template is None:
+        source = f"{str(folder / 'tokenizer_config.json')!r} chat_template"
         template = settings.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": "..."}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         if "default" not in named:
-            raise ModelLoadError(f"tokenizer_config.json names chat templates {list(named)}; none is 'default'")
-        template = named["default"]
+            raise ModelLoadError(f"{source} names chat templates {list(named)}; none is 'default'")
+        template, source = named["default"], f"{source} 'default'"
     if template is not None and not isinstance(template, str):
-        raise ModelLoadError(f"the chat template is a {type(template).__name__}, not a string")
-    return template
+        raise ModelLoadError(f"{source} is a {type(template).__name__}, not a string")
+    return template, None if template is None else source
+
+
+def _compile_chat_template(template: str, source: str) -> None:
+    """Compiles the template as rendering will (``gguf_tokenizer._compiled_template``, cached):
+    a syntax error, an unknown filter or test is a ``ModelLoadError`` naming ``source``
+    (file and key) and the template's line, found at load rather than at the first chat."""
+    import jinja2
+
+    from attn_jax.models.gguf_tokenizer import _compiled_template
+
+    try:
+        _compiled_template(template)
+    except jinja2.TemplateSyntaxError as e:  # TemplateAssertionError (unknown filter) included
+        raise ModelLoadError(f"the chat template in {source} does not compile: {e.message} (line {e.lineno})") from e
 
 
 def load_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
@@ -496,6 +535,7 @@ def load_hf_checkpoint(
     kv_cache_dtype: str = "auto",
     mesh=None,
     progress: Callable[[str, int, int], None] | None = None,
+    check_finite: bool = True,
 ) -> tuple[LlamaModel, dict, HFTokenizer]:
     """``(model, params, tokenizer)`` of a checkpoint folder: what ``Engine(model, params,
     tokenizer, mesh=mesh, ...)`` takes.
@@ -509,8 +549,11 @@ def load_hf_checkpoint(
         one shard of it.
       progress: ``progress(stage, done, total)`` while the weights ("weights") and the
         tokenizer ("tokenizer") load, as ``Engine.from_gguf`` calls it.
+      check_finite: ``load_hf_weights``' (a NaN or infinity in a weight is an error).
 
-    Raises ``ModelLoadError`` for a missing or unusable checkpoint, ValueError for a bad dtype.
+    The config, then the tokenizer (its chat template compiled), then the weights: a
+    broken config or template stops the load before the long part. Raises
+    ``ModelLoadError`` for a missing or unusable checkpoint, ValueError for a bad dtype.
     """
     import jax.numpy as jnp
 
@@ -520,14 +563,18 @@ def load_hf_checkpoint(
         np_dtype = None
     if np_dtype is None or np_dtype.name not in MODEL_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; supported: {list(MODEL_DTYPES)}")
-    config, params = load_hf_weights(
-        path, np_dtype, progress=None if progress is None else lambda d, t: progress("weights", d, t)
-    )
+    read_hf_config(path)
     if progress is not None:
         progress("tokenizer", 0, 1)
     tokenizer = load_hf_tokenizer(path)
     if progress is not None:
         progress("tokenizer", 1, 1)
+    config, params = load_hf_weights(
+        path,
+        np_dtype,
+        progress=None if progress is None else lambda d, t: progress("weights", d, t),
+        check_finite=check_finite,
+    )
     local = {}
     if mesh is not None:
         from attn_jax.sharding import local_model_kwargs

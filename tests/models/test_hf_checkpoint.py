@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -422,19 +423,84 @@ def qwen2_tensors(tmp_path_factory):
             lambda t: t.update({"model.norm.weight": np.ones(64, np.int8)}),
             r"tensor 'model.norm.weight' has dtype I8; supported: \['F32', 'F16', 'BF16'\]",
         ),
+        (
+            lambda t: t["model.layers.1.mlp.down_proj.weight"].__setitem__((3, 5), np.nan),
+            r"tensor 'model.layers.1.mlp.down_proj.weight' of '.*' holds non-finite values \(1 NaN, 0 infinite of "
+            r"8192\): the checkpoint is damaged \(check_finite=False skips this check\)",
+        ),
+        (
+            lambda t: t["model.embed_tokens.weight"].__setitem__((0, slice(0, 2)), [np.inf, -np.inf]),
+            r"tensor 'model.embed_tokens.weight' of '.*' holds non-finite values \(0 NaN, 2 infinite of 20480\)",
+        ),
     ],
-    ids=["missing", "shape", "unused", "dtype"],
+    ids=["missing", "shape", "unused", "dtype", "nan", "inf"],
 )
 def test_tensor_errors_name_the_tensor(tmp_path, qwen2_tensors, damage, message):
     from safetensors.numpy import save_file
 
     folder, tensors = qwen2_tensors
-    tensors = dict(tensors)
+    tensors = {name: t.copy() for name, t in tensors.items()}
     damage(tensors)
     shutil.copy(folder / "config.json", tmp_path / "config.json")
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ModelLoadError, match=message):
         load_hf_weights(tmp_path)
+    if "non-finite" in message:  # the check can be skipped (a huge checkpoint known to be good)
+        _, params = load_hf_weights(tmp_path, check_finite=False)
+        assert not all(np.isfinite(np.asarray(w)).all() for w in jax.tree.leaves(params))
+
+
+BROKEN_TEMPLATES = {  # template -> the error's message after the source
+    "{% for m in messages %}{{ m['content'] }}": r"does not compile: Unexpected end of template.* \(line 1\)",
+    "{{ bos_token }}\n{{ messages | no_such_filter }}": r"does not compile: No filter named 'no_such_filter'.* \(line 2\)",
+}
+
+
+def _save_tokenizer_with_template(folder, template: str, where: str = "tokenizer_config.json") -> None:
+    """``_save_tokenizer`` with ``template`` in ``chat_template.jinja`` (where save_pretrained
+    writes it) or, that file removed, in ``tokenizer_config.json``'s ``chat_template``."""
+    _save_tokenizer(folder)
+    if where == "chat_template.jinja":
+        (folder / "chat_template.jinja").write_text(template)
+    else:
+        (folder / "chat_template.jinja").unlink()
+        path = folder / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "chat_template": template}))
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.jinja"])
+@pytest.mark.parametrize("template", BROKEN_TEMPLATES, ids=["unclosed-for", "unknown-filter"])
+def test_broken_chat_template_is_named_at_load(tmp_path, where, template):
+    """The template compiles when the tokenizer loads; its error names the file and key."""
+    _save_tokenizer_with_template(tmp_path, template, where)
+    if where == "chat_template.jinja":
+        source = r"'.*chat_template\.jinja'"
+    else:
+        source = r"'.*tokenizer_config\.json' chat_template"
+    with pytest.raises(ModelLoadError, match=rf"the chat template in {source} {BROKEN_TEMPLATES[template]}"):
+        HFTokenizer.from_pretrained(tmp_path)
+
+
+def test_chat_template_render_error_names_the_template(tmp_path):
+    """A template that compiles but raises on the messages: a ValueError naming its source."""
+    _save_tokenizer_with_template(tmp_path, "{{ raise_exception('roles must alternate') }}")
+    tok = HFTokenizer.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"the chat template \('.*tokenizer_config.json' chat_template\) failed on "
+                       r"these messages: roles must alternate"):  # fmt: skip
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_cli_generate_chat_with_a_broken_template_exits_2(qwen2_tensors, tmp_path, capsys):
+    """``generate --chat``: one line naming the file and key, exit code 2, before the weights load."""
+    from attn_jax.cli import main
+
+    folder, _ = qwen2_tensors
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(folder / name, tmp_path / name)
+    _save_tokenizer_with_template(tmp_path, "{% if messages %}{{ messages[0]['content'] }}")
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--chat", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tokenizer_config.json' chat_template does not compile" in err, err
 
 
 @pytest.mark.slow  # the CLI's engine compiles its step (about 6 s on 2 busy cores)
