@@ -40,9 +40,10 @@ def check_finite_tensor(name: str, w: np.ndarray, where: str) -> None:
     finite = np.isfinite(w)
     if not finite.all():
         nans = int(np.isnan(w).sum())
+        infs = finite.size - int(finite.sum()) - nans
         raise ModelLoadError(
-            f"tensor {name!r} of {where!r} holds non-finite values ({nans} NaN, {finite.size - int(finite.sum()) - nans} "
-            f"infinite of {finite.size}): the checkpoint is damaged (check_finite=False skips this check)"
+            f"tensor {name!r} of {where!r} holds non-finite values ({nans} NaN, {infs} infinite of {finite.size}): "
+            "the checkpoint is damaged (check_finite=False skips this check)"
         )
 
 

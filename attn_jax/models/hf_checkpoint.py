@@ -9,11 +9,11 @@ or the ``chat_template`` entry of ``tokenizer_config.json``). The weights are re
 ``llama.assemble_params`` as the GGUF path; the tokenizer runs on ``tokenizers``.
 
 Model types: ``SUPPORTED_MODEL_TYPES`` (Llama; Mistral with its sliding window; Qwen2 with
-its q/k/v biases). RoPE types: ``SUPPORTED_ROPE_TYPES`` (default, linear, Llama 3.1's llama3,
-YaRN), read from ``rope_scaling`` or ``rope_parameters`` with transformers 5's precedence
-(``_rope``). Weight dtypes: F32, F16, BF16. A configuration key that would change the model
-and that the loader does not read (a RoPE parameter, ``partial_rotary_factor``,
-``quantization_config``, ``hidden_act``...) is refused by name.
+its q/k/v biases; Qwen3 with its per-head q/k RMSNorm). RoPE types: ``SUPPORTED_ROPE_TYPES``
+(default, linear, Llama 3.1's llama3, YaRN), read from ``rope_scaling`` or ``rope_parameters``
+with transformers 5's precedence (``_rope``). Weight dtypes: F32, F16, BF16. A configuration
+key that would change the model and that the loader does not read (a RoPE parameter,
+``partial_rotary_factor``, ``quantization_config``, ``hidden_act``...) is refused by name.
 
 Example::
 
@@ -35,7 +35,7 @@ from attn_jax.models.gguf_loader import ModelLoadError, check_finite_tensor
 from attn_jax.models.gguf_tokenizer import GGUFTokenizer
 from attn_jax.models.llama import ROPE_PARAMETERS, ROPE_TYPES, LlamaConfig, LlamaModel, assemble_params
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 """``config.json``'s ``model_type`` values this loader reads."""
 
 SUPPORTED_ROPE_TYPES = ROPE_TYPES
@@ -60,6 +60,8 @@ _TENSOR_NAMES = {  # llama.param_shapes key -> checkpoint tensor name ("{i}": th
     "bk": "model.layers.{i}.self_attn.k_proj.bias",
     "bv": "model.layers.{i}.self_attn.v_proj.bias",
     "bo": "model.layers.{i}.self_attn.o_proj.bias",
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
     "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
     "w_gate": "model.layers.{i}.mlp.gate_proj.weight",
     "w_up": "model.layers.{i}.mlp.up_proj.weight",
@@ -199,7 +201,7 @@ def _sliding_window(config: Mapping, model_type: str, num_layers: int) -> int | 
     if model_type == "mistral":
         window = config.get("sliding_window", 4096)  # MistralConfig's default when the key is absent
         default_types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
-    elif model_type == "qwen2":
+    elif model_type in ("qwen2", "qwen3"):
         window = config.get("sliding_window", 4096) if config.get("use_sliding_window", False) else None
         first = config.get("max_window_layers", 28)
         default_types = [
@@ -255,7 +257,7 @@ def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
         )
     if model_type == "qwen2":
         qkv_bias, o_bias = True, False
-    elif model_type == "llama":
+    elif model_type in ("llama", "qwen3"):
         qkv_bias = o_bias = bool(config.get("attention_bias", False))
     else:
         qkv_bias = o_bias = False
@@ -274,7 +276,7 @@ def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=_positive(config, "num_key_value_heads", default=num_heads),
-            head_dim=_positive(config, "head_dim", default=hidden // num_heads),
+            head_dim=_positive(config, "head_dim", default=128 if model_type == "qwen3" else hidden // num_heads),
             **rope,
             rms_norm_eps=float(eps),
             max_position_embeddings=max_positions,
@@ -285,6 +287,7 @@ def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             sliding_window=_sliding_window(config, model_type, num_layers),
+            qk_norm=model_type == "qwen3",
         )
     except ValueError as e:  # LlamaConfig's own checks (head divisibility, even head_dim)
         raise ModelLoadError(f"config.json of {str(folder)!r}: {e}") from e

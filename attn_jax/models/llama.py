@@ -61,6 +61,7 @@ class LlamaConfig:
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2; Llama's attention_bias)
     o_bias: bool = False  # a bias on the output projection (Llama's attention_bias)
     sliding_window: int | None = None  # every layer sees its last `sliding_window` keys (Mistral)
+    qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -132,13 +133,15 @@ def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
     if c.o_bias:
         shapes["bo"] = (h,)
+    if c.qk_norm:
+        shapes.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
     return shapes
 
 
 def layer_param_names(config: LlamaConfig) -> tuple[str, ...]:
     """A layer's checkpoint tensors (``param_shapes``'s per-layer names) for this config."""
     biases = ("bq", "bk", "bv") * config.qkv_bias + ("bo",) * config.o_bias
-    return LAYER_VECTORS + LAYER_MATRICES + biases
+    return LAYER_VECTORS + LAYER_MATRICES + biases + ("q_norm", "k_norm") * config.qk_norm
 
 
 def fuse_params(config: LlamaConfig, params: dict) -> dict:
@@ -151,7 +154,8 @@ def fuse_params(config: LlamaConfig, params: dict) -> dict:
         [in, out] (``x @ w``); NumPy or jax arrays (the result is of the same kind).
 
     Returns the same globals, ``layer_norms`` [L, 2, H] (every layer's ``attn_norm`` and
-    ``ffn_norm``) and ``layers``: per layer ``wqkv`` [H, Hkv, G + 2, D] (each KV head's G =
+    ``ffn_norm``), ``qk_norms`` [L, 2, D] with ``qk_norm`` (``q_norm``, ``k_norm``) and
+    ``layers``: per layer ``wqkv`` [H, Hkv, G + 2, D] (each KV head's G =
     Hq / Hkv query heads, then its key and value: one matmul, split over the model axis
     by KV head), ``wo`` [Hq*D, H], ``w_gate_up`` [H, 2, I] (one matmul, split over the
     model axis by I), ``w_down`` [I, H], and ``bqkv`` [Hkv, G + 2, D] / ``bo`` [H] when the
@@ -181,6 +185,8 @@ def fuse_params(config: LlamaConfig, params: dict) -> dict:
         layers.append(layer)
     fused = {k: v for k, v in params.items() if k != "layers"}
     fused["layer_norms"] = xp.stack([xp.stack([w["attn_norm"], w["ffn_norm"]]) for w in params["layers"]])
+    if c.qk_norm:  # [L, 2, D], replicated like layer_norms (every head shares its layer's weights)
+        fused["qk_norms"] = xp.stack([xp.stack([w["q_norm"], w["k_norm"]]) for w in params["layers"]])
     fused["layers"] = layers
     return fused
 
@@ -243,6 +249,9 @@ def init_params(config: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict:
         ],
     }
     for layer in params["layers"]:
+        if c.qk_norm:
+            layer.update(q_norm=(1 + 0.1 * rng.standard_normal(c.head_dim)).astype(dtype))
+            layer.update(k_norm=(1 + 0.1 * rng.standard_normal(c.head_dim)).astype(dtype))
         if c.qkv_bias:
             layer.update(bq=w(1, q)[0], bk=w(1, kv)[0], bv=w(1, kv)[0])
         if c.o_bias:
@@ -434,13 +443,15 @@ class LlamaModel:
 
         group = self.num_heads // self.num_kv_heads
 
-        def layer(h, w, norms, cache):
+        def layer(h, w, norms, qk_norms, cache):
             x = rms_norm(h, norms[0], c.rms_norm_eps)
             qkv = jnp.einsum("th,hkgd->tkgd", x, w["wqkv"], precision=_HIGHEST)  # f[T, Hkv, G + 2, D]
             if c.qkv_bias:
                 qkv = qkv + w["bqkv"]
             q = qkv[:, :, :group].reshape(num_tokens, self.num_heads, c.head_dim)
             k, v = qkv[:, :, group], qkv[:, :, group + 1]
+            if c.qk_norm:
+                q, k = rms_norm(q, qk_norms[0], c.rms_norm_eps), rms_norm(k, qk_norms[1], c.rms_norm_eps)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             o, cache = self.attn(q, k, v, cache, attn_metadata)
             o = jnp.dot(o, w["wo"], precision=_HIGHEST)
@@ -458,8 +469,9 @@ class LlamaModel:
 
         h, new_caches = x, []
         layer_norms = jnp.asarray(params["layer_norms"])
+        qk_norms = jnp.asarray(params["qk_norms"]) if c.qk_norm else [None] * c.num_layers
         for i, (w, cache) in enumerate(zip(params["layers"], kv_caches, strict=True)):
-            h, cache = layer(h, w, layer_norms[i], cache)
+            h, cache = layer(h, w, layer_norms[i], qk_norms[i], cache)
             new_caches.append(cache)
         h = rms_norm(h[logits_rows], params["final_norm"], c.rms_norm_eps)  # f[N, H]
         head = params.get("lm_head")

@@ -56,8 +56,12 @@ MODELS = {
         dict(
             tie_word_embeddings=False,
             rope_parameters={
-                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 32, "rope_theta": 10000.0,
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 10000.0,
             },
         ),  # fmt: skip
     ),
@@ -65,6 +69,11 @@ MODELS = {
         transformers.MistralConfig,
         transformers.MistralForCausalLM,
         dict(tie_word_embeddings=False, sliding_window=8, head_dim=16, rope_parameters={"rope_theta": 1e5}),
+    ),
+    "qwen3": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(tie_word_embeddings=False, head_dim=16, rope_parameters={"rope_theta": 1e6}),
     ),
     "qwen2": (
         transformers.Qwen2Config,
@@ -160,6 +169,7 @@ def test_config_matches_transformers(request, checkpoint, loaded):
         "llama3": dict(qkv_bias=False, o_bias=False, sliding_window=None, rope_type="llama3", rope_scaling_factor=8.0),
         "mistral": dict(qkv_bias=False, o_bias=False, sliding_window=8, rope_scaling_factor=1.0),
         "qwen2": dict(qkv_bias=True, o_bias=False, sliding_window=None, rope_scaling_factor=1.0),
+        "qwen3": dict(qkv_bias=False, o_bias=False, sliding_window=None, qk_norm=True),
     }[request.node.callspec.params["checkpoint"]]
     assert {k: getattr(c, k) for k in expected} == expected
     assert model.attn.sliding_window == expected["sliding_window"]
@@ -339,7 +349,10 @@ def _write_config(folder, **changes) -> None:
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"model_type": "gpt2"}, r"model_type='gpt2' is not supported; supported: \['llama', 'mistral', 'qwen2'\]"),
+        (
+            {"model_type": "gpt2"},
+            r"model_type='gpt2' is not supported; supported: \['llama', 'mistral', 'qwen2', 'qwen3'\]",
+        ),
         (
             {"rope_parameters": {"rope_type": "dynamic", "factor": 8.0, "rope_theta": 5e5}},
             r"rope_parameters type 'dynamic' is not supported .*; supported: \['default', 'linear', 'llama3', 'yarn'\]",
@@ -368,14 +381,27 @@ def _write_config(folder, **changes) -> None:
             r"mixes sliding-window \(sliding_window=16\) and full-attention layers",
         ),
     ],
-    ids=["model_type", "dynamic-rope", "longrope", "llama3-missing-key", "rope-unknown-key", "rope-no-factor",
-         "partial-rotary", "quantized", "hidden_act", "mlp_bias", "heads", "hidden_size", "layer-windows"],
+    ids=[
+        "model_type",
+        "dynamic-rope",
+        "longrope",
+        "llama3-missing-key",
+        "rope-unknown-key",
+        "rope-no-factor",
+        "partial-rotary",
+        "quantized",
+        "hidden_act",
+        "mlp_bias",
+        "heads",
+        "hidden_size",
+        "layer-windows",
+    ],
 )
 def test_config_errors_name_the_value(tmp_path, changes, message):
     _write_config(tmp_path, **changes)
     with pytest.raises(ModelLoadError, match=message):
         read_hf_config(tmp_path)
-    assert SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2")
+    assert SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3")
 
 
 def test_folder_errors(tmp_path):
@@ -452,7 +478,7 @@ def test_tensor_errors_name_the_tensor(tmp_path, qwen2_tensors, damage, message)
 
 BROKEN_TEMPLATES = {  # template -> the error's message after the source
     "{% for m in messages %}{{ m['content'] }}": r"does not compile: Unexpected end of template.* \(line 1\)",
-    "{{ bos_token }}\n{{ messages | no_such_filter }}": r"does not compile: No filter named 'no_such_filter'.* \(line 2\)",
+    "{{ bos_token }}\n{{ messages | nope }}": r"does not compile: No filter named 'nope'. \(line 2\)",
 }
 
 
@@ -562,7 +588,10 @@ def test_cli_reports_a_bad_checkpoint_folder(tmp_path, capsys):
 
     _write_config(tmp_path, model_type="gpt2")
     assert main(["generate", "--model", str(tmp_path), "--max-new-tokens", "2"]) == 2
-    assert "model_type='gpt2' is not supported; supported: ['llama', 'mistral', 'qwen2']" in capsys.readouterr().err
+    assert (
+        "model_type='gpt2' is not supported; supported: ['llama', 'mistral', 'qwen2', 'qwen3']"
+        in capsys.readouterr().err
+    )
 
 
 _SHARDED = """
