@@ -33,9 +33,10 @@ import numpy as np
 
 from attn_jax.models.gguf_loader import ModelLoadError, check_finite_tensor
 from attn_jax.models.gguf_tokenizer import GGUFTokenizer
-from attn_jax.models.llama import ROPE_PARAMETERS, ROPE_TYPES, LlamaConfig, LlamaModel, assemble_params
+from attn_jax.models.llama import HIDDEN_ACTS, ROPE_PARAMETERS, ROPE_TYPES, LlamaConfig, LlamaModel, assemble_params
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *GEMMA_MODEL_TYPES)
 """``config.json``'s ``model_type`` values this loader reads."""
 
 SUPPORTED_ROPE_TYPES = ROPE_TYPES
@@ -66,6 +67,11 @@ _TENSOR_NAMES = {  # llama.param_shapes key -> checkpoint tensor name ("{i}": th
     "w_gate": "model.layers.{i}.mlp.gate_proj.weight",
     "w_up": "model.layers.{i}.mlp.up_proj.weight",
     "w_down": "model.layers.{i}.mlp.down_proj.weight",
+}
+_SANDWICH_NORM_NAMES = {  # Gemma 2 / 3: post_attention_layernorm follows attention, before the residual
+    "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "ffn_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "post_ffn_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older checkpoints saved; recomputed here
 _SPECIAL_TOKENS = ("bos", "eos", "unk", "pad")
@@ -196,8 +202,9 @@ def _rope(config: Mapping, max_position_embeddings: int) -> dict:
     )
 
 
-def _sliding_window(config: Mapping, model_type: str, num_layers: int) -> int | None:
-    """The window every layer uses (None: full attention), as transformers reads it."""
+def _sliding_windows(config: Mapping, model_type: str, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's window (None: full attention), as transformers reads ``layer_types`` and
+    each family's defaults for it."""
     if model_type == "mistral":
         window = config.get("sliding_window", 4096)  # MistralConfig's default when the key is absent
         default_types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
@@ -207,6 +214,10 @@ def _sliding_window(config: Mapping, model_type: str, num_layers: int) -> int | 
         default_types = [
             "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(num_layers)
         ]
+    elif model_type in GEMMA_MODEL_TYPES:  # Gemma 2 alternates; Gemma 3 has one full layer in 6
+        window = config.get("sliding_window", 4096)
+        pattern = 2 if model_type == "gemma2" else config.get("sliding_window_pattern", 6)
+        default_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     else:
         window, default_types = None, ["full_attention"] * num_layers
     layer_types = config.get("layer_types") or default_types
@@ -215,16 +226,68 @@ def _sliding_window(config: Mapping, model_type: str, num_layers: int) -> int | 
         raise ModelLoadError(
             f"config.json layer_types={layer_types!r} must list one of {list(valid)} for each of {num_layers} layers"
         )
-    windows = {window if t == "sliding_attention" else None for t in layer_types}
-    if len(windows) > 1:
-        raise ModelLoadError(
-            f"config.json layer_types={layer_types} mixes sliding-window (sliding_window={window}) and full-attention "
-            "layers; attn_jax's LlamaModel uses one attention window for every layer"
-        )
-    (window,) = windows
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ModelLoadError(f"config.json sliding_window={window!r} must be a positive integer or null")
-    return window
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def _gemma(config: Mapping, model_type: str, max_positions: int) -> dict:
+    """Gemma 2 / Gemma 3 text's ``LlamaConfig`` fields, with transformers' defaults: (1 + w)
+    norms, the embedding times sqrt(hidden_size), GeGLU, four norms a layer, soft caps,
+    ``query_pre_attn_scalar``; Gemma 3's q/k norms and its two RoPEs (``rope_parameters``
+    nested by layer type, or the older ``rope_theta`` / ``rope_scaling`` for the full layers
+    and ``rope_local_base_freq`` for the sliding ones)."""
+    if config.get("use_bidirectional_attention"):
+        raise ModelLoadError(
+            "config.json use_bidirectional_attention=true is not supported: attn_jax's decoder is causal"
+        )
+    act = config.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in HIDDEN_ACTS:
+        raise ModelLoadError(f"config.json hidden_activation={act!r} is not supported; supported: {list(HIDDEN_ACTS)}")
+    scalar = config.get("query_pre_attn_scalar", 256)
+    gemma2 = model_type == "gemma2"
+    caps = {}
+    for key, default in (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)):
+        cap = config.get(key, default if gemma2 else None)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 0):
+            raise ModelLoadError(f"config.json {key}={cap!r} must be a positive number or null")
+        caps[key] = None if cap is None else float(cap)
+    for key, value in (("query_pre_attn_scalar", scalar),):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ModelLoadError(f"config.json {key}={value!r} must be a positive number")
+    fields = dict(
+        norm_offset=1.0,
+        embed_scale=float(np.float32(config["hidden_size"] ** 0.5)),
+        hidden_act=act,
+        sandwich_norms=True,
+        attn_logit_softcap=caps["attn_logit_softcapping"],
+        final_logit_softcap=caps["final_logit_softcapping"],
+        attn_scale=float(scalar) ** -0.5,
+        qk_norm=not gemma2,
+    )
+    if gemma2:
+        return {**fields, **_rope(config, max_positions)}
+    nested = config.get("rope_parameters") or {}
+    layer_kinds = ("full_attention", "sliding_attention")
+    if not isinstance(nested, dict) or not set(nested) <= set(layer_kinds):
+        raise ModelLoadError(
+            f"config.json rope_parameters={nested!r}: a Gemma 3 config nests them by layer type, {list(layer_kinds)}"
+        )
+    full = dict(nested.get("full_attention") or {"rope_type": "default"})
+    if config.get("rope_scaling") is not None:  # transformers merges the older key into the full layers' RoPE
+        full.update(config["rope_scaling"])
+    full.setdefault("rope_theta", config.get("rope_theta", 1e6))
+    local = dict(nested.get("sliding_attention") or {"rope_type": "default"})
+    local.setdefault("rope_theta", config.get("rope_local_base_freq", 1e4))
+    if set(local) - {"rope_type", "type", "rope_theta"} or local.get("rope_type", local.get("type")) != "default":
+        raise ModelLoadError(
+            f"config.json rope_parameters sliding_attention={local!r} is not supported: attn_jax reads a default "
+            "RoPE (rope_theta only) for Gemma 3's sliding layers"
+        )
+    local_theta = local["rope_theta"]
+    if isinstance(local_theta, bool) or not isinstance(local_theta, int | float) or not local_theta > 0:
+        raise ModelLoadError(f"config.json sliding_attention rope_theta={local_theta!r} must be a positive number")
+    return {**fields, **_rope({"rope_parameters": full}, max_positions), "local_rope_theta": float(local_theta)}
 
 
 def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
@@ -238,8 +301,9 @@ def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
         raise ModelLoadError(
             f"config.json model_type={model_type!r} is not supported; supported: {list(SUPPORTED_MODEL_TYPES)}"
         )
+    gemma = model_type in GEMMA_MODEL_TYPES
     act = config.get("hidden_act", "silu")
-    if act != "silu":
+    if act != "silu" and not gemma:  # transformers' Gemma reads hidden_activation instead
         raise ModelLoadError(f"config.json hidden_act={act!r} is not supported; supported: ['silu']")
     if config.get("mlp_bias"):
         raise ModelLoadError("config.json mlp_bias=true is not supported: attn_jax's LlamaModel has no MLP biases")
@@ -247,7 +311,7 @@ def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
     hidden = _positive(config, "hidden_size")
     num_layers = _positive(config, "num_hidden_layers")
     max_positions = _positive(config, "max_position_embeddings", default=2048)
-    rope = _rope(config, max_positions)
+    family = _gemma(config, model_type, max_positions) if gemma else _rope(config, max_positions)
     if config.get("quantization_config") is not None:
         method = config["quantization_config"]
         method = method.get("quant_method") if isinstance(method, dict) else method
@@ -257,7 +321,7 @@ def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
         )
     if model_type == "qwen2":
         qkv_bias, o_bias = True, False
-    elif model_type in ("llama", "qwen3"):
+    elif model_type in ("llama", "qwen3", *GEMMA_MODEL_TYPES):
         qkv_bias = o_bias = bool(config.get("attention_bias", False))
     else:
         qkv_bias = o_bias = False
@@ -268,6 +332,9 @@ def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
     eps = config.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps > 0:
         raise ModelLoadError(f"config.json rms_norm_eps={eps!r} must be a positive number")
+    windows = _sliding_windows(config, model_type, num_layers)
+    uniform = len(set(windows)) == 1
+    default_head_dim = 256 if gemma else 128 if model_type == "qwen3" else hidden // num_heads
     try:
         return LlamaConfig(
             vocab_size=_positive(config, "vocab_size"),
@@ -276,18 +343,18 @@ def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=_positive(config, "num_key_value_heads", default=num_heads),
-            head_dim=_positive(config, "head_dim", default=128 if model_type == "qwen3" else hidden // num_heads),
-            **rope,
+            head_dim=_positive(config, "head_dim", default=default_head_dim),
             rms_norm_eps=float(eps),
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
             bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else -1,
             eos_token_ids=tuple(dict.fromkeys(eos)),
             name=folder.resolve().name,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            sliding_window=_sliding_window(config, model_type, num_layers),
-            qk_norm=model_type == "qwen3",
+            sliding_window=windows[0] if uniform else None,
+            layer_sliding_windows=() if uniform else windows,
+            **({"qk_norm": model_type == "qwen3"} | family),
         )
     except ValueError as e:  # LlamaConfig's own checks (head divisibility, even head_dim)
         raise ModelLoadError(f"config.json of {str(folder)!r}: {e}") from e
@@ -339,6 +406,7 @@ def load_hf_weights(
 
     folder = _folder(path)
     config = read_hf_config(folder)
+    names = {**_TENSOR_NAMES, **(_SANDWICH_NORM_NAMES if config.sandwich_norms else {})}
     with contextlib.ExitStack() as stack:
         where = {}
         for file in _weight_files(folder):
@@ -351,7 +419,7 @@ def load_hf_weights(
         total = len(where)
 
         def get(key: str, layer: int | None, shape: tuple[int, ...]) -> np.ndarray:
-            name = _TENSOR_NAMES[key].format(i=layer)
+            name = names[key].format(i=layer)
             handle = where.get(name)
             if handle is None:
                 raise ModelLoadError(

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -61,7 +62,21 @@ class LlamaConfig:
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2; Llama's attention_bias)
     o_bias: bool = False  # a bias on the output projection (Llama's attention_bias)
     sliding_window: int | None = None  # every layer sees its last `sliding_window` keys (Mistral)
-    qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3)
+    layer_sliding_windows: tuple[int | None, ...] = ()  # per layer (Gemma 2 / 3's layer_types); () = sliding_window
+    # Gemma 2 / 3: norms scale by (norm_offset + weight) in float32; the embedding is multiplied
+    # by embed_scale; the MLP's gate activation; sandwich_norms adds a norm after attention and
+    # after the MLP (layer_norms [L, 4, H]); soft caps on attention scores and final logits;
+    # attn_scale replaces head_dim**-0.5 (query_pre_attn_scalar**-0.5); sliding layers' RoPE
+    # theta (Gemma 3's rope_local_base_freq, default RoPE), the other layers' being rope_*.
+    norm_offset: float = 0.0
+    embed_scale: float = 1.0
+    hidden_act: str = "silu"
+    sandwich_norms: bool = False
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    attn_scale: float | None = None
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -69,6 +84,16 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         validate_sliding_window(self.sliding_window)
+        if self.layer_sliding_windows:
+            if len(self.layer_sliding_windows) != self.num_layers or self.sliding_window is not None:
+                raise ValueError(
+                    f"layer_sliding_windows={self.layer_sliding_windows} must give one window per layer "
+                    f"(num_layers={self.num_layers}) with sliding_window=None, not {self.sliding_window}"
+                )
+            for window in self.layer_sliding_windows:
+                validate_sliding_window(window)
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; supported: {list(HIDDEN_ACTS)}")
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type={self.rope_type!r} is not supported; supported: {list(ROPE_TYPES)}")
         if self.rope_type == "default" and self.rope_scaling_factor != 1.0:
@@ -88,6 +113,9 @@ class LlamaConfig:
         return dict(self.rope_parameters).get(name, default)
 
 
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+"""MLP gate activations (transformers' ``ACT2FN`` names): SwiGLU, Gemma's GeGLU (tanh GELU)."""
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """RoPE types ``rope_frequencies`` computes (transformers' ``ROPE_INIT_FUNCTIONS`` names)."""
 
@@ -105,6 +133,8 @@ ROPE_PARAMETERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 LAYER_VECTORS = ("attn_norm", "ffn_norm")
+NORM_ORDER = {False: ("attn_norm", "ffn_norm"), True: ("attn_norm", "post_attn_norm", "ffn_norm", "post_ffn_norm")}
+"""``layer_norms``' rows without and with ``sandwich_norms``."""
 
 
 def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -135,13 +165,16 @@ def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes["bo"] = (h,)
     if c.qk_norm:
         shapes.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
+    if c.sandwich_norms:
+        shapes.update(post_attn_norm=(h,), post_ffn_norm=(h,))
     return shapes
 
 
 def layer_param_names(config: LlamaConfig) -> tuple[str, ...]:
     """A layer's checkpoint tensors (``param_shapes``'s per-layer names) for this config."""
     biases = ("bq", "bk", "bv") * config.qkv_bias + ("bo",) * config.o_bias
-    return LAYER_VECTORS + LAYER_MATRICES + biases + ("q_norm", "k_norm") * config.qk_norm
+    norms = ("q_norm", "k_norm") * config.qk_norm + ("post_attn_norm", "post_ffn_norm") * config.sandwich_norms
+    return LAYER_VECTORS + LAYER_MATRICES + biases + norms
 
 
 def fuse_params(config: LlamaConfig, params: dict) -> dict:
@@ -184,7 +217,8 @@ def fuse_params(config: LlamaConfig, params: dict) -> dict:
             layer["bo"] = w["bo"]
         layers.append(layer)
     fused = {k: v for k, v in params.items() if k != "layers"}
-    fused["layer_norms"] = xp.stack([xp.stack([w["attn_norm"], w["ffn_norm"]]) for w in params["layers"]])
+    norm_names = NORM_ORDER[c.sandwich_norms]
+    fused["layer_norms"] = xp.stack([xp.stack([w[n] for n in norm_names]) for w in params["layers"]])
     if c.qk_norm:  # [L, 2, D], replicated like layer_norms (every head shares its layer's weights)
         fused["qk_norms"] = xp.stack([xp.stack([w["q_norm"], w["k_norm"]]) for w in params["layers"]])
     fused["layers"] = layers
@@ -249,6 +283,9 @@ def init_params(config: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict:
         ],
     }
     for layer in params["layers"]:
+        if c.sandwich_norms:
+            layer.update(post_attn_norm=(1 + 0.1 * rng.standard_normal(h)).astype(dtype))
+            layer.update(post_ffn_norm=(1 + 0.1 * rng.standard_normal(h)).astype(dtype))
         if c.qk_norm:
             layer.update(q_norm=(1 + 0.1 * rng.standard_normal(c.head_dim)).astype(dtype))
             layer.update(k_norm=(1 + 0.1 * rng.standard_normal(c.head_dim)).astype(dtype))
@@ -261,11 +298,19 @@ def init_params(config: LlamaConfig, seed: int = 0, dtype=np.float32) -> dict:
     return fuse_params(config, params)
 
 
-def rms_norm(x, weight, eps: float):
-    """Hugging Face's LlamaRMSNorm: ``weight * x / sqrt(mean(x^2) + eps)`` in float32."""
+def rms_norm(x, weight, eps: float, offset: float = 0.0):
+    """Hugging Face's LlamaRMSNorm: ``weight * x / sqrt(mean(x^2) + eps)`` in float32; with
+    an ``offset`` Gemma's: ``x / sqrt(mean(x^2) + eps) * (offset + weight)`` all in float32."""
     x32 = x.astype(jnp.float32)
     variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    if offset:
+        return (x32 * jax.lax.rsqrt(variance + eps) * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * (x32 * jax.lax.rsqrt(variance + eps)).astype(x.dtype)
+
+
+def soft_cap(x, cap: float | None):
+    """``cap * tanh(x / cap)`` (Gemma's logit soft cap); x itself when ``cap`` is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 def rope_frequencies(config: LlamaConfig) -> tuple[np.ndarray, float]:
@@ -386,18 +431,33 @@ class LlamaModel:
         self.num_heads = num_heads or config.num_heads
         self.num_kv_heads = num_kv_heads or config.num_kv_heads
         self.inv_freq, self.rope_attention_scaling = rope_frequencies(config)
-        self.attn = Attention(
-            self.num_heads,
-            config.head_dim,
-            config.head_dim**-0.5,
-            self.num_kv_heads,
-            block_size=block_size,
-            kv_cache_dtype=kv_cache_dtype,
-            attn_backend=attn_backend,
-            dtype=self.dtype,
-            per_layer_sliding_window=config.sliding_window,
-            prefix="model.layers.*.self_attn.attn",
-        )
+        self.local_inv_freq = None
+        if config.local_rope_theta is not None:
+            local = dataclasses.replace(
+                config, rope_theta=config.local_rope_theta, rope_type="default", rope_scaling_factor=1.0,
+                rope_parameters=(),
+            )  # fmt: skip
+            self.local_inv_freq, _ = rope_frequencies(local)
+        self.layer_windows = config.layer_sliding_windows or (config.sliding_window,) * config.num_layers
+        attns = {}  # one layer object per distinct window: same backend, cache shape and metadata
+        for window in dict.fromkeys(self.layer_windows):
+            attns[window] = Attention(
+                self.num_heads,
+                config.head_dim,
+                config.head_dim**-0.5 if config.attn_scale is None else config.attn_scale,
+                self.num_kv_heads,
+                block_size=block_size,
+                kv_cache_dtype=kv_cache_dtype,
+                attn_backend=attn_backend,
+                dtype=self.dtype,
+                logits_soft_cap=config.attn_logit_softcap,
+                per_layer_sliding_window=window,
+                prefix="model.layers.*.self_attn.attn",
+            )
+        self.layer_attns = [attns[window] for window in self.layer_windows]
+        # The group's builder: a sliding layer's when there is one (its spec turns cascade attention off,
+        # which a windowed layer cannot use); the metadata is otherwise the same for every window.
+        self.attn = next((a for w, a in attns.items() if w is not None), self.layer_attns[0])
 
     @property
     def attn_backend(self):
@@ -436,47 +496,61 @@ class LlamaModel:
         """
         c = self.config
         x = jnp.asarray(params["embed"])[token_ids].astype(self.dtype)  # f[T, H]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_attention_scaling)
+        if c.embed_scale != 1.0:
+            x = x * jnp.asarray(c.embed_scale, self.dtype)
+        rope = rope_cos_sin(positions, self.inv_freq, self.rope_attention_scaling)
+        local_rope = rope if self.local_inv_freq is None else rope_cos_sin(positions, self.local_inv_freq)
         num_tokens = token_ids.shape[0]
         if isinstance(attn_metadata, CommonAttentionMetadata):
             attn_metadata = self.attn.metadata_builder.build(0, attn_metadata)  # once, not per layer
 
         group = self.num_heads // self.num_kv_heads
 
-        def layer(h, w, norms, qk_norms, cache):
-            x = rms_norm(h, norms[0], c.rms_norm_eps)
+        def norm(x, weight):
+            return rms_norm(x, weight, c.rms_norm_eps, c.norm_offset)
+
+        act = jax.nn.silu if c.hidden_act == "silu" else functools.partial(jax.nn.gelu, approximate=True)
+
+        def layer(h, w, norms, qk_norms, attn, cos_sin, cache):
+            x = norm(h, norms[0])
             qkv = jnp.einsum("th,hkgd->tkgd", x, w["wqkv"], precision=_HIGHEST)  # f[T, Hkv, G + 2, D]
             if c.qkv_bias:
                 qkv = qkv + w["bqkv"]
             q = qkv[:, :, :group].reshape(num_tokens, self.num_heads, c.head_dim)
             k, v = qkv[:, :, group], qkv[:, :, group + 1]
             if c.qk_norm:
-                q, k = rms_norm(q, qk_norms[0], c.rms_norm_eps), rms_norm(k, qk_norms[1], c.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            o, cache = self.attn(q, k, v, cache, attn_metadata)
+                q, k = norm(q, qk_norms[0]), norm(k, qk_norms[1])
+            q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
+            o, cache = attn(q, k, v, cache, attn_metadata)
             o = jnp.dot(o, w["wo"], precision=_HIGHEST)
             if self.attn_sharded:
                 o = jax.lax.psum(o, self.model_axis)
             if c.o_bias:  # after the sum over heads: once, not once per shard
                 o = o + w["bo"]
+            if c.sandwich_norms:
+                o = norm(o, norms[1])
             h = h + o
-            x = rms_norm(h, norms[1], c.rms_norm_eps)
+            x = norm(h, norms[2 if c.sandwich_norms else 1])
             gate_up = jnp.einsum("th,hgi->tgi", x, w["w_gate_up"], precision=_HIGHEST)  # f[T, 2, I]
-            mlp = jnp.dot(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w["w_down"], precision=_HIGHEST)
+            mlp = jnp.dot(act(gate_up[:, 0]) * gate_up[:, 1], w["w_down"], precision=_HIGHEST)
             if self.mlp_sharded:
                 mlp = jax.lax.psum(mlp, self.model_axis)
+            if c.sandwich_norms:
+                mlp = norm(mlp, norms[3])
             return h + mlp, cache
 
         h, new_caches = x, []
         layer_norms = jnp.asarray(params["layer_norms"])
         qk_norms = jnp.asarray(params["qk_norms"]) if c.qk_norm else [None] * c.num_layers
         for i, (w, cache) in enumerate(zip(params["layers"], kv_caches, strict=True)):
-            h, cache = layer(h, w, layer_norms[i], qk_norms[i], cache)
+            window = self.layer_windows[i]
+            cos_sin = rope if window is None else local_rope
+            h, cache = layer(h, w, layer_norms[i], qk_norms[i], self.layer_attns[i], cos_sin, cache)
             new_caches.append(cache)
-        h = rms_norm(h[logits_rows], params["final_norm"], c.rms_norm_eps)  # f[N, H]
+        h = norm(h[logits_rows], params["final_norm"])  # f[N, H]
         head = params.get("lm_head")
         if head is None:
             logits = jnp.dot(h, jnp.asarray(params["embed"]).T, precision=_HIGHEST)
         else:
             logits = jnp.dot(h, head, precision=_HIGHEST)
-        return logits.astype(jnp.float32), new_caches
+        return soft_cap(logits.astype(jnp.float32), c.final_logit_softcap), new_caches

@@ -70,6 +70,33 @@ MODELS = {
         transformers.MistralForCausalLM,
         dict(tie_word_embeddings=False, sliding_window=8, head_dim=16, rope_parameters={"rope_theta": 1e5}),
     ),
+    "gemma2": (  # its first layer slides over 8 keys, the second is full; soft caps low enough to bite
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        dict(
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=8.0,
+            rope_parameters={"rope_theta": 1e4},
+        ),  # fmt: skip
+    ),
+    "gemma3": (  # text only; two RoPEs: linear scaling on the full layer, its own theta on the sliding one
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            tie_word_embeddings=False,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e3},
+            },
+        ),  # fmt: skip
+    ),
     "qwen3": (
         transformers.Qwen3Config,
         transformers.Qwen3ForCausalLM,
@@ -161,7 +188,8 @@ def test_config_matches_transformers(request, checkpoint, loaded):
     model, params, tokenizer = loaded
     c, h = model.config, hf.config
     assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (2, 4, 2, 16)
-    assert c.rope_theta == h.rope_parameters["rope_theta"] and c.rms_norm_eps == h.rms_norm_eps
+    rope = h.rope_parameters.get("full_attention", h.rope_parameters)  # Gemma 3 nests it by layer type
+    assert c.rope_theta == rope["rope_theta"] and c.rms_norm_eps == h.rms_norm_eps
     assert c.tie_word_embeddings == h.tie_word_embeddings == ("lm_head" not in params)
     assert c.eos_token_ids == (1,) and c.bos_token_id == 0 and tokenizer.eos_token_id == 1
     expected = {
@@ -170,9 +198,31 @@ def test_config_matches_transformers(request, checkpoint, loaded):
         "mistral": dict(qkv_bias=False, o_bias=False, sliding_window=8, rope_scaling_factor=1.0),
         "qwen2": dict(qkv_bias=True, o_bias=False, sliding_window=None, rope_scaling_factor=1.0),
         "qwen3": dict(qkv_bias=False, o_bias=False, sliding_window=None, qk_norm=True),
+        "gemma2": dict(
+            sliding_window=None,
+            layer_sliding_windows=(8, None),
+            attn_logit_softcap=3.0,
+            final_logit_softcap=8.0,
+            attn_scale=24**-0.5,
+            embed_scale=8.0,
+            hidden_act="gelu_pytorch_tanh",
+            qk_norm=False,
+            sandwich_norms=True,
+        ),
+        "gemma3": dict(
+            sliding_window=None,
+            layer_sliding_windows=(8, None),
+            attn_logit_softcap=None,
+            final_logit_softcap=None,
+            qk_norm=True,
+            rope_type="linear",
+            rope_scaling_factor=2.0,
+            local_rope_theta=1e3,
+        ),
     }[request.node.callspec.params["checkpoint"]]
     assert {k: getattr(c, k) for k in expected} == expected
-    assert model.attn.sliding_window == expected["sliding_window"]
+    windows = expected.get("layer_sliding_windows") or (expected["sliding_window"],) * 2
+    assert tuple(a.sliding_window for a in model.layer_attns) == windows
     if request.node.callspec.params["checkpoint"] == "llama":  # the sharded path: an index and several files
         assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("*.safetensors"))) > 2
 
@@ -351,7 +401,8 @@ def _write_config(folder, **changes) -> None:
     [
         (
             {"model_type": "gpt2"},
-            r"model_type='gpt2' is not supported; supported: \['llama', 'mistral', 'qwen2', 'qwen3'\]",
+            r"model_type='gpt2' is not supported; supported: "
+            r"\['llama', 'mistral', 'qwen2', 'qwen3', 'gemma2', 'gemma3_text'\]",
         ),
         (
             {"rope_parameters": {"rope_type": "dynamic", "factor": 8.0, "rope_theta": 5e5}},
@@ -377,8 +428,23 @@ def _write_config(folder, **changes) -> None:
         ({"num_key_value_heads": 3}, r"num_heads=4 must be divisible by num_kv_heads=3"),
         ({"hidden_size": 0}, r"hidden_size=0 must be a positive integer"),
         (
-            {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
-            r"mixes sliding-window \(sliding_window=16\) and full-attention layers",
+            {"layer_types": ["sliding_attention", "chunked_attention"]},
+            r"layer_types=\['sliding_attention', 'chunked_attention'\] must list one of \['full_attention', "
+            r"'sliding_attention'\] for each of 2 layers",
+        ),
+        ({"model_type": "gemma2", "use_bidirectional_attention": True}, r"use_bidirectional_attention=true is not"),
+        ({"model_type": "gemma2", "hidden_activation": "relu"}, r"hidden_activation='relu' is not supported"),
+        ({"model_type": "gemma2", "final_logit_softcapping": -1}, r"final_logit_softcapping=-1 must be a positive"),
+        (
+            {"model_type": "gemma3_text", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+            r"rope_parameters=.*: a Gemma 3 config nests them by layer type, \['full_attention', 'sliding_attention'\]",
+        ),
+        (
+            {
+                "model_type": "gemma3_text",
+                "rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2}},
+            },
+            r"rope_parameters sliding_attention=.* is not supported: attn_jax reads a default RoPE",
         ),
     ],
     ids=[
@@ -394,14 +460,19 @@ def _write_config(folder, **changes) -> None:
         "mlp_bias",
         "heads",
         "hidden_size",
-        "layer-windows",
+        "layer-types",
+        "gemma-bidirectional",
+        "gemma-act",
+        "gemma-cap",
+        "gemma3-flat-rope",
+        "gemma3-local-rope",
     ],
 )
 def test_config_errors_name_the_value(tmp_path, changes, message):
     _write_config(tmp_path, **changes)
     with pytest.raises(ModelLoadError, match=message):
         read_hf_config(tmp_path)
-    assert SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3")
+    assert SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 
 
 def test_folder_errors(tmp_path):
@@ -589,7 +660,7 @@ def test_cli_reports_a_bad_checkpoint_folder(tmp_path, capsys):
     _write_config(tmp_path, model_type="gpt2")
     assert main(["generate", "--model", str(tmp_path), "--max-new-tokens", "2"]) == 2
     assert (
-        "model_type='gpt2' is not supported; supported: ['llama', 'mistral', 'qwen2', 'qwen3']"
+        "model_type='gpt2' is not supported; supported: ['llama', 'mistral', 'qwen2', 'qwen3', 'gemma2', 'gemma3_text']"
         in capsys.readouterr().err
     )
 
