@@ -169,8 +169,8 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--model", default=None, metavar="PATH",
-        help="a Llama GGUF file or a Hugging Face checkpoint folder (Llama, Mistral, Qwen2 safetensors); "
-        "default: embedded SmolLM2",
+        help="a Llama GGUF file or a Hugging Face checkpoint folder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, "
+        "Gemma 3 text safetensors); default: embedded SmolLM2",
     )  # fmt: skip
     _add_engine_args(parser, num_scheduler_steps=NUM_SCHEDULER_STEPS)
 
