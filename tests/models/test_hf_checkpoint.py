@@ -319,6 +319,41 @@ def test_rope_reads_as_transformers(tmp_path, rope):
     assert scale == pytest.approx(theirs.attention_scaling, rel=1e-12)
 
 
+HUB_STYLE_CONFIGS = {  # config.json as older checkpoints on the Hub write it (no layer_types, no rope_parameters)
+    "gemma3-1b": dict(
+        model_type="gemma3_text", num_hidden_layers=7, sliding_window=16, rope_theta=1e6, rope_local_base_freq=1e4,
+        rope_scaling=None, sliding_window_pattern=3, head_dim=16, query_pre_attn_scalar=16,
+    ),
+    "gemma3-4b-text": dict(
+        model_type="gemma3_text", num_hidden_layers=6, sliding_window=16, rope_theta=1e6, rope_local_base_freq=1e4,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, head_dim=16, query_pre_attn_scalar=16,
+    ),
+    "gemma2": dict(model_type="gemma2", num_hidden_layers=4, sliding_window=16, head_dim=16, rope_theta=1e4),
+    "qwen2-window-layers": dict(
+        model_type="qwen2", num_hidden_layers=4, use_sliding_window=True, sliding_window=16, max_window_layers=2
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("config", HUB_STYLE_CONFIGS.values(), ids=HUB_STYLE_CONFIGS.keys())
+def test_layer_windows_and_ropes_read_as_transformers(tmp_path, config):
+    """Each layer's window (from transformers' layer_types defaults) and each layer kind's
+    RoPE (Gemma 3: rope_theta / rope_scaling for full layers, rope_local_base_freq for
+    sliding ones) equal transformers' reading of the same config.json."""
+    from attn_jax.models.llama import LlamaModel
+
+    _write_config(tmp_path, **config)
+    ours = LlamaModel(read_hf_config(tmp_path))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    windows = tuple(theirs.sliding_window if t == "sliding_attention" else None for t in theirs.layer_types)
+    assert tuple(a.sliding_window for a in ours.layer_attns) == windows and len(set(windows)) == 2
+    if config["model_type"] == "gemma3_text":
+        rope = transformers.models.gemma3.modeling_gemma3.Gemma3RotaryEmbedding(theirs)
+        local_inv_freq, full_inv_freq = rope.sliding_attention_inv_freq, rope.full_attention_inv_freq
+        np.testing.assert_allclose(ours.local_inv_freq, local_inv_freq.numpy(), rtol=1e-6)
+        np.testing.assert_allclose(ours.inv_freq, full_inv_freq.numpy(), rtol=1e-6)
+
+
 def test_rope_scaling_beside_rope_parameters_matches_transformers(tmp_path):
     """The issue's silent case: transformers 5's ``rope_parameters`` of type default beside a
     llama3 ``rope_scaling``. transformers honours the scaling; so does the loader (the
