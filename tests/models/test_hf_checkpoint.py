@@ -715,11 +715,13 @@ print("RESULT", json.dumps({"tokens": done.output_ids, "split": [model.attn_shar
 
 
 @pytest.mark.slow  # a subprocess with 2 forced CPU devices: jax starts and compiles again
-def test_heads_split_over_two_devices_with_biases(tmp_path):
+@pytest.mark.parametrize("model_type", ["llama", "gemma3"])
+def test_heads_split_over_two_devices_with_biases(tmp_path, model_type):
     """Llama with q/k/v/o biases, heads and MLP split over a model axis of 2: the bias of
     each head goes with it, the output bias is added once after the sum, and the tokens
-    are transformers' greedy ones."""
-    hf = _write_checkpoint("llama", tmp_path)
+    are transformers' greedy ones. Gemma 3: the q/k norms (shared by every head), the norms
+    after attention and MLP (after the sums) and the per-layer windows, split the same way."""
+    hf = _write_checkpoint(model_type, tmp_path)
     env = subprocess_env()
     root = pathlib.Path(__file__).resolve().parents[2]
     proc = subprocess.run(
