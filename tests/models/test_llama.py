@@ -97,6 +97,22 @@ def test_model_file_errors(tmp_path, smollm2_gguf):
         load_tokenizer(tmp_path / "nope.gguf")
 
 
+def test_non_finite_weight_is_named(smollm2_gguf, monkeypatch):
+    """A NaN in a dequantised tensor stops the load naming it (the first tensor read: the embedding)."""
+    import gguf
+
+    dequantize = gguf.dequantize
+
+    def poisoned(data, kind):
+        w = np.array(dequantize(data, kind), np.float32)
+        w.flat[7] = np.nan
+        return w
+
+    monkeypatch.setattr(gguf, "dequantize", poisoned)
+    with pytest.raises(ModelLoadError, match=r"tensor 'token_embd.weight' of '.*' holds non-finite values \(1 NaN, 0"):
+        load_gguf(smollm2_gguf)
+
+
 def test_config_checks():
     sizes = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1)
     with pytest.raises(ValueError, match="num_heads=9 must be divisible by num_kv_heads=2"):
