@@ -319,6 +319,33 @@ def test_rope_reads_as_transformers(tmp_path, rope):
     assert scale == pytest.approx(theirs.attention_scaling, rel=1e-12)
 
 
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_defaults_of_absent_keys_are_transformers(tmp_path, model_type):
+    """A config.json with only the sizes: every default the loader fills in (head_dim, tied
+    embeddings, eps, RoPE theta, windows, Gemma's soft caps and query scalar) is the one
+    transformers' config class fills in."""
+    sizes = {k: v for k, v in SIZES.items() if k not in ("bos_token_id", "eos_token_id")}
+    (tmp_path / "config.json").write_text(json.dumps({**sizes, "model_type": model_type}))
+    ours = read_hf_config(tmp_path)
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    rope = theirs.rope_parameters.get("full_attention", theirs.rope_parameters)
+    assert ours.head_dim == (getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads)
+    assert (ours.tie_word_embeddings, ours.rms_norm_eps, ours.rope_theta) == (
+        theirs.tie_word_embeddings, theirs.rms_norm_eps, rope["rope_theta"]
+    )  # fmt: skip
+    if model_type == "mistral":  # no layer_types: every layer uses sliding_window
+        windows = (theirs.sliding_window,) * 2
+    else:
+        types = getattr(theirs, "layer_types", None) or ["full_attention"] * 2
+        windows = tuple(theirs.sliding_window if t == "sliding_attention" else None for t in types)
+    assert (ours.layer_sliding_windows or (ours.sliding_window,) * 2) == windows
+    if model_type.startswith("gemma"):
+        assert (ours.attn_logit_softcap, ours.final_logit_softcap, ours.attn_scale) == (
+            theirs.attn_logit_softcapping, theirs.final_logit_softcapping, theirs.query_pre_attn_scalar**-0.5
+        )  # fmt: skip
+        assert ours.hidden_act == theirs.hidden_activation
+
+
 HUB_STYLE_CONFIGS = {  # config.json as older checkpoints on the Hub write it (no layer_types, no rope_parameters)
     "gemma3-1b": dict(
         model_type="gemma3_text", num_hidden_layers=7, sliding_window=16, rope_theta=1e6, rope_local_base_freq=1e4,
