@@ -252,9 +252,8 @@ def _gemma(config: Mapping, model_type: str, max_positions: int) -> dict:
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 0):
             raise ModelLoadError(f"config.json {key}={cap!r} must be a positive number or null")
         caps[key] = None if cap is None else float(cap)
-    for key, value in (("query_pre_attn_scalar", scalar),):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise ModelLoadError(f"config.json {key}={value!r} must be a positive number")
+    if isinstance(scalar, bool) or not isinstance(scalar, int | float) or not scalar > 0:
+        raise ModelLoadError(f"config.json query_pre_attn_scalar={scalar!r} must be a positive number")
     fields = dict(
         norm_offset=1.0,
         embed_scale=float(np.float32(config["hidden_size"] ** 0.5)),

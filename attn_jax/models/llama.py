@@ -3,7 +3,10 @@
 RMSNorm, RoPE (Hugging Face's rotate-half form, the model's theta; linear, Llama 3 and YaRN
 scaling as transformers computes them, ``rope_frequencies``), GQA,
 SwiGLU, tied embeddings when the checkpoint ties them, optional attention-projection
-biases (Qwen2's q/k/v, Llama's ``attention_bias``) and a sliding window (Mistral). One
+biases (Qwen2's q/k/v, Llama's ``attention_bias``), a sliding window (Mistral) or one per
+layer, per-head q/k RMSNorm (Qwen3), and Gemma 2 / 3's switches (``LlamaConfig``: (1 + w)
+norms, a scaled embedding, GeGLU, norms after attention and MLP, soft caps, a query scalar,
+a second RoPE for the sliding layers). One
 call, ``LlamaModel.step``, runs a packed, mixed prefill + decode batch: every request's
 new tokens on one token axis, their keys and values written into a paged cache per
 layer, attention by the layer's backend. The layers are unrolled over per-layer weights
