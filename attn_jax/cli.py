@@ -129,10 +129,23 @@ def _add_engine_args(parser: argparse.ArgumentParser, *, num_scheduler_steps: in
         "--devices", type=int, default=1,
         help="devices to shard over (requests over a data axis, heads over a model axis); default 1",
     )  # fmt: skip
-    parser.add_argument("--max-num-seqs", type=_positive_int, default=8, help="requests per step (default: 8)")
     parser.add_argument(
-        "--max-num-batched-tokens", type=_positive_int, default=256,
-        help="token budget per step; longer prompts are prefilled in chunks (default: 256)",
+        "--max-num-seqs", type=_positive_int, default=None,
+        help="requests per step, the step's request slots (default: 256 on a GPU or TPU, 8 on a CPU)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-num-batched-tokens", type=_positive_int, default=None,
+        help="token budget per step; longer prompts are prefilled in chunks (default: 2048 on a GPU or TPU, "
+        "256 on a CPU)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gpu-memory-utilization", type=_fraction, default=0.9,
+        help="share of the accelerator's memory pool the engine fills; the KV cache takes what the weights and "
+        "a step's activations leave (default: 0.9; no effect on a CPU, whose cache is 256 MiB)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-memory", type=_bytes, default=None, metavar="BYTES",
+        help="the KV cache's size instead (per data shard), e.g. 4GiB or 500MB: a device shared with others",
     )  # fmt: skip
     parser.add_argument(
         "--num-scheduler-steps", type=_positive_int, default=num_scheduler_steps,
@@ -142,6 +155,34 @@ def _add_engine_args(parser: argparse.ArgumentParser, *, num_scheduler_steps: in
         "--no-prefix-caching", action="store_true",
         help="turn automatic prefix caching off (default: on; a prompt's cached full blocks are not recomputed)",
     )  # fmt: skip
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1]")
+    return value
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def _bytes(text: str) -> int:
+    """A size such as ``4GiB``, ``500MB`` or ``1048576`` in bytes."""
+    number = text.strip().lower().rstrip("bikmg")
+    unit = text.strip().lower()[len(number) :]
+    try:
+        value = float(number) * _BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give bytes with an optional unit, one of {[u for u in _BYTE_UNITS if u]}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least one byte")
+    return int(value)
 
 
 def _add_generate_args(parser: argparse.ArgumentParser) -> None:
@@ -220,7 +261,7 @@ def _warm_up(engine, prompt_ids: list[list[int]], args: argparse.Namespace) -> N
         top_p=args.top_p, top_k=args.top_k, seed=0, ignore_eos=True,
     )  # fmt: skip
     for ids in prompt_ids:
-        engine.add_request(ids[: args.max_num_batched_tokens], warm)
+        engine.add_request(ids[: engine.max_num_batched_tokens], warm)
     for _ in engine.stream():
         pass
 
@@ -336,6 +377,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
                 engine_kwargs = dict(
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_bytes=args.kv_cache_memory,
                     max_model_len=args.max_model_len, seed=args.seed, num_scheduler_steps=args.num_scheduler_steps,
                     enable_prefix_caching=not args.no_prefix_caching,
                 )  # fmt: skip
@@ -451,29 +493,18 @@ def _port(text: str) -> int:
     return value
 
 
-DEFAULT_WARMUP_MAX_SHAPES = {"cpu": 32, "accelerator": 128}
-"""``attn-stack serve``'s default bound on the warm-up's step shapes, the likeliest first: SmolLM2
-at serve's default limits has about 300 shapes on a GPU (400 with the XLA backend), at 3-5 s
-each on a 2-core CPU and 3.5 s each on an H200 (BENCHMARKS.md): all of them would keep the port
-closed for 20 minutes. The persistent compilation cache makes a restart load what an earlier
-start compiled (a 70-shape warm-up: 247 s cold, 50 s from the cache on an H200)."""
+CPU_WARMUP_MAX_SHAPES = 32
+"""``attn-stack serve``'s bound on the warm-up's step programs on a CPU, the likeliest first: the
+XLA backend's dense path keys its programs on the prefill group's shape and the block table's
+width (its cost grows with both), about 60 at serve's CPU limits, 3-5 s each on 2 cores. On a
+GPU or TPU every program compiles before the port opens (a few dozen: the step's shapes are
+fixed by the engine's limits)."""
 
 
 def _max_shapes(text: str) -> int | str:
     if text.strip().lower() == "all":
         return "all"
     return _positive_int(text)
-
-
-def _sampling_variants(text: str) -> tuple[str, ...]:
-    from attn_jax.serving.warmup import check_sampling_variants
-
-    variants = tuple(v.strip() for v in text.split(",") if v.strip())
-    try:
-        check_sampling_variants(variants)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return variants
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -504,20 +535,14 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "shape first; the port opens after)",
     )  # fmt: skip
     parser.add_argument(
-        "--warmup-sampling", type=_sampling_variants, default=None, metavar="V1,V2",
-        help="sampling variants to compile before listening, most used first: greedy, random (temperature "
-        "> 0, no filter), top_p, top_k=<k> (one per power of two) (default: greedy,random,top_p)",
-    )  # fmt: skip
-    parser.add_argument(
         "--no-compilation-cache", action="store_true",
         help="compile every step program afresh (default: JAX's persistent compilation cache in "
         "$ATTN_STACK_CACHE_DIR/jax-compilation, or JAX_COMPILATION_CACHE_DIR when set, so a restart loads them)",
     )  # fmt: skip
     parser.add_argument(
         "--warmup-max-shapes", type=_max_shapes, default=None, metavar="N|all",
-        help="compile at most N step shapes before listening, the likeliest first (default: "
-        f"{DEFAULT_WARMUP_MAX_SHAPES['accelerator']} on a GPU or TPU, {DEFAULT_WARMUP_MAX_SHAPES['cpu']} on a CPU: "
-        "each takes seconds and the defaults give hundreds)",
+        help="compile at most N step programs before listening, the likeliest first (default: all of them on a "
+        f"GPU or TPU, a few dozen at the defaults; {CPU_WARMUP_MAX_SHAPES} on a CPU; sampling values never add one)",
     )  # fmt: skip
 
 
@@ -550,7 +575,13 @@ def _serve_engine(args: argparse.Namespace):
             args.model, devices=args.devices if args.devices > 1 else None, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             seed=args.seed, num_scheduler_steps=args.num_scheduler_steps,
-            enable_prefix_caching=not args.no_prefix_caching,
+            enable_prefix_caching=not args.no_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_bytes=args.kv_cache_memory,
+        )  # fmt: skip
+        print(
+            f"attn-stack serve: {engine.kv_cache_summary()}; {engine.max_num_seqs} request slots, "
+            f"{engine.max_num_batched_tokens} tokens per step",
+            file=sys.stderr, flush=True,
         )  # fmt: skip
         if not args.no_warmup:
             start = time.perf_counter()
@@ -558,7 +589,7 @@ def _serve_engine(args: argparse.Namespace):
             def progress(done: int, total: int) -> None:
                 if done == 1 or done == total or done % 25 == 0:
                     print(
-                        f"attn-stack serve: compiled {done} of {total} step shapes before listening "
+                        f"attn-stack serve: compiled {done} of {total} step programs before listening "
                         f"({time.perf_counter() - start:.0f} s; --warmup-max-shapes N|all sets how many, --no-warmup "
                         "skips them)",
                         file=sys.stderr, flush=True,
@@ -566,10 +597,9 @@ def _serve_engine(args: argparse.Namespace):
 
             max_shapes = args.warmup_max_shapes
             if max_shapes is None:
-                max_shapes = DEFAULT_WARMUP_MAX_SHAPES["cpu" if jax.default_backend() == "cpu" else "accelerator"]
-            sampling = {} if args.warmup_sampling is None else {"sampling": args.warmup_sampling}
+                max_shapes = CPU_WARMUP_MAX_SHAPES if jax.default_backend() == "cpu" else "all"
             max_shapes = None if max_shapes == "all" else max_shapes
-            report = engine.warmup(max_shapes=max_shapes, progress=progress, **sampling)
+            report = engine.warmup(max_shapes=max_shapes, progress=progress)
             print(f"attn-stack serve: {report.summary()}", file=sys.stderr, flush=True)
     name = args.served_model_name or default_served_name(args.model)
     print(

@@ -195,8 +195,8 @@ class ShardedStep:
         return jax.jit(lambda: jax.numpy.zeros((self.data_size, n), jax.numpy.int32), out_shardings=rows)()
 
     def jit(self, device_step):
-        """``device_step(params, caches, last_tokens, packed, layout, num_candidates,
-        num_steps)`` (one shard's arrays; the last three static; it returns sampled tokens,
+        """``device_step(params, caches, last_tokens, packed, layout, num_steps, sampled)``
+        (one shard's arrays; the last three static; it returns sampled tokens,
         last tokens, caches and the next call's inputs, which this drops) jitted over the mesh, caches donated.
 
         The only collective beside the model's own (one ``psum`` per split attention and
@@ -205,10 +205,10 @@ class ShardedStep:
         tokens stay on their shard (i32[data, R_max], split over "data")."""
         mesh, cache_spec = self.mesh, self.cache_spec
 
-        def step(params, caches, last_tokens, packed, layout, num_candidates, num_steps):
+        def step(params, caches, last_tokens, packed, layout, num_steps, sampled):
             def body(params, caches, last_tokens, packed):
                 tokens, last, caches, _ = device_step(  # the next call's inputs: one device's runner only
-                    params, caches, last_tokens[0], packed[0], layout, num_candidates, num_steps
+                    params, caches, last_tokens[0], packed[0], layout, num_steps, sampled
                 )
                 return jax.lax.all_gather(tokens, DATA), last[None], caches
 
@@ -223,7 +223,7 @@ class ShardedStep:
 
         return jax.jit(step, donate_argnums=1, static_argnums=(4, 5, 6))
 
-    def run(self, jit_step, params, caches, last_tokens, packed, num_candidates: int, num_steps: int):
+    def run(self, jit_step, params, caches, last_tokens, packed, num_steps: int, sampled: bool):
         """Stacks each data shard's packed inputs (``step_inputs.pack`` results, which must
         share one layout) on a leading "data" axis and runs ``jit_step``. Every process
         builds the same inputs; each uploads only the rows of its own devices.
@@ -236,7 +236,7 @@ class ShardedStep:
         buffers = np.stack([buffer for buffer, _ in packed])
         sharding = NamedSharding(self.mesh, P(DATA))
         buffers = put_global(buffers, sharding)
-        return jit_step(params, caches, last_tokens, buffers, layouts.pop(), num_candidates, num_steps)
+        return jit_step(params, caches, last_tokens, buffers, layouts.pop(), num_steps, sampled)
 
 
 def put_global(x, sharding: NamedSharding) -> jax.Array:

@@ -190,9 +190,8 @@ def prepare_engine(opts: dict):
     engine = build_engine(opts)
     warmup = None
     if not opts["no_engine_warmup"]:  # what attn-stack serve does before it listens
-        sampling = tuple(v for v in opts["warmup_sampling"].split(",") if v)
-        report = engine.warmup(sampling=sampling, max_shapes=opts["warmup_max_shapes"])
-        warmup = dataclasses.asdict(report) | {"sampling": list(sampling)}
+        report = engine.warmup(max_shapes=opts["warmup_max_shapes"])
+        warmup = dataclasses.asdict(report)
     offline = run_offline(engine, opts)
     offline["engine_warmup"] = warmup
     offline["device"] = jax.devices()[0].device_kind
@@ -608,9 +607,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--no-engine-warmup", action="store_true",
         help="skip Engine.warmup before serving (attn-stack serve --no-warmup); default: every shape compiled first",
     )  # fmt: skip
-    p.add_argument(
-        "--warmup-sampling", default="greedy", help="Engine.warmup's sampling variants (default: greedy, the load's)"
-    )
     p.add_argument("--warmup-max-shapes", type=int, default=None, help="Engine.warmup's max_shapes (default: all)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(

@@ -295,6 +295,8 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
     other rows' q-blocks, so they stream their KV as a decode batch does.
     """
 
+    reads_live_pages_only = True  # the kernels loop over each request's own KV length
+
     def __init__(self, kv_cache_spec, device_kind: str | None = None, mgpu_prefill: bool | None = None) -> None:
         super().__init__(kv_cache_spec)
         if device_kind is None:
@@ -425,6 +427,9 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
             # A bucket averaging a Mosaic tile per request is a long prefill's (P1: 4096),
             # a mixed batch's is not (M1: 33), as host metadata would have it.
             split_here = num_tokens >= tile * max(num_reqs, 1)
+        # A bucket holds at most one request per token: the engine pads requests to its slot
+        # count, and the blocks are chosen for the requests the tokens can hold.
+        num_reqs = min(num_reqs, max(num_tokens, 1))
         bs = self.block_choice(num_reqs=num_reqs, pages_per_req=pages_per_req, mode=mode).block_sizes
         decode_bs = None
         if mode == "mixed":

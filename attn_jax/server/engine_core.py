@@ -172,7 +172,7 @@ class EngineCore:
         if report.compilations > 0:
             logger.warning(
                 "the engine compiled %d new step shape(s) while serving (every stream waited for it); "
-                "start without --no-warmup, or with a larger --warmup-max-shapes / more --warmup-sampling variants",
+                "start without --no-warmup, or without --warmup-max-shapes",
                 report.compilations,
             )
 

@@ -10,10 +10,14 @@ attention metadata, built through the model's ``AttentionGroup``. The model is a
 without changes here. Nothing here names an attention backend.
 
 Each ``Engine.step`` asks the schedulers for a batch (decodes and prefill chunks under a
-token budget) and hands it to the runner, which dispatches one jitted call; shapes are
-padded to buckets, so the step compiles once per bucket (and sampling mode);
-``num_compilations`` counts the traces. ``warmup()`` compiles every one of them before the
-first request (``serving/warmup.py``), as ``attn-stack serve`` does before it listens.
+token budget) and hands it to the runner, which dispatches one jitted call. The step's
+shapes are the engine's limits (requests padded to the ``max_num_seqs`` slots, tokens to a
+power of two; ``default_buckets``), so it compiles once per token bucket and batch kind, not
+per batch size, context length or sampling value; ``num_compilations`` counts the traces.
+A decode batch that is the last call's one token on continues it on the device (the
+persistent batch, ``ModelRunner.continue_decode``): no per-request inputs are built.
+``warmup()`` compiles every program before the first request (``serving/warmup.py``), as
+``attn-stack serve`` does before it listens.
 
 Asynchronous scheduling (the default, vLLM's ``async_scheduling``): ``step`` dispatches
 the next batch before it reads back the previous one's sampled tokens, so the host
@@ -70,11 +74,12 @@ from attn_jax.serving.cascade import CascadeConfig
 from attn_jax.serving.detokenizer import IncrementalDetokenizer
 from attn_jax.serving.dispatch_pacer import DispatchPacer
 from attn_jax.serving.kv_cache_manager import PrefixCacheStats
+from attn_jax.serving.kv_cache_sizing import default_limits, kv_cache_plan
 from attn_jax.serving.metrics import EngineTotals, StepStats, StepStatsLog
-from attn_jax.serving.model_runner import DispatchedCall, ModelRunner, kv_cache_bytes_per_block
+from attn_jax.serving.model_runner import DispatchedCall, ModelRunner, PreparedCall, kv_cache_bytes_per_block
 from attn_jax.serving.scheduler import Request, RequestStatus, SamplingParams, ScheduledBatch, Scheduler
-from attn_jax.serving.warmup import SAMPLING_VARIANTS, WarmupReport, warm_up
-from attn_jax.sharding import check_num_devices, local_model_kwargs, make_mesh
+from attn_jax.serving.warmup import WarmupReport, warm_up
+from attn_jax.sharding import MODEL, check_num_devices, local_model_kwargs, make_mesh
 from attn_jax.types import SEED_LIMIT, validate_positive_int
 
 __all__ = ["Completion", "Engine", "StepStats", "TokenEvent", "UnknownRequestError"]
@@ -171,6 +176,22 @@ def _powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
     return (*out, limit)
 
 
+def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages: int, *, fixed_pages: bool):
+    """An engine's step shapes (tpu-inference's and vLLM's persistent batch): the request
+    dimension fixed at the slot count ``max_num_seqs`` (every call pads to it; logits and
+    sampling rows are the token bucket's, at most one per token), the block table's width
+    fixed at ``max_pages`` when the backend reads only live pages (``fixed_pages``, see
+    ``AttentionMetadataBuilder.reads_live_pages_only``) else powers of two, and the tokens
+    in powers of two from 16: the compile key is the token bucket and the batch's kind."""
+    return MetadataBuckets(
+        token_buckets=_powers_of_two_up_to(max_num_batched_tokens, start=min(16, max_num_batched_tokens)),
+        request_buckets=(max_num_seqs,),
+        blocks_per_request_buckets=(max_pages,) if fixed_pages else _powers_of_two_up_to(
+            max_pages, start=min(4, max_pages)
+        ),
+    )  # fmt: skip
+
+
 def _computed_tokens(num_new: int, steps: int) -> int:
     """Tokens a request computes in a call: its new tokens, plus the later steps of a
     multi-step decode (``steps`` sampled tokens; 0 for a prefill chunk that samples none)."""
@@ -204,11 +225,13 @@ class Engine:
         ids): ``load_tokenizer``'s ``GGUFTokenizer`` or a transformers tokenizer, anything
         with ``tokenizer(text)["input_ids"]``, ``decode(ids, skip_special_tokens=True)``,
         ``apply_chat_template`` and ``eos_token_id``.
-      num_blocks: KV cache pages (per data shard); default: every request of
-        ``max_num_seqs`` at ``max_model_len``, capped at ``kv_cache_bytes``.
-      max_num_seqs: most requests per step (per data shard).
+      num_blocks: KV cache pages (per data shard); default: ``kv_cache_bytes`` of them, or
+        on an accelerator what ``gpu_memory_utilization`` leaves (``kv_cache_sizing.py``);
+        on a CPU at most every request of ``max_num_seqs`` at ``max_model_len``.
+      max_num_seqs: most requests per step (per data shard), the step's request slots;
+        default 256 on an accelerator, 8 on a CPU (``kv_cache_sizing.default_limits``).
       max_num_batched_tokens: the step's token budget; longer prompts are prefilled in
-        chunks of at most this many tokens.
+        chunks of at most this many tokens; default 2048 on an accelerator, 256 on a CPU.
       max_model_len: prompt + new tokens allowed per request (default: the model's
         context length, at most 2048).
       seed: in [0, 2**32); draws the sampling seeds of requests that do not give one.
@@ -216,8 +239,12 @@ class Engine:
         step (requests over "data", heads over "model"); None: one device.
       buckets: padded sizes of the step's shapes (tokens, requests, pages per request);
         default: powers of two up to the limits above. Fewer buckets, fewer compilations.
-      kv_cache_bytes: the default ``num_blocks``'s memory cap (all layers, per data
-        shard); requests beyond it wait, are preempted, or are refused when alone too big.
+      kv_cache_bytes: the KV cache's bytes (all layers, per data shard; vLLM's
+        ``kv_cache_memory``); requests beyond it wait, are preempted, or are refused when
+        alone too big. None: sized from the device (below), 256 MiB on a CPU.
+      gpu_memory_utilization: on an accelerator, the share of the device's allocator limit
+        the engine may fill: the KV cache gets what the weights and the step's activations
+        leave of it (vLLM's flag, default 0.9); ``kv_cache_plan`` says how it was sized.
       async_scheduling: dispatch each step before reading back the last one's tokens
         (the module docstring says how); False: each ``step`` returns its own tokens.
       num_scheduler_steps: decode steps per call when a step holds decodes only (the
@@ -243,13 +270,14 @@ class Engine:
         tokenizer=None,
         *,
         num_blocks: int | None = None,
-        max_num_seqs: int = 8,
-        max_num_batched_tokens: int = 256,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         seed: int = 0,
         mesh=None,
         buckets: MetadataBuckets | None = None,
-        kv_cache_bytes: int = 256 << 20,
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
         async_scheduling: bool = True,
         num_scheduler_steps: int = 1,
         max_finished_requests: int = MAX_FINISHED_REQUESTS,
@@ -261,6 +289,10 @@ class Engine:
         self.tokenizer = tokenizer
         config = model.config
         self.block_size = model.attention_group.block_size
+        device = jax.local_devices()[0] if mesh is None else mesh.devices.flat[0]
+        default_seqs, default_tokens = default_limits(device)
+        max_num_seqs = default_seqs if max_num_seqs is None else max_num_seqs
+        max_num_batched_tokens = default_tokens if max_num_batched_tokens is None else max_num_batched_tokens
         self.max_num_seqs = validate_positive_int("max_num_seqs", max_num_seqs)
         self.max_num_batched_tokens = validate_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         self.max_model_len = min(config.max_position_embeddings, 2048) if max_model_len is None else max_model_len
@@ -275,16 +307,26 @@ class Engine:
         self.max_finished_requests = validate_positive_int("max_finished_requests", max_finished_requests)
         validate_positive_int("stats_window", stats_window)
         max_pages = -(-self.max_model_len // self.block_size)
+        leaves = jax.tree.leaves(params)
+        self.kv_cache_plan = kv_cache_plan(
+            config, params_bytes=sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
+            // (1 if mesh is None else mesh.shape.get(MODEL, 1)),  # weights split over the model axis
+            max_num_batched_tokens=max_num_batched_tokens, max_rows=min(max_num_seqs, max_num_batched_tokens),
+            gpu_memory_utilization=gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes, device=device,
+            params_on_device=all(isinstance(x, jax.Array) for x in leaves),
+        )  # fmt: skip
         if num_blocks is None:
-            num_blocks = max(min(max_num_seqs * max_pages, kv_cache_bytes // kv_cache_bytes_per_block(model)), 1)
+            num_blocks = self.kv_cache_plan.kv_cache_bytes // kv_cache_bytes_per_block(model)
+            if self.kv_cache_plan.source == "cpu default":
+                num_blocks = min(max_num_seqs * max_pages, num_blocks)
+            num_blocks = max(num_blocks, 1)
         self.num_blocks = num_blocks
         validate_positive_int("num_blocks", self.num_blocks)
         if buckets is None:
-            buckets = MetadataBuckets(
-                token_buckets=_powers_of_two_up_to(self.max_num_batched_tokens, start=min(16, max_num_batched_tokens)),
-                request_buckets=_powers_of_two_up_to(self.max_num_seqs),
-                blocks_per_request_buckets=_powers_of_two_up_to(max_pages, start=min(4, max_pages)),
-            )
+            buckets = default_buckets(
+                max_num_seqs, max_num_batched_tokens, max_pages,
+                fixed_pages=model.attention_group.metadata_builder.reads_live_pages_only,
+            )  # fmt: skip
         for name, limit, largest in (
             ("token_buckets", self.max_num_batched_tokens, buckets.token_buckets[-1]),
             ("request_buckets", self.max_num_seqs, buckets.request_buckets[-1]),
@@ -371,6 +413,13 @@ class Engine:
     def cascade_attention(self, setting: CascadeConfig | bool) -> None:
         self.runner.cascade = CascadeConfig.of(setting)
 
+    def kv_cache_summary(self) -> str:
+        """The start-up line: the KV cache in tokens, how it was sized, and the concurrency
+        it allows at ``max_model_len`` (vLLM's)."""
+        return self.kv_cache_plan.summary(
+            num_blocks=self.num_blocks, block_size=self.block_size, max_model_len=self.max_model_len
+        )
+
     @property
     def num_compilations(self) -> int:
         """Traces of the jitted step so far."""
@@ -379,17 +428,16 @@ class Engine:
     def warmup(
         self,
         *,
-        sampling: Sequence[str] = SAMPLING_VARIANTS,
         max_shapes: int | None = None,
         progress: Callable[[int, int], None] | None = None,
     ) -> WarmupReport:
         """Compiles every step shape this engine can meet (its buckets, the query-length
-        patterns a backend may key on, cascade attention, multi-step counts, the
-        ``sampling`` variants) with dummy calls that change no state a request can see;
+        patterns a backend may key on, cascade attention, multi-step counts; sampling values
+        are data and add none) with dummy calls that change no state a request can see;
         returns how many shapes, compilations and seconds (``serving/warmup.py``). Call it
         on an idle engine, before the first request (ValueError otherwise); ``max_shapes``
         bounds the shapes warmed (the likeliest first; the report counts those skipped)."""
-        return warm_up(self, sampling=sampling, max_shapes=max_shapes, progress=progress)
+        return warm_up(self, max_shapes=max_shapes, progress=progress)
 
     # ------------------------------------------------------------------ construction
 
@@ -639,29 +687,37 @@ class Engine:
         while len(self._finished) > self.max_finished_requests:
             self._finished.popitem(last=False)
 
-    def _schedule(self, events: list[TokenEvent]) -> tuple[list[ScheduledBatch], dict, list, int] | None:
-        """Each shard's next batch, each request's row of inputs, each request's steps in
-        the call and the call's step count (a request whose inputs cannot be built fails
-        alone, with an event in ``events``); None when there is no work."""
+    def _schedule(self, events: list[TokenEvent]) -> tuple[list[ScheduledBatch], list, PreparedCall] | None:
+        """Each shard's next batch, each request's steps in the call and the prepared call
+        (a request whose inputs cannot be built fails alone, with an event in ``events``);
+        None when there is no work. A batch that continues the last call on the device
+        (``ModelRunner.continue_decode``: the persistent batch) builds no per-request inputs."""
         batches = [s.schedule() for s in self.schedulers]
         if not any(b.requests for b in batches):
             return None
+        steps, num_steps = self._decode_steps(batches)
+        common = [s.num_common_prefix_blocks() for s in self.schedulers]
+        prepared = self.runner.continue_decode(batches, steps, num_steps, num_common_blocks=common)
+        if prepared is not None:
+            return batches, steps, prepared
         rows_of_pending = {}
         if self._in_flight is not None:
             rows_of_pending = {id(r): row for _, _, row, r in self._in_flight.sampled}
-        rows = {}
-        for batch in batches:
+        rows, failed = {}, False
+        for batch, counts in zip(batches, steps, strict=True):
             for i in reversed(range(len(batch.requests))):
                 request = batch.requests[i]
                 try:
                     rows[id(request)] = ModelRunner.request_row(request, batch.num_new[i], rows_of_pending)
-                except Exception as e:  # one bad request must not stop the others
+                except Exception as e:  # one bad request must not stop the others (its pages freed)
                     events.append(self._fail(self._requests[request.request_id], e))
-                    del batch.requests[i], batch.num_new[i]
+                    del batch.requests[i], batch.num_new[i], counts[i]
+                    failed = True
         if not any(b.requests for b in batches):
             return None
-        steps, num_steps = self._decode_steps(batches)
-        return batches, rows, steps, num_steps
+        if failed:
+            common = [s.num_common_prefix_blocks() for s in self.schedulers]  # after the failed requests left
+        return batches, steps, self.runner.prepare(batches, rows, steps, num_steps, num_common_blocks=common)
 
     def _decode_steps(self, batches: list[ScheduledBatch]) -> tuple[list[list[int]], int]:
         """Each request's steps in this call and the call's step count: a multi-step decode
@@ -673,8 +729,10 @@ class Engine:
         two >= the most new tokens any of its requests has left, and never below
         ``MIN_STEPS_CAP`` (a few spare steps cost less than another compiled variant). So
         ``num_scheduler_steps=100000`` costs a few compiled variants, not 100,000-step calls."""
-        left = max((r.max_tokens - r.num_tokens for b in batches for r in b.requests), default=0)
-        k = min(self.num_scheduler_steps, max(next_pow2(max(left, 1)), MIN_STEPS_CAP))
+        k = self.num_scheduler_steps
+        if k > 1:
+            left = max((r.max_tokens - r.num_tokens for b in batches for r in b.requests), default=0)
+            k = min(k, max(next_pow2(max(left, 1)), MIN_STEPS_CAP))
         multi = (
             k > 1
             and self.runner.supports_decode_advance
@@ -708,9 +766,8 @@ class Engine:
             events += self._resolve(self._in_flight)
             self._in_flight = None
             return events
-        batches, rows, steps, num_steps = scheduled
-        common = [s.num_common_prefix_blocks() for s in self.schedulers]  # after the failed requests left
-        call = self.runner.execute(batches, rows, steps, num_steps, num_common_blocks=common)
+        batches, steps, prepared = scheduled
+        call = self.runner.dispatch(prepared)
         if not call.compiled:
             self._pacer.observe_host(call.dispatch_end - start)
         dispatched = self._account(batches, steps, call, start)

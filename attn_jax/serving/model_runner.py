@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import time
 from collections.abc import Sequence
@@ -35,9 +36,9 @@ import numpy as np
 from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
 from attn_jax.models.base import ServingModel
 from attn_jax.serving.cascade import CascadeConfig, common_prefix_len
-from attn_jax.serving.sampling import num_candidates_for, sample_tokens
+from attn_jax.serving.sampling import sample_tokens
 from attn_jax.serving.scheduler import Request, ScheduledBatch
-from attn_jax.serving.step_inputs import PackedLayout, pack, repack, unpack
+from attn_jax.serving.step_inputs import PackedLayout, leaf_offsets, pack, repack, unpack
 from attn_jax.sharding import ShardedStep
 from attn_jax.types import SEED_LIMIT
 
@@ -57,21 +58,48 @@ class DispatchedCall:
     cascade_prefix_len: int = 0  # tokens cascade attention read once for the batch (the largest shard's); 0: off
 
 
+NO_INDEX = np.iinfo(np.int32).max
+"""A page delta's index that writes nothing (out of every buffer's bounds: dropped)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DecodeBatch:
+    """A one-step call of decodes only whose input tokens are all the previous call's
+    outputs in their own rows (the persistent batch): the next call continues it when it
+    holds the same requests in the same rows, each a token on (``ModelRunner.continue_decode``)."""
+
+    request_ids: list[int]  # id() of each row's request
+    ones: list[int]  # [1] * rows: each request's new tokens and samples
+    pages: np.ndarray  # i32[rows]: each request's pages when dispatched
+    prefix_len: int  # the call's cascade prefix (tokens; 0: none)
+    # Where the block table (offset, width) and the slot mapping (offset) lie in the packed buffer;
+    # None: the call's pages may not change (another copy of the table, cascade's, holds them too).
+    table: tuple[int, int, int] | None
+
+
 @dataclasses.dataclass(frozen=True)
 class PreparedCall:
     """A call's packed host inputs, not dispatched yet (``ModelRunner.prepare``)."""
 
     packed: list  # each data shard's (i32[n] buffer, PackedLayout); one layout for all
-    num_candidates: int  # the sampling variant (``sampling.num_candidates_for``)
     num_steps: int  # K
     token_bucket: int
     cascade_prefix_len: int  # the largest shard's; 0: no cascade attention
-    decode_signature: tuple | None = None  # a one-step decode call's ``_decode_signature``; None: other calls
+    sampled: bool = False  # a row samples (temperature > 0): the program that sorts (``sampling.py``)
+    decode: DecodeBatch | None = None  # a decode call the next one may continue; None: other calls
+    page_delta: np.ndarray | None = None  # i32[2, 2 * R_max]: (buffer index, value) written before the step
 
     @property
     def key(self) -> tuple:
-        """What selects the compiled step: (layout, num_candidates, num_steps)."""
-        return (self.packed[0][1], self.num_candidates, self.num_steps)
+        """What selects the compiled step: (layout, num_steps, sampled). Sampling values
+        never do; whether any row samples does (greedy batches skip the sampler's sort)."""
+        return (self.packed[0][1], self.num_steps, self.sampled)
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def _write_pages(cache, pages, values, axis: int):
+    """``cache`` with ``values`` written at ``pages`` along ``axis``, in place (donated)."""
+    return cache.at[(slice(None),) * axis + (pages,)].set(values)
 
 
 def kv_cache_bytes_per_block(model: ServingModel) -> int:
@@ -123,15 +151,17 @@ class ModelRunner:
             self.kv_caches = model.init_kv_caches(num_blocks)
             self._jit_step = jax.jit(self._device_step, donate_argnums=1, static_argnums=(4, 5, 6))
             self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)
+            self._no_page_delta = jnp.full((2, 2 * self.max_rows), NO_INDEX, jnp.int32)
         else:
             self.params = self._sharded.put_params(params)
             self.kv_caches = self._sharded.init_kv_caches(num_blocks)
             self._jit_step = self._sharded.jit(self._device_step)
             self._last_tokens = self._sharded.zeros_per_shard(self.max_rows)
         self.num_blocks = num_blocks
-        # The last dispatched call's decode signature and its inputs one step on, computed on the
-        # device: the next call continues from them when it is that decode a step later (prepare).
-        self._decode_chain: tuple[tuple, jax.Array] | None = None
+        # The last dispatched call, when a decode batch, and its inputs one step on, computed on
+        # the device: the next call continues from them when it is that batch a token later.
+        self._decode_chain: tuple[PreparedCall, jax.Array] | None = None
+        self._table_slots: dict = {}  # PackedLayout -> ``DecodeBatch.table``
         self.num_compilations = 0
         self.dispatched_keys: set[tuple] = set()  # ``PreparedCall.key`` of every call dispatched so far
         self._exact_buckets: dict[tuple[int, int, int], MetadataBuckets] = {}  # one per bucket combination
@@ -173,9 +203,14 @@ class ModelRunner:
         requests' ``num_common_blocks`` shared pages (``cascade.num_common_prefix_blocks``):
         ``cascade.common_prefix_len`` of the shard's batch, kept when the attention group's
         builder says cascade pays (``CascadeConfig``'s thresholds). Every shard's metadata has
-        one structure, so cascade attention runs only when every shard takes it."""
+        one structure, so cascade attention runs only when every shard takes it; and only in
+        calls of decodes only: cascade is a metadata structure of its own, so allowing it in
+        prefill and mixed calls would double their programs, for steps whose time is mostly
+        the new tokens' compute rather than the shared prefix's reads."""
         config = self.cascade
-        if not config.enabled:
+        if not config.enabled or not any(num_common_blocks):
+            return [0] * len(batches)
+        if any(n != 1 for b in batches for n in b.num_new):
             return [0] * len(batches)
         thresholds = dict(min_prefix_len=config.min_prefix_len, min_requests=config.min_requests)
         lens = []
@@ -212,11 +247,12 @@ class ModelRunner:
         positions[:num_tokens] = np.arange(num_tokens, dtype=np.int32) - np.repeat(
             ends - query_lens - starts, query_lens
         )
-        logits_rows = np.zeros(req_bucket, np.int32)
+        num_rows = min(req_bucket, token_bucket)  # logits and sampling rows: at most one request per token
+        logits_rows = np.zeros(num_rows, np.int32)
         logits_rows[:n] = ends - 1
-        steps = np.zeros(req_bucket, np.int32)
+        steps = np.zeros(num_rows, np.int32)
         steps[:n] = decode_steps
-        columns = np.zeros((5, req_bucket), np.float64)  # exact for every value in range
+        columns = np.zeros((5, num_rows), np.float64)  # exact for every value in range
         columns[1] = 1.0
         columns[:, :n] = np.asarray(values, np.float64).reshape(n, 5).T
         exact = self._exact_buckets.get(buckets)
@@ -253,18 +289,12 @@ class ModelRunner:
         BENCHMARKS.md). Padded requests have no tokens: a few empty rows
         of metadata, logits and sampling. Decode-only calls keep the exact bucket.
 
-        A one-step call that is the last dispatched call's decode batch one token later (the
-        same requests in the same rows on the same pages, their input tokens still on the
-        device) builds nothing: it takes the inputs the last call computed on the device for
-        it (the group's ``advance_decode``; vLLM's persistent batch, kept on the device). A
-        batch-1 decode step's host metadata and upload are most of its host time."""
+        The call is a ``DecodeBatch`` (the next call may continue it, ``continue_decode``) when
+        it is one step of decodes only on one device, each input token the previous call's
+        output in the request's own row."""
         prefix_lens = [0] * len(batches)
         if num_common_blocks is not None:
             prefix_lens = self.cascade_prefix_lens(batches, num_common_blocks)
-        signature = self._decode_signature(batches, rows, steps, num_steps, prefix_lens)
-        if signature is not None and self._continues_chain(signature):
-            previous, packed = self._decode_chain
-            return dataclasses.replace(previous, packed=[(packed, previous.packed[0][1])], decode_signature=signature)
         fits = MetadataBuckets.fit
         token_bucket = fits(self.buckets.token_buckets, max(b.num_tokens for b in batches), "num_tokens")
         num_reqs = max(len(b.requests) for b in batches)
@@ -280,61 +310,96 @@ class ModelRunner:
             for b, s, p in zip(batches, steps, prefix_lens, strict=True)
         ]
         packed = [pack(x) for x in inputs]
-        temps, top_p, top_k = (
-            np.concatenate([x["sampling"][k] for x in inputs]) for k in ("temperature", "top_p", "top_k")
-        )
-        num_candidates = num_candidates_for(temps, top_p, top_k, self.vocab_size)
-        return PreparedCall(packed, num_candidates, num_steps, token_bucket, max(prefix_lens), signature)
+        decode = self._decode_batch(batches, rows, steps, num_steps, prefix_lens[0], packed[0][1])
+        sampled = any(bool((x["sampling"]["temperature"] > 0).any()) for x in inputs)
+        return PreparedCall(packed, num_steps, token_bucket, max(prefix_lens), sampled, decode)
 
-    def _decode_signature(self, batches, rows, steps, num_steps: int, prefix_lens) -> tuple | None:
-        """What a one-step call of decodes only, each request's input token still on the device
-        (asynchronous scheduling), needs to match a step later to reuse its inputs moved on by
-        a token: per shard and request, the request, its computed tokens, pages, token row and
-        sampling values; None for any other call or a group whose metadata cannot advance."""
-        if num_steps != 1 or not self._chains_decodes:
+    def _decode_batch(self, batches, rows, steps, num_steps: int, prefix_len: int, layout) -> DecodeBatch | None:
+        """The call as a ``DecodeBatch``, or None when the next call cannot continue it (see
+        ``prepare``)."""
+        if num_steps != 1 or not self._chains_decodes or len(batches) != 1:
             return None
-        signature = []
-        for batch, samples in zip(batches, steps, strict=True):
-            if any(n != 1 for n in batch.num_new) or any(k != 1 for k in samples):
+        reqs = batches[0].requests
+        ones = [1] * len(reqs)
+        if not reqs or batches[0].num_new != ones or steps[0] != ones:
+            return None
+        for i, r in enumerate(reqs):
+            known, src, _ = rows[id(r)]
+            if known or src != i:
                 return None
-            for r in batch.requests:
-                known, src, values = rows[id(r)]
-                if known or src < 0:
-                    return None
-                signature.append((id(r), r.num_computed, len(r.blocks), src, values))
-        return tuple(signature), tuple(prefix_lens), tuple(len(b.requests) for b in batches)
+        table = self._table_slot(layout) if prefix_len == 0 else None
+        pages = np.fromiter(map(len, (r.blocks for r in reqs)), np.int32, len(reqs))
+        return DecodeBatch([id(r) for r in reqs], ones, pages, prefix_len, table)
 
-    def _continues_chain(self, signature: tuple) -> bool:
-        """Whether a call with ``signature`` is the last dispatched call's decode one token later:
-        the same requests in the same rows, each one token further on the same pages, the same
-        sampling values with one more token generated, and the same cascade prefix."""
-        if self._decode_chain is None:
-            return False
-        (now, prefix, sizes), (before, prefix_before, sizes_before) = signature, self._decode_chain[0].decode_signature
-        if prefix != prefix_before or sizes != sizes_before:
-            return False
-        for (rid, computed, pages, src, values), earlier in zip(now, before, strict=True):
-            rid0, computed0, pages0, src0, values0 = earlier
-            if (rid, pages, src, values[:4]) != (rid0, pages0, src0, values0[:4]):
-                return False
-            if computed != computed0 + 1 or values[4] != values0[4] + 1:  # values[4]: tokens generated
-                return False
-        return True
+    def _table_slot(self, layout: PackedLayout) -> tuple[int, int, int] | None:
+        """Where the metadata's block table and slot mapping lie in ``layout``'s buffer:
+        (table offset, table width, slot mapping offset); None when the metadata holds
+        another copy of the table (cascade's shifted tables) or lacks either."""
+        if layout not in self._table_slots:
+            md = jax.tree.unflatten(layout.treedef, list(range(len(layout.leaves))))["md"]
+            table, slots = getattr(md, "block_tables", None), getattr(md, "slot_mapping", None)
+            found = None
+            if isinstance(table, int) and isinstance(slots, int) and getattr(md, "cascade_suffix_tables", None) is None:
+                offsets = leaf_offsets(layout)
+                found = (offsets[table], layout.leaves[table][0][1], offsets[slots])
+            self._table_slots[layout] = found
+        return self._table_slots[layout]
+
+    def continue_decode(
+        self, batches: list[ScheduledBatch], steps: list[list[int]], num_steps: int,
+        num_common_blocks: Sequence[int] | None = None,
+    ) -> PreparedCall | None:  # fmt: skip
+        """The next call built from the last one on the device (vLLM's persistent batch), or
+        None: when the last call was a ``DecodeBatch`` and this one is the same requests in
+        the same rows, each one token on, with the same sampling values and cascade prefix,
+        its inputs are the ones the last call computed (positions, metadata and sampling
+        counters moved on by ``advance_decode``) with only the pages a request gained
+        written in (``page_delta``: its block table entry, and its new token's slot, the
+        page's first, which ``advance_decode`` computed from the table before): no
+        per-request host work, no upload but those pages.
+        A batch-1 decode step's host metadata and upload were most of its host time."""
+        if self._decode_chain is None or num_steps != 1 or len(batches) != 1:
+            return None
+        previous, next_packed = self._decode_chain
+        decode, batch = previous.decode, batches[0]
+        reqs = batch.requests
+        if batch.num_new != decode.ones or steps[0] != decode.ones or [id(r) for r in reqs] != decode.request_ids:
+            return None
+        prefix_len = 0 if num_common_blocks is None else self.cascade_prefix_lens(batches, num_common_blocks)[0]
+        if prefix_len != decode.prefix_len:
+            return None
+        pages = np.fromiter(map(len, (r.blocks for r in reqs)), np.int32, len(reqs))
+        grown = np.flatnonzero(pages != decode.pages)
+        delta = None
+        if grown.size:
+            if decode.table is None or (pages[grown] != decode.pages[grown] + 1).any():
+                return None
+            offset, width, slots = decode.table
+            if pages.max() > width:
+                return None
+            new_pages = np.asarray([reqs[i].blocks[-1] for i in grown.tolist()], np.int32)
+            delta = np.full((2, 2 * self.max_rows), NO_INDEX, np.int32)
+            delta[:, : grown.size] = offset + grown * width + decode.pages[grown], new_pages
+            delta[:, grown.size : 2 * grown.size] = slots + grown, new_pages * self.block_size
+        return dataclasses.replace(
+            previous, packed=[(next_packed, previous.packed[0][1])], decode=dataclasses.replace(decode, pages=pages),
+            page_delta=delta,
+        )  # fmt: skip
 
     def dispatch(self, prepared: PreparedCall) -> DispatchedCall:
         """Enqueues a prepared call on the device; returns without waiting for it."""
         compilations = self.num_compilations
-        packed, num_candidates, num_steps = prepared.packed, prepared.num_candidates, prepared.num_steps
+        packed, num_steps, sampled = prepared.packed, prepared.num_steps, prepared.sampled
         start = time.perf_counter()
         if self._sharded is None:
+            delta = self._no_page_delta if prepared.page_delta is None else prepared.page_delta
             tokens, self._last_tokens, self.kv_caches, next_packed = self._jit_step(
-                self.params, self.kv_caches, self._last_tokens, packed[0][0], packed[0][1], num_candidates, num_steps
+                self.params, self.kv_caches, self._last_tokens, packed[0][0], packed[0][1], num_steps, sampled, delta
             )
-            chain = prepared.decode_signature is not None
-            self._decode_chain = (prepared, next_packed) if chain else None
+            self._decode_chain = None if prepared.decode is None else (prepared, next_packed)
         else:
             tokens, self._last_tokens, self.kv_caches = self._sharded.run(
-                self._jit_step, self.params, self.kv_caches, self._last_tokens, packed, num_candidates, num_steps
+                self._jit_step, self.params, self.kv_caches, self._last_tokens, packed, num_steps, sampled
             )
         end = time.perf_counter()
         self.dispatched_keys.add(prepared.key)
@@ -388,8 +453,8 @@ class ModelRunner:
                 return new if self._sharded is None else jax.device_put(new, old.sharding)
 
             leaves = jax.tree.leaves(self.kv_caches)
-            restored = [
-                like(keep if a is None else x.at[(slice(None),) * a + (pages,)].set(keep), x)
+            restored = [  # in place (donated): a layer's copy may not fit beside a cache sized to the device
+                like(keep if a is None else _write_pages(x, pages, keep, a), x)
                 for x, keep, a in zip(leaves, saved, axes, strict=True)
             ]
             self.kv_caches = jax.tree.unflatten(treedef, restored)
@@ -402,18 +467,24 @@ class ModelRunner:
         return out[None] if out.ndim == 2 else out
 
     def _device_step(
-        self, params, kv_caches, last_tokens, packed, layout: PackedLayout, num_candidates: int, num_steps: int
-    ):
-        """Traced once per (bucket, sampling mode, steps): forward and sampling, ``num_steps``
+        self, params, kv_caches, last_tokens, packed, layout: PackedLayout, num_steps: int, sampled: bool,
+        page_delta=None,
+    ):  # fmt: skip
+        """Traced once per (layout, steps, sampled), whatever the sampling values: forward
+        and sampling (with ``sampled`` False every row is greedy: an argmax), ``num_steps``
         times (the later steps decodes only, each request's input its previous token).
 
         ``last_tokens`` i32[R_max] are the previous call's last sampled tokens (still on the
         device); rows whose ``token_src`` is >= 0 take their input token from there.
         Returns (i32[num_steps, R_max] sampled tokens, i32[R_max] each row's last sampled
         token, caches, i32[n] packed inputs): a one-step call's inputs one token on, which the
-        next call reuses when it is the same decode batch a token later (``prepare``); for
-        other calls ``packed`` itself."""
+        next call reuses when it is the same decode batch a token later (``continue_decode``);
+        for other calls ``packed`` itself. ``page_delta`` i32[2, 2 * R_max] (one device only):
+        (buffer index, value) pairs written into ``packed`` first, the pages a continued
+        call's requests gained (index ``NO_INDEX``: none)."""
         self.num_compilations += 1
+        if page_delta is not None:
+            packed = packed.at[page_delta[0]].set(page_delta[1], mode="drop")
         x = unpack(packed, layout)
         s, md = x["sampling"], x["md"]
         num_rows = x["logits_rows"].shape[0]
@@ -421,9 +492,10 @@ class ModelRunner:
 
         def forward(kv_caches, token_ids, positions, md, counters):
             logits, kv_caches = self.model.step(params, kv_caches, token_ids, positions, md, x["logits_rows"])
-            tokens = sample_tokens(
-                logits, s["temperature"], s["top_p"], s["top_k"], s["seeds"], counters, num_candidates=num_candidates
-            )
+            if not sampled:
+                tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            else:
+                tokens = sample_tokens(logits, s["temperature"], s["top_p"], s["top_k"], s["seeds"], counters)
             return jnp.pad(tokens, (0, max_rows - num_rows)), kv_caches
 
         limits = x["decode_steps"]  # i32[R]: steps each request takes (0 for padding rows)
@@ -432,9 +504,12 @@ class ModelRunner:
         group = self.attention_group
 
         def moved(steps, active):
-            """A decode batch's positions, metadata and sampling counters ``steps`` i32[R] tokens on."""
+            """A decode batch's positions, metadata and sampling counters ``steps`` i32[rows] tokens
+            on (the metadata's requests past the rows, padding, stay)."""
             positions = x["positions"] + jnp.where(token_rows < num_rows, steps[token_req], 0)
-            return positions, group.advance_decode(md, steps, active), s["counters"] + steps
+            pad = (0, md.seq_lens.shape[0] - num_rows)
+            next_md = group.advance_decode(md, jnp.pad(steps, pad), jnp.pad(active, pad))
+            return positions, next_md, s["counters"] + steps
 
         token_ids = jnp.where(x["token_src"] >= 0, last_tokens[jnp.maximum(x["token_src"], 0)], x["token_ids"])
         tokens, kv_caches = forward(kv_caches, token_ids, x["positions"], md, s["counters"])

@@ -30,13 +30,35 @@ _PACKABLE = {np.dtype(np.int32): "int32", np.dtype(np.uint32): "uint32", np.dtyp
 """The dtypes a leaf may have, with their names (``dtype.name`` is slow: once per step per leaf)."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class PackedLayout:
     """Where each leaf of a packed tree lies in the buffer: its tree structure and, per
-    leaf, its shape and dtype name (the buffer holds them in order)."""
+    leaf, its shape and dtype name (the buffer holds them in order).
+
+    A static jit argument, hashed and compared on every call: ``pack`` hands out one object
+    per distinct layout, so the jit cache's comparison is an identity check, not a walk
+    over the leaves (0.5 ms a call at 64 requests on a 2-core host)."""
 
     treedef: Any
     leaves: tuple[tuple[tuple[int, ...], str], ...]
+
+    def __hash__(self) -> int:
+        value = self.__dict__.get("_hash")
+        if value is None:
+            value = hash((self.treedef, self.leaves))
+            object.__setattr__(self, "_hash", value)
+        return value
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, PackedLayout):
+            return NotImplemented
+        return hash(self) == hash(other) and (self.treedef, self.leaves) == (other.treedef, other.leaves)
+
+
+_LAYOUTS: dict[PackedLayout, PackedLayout] = {}
+"""Every layout ``pack`` has made, each its own canonical object."""
 
 
 def pack(tree) -> tuple[np.ndarray, PackedLayout]:
@@ -59,7 +81,8 @@ def pack(tree) -> tuple[np.ndarray, PackedLayout]:
     for arr, offset in zip(arrays, offsets, strict=True):
         if arr.size:
             buffer[offset : offset + arr.size].view(arr.dtype)[...] = arr.reshape(-1)
-    return buffer, PackedLayout(treedef, tuple(specs))
+    layout = PackedLayout(treedef, tuple(specs))
+    return buffer, _LAYOUTS.setdefault(layout, layout)
 
 
 def _slots(layout: PackedLayout):
@@ -69,6 +92,11 @@ def _slots(layout: PackedLayout):
         n = int(np.prod(shape))
         yield offset, n, shape, dtype
         offset += n + (-n % ALIGNMENT)
+
+
+def leaf_offsets(layout: PackedLayout) -> list[int]:
+    """Where each leaf of ``layout`` starts in its buffer (int32 elements)."""
+    return [offset for offset, _, _, _ in _slots(layout)]
 
 
 def unpack(buffer, layout: PackedLayout):

@@ -2,8 +2,9 @@
 
 A jitted step compiles once per key: the packed inputs' layout (token, request and page
 buckets, and the metadata's structure, which a backend may key on the step's prefill
-count and longest prefill, or on cascade attention), the sampling variant
-(``num_candidates``) and the steps per call. A compilation inside traffic stalls every
+count and longest prefill, or on cascade attention), the steps per call, and whether any
+row samples (greedy batches skip the sampler). Sampling values are per-row data
+(``sampling.py``): they never add a program. A compilation inside traffic stalls every
 stream for as long as it takes, so a server compiles them all first.
 
 The warm-up does not model each backend's rules. It enumerates batches that cover every
@@ -11,9 +12,9 @@ bucket combination the engine's limits allow, crossed with the query-length patt
 backend could tell apart (decode-only; 1, 2, 4, ... and all requests prefilling; the
 longest prefill at 2, 3 and every power of two and one past it, and at the budget;
 contexts that fill the page bucket, with and without a prefix every request shares for
-cascade attention), the sampling variants asked for, and each multi-step decode count the
-engine can choose. ``ModelRunner.prepare`` computes each batch's compile key on the host
-(the same code traffic runs); each distinct key is dispatched once with dummy inputs.
+cascade attention), each multi-step decode count the engine can choose, greedy and sampled.
+``ModelRunner.prepare`` computes each batch's compile key on the host (the same code
+traffic runs); each distinct key is dispatched once with dummy inputs.
 Every dummy request's block table points at one scratch page, which
 ``ModelRunner.preserving_page`` saves and restores, so no page a request can see (live,
 or cached for prefix reuse) is changed.
@@ -21,7 +22,7 @@ or cached for prefix reuse) is changed.
 Example::
 
     report = engine.warmup()        # before taking requests
-    print(report.summary())         # "warmed up 42 step shapes (42 compiled) in 12.3 s ..."
+    print(report.summary())         # "warmed up 24 step shapes (24 compiled) in 12.3 s ..."
 """
 
 from __future__ import annotations
@@ -37,16 +38,7 @@ from attn_jax.ops.ragged_paged_attention.config import next_pow2
 from attn_jax.serving.model_runner import ModelRunner
 from attn_jax.serving.scheduler import Request, SamplingParams, ScheduledBatch
 
-__all__ = [
-    "SAMPLING_VARIANTS", "WarmupReport", "check_sampling_variants", "decode_step_counts", "query_len_patterns",
-    "warm_up",
-]  # fmt: skip
-
-SAMPLING_VARIANTS = ("greedy", "random", "top_p")
-"""The sampling variants warmed by default: greedy (temperature 0), sampling without
-filters (any temperature, top_k 0, top_p 1) and top-p filtering (the whole vocabulary as
-candidates). Top-k filtering compiles one variant per power of two >= top_k: name them as
-``"top_k=<k>"`` to warm them too."""
+__all__ = ["WarmupReport", "decode_step_counts", "query_len_patterns", "warm_up"]
 
 SCRATCH_PAGE = 0
 """The KV page every dummy request writes (saved and restored around the warm-up)."""
@@ -135,29 +127,6 @@ def decode_step_counts(num_scheduler_steps: int, max_model_len: int, min_steps_c
     return sorted(k for k in counts if k > 1)
 
 
-def _sampling_params(variant: str) -> SamplingParams:
-    if variant == "greedy":
-        return SamplingParams(temperature=0.0)
-    if variant == "random":
-        return SamplingParams(temperature=1.0)
-    if variant == "top_p":
-        return SamplingParams(temperature=1.0, top_p=0.5)
-    if variant.startswith("top_k="):
-        try:
-            return SamplingParams(temperature=1.0, top_k=int(variant.removeprefix("top_k=")))
-        except ValueError:
-            pass
-    raise ValueError(f"sampling variant {variant!r} is not one of {list(SAMPLING_VARIANTS)} or 'top_k=<int >= 1>'")
-
-
-def check_sampling_variants(variants: Sequence[str]) -> None:
-    """ValueError naming a variant that is not ``SAMPLING_VARIANTS``' or ``"top_k=<k>"``, or none given."""
-    if not variants:
-        raise ValueError("no sampling variant given: name at least one of " + repr(list(SAMPLING_VARIANTS)))
-    for v in variants:
-        _sampling_params(v)
-
-
 def _dummy_batch(query_lens: Sequence[int], capacity: int, block_size: int, params: SamplingParams) -> ScheduledBatch:
     """Requests with these query lengths whose contexts fill ``capacity`` tokens, every page
     of every block table the scratch page."""
@@ -173,15 +142,13 @@ def _dummy_batch(query_lens: Sequence[int], capacity: int, block_size: int, para
 def warm_up(
     engine,
     *,
-    sampling: Sequence[str] = SAMPLING_VARIANTS,
     max_shapes: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> WarmupReport:
     """Dispatches (and so compiles) every distinct step shape ``engine`` can meet; see the
-    module docstring. ``sampling``: the variants to warm, most important first
-    (``SAMPLING_VARIANTS``' names, or ``"top_k=<k>"``); ``max_shapes``: warm at most this
-    many, in order of likelihood (the first sampling variant's before the next's, decode
-    batches before prefills, without cascade before with), the rest counted in
+    module docstring. ``max_shapes``: warm at most this many, in order of likelihood
+    (greedy before sampled, decode batches before prefills, without cascade before with),
+    the rest counted in
     ``WarmupReport.num_skipped``; ``progress(done, total)`` after each shape. The engine
     must hold no request (ValueError)."""
     from attn_jax.serving.engine import MIN_STEPS_CAP
@@ -190,8 +157,6 @@ def warm_up(
         raise ValueError(
             f"warmup needs an idle engine: {engine.num_live_requests} request(s) are live; warm up before adding any"
         )
-    check_sampling_variants(sampling)
-    variants = [_sampling_params(v) for v in sampling]
     if max_shapes is not None and (isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 0):
         raise ValueError(f"max_shapes={max_shapes!r} must be an int >= 0 or None (all)")
     start = time.perf_counter()
@@ -209,8 +174,8 @@ def warm_up(
             capacity = min(p * block_size, max_model_len)
             if max(lens) > capacity:
                 continue
-            for v, params in enumerate(variants):
-                batch = _dummy_batch(lens, capacity, block_size, params)
+            for temperature in (0.0, 1.0):  # greedy batches, and batches where a row samples
+                batch = _dummy_batch(lens, capacity, block_size, SamplingParams(temperature=temperature))
                 batches = [batch] * runner.num_shards
                 rows = {id(r): ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, lens, strict=True)}
                 for k in step_counts if decode_only else [1]:
@@ -218,7 +183,8 @@ def warm_up(
                         steps = [[k] * len(lens)] * runner.num_shards
                         prepared = runner.prepare(batches, rows, steps, k, common)
                         num_probes += 1
-                        calls.setdefault(prepared.key, ((v, not decode_only, common is not None), prepared))
+                        priority = (prepared.sampled, not decode_only, common is not None)
+                        calls.setdefault(prepared.key, (priority, prepared))
             if capacity >= max_model_len:
                 break
     ordered = [prepared for _, prepared in sorted(calls.values(), key=lambda x: x[0])]

@@ -38,7 +38,7 @@ def main() -> None:
     mesh = make_mesh(4, model_parallel=2, num_kv_heads=config.num_kv_heads)
     engine = Engine(LlamaModel(config, **local_model_kwargs(config, mesh)), params, mesh=mesh, **limits)
     before_warmup = [c.output_ids for c in engine.generate(prompts[:2], sp)]
-    report = engine.warmup(sampling=("greedy",))
+    report = engine.warmup()
     compiles = []
 
     def listener(event: str, duration: float, **kwargs) -> None:

@@ -53,49 +53,59 @@ def _run(engine: Engine) -> list[list[int]]:
 def tokens_without_the_chain() -> list[list[int]]:
     """The XLA backend's tokens with every call built on the host."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ModelRunner, "_continues_chain", lambda self, signature: False)
+        mp.setattr(ModelRunner, "continue_decode", lambda self, *args, **kwargs: None)
         return _run(_engine("XLA"))
+
+
+def _spy(monkeypatch) -> list:
+    """Each ``continue_decode`` result of the test (None: built on the host)."""
+    results = []
+    original = ModelRunner.continue_decode
+
+    def spy(self, *args, **kwargs):
+        results.append(original(self, *args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(ModelRunner, "continue_decode", spy)
+    return results
 
 
 @pytest.mark.parametrize("backend", ["XLA", "PALLAS_GPU"])
 def test_tokens_are_the_same_with_and_without_the_chain(backend, tokens_without_the_chain, monkeypatch):
     """(The PALLAS_GPU interpreter gives the XLA backend's tokens: test_engine_backends.py.)"""
-    continued = []
-    original = ModelRunner._continues_chain
-
-    def spy(self, signature):
-        result = original(self, signature)
-        continued.append(result)
-        return result
-
-    monkeypatch.setattr(ModelRunner, "_continues_chain", spy)
+    results = _spy(monkeypatch)
     engine = _engine(backend)
     with_chain = _run(engine)
-    assert sum(continued) >= 10 and not all(continued)  # taken often, and broken by the arrival, the abort, pages
+    continued = [r is not None for r in results]
+    assert sum(continued) >= 10 and not all(continued)  # taken often, and broken by the arrival and the abort
+    assert any(r is not None and r.page_delta is not None for r in results)  # continued across a page crossing
     assert engine.schedulers[0].allocator.num_free == engine.num_blocks
     assert with_chain == tokens_without_the_chain
     assert [len(t) for t in with_chain] == [11, 11, 16]  # the first aborted before its last (14th) token
 
 
 def test_the_device_built_inputs_equal_the_host_built_ones(monkeypatch):
-    """Each time the chain is taken, the buffer the last call computed equals the host's own
-    build of the same call, padding included (the XLA backend's metadata has no order to
-    differ in)."""
-    original = ModelRunner.prepare
+    """Each time the chain is taken, the buffer the last call computed, with the gained pages
+    written in, equals the host's own build of the same call, padding included (the XLA
+    backend's metadata has no order to differ in)."""
+    original = ModelRunner.continue_decode
     compared = []
 
-    def checked(self, batches, rows, steps, num_steps, num_common_blocks=None):
-        prepared = original(self, batches, rows, steps, num_steps, num_common_blocks)
-        chain = self._decode_chain
-        if chain is not None and prepared.packed[0][0] is chain[1]:
-            self._decode_chain = None
-            host = original(self, batches, rows, steps, num_steps, num_common_blocks)
-            self._decode_chain = chain
-            assert host.key == prepared.key
-            np.testing.assert_array_equal(np.asarray(prepared.packed[0][0]), host.packed[0][0])
-            compared.append(True)
-        return prepared
+    def checked(self, batches, steps, num_steps, num_common_blocks=None):
+        continued = original(self, batches, steps, num_steps, num_common_blocks)
+        if continued is not None:
+            reqs = batches[0].requests
+            rows = {id(r): ModelRunner.request_row(r, 1, {id(r): i for i, r in enumerate(reqs)}) for r in reqs}
+            host = self.prepare(batches, rows, steps, num_steps, num_common_blocks)
+            assert host.key == continued.key
+            buffer = np.asarray(continued.packed[0][0]).copy()
+            if continued.page_delta is not None:
+                index, page = continued.page_delta
+                buffer[index[index < buffer.size]] = page[index < buffer.size]
+            np.testing.assert_array_equal(buffer, host.packed[0][0])
+            compared.append(continued.page_delta is not None)
+        return continued
 
-    monkeypatch.setattr(ModelRunner, "prepare", checked)
+    monkeypatch.setattr(ModelRunner, "continue_decode", checked)
     _run(_engine("XLA"))
-    assert len(compared) >= 10
+    assert len(compared) >= 10 and any(compared)

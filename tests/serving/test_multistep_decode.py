@@ -114,3 +114,19 @@ def test_a_huge_steps_per_call_is_capped_at_what_the_batch_can_use():
 def test_bad_steps_per_call_are_refused():
     with pytest.raises(ValueError, match="num_scheduler_steps=0"):
         Engine(_model("XLA"), init_params(CONFIG, seed=2), num_scheduler_steps=0)
+
+
+def test_more_request_slots_than_decode_rows():
+    """24 request slots, 3 requests: a decode call's logits and sampling rows are its token
+    bucket's 16, its metadata's requests the 24 slots; the chained one-step calls and the
+    multi-step calls move both, with the 4-slot engine's tokens."""
+    params = init_params(CONFIG, seed=2)
+    prompts = [[5, 6, 7], [9, 10, 11, 12], list(range(20, 40))]
+    sps = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (9, 20, 14)]
+    out = {}
+    for seqs, steps in ((4, 1), (24, 1), (24, 4)):
+        engine = Engine(_model("XLA"), params, max_num_seqs=seqs, max_num_batched_tokens=64, max_model_len=64,
+                        num_scheduler_steps=steps)  # fmt: skip
+        out[seqs, steps] = [c.output_ids for c in engine.generate(prompts, sps)]
+        assert engine.buckets.request_buckets == (seqs,)
+    assert out[24, 1] == out[4, 1] == out[24, 4]

@@ -3,12 +3,13 @@ without a model."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from attn_jax.serving import BlockAllocator, OutOfBlocksError, Request, SamplingParams, Scheduler
-from attn_jax.serving.sampling import num_candidates_for, sample_tokens
+from attn_jax.serving.sampling import sample_tokens
 
 
 def test_allocator_allocates_frees_and_reuses():
@@ -146,25 +147,39 @@ def test_sampling_params_accept_numpy_scalars():
 
 
 def _sample(logits, temperature, top_p=1.0, top_k=0, seed=0, counter=0):
-    n, vocab = logits.shape
+    n, _ = logits.shape
     t, p, k = np.full(n, temperature, np.float32), np.full(n, top_p, np.float32), np.full(n, top_k, np.int32)
     return np.asarray(
-        sample_tokens(
-            jnp.asarray(logits, jnp.float32), t, p, k, jnp.full(n, seed, jnp.uint32), jnp.full(n, counter, jnp.int32),
-            num_candidates=num_candidates_for(t, p, k, vocab),
+        jax.jit(sample_tokens)(
+            jnp.asarray(logits, jnp.float32), t, p, k, jnp.full(n, seed, jnp.uint32), jnp.full(n, counter, jnp.int32)
         )
-    )  # fmt: skip
+    )
 
 
-def test_num_candidates_sizes_the_sampling_work():
-    def n(t, p, k):
-        return num_candidates_for(np.array(t, np.float32), np.array(p, np.float32), np.array(k, np.int32), 100)
-
-    assert n([0, 0], [0.5, 1], [0, 7]) == 0  # all greedy: an argmax only
-    assert n([0, 1], [1, 1], [0, 0]) == 1  # sampled without filters: a draw over the vocabulary
-    assert n([1, 1], [0.9, 1], [5, 40]) == 64  # top-k: the power of two >= the largest k
-    assert n([1, 0], [0.9, 1], [0, 0]) == 100  # top-p alone: every token is a candidate
-    assert n([1], [1], [500]) == 100
+def test_one_sampling_program_serves_every_mix_of_values():
+    """Sampling values are data: greedy, unfiltered, top-k and top-p rows (alone or mixed in
+    one batch) run through one compiled program, and each row gets what it asked for."""
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((6, 30)).astype(np.float32) * 4
+    step = jax.jit(sample_tokens)
+    order = np.argsort(-logits, axis=-1)
+    mixes = (
+        ([0.0] * 6, [1.0] * 6, [0] * 6),  # all greedy
+        ([1.0] * 6, [1.0] * 6, [0] * 6),  # sampled, no filter
+        ([0.0, 1.0, 0.7, 2.0, 1.0, 0.0], [1.0, 1.0, 0.5, 1.0, 1e-6, 0.3], [0, 2, 0, 1, 0, 5]),  # mixed
+    )
+    for temps, top_p, top_k in mixes:
+        picked = np.asarray(
+            step(logits, np.float32(temps), np.float32(top_p), np.int32(top_k), np.arange(6, dtype=np.uint32),
+                 np.zeros(6, np.int32))
+        )  # fmt: skip
+        for row, (t, p, k) in enumerate(zip(temps, top_p, top_k, strict=True)):
+            rank = int(np.flatnonzero(order[row] == picked[row])[0])
+            if t == 0 or p == 1e-6 or k == 1:
+                assert rank == 0, (row, t, p, k)
+            elif k:
+                assert rank < k
+    assert step._cache_size() == 1
 
 
 def test_top_p_keeps_the_nucleus_within_top_k():

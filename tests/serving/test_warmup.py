@@ -44,21 +44,23 @@ def count_backend_compiles():
 @pytest.fixture(scope="module")
 def warmed():
     engine = tiny_random_engine(**LIMITS)
-    report = engine.warmup(sampling=("greedy", "random"))
+    report = engine.warmup()
     return engine, report
 
 
 def traffic(engine) -> list:
-    """Prompts of 1 to 40 tokens, alone and in pairs, greedy and sampled, some stopping
-    early; returns the completions."""
+    """Prompts of 1 to 40 tokens, alone and in pairs, greedy, sampled and filtered (top-k,
+    top-p, both: values the warm-up never saw), some stopping early; returns the completions."""
     rng = np.random.default_rng(0)
     vocab = engine.model.config.vocab_size
     out = []
     for lengths in ([1], [5], [16], [17], [40], [3, 30], [2, 9], [12, 12, 7]):
         prompts = [rng.integers(0, vocab, n).tolist() for n in lengths]
         params = [
-            SamplingParams(max_new_tokens=m, temperature=t, seed=i, ignore_eos=True)
-            for i, (m, t) in enumerate(zip([3, 20, 7], [0.0, 0.8, 0.0], strict=False))
+            SamplingParams(max_new_tokens=m, temperature=t, top_k=k, top_p=p, seed=i, ignore_eos=True)
+            for i, (m, t, k, p) in enumerate(
+                zip([3, 20, 7], [0.0, 0.8, 1.3], [0, 37, 0], [1.0, 0.93, 0.5], strict=True)
+            )
         ][: len(prompts)]
         out += engine.generate(prompts, params)
     return out
@@ -97,25 +99,23 @@ def test_warmup_preserves_cached_pages():
     caches = [np.asarray(x) for x in jax.tree.leaves(engine.kv_caches)]
     axis = engine.runner._page_axes()[0]
     assert np.abs(np.take(caches[0], 0, axis=axis)).sum() > 0  # the scratch page held this prompt's keys
-    engine.warmup(sampling=("greedy",))
+    engine.warmup()
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(caches, jax.tree.leaves(engine.kv_caches), strict=True))
     hits = engine.prefix_cache_stats.hits
     (again,) = engine.generate([prompt], SamplingParams(max_new_tokens=4))
     assert engine.prefix_cache_stats.hits > hits and again.output_ids == first.output_ids
 
 
-def test_warmup_refuses_a_busy_engine_and_bad_variants():
+def test_warmup_refuses_a_busy_engine():
     engine = tiny_random_engine(**LIMITS)
     engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="1 request"):
         engine.warmup()
-    with pytest.raises(ValueError, match="'beam'"):
-        tiny_random_engine(**LIMITS).warmup(sampling=("beam",))
 
 
 def test_max_shapes_warms_the_likeliest_first():
     engine = tiny_random_engine(**LIMITS)
-    report = engine.warmup(sampling=("greedy",), max_shapes=2)
+    report = engine.warmup(max_shapes=2)
     assert report.num_shapes == 2 and report.num_skipped > 0
     with count_backend_compiles() as compiles:  # a single decoding request: warmed
         engine.generate([[5]], SamplingParams(max_new_tokens=2, ignore_eos=True))
