@@ -28,8 +28,20 @@ PAGE = ROOT / "docs" / "performance.md"
 
 # Name fragments of results that record an experiment, not the current code.
 NOT_CURRENT = (
-    "reverted", "before", "baseline", "first", "sort_always", "timed_out", "no_warmup",
-    "_ab", "knockout", "sweep", "profile", "clamped", "_per_step", "traced",
+    "reverted",
+    "before",
+    "baseline",
+    "first",
+    "sort_always",
+    "timed_out",
+    "no_warmup",
+    "_ab",
+    "knockout",
+    "sweep",
+    "profile",
+    "clamped",
+    "_per_step",
+    "traced",
 )
 
 
@@ -129,15 +141,20 @@ def attention_section() -> list[str]:
         paged = [r for r in rows if _FA3_PAGED.match(r.get("impl", "")) and r.get("device_ms")]
         dense = [r for r in rows if r.get("impl") in ("fa3_dense", "fa3_varlen") and r.get("device_ms")]
         best_paged = min(paged, key=lambda r: r["device_ms"]) if paged else None
-        rows_out.append([
-            f"**{wl}**",
-            _f(ours["device_ms"]),
-            _f(ours.get("device_pct_of_floor"), 1),
-            _f(ours.get("device_tflop_per_s"), 1),
-            _f(best_paged["device_ms"]) + f" ({best_paged['impl']})" if best_paged else "–",
-            _f(dense[0]["device_ms"]) + f" ({dense[0]['impl']})" if dense else "–",
-            _device(data), _jax(data), _day(date), _src(path),
-        ])
+        rows_out.append(
+            [
+                f"**{wl}**",
+                _f(ours["device_ms"]),
+                _f(ours.get("device_pct_of_floor"), 1),
+                _f(ours.get("device_tflop_per_s"), 1),
+                _f(best_paged["device_ms"]) + f" ({best_paged['impl']})" if best_paged else "–",
+                _f(dense[0]["device_ms"]) + f" ({dense[0]['impl']})" if dense else "–",
+                _device(data),
+                _jax(data),
+                _day(date),
+                _src(path),
+            ]
+        )
     return [
         "## Attention kernels",
         "",
@@ -148,8 +165,18 @@ def attention_section() -> list[str]:
         "on the machine. Script: `benchmarks/attention.py`.",
         "",
         *_table(
-            ["workload", "attn-stack ms", "% of floor", "TFLOP/s", "FA3 paged ms", "FA3 dense ms",
-             "device", "jax", "date", "source"],
+            [
+                "workload",
+                "attn-stack ms",
+                "% of floor",
+                "TFLOP/s",
+                "FA3 paged ms",
+                "FA3 dense ms",
+                "device",
+                "jax",
+                "date",
+                "source",
+            ],
             rows_out,
         ),
     ]
@@ -163,24 +190,39 @@ def fp8_section() -> list[str]:
     date, path, data = max(runs, key=lambda t: (_day(t[0]), len(t[2]["results"]), -len(t[1].name)))
     rows = []
     for r in data["results"]:
-        rows.append([
-            r.get("layer", "?"), r.get("kv_cache_dtype", "?"),
-            _f(r.get("ms_per_step_incl_write")), _f(r.get("tflop_per_s_incl_write"), 1),
-            _f(r.get("tflop_per_s_attention_kernels"), 1),
-            _f(r.get("rel_l2_vs_quantized_oracle"), 4), _f(r.get("rel_l2_vs_unquantized_oracle"), 4),
-        ])
+        rows.append(
+            [
+                r.get("layer", "?"),
+                r.get("kv_cache_dtype", "?"),
+                _f(r.get("ms_per_step_incl_write")),
+                _f(r.get("tflop_per_s_incl_write"), 1),
+                _f(r.get("tflop_per_s_attention_kernels"), 1),
+                _f(r.get("rel_l2_vs_quantized_oracle"), 4),
+                _f(r.get("rel_l2_vs_unquantized_oracle"), 4),
+            ]
+        )
     return [
         "## FP8 attention (P1 through the layer)",
         "",
         f"{_device(data)}, jax {_jax(data)}, {_day(date)}, {_src(path)}; `benchmarks/attention_fp8.py`.",
         "",
-        *_table(["layer", "kv cache", "ms / step (with write)", "TFLOP/s (with write)",
-                 "TFLOP/s (attention kernels)", "rel. L2 vs quantised oracle", "rel. L2 vs unquantised"],
-                rows),
+        *_table(
+            [
+                "layer",
+                "kv cache",
+                "ms / step (with write)",
+                "TFLOP/s (with write)",
+                "TFLOP/s (attention kernels)",
+                "rel. L2 vs quantised oracle",
+                "rel. L2 vs unquantised",
+            ],
+            rows,
+        ),
     ]
 
 
 # --- the serving engine ------------------------------------------------------------------
+
 
 def engine_section() -> list[str]:
     latest: dict[tuple, tuple] = {}
@@ -192,8 +234,15 @@ def engine_section() -> list[str]:
         dev = _device(data)
         for m in data["models"]:
             for r in m.get("runs", []):
-                key = (dev, m["model"], w.get("dtype"), w.get("prompt_len"), w.get("new_tokens"),
-                       r.get("batch"), r.get("num_scheduler_steps") or 1)
+                key = (
+                    dev,
+                    m["model"],
+                    w.get("dtype"),
+                    w.get("prompt_len"),
+                    w.get("new_tokens"),
+                    r.get("batch"),
+                    r.get("num_scheduler_steps") or 1,
+                )
                 latest[key] = (date, path, data, r)
             for p in m.get("peers", []):
                 peers[(dev, m["model"], p.get("batch"), p.get("peer"))] = (date, path, p)
@@ -203,11 +252,22 @@ def engine_section() -> list[str]:
         date, path, data, r = latest[key]
         ps = [v for (d, mo, b, _), v in peers.items() if (d, mo, b) == (dev, model, batch)]
         best = max(ps, key=lambda v: v[2].get("tokens_per_s", 0)) if ps else None
-        peer = (f"{_f(best[2]['tokens_per_s'], 0)} ({best[2]['peer']}, {_day(best[0])})" if best else "–")
-        rows.append([
-            model, str(batch), str(steps), _f(r.get("tokens_per_s"), 0), _f(r.get("decode_step_ms_median")),
-            peer, f"{dtype}, {plen} + {ntok}", dev, _jax(data), _day(date), _src(path),
-        ])
+        peer = f"{_f(best[2]['tokens_per_s'], 0)} ({best[2]['peer']}, {_day(best[0])})" if best else "–"
+        rows.append(
+            [
+                model,
+                str(batch),
+                str(steps),
+                _f(r.get("tokens_per_s"), 0),
+                _f(r.get("decode_step_ms_median")),
+                peer,
+                f"{dtype}, {plen} + {ntok}",
+                dev,
+                _jax(data),
+                _day(date),
+                _src(path),
+            ]
+        )
     return [
         "## Serving engine (offline)",
         "",
@@ -216,8 +276,22 @@ def engine_section() -> list[str]:
         "transformers configuration measured at that batch on that device (its own date).",
         "Script: `benchmarks/generate_gpu.py`.",
         "",
-        *_table(["model", "batch", "steps", "tokens/s", "decode step ms", "transformers tokens/s",
-                 "workload", "device", "jax", "date", "source"], rows),
+        *_table(
+            [
+                "model",
+                "batch",
+                "steps",
+                "tokens/s",
+                "decode step ms",
+                "transformers tokens/s",
+                "workload",
+                "device",
+                "jax",
+                "date",
+                "source",
+            ],
+            rows,
+        ),
     ]
 
 
@@ -229,8 +303,17 @@ def prefix_cache_section() -> list[str]:
         for mode, r in data["results"].items():
             latest[(_device(data), mode)] = (date, path, data, r)
     rows = [
-        [mode, _f(r.get("decode_step_ms_median")), _f(r.get("tokens_per_s"), 0), _f(r.get("ttft_p50_ms"), 1),
-         _f(r.get("prompt_tokens_computed")), dev, _jax(data), _day(date), _src(path)]
+        [
+            mode,
+            _f(r.get("decode_step_ms_median")),
+            _f(r.get("tokens_per_s"), 0),
+            _f(r.get("ttft_p50_ms"), 1),
+            _f(r.get("prompt_tokens_computed")),
+            dev,
+            _jax(data),
+            _day(date),
+            _src(path),
+        ]
         for (dev, mode), (date, path, data, r) in sorted(latest.items())
     ]
     return [
@@ -239,8 +322,20 @@ def prefix_cache_section() -> list[str]:
         "S1: 64 requests sharing a 2048-token prefix (SmolLM2-135M shape, random weights, bf16).",
         "Modes: caching off, on, on + cascade attention. Script: `benchmarks/prefix_cache.py`.",
         "",
-        *_table(["mode", "decode step ms", "tokens/s", "TTFT p50 ms", "prompt tokens computed",
-                 "device", "jax", "date", "source"], rows),
+        *_table(
+            [
+                "mode",
+                "decode step ms",
+                "tokens/s",
+                "TTFT p50 ms",
+                "prompt tokens computed",
+                "device",
+                "jax",
+                "date",
+                "source",
+            ],
+            rows,
+        ),
     ]
 
 
@@ -259,12 +354,23 @@ def server_section() -> list[str]:
         cl, off = data["closed_loop"], data.get("offline") or {}
         pois = data.get("poisson") or {}
         ratio = (cl.get("output_tokens_per_s") / off["tokens_per_s"]) if off.get("tokens_per_s") else None
-        rows.append([
-            model, str(conc), f"{plen} + {ntok}", _f(cl.get("output_tokens_per_s"), 0),
-            _f(off.get("tokens_per_s"), 0), _f(ratio, 2), _f((cl.get("ttft_ms") or {}).get("p50"), 1),
-            _f((pois.get("ttft_ms") or {}).get("p50"), 1) + (f" at {data['workload'].get('rate')}/s" if pois else ""),
-            dev, _jax(data), _day(date), _src(path),
-        ])
+        rows.append(
+            [
+                model,
+                str(conc),
+                f"{plen} + {ntok}",
+                _f(cl.get("output_tokens_per_s"), 0),
+                _f(off.get("tokens_per_s"), 0),
+                _f(ratio, 2),
+                _f((cl.get("ttft_ms") or {}).get("p50"), 1),
+                _f((pois.get("ttft_ms") or {}).get("p50"), 1)
+                + (f" at {data['workload'].get('rate')}/s" if pois else ""),
+                dev,
+                _jax(data),
+                _day(date),
+                _src(path),
+            ]
+        )
     return [
         "## The server (`attn-stack serve`)",
         "",
@@ -272,8 +378,23 @@ def server_section() -> list[str]:
         "(output tokens/s) beside the offline engine at the same batch on the same device, and",
         "Poisson arrivals (TTFT p50). Script: `benchmarks/serve_load.py`.",
         "",
-        *_table(["model", "concurrency", "prompt + tokens", "server tokens/s", "offline tokens/s", "ratio",
-                 "TTFT p50 ms", "Poisson TTFT p50 ms", "device", "jax", "date", "source"], rows),
+        *_table(
+            [
+                "model",
+                "concurrency",
+                "prompt + tokens",
+                "server tokens/s",
+                "offline tokens/s",
+                "ratio",
+                "TTFT p50 ms",
+                "Poisson TTFT p50 ms",
+                "device",
+                "jax",
+                "date",
+                "source",
+            ],
+            rows,
+        ),
     ]
 
 
@@ -289,12 +410,22 @@ def cpu_section() -> list[str]:
             f"transformers {m.get('transformers', '?')}, {_day(date)}, {_src(path)}:",
             "",
             *_table(
-                ["workload", "engine tokens/s", "transformers `generate`", "transformers `generate_batch`",
-                 "same tokens as `generate`"],
-                [[f"{d['workload'].get('prompts')} prompts × {d['workload'].get('new_tokens')} tokens",
-                  _f(d["engine"].get("tokens_per_s"), 1), _f(d["hf_generate"].get("tokens_per_s"), 1),
-                  _f(d["hf_generate_batch"].get("tokens_per_s"), 1),
-                  str(d.get("sequences_identical_to_hf_generate", "?"))]],
+                [
+                    "workload",
+                    "engine tokens/s",
+                    "transformers `generate`",
+                    "transformers `generate_batch`",
+                    "same tokens as `generate`",
+                ],
+                [
+                    [
+                        f"{d['workload'].get('prompts')} prompts × {d['workload'].get('new_tokens')} tokens",
+                        _f(d["engine"].get("tokens_per_s"), 1),
+                        _f(d["hf_generate"].get("tokens_per_s"), 1),
+                        _f(d["hf_generate_batch"].get("tokens_per_s"), 1),
+                        str(d.get("sequences_identical_to_hf_generate", "?")),
+                    ]
+                ],
             ),
         ]
     md = [t for t in _load("metadata_build*.json") if "us_per_build_numpy" in t[2]]
@@ -307,8 +438,13 @@ def cpu_section() -> list[str]:
             "",
             *_table(
                 ["workload", "µs per build (NumPy fields)", "µs with device_put"],
-                [[f"{w['num_reqs']} requests, {w['num_prefills']} prefills, {w['num_actual_tokens']} tokens",
-                  _f(d["us_per_build_numpy"], 1), _f(d.get("us_per_build_with_device_put"), 1)]],
+                [
+                    [
+                        f"{w['num_reqs']} requests, {w['num_prefills']} prefills, {w['num_actual_tokens']} tokens",
+                        _f(d["us_per_build_numpy"], 1),
+                        _f(d.get("us_per_build_with_device_put"), 1),
+                    ]
+                ],
             ),
         ]
     return lines if len(lines) > 2 else []
@@ -328,8 +464,7 @@ def render() -> str:
         "table may come from different runs: compare rows of the same source file.",
         "",
     ]
-    for section in (attention_section, fp8_section, engine_section, prefix_cache_section, server_section,
-                    cpu_section):
+    for section in (attention_section, fp8_section, engine_section, prefix_cache_section, server_section, cpu_section):
         lines += section()
     return "\n".join(lines).rstrip() + "\n"
 
