@@ -5,6 +5,7 @@ kernel workloads, and the README stays a front page."""
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -47,3 +48,20 @@ def test_readme_is_a_front_page():
         assert command in readme and (ROOT / command).is_file(), command
     for target in ("docs/getting-started.md", "docs/performance.md", "BENCHMARKS.md", "ARCHITECTURE.md"):
         assert f"]({target}" in readme and (ROOT / target).is_file(), target
+
+
+def test_every_python_block_compiles():
+    """The README's and the docs' Python blocks are valid Python (the README's JAX and PyTorch
+    examples also run: tests/test_readme.py)."""
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for i, block in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)):
+            compile(block, f"{path.relative_to(ROOT)} block {i}", "exec")
+
+
+def test_named_files_exist():
+    """Files the docs name in backticks (notebooks, scripts, benchmarks) are in the tree."""
+    named = set()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        named |= set(re.findall(r"`((?:notebooks|scripts|benchmarks)/[\w./-]+\.(?:md|py|sh))`", path.read_text()))
+    missing = sorted(n for n in named if not (ROOT / n).is_file())
+    assert not missing, f"the docs name files that do not exist: {missing}"
