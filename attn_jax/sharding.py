@@ -196,27 +196,31 @@ class ShardedStep:
 
     def jit(self, device_step):
         """``device_step(params, caches, last_tokens, packed, layout, num_steps, sampled)``
-        (one shard's arrays; the last three static; it returns sampled tokens,
-        last tokens, caches and the next call's inputs, which this drops) jitted over the mesh, caches donated.
+        (one shard's arrays; the last three static; it returns sampled tokens, last tokens,
+        caches, the next call's inputs, which this drops, and the tokens' log-probabilities
+        or None) jitted over the mesh, caches donated.
 
         The only collective beside the model's own (one ``psum`` per split attention and
-        MLP) gathers the data shards' sampled tokens, once per call: the result is
+        MLP) gathers the data shards' sampled tokens (and a sampled call's log-probabilities),
+        once per call: the result is
         replicated, so every process of a multi-process run reads all of them. The last
         tokens stay on their shard (i32[data, R_max], split over "data")."""
         mesh, cache_spec = self.mesh, self.cache_spec
 
         def step(params, caches, last_tokens, packed, layout, num_steps, sampled):
             def body(params, caches, last_tokens, packed):
-                tokens, last, caches, _ = device_step(  # the next call's inputs: one device's runner only
+                tokens, last, caches, _, logprobs = device_step(  # the next call's inputs: one device's only
                     params, caches, last_tokens[0], packed[0], layout, num_steps, sampled
                 )
-                return jax.lax.all_gather(tokens, DATA), last[None], caches
+                if logprobs is not None:
+                    logprobs = tuple(jax.lax.all_gather(a, DATA) for a in logprobs)
+                return jax.lax.all_gather(tokens, DATA), last[None], caches, logprobs
 
             fn = jax.shard_map(
                 body,
                 mesh=mesh,
                 in_specs=(self.param_specs(params), [cache_spec] * len(caches), P(DATA), P(DATA)),
-                out_specs=(P(), P(DATA), [cache_spec] * len(caches)),
+                out_specs=(P(), P(DATA), [cache_spec] * len(caches), (P(), P(), P()) if sampled else None),
                 check_vma=False,
             )
             return fn(params, caches, last_tokens, packed)
@@ -229,7 +233,8 @@ class ShardedStep:
         builds the same inputs; each uploads only the rows of its own devices.
 
         Returns (i32[data, num_steps, R_max] sampled tokens, replicated; i32[data, R_max]
-        last tokens, split over "data"; caches)."""
+        last tokens, split over "data"; caches; the log-probabilities, gathered as the
+        tokens are, or None)."""
         layouts = {layout for _, layout in packed}
         if len(layouts) != 1:
             raise ValueError(f"data shards built inputs of different structures: {layouts}")

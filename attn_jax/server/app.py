@@ -42,7 +42,9 @@ from attn_jax.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
@@ -127,16 +129,17 @@ _TEXT_MARK = "@attn-stack-text@"
 
 def _token_events(build):
     """``delta -> str``, the server-sent event of one streamed delta, where ``build(text,
-    finish_reason)`` makes the chunk's response model. A delta that only carries text (every
-    one but a request's last) fills a template serialised once per stream with the JSON of
-    its text, the same bytes as ``_sse(build(text, None))`` in a tenth of the time (it runs
-    once per token, on the event loop)."""
-    head, tail = _sse(build(_TEXT_MARK, None)).split(json.dumps(_TEXT_MARK))
+    finish_reason, scores)`` makes the chunk's response model. A delta that only carries
+    text (every one but a request's last, without log-probabilities) fills a template
+    serialised once per stream with the JSON of its text, the same bytes as
+    ``_sse(build(text, None, None))`` in a tenth of the time (it runs once per token, on the
+    event loop)."""
+    head, tail = _sse(build(_TEXT_MARK, None, None)).split(json.dumps(_TEXT_MARK))
 
     def event(d) -> str:
-        if d.finish_reason is None and d.text:
+        if d.finish_reason is None and d.text and d.scores is None:
             return head + json.dumps(d.text, ensure_ascii=False) + tail
-        return _sse(build(d.text, d.finish_reason))
+        return _sse(build(d.text, d.finish_reason, d.scores))
 
     return event
 
@@ -211,11 +214,12 @@ def build_app(engine, served_model_name: str, *, metrics: ServerMetrics | None =
     def sampling(body, **prompt) -> GenerationSpec:
         return GenerationSpec(
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-            stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, **prompt,
+            stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, logprobs=body.num_logprobs, **prompt,
         )  # fmt: skip
 
-    async def whole(request: Request, handle: RequestHandle) -> tuple[str, int, str] | Response:
-        """The finished text, tokens and reason; a Response if it failed or the client left."""
+    async def whole(request: Request, handle: RequestHandle) -> tuple[str, int, str, list] | Response:
+        """The finished text, tokens, reason and each token's scores (log-probabilities, when
+        asked); a Response if it failed or the client left."""
         done = asyncio.ensure_future(handle.collect())
         gone = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
@@ -227,10 +231,10 @@ def build_app(engine, served_model_name: str, *, metrics: ServerMetrics | None =
             handle.close()
         if not done.done() or done.cancelled():
             return Response(status_code=499)  # the client closed the connection; nobody reads this
-        text, tokens, reason, error = done.result()
+        text, tokens, reason, error, scores = done.result()
         if reason == "error":
             return error_response(500, f"the engine failed this request: {error}")
-        return text, tokens, reason
+        return text, tokens, reason, scores
 
     def usage(handle: RequestHandle, tokens: int) -> Usage:
         return Usage(
@@ -248,8 +252,9 @@ def build_app(engine, served_model_name: str, *, metrics: ServerMetrics | None =
         result = await whole(request, handle)
         if isinstance(result, Response):
             return result
-        text, tokens, reason = result
-        choice = CompletionChoice(text=text, finish_reason=reason)
+        text, tokens, reason, scores = result
+        logprobs = None if body.logprobs is None else CompletionLogprobs.of(scores)
+        choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=reason)
         return CompletionResponse(id=request_id, model=served_model_name, choices=[choice], usage=usage(handle, tokens))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
@@ -266,8 +271,9 @@ def build_app(engine, served_model_name: str, *, metrics: ServerMetrics | None =
         result = await whole(request, handle)
         if isinstance(result, Response):
             return result
-        text, tokens, reason = result
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)
+        text, tokens, reason, scores = result
+        logprobs = ChatLogprobs.of(scores) if body.logprobs else None
+        choice = ChatChoice(message=AssistantMessage(content=text), logprobs=logprobs, finish_reason=reason)
         return ChatCompletionResponse(
             id=request_id, model=served_model_name, choices=[choice], usage=usage(handle, tokens)
         )
@@ -295,7 +301,7 @@ async def _stream(handle: RequestHandle, chunk, usage_chunk, include_usage: bool
                 tokens += d.num_tokens
                 if d.finish_reason == "error":
                     events.append(_engine_error(d))
-                elif d.text or d.finish_reason is not None:
+                elif d.text or d.finish_reason is not None or d.scores is not None:
                     events.append(event(d))
             if events:
                 yield "".join(events)
@@ -313,8 +319,15 @@ async def _stream(handle: RequestHandle, chunk, usage_chunk, include_usage: bool
 def _completion_stream(handle: RequestHandle, model: str, include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())  # one timestamp for every chunk of a response, as OpenAI's
 
-    def chunk(text, finish_reason):
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+    offset = 0  # where the next token's text starts in the completion (logprobs' text_offset)
+
+    def chunk(text, finish_reason, scores):
+        nonlocal offset
+        logprobs = None
+        if scores is not None:
+            logprobs = CompletionLogprobs.of([scores], offset)
+            offset += len(scores[0])
+        choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)
         return CompletionResponse(id=handle.request_id, created=created, model=model, choices=[choice])
 
     def usage_chunk(u):
@@ -326,8 +339,11 @@ def _completion_stream(handle: RequestHandle, model: str, include_usage: bool) -
 def _chat_stream(handle: RequestHandle, model: str, include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
 
-    def chunk(text, finish_reason):
-        choice = ChatChunkChoice(delta=DeltaMessage(content=text or None), finish_reason=finish_reason)
+    def chunk(text, finish_reason, scores):
+        logprobs = None if scores is None else ChatLogprobs.of([scores])
+        choice = ChatChunkChoice(
+            delta=DeltaMessage(content=text or None), logprobs=logprobs, finish_reason=finish_reason
+        )
         return ChatCompletionChunk(id=handle.request_id, created=created, model=model, choices=[choice])
 
     def usage_chunk(u):

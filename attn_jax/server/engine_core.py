@@ -10,9 +10,9 @@ strings on each request's new text only, and emits what happened as one picklabl
 - ``("round", admitted, outputs, report)``: ``admitted`` is ``(request_id, prompt_tokens,
   refusal)`` per submission taken this round (``refusal`` None or ``(message, param,
   code)``, a ``RequestError``'s parts); ``outputs`` is ``(request_id, pieces,
-  finish_reason, error)`` per request with news, ``pieces`` ``[text, num_tokens]`` per
-  token (a multi-step call's K tokens are K pieces); ``report`` the round's metric updates
-  (``RoundReport``).
+  finish_reason, error)`` per request with news, ``pieces`` ``[text, num_tokens, scores]``
+  per token (a multi-step call's K tokens are K pieces; ``scores``: its log-probabilities
+  when the request asked, else None); ``report`` the round's metric updates (``RoundReport``).
 - ``("closed", admitted, outputs, report, failure)``: the loop has ended; ``failure``
   says why the engine failed, or is None for a requested stop; ``outputs`` end every
   request still live (reason "error" or "abort").
@@ -60,6 +60,7 @@ class GenerationSpec:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # alternatives per token whose log-probabilities come back; None: off
     chat: bool = False  # prompt holds chat messages, rendered with the model's chat template
     prompt_param: str = "prompt"  # the request field errors about the prompt name
     max_tokens_param: str = "max_tokens"
@@ -235,7 +236,7 @@ class EngineCore:
             )
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-            seed=spec.seed, ignore_eos=spec.ignore_eos,
+            seed=spec.seed, ignore_eos=spec.ignore_eos, logprobs=spec.logprobs,
         )  # fmt: skip
         return ids, params
 
@@ -277,7 +278,8 @@ class EngineCore:
                     gaps.append(now - live.last_token_at)
                 live.last_token_at = now
             text, stopped = live.stop.feed(event.text)
-            self._add(outputs, live, text, int(event.token_id >= 0))
+            scores = None if event.logprob is None else self._token_scores(event)
+            self._add(outputs, live, text, int(event.token_id >= 0), scores)
             if stopped:
                 if not event.finished:
                     self._engine_abort(event.request_id)
@@ -286,14 +288,24 @@ class EngineCore:
                 self._add(outputs, live, live.stop.flush(), 0)
                 self._finish(live, event.finish_reason, event.error, outputs, report)
 
+    def _token_scores(self, event) -> tuple:
+        """(token, logprob, ((token, logprob), ...)) of an event's log-probabilities, each token
+        as its text (the tokenizer's decoding of it alone; its id in brackets without one)."""
+        tokenizer = self.engine.tokenizer
+
+        def text(token_id: int) -> str:
+            return f"[{token_id}]" if tokenizer is None else tokenizer.decode([token_id])
+
+        return text(event.token_id), event.logprob, tuple((text(t), lp) for t, lp in event.top_logprobs)
+
     @staticmethod
-    def _add(outputs: dict, live: _Live, text: str, num_tokens: int) -> None:
-        """Queues a request's next piece: a token's text as a piece of its own (so a
-        multi-step call's tokens stream one chunk each), text without a token joined to
-        the piece before it."""
+    def _add(outputs: dict, live: _Live, text: str, num_tokens: int, scores: tuple | None = None) -> None:
+        """Queues a request's next piece, [text, tokens, its token's scores or None]: a
+        token's text as a piece of its own (so a multi-step call's tokens stream one chunk
+        each), text without a token joined to the piece before it."""
         entry = outputs.setdefault(live.request_id, [live.request_id, [], None, None])
         if num_tokens or not entry[1]:
-            entry[1].append([text, num_tokens])
+            entry[1].append([text, num_tokens, scores])
         else:
             entry[1][-1][0] += text
 

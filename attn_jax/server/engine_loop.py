@@ -55,6 +55,9 @@ class Delta:
     num_tokens: int
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
     error: str | None = None
+    # The token's (text, logprob, ((text, logprob), ...) alternatives) when the request asked
+    # for log-probabilities (``GenerationSpec.logprobs``); else None.
+    scores: tuple | None = None
 
 
 class RequestHandle:
@@ -85,13 +88,16 @@ class RequestHandle:
             self.finished = batch[-1].finish_reason is not None
             yield batch
 
-    async def collect(self) -> tuple[str, int, str, str | None]:
-        """Waits for the end: (text, generated tokens, finish reason, error)."""
-        parts, tokens = [], 0
+    async def collect(self) -> tuple[str, int, str, str | None, list[tuple]]:
+        """Waits for the end: (text, generated tokens, finish reason, error, each token's
+        ``Delta.scores`` when the request asked for log-probabilities)."""
+        parts, tokens, scores = [], 0, []
         async for d in self.deltas():
             parts.append(d.text)
             tokens += d.num_tokens
-        return "".join(parts), tokens, d.finish_reason, d.error
+            if d.scores is not None:
+                scores.append(d.scores)
+        return "".join(parts), tokens, d.finish_reason, d.error, scores
 
     def close(self) -> None:
         if not self.finished:
@@ -208,10 +214,10 @@ class EngineLoop:
             handle = self._handles.get(request_id)
             if handle is None:
                 continue
-            *first, (text, n) = pieces
-            for t, k in first:
-                handle._queue.put_nowait(Delta(t, k))
-            handle._queue.put_nowait(Delta(text, n, reason, error))
+            *first, (text, n, scores) = pieces
+            for t, k, c in first:
+                handle._queue.put_nowait(Delta(t, k, None, None, c))
+            handle._queue.put_nowait(Delta(text, n, reason, error, scores))
             if reason is not None:
                 del self._handles[request_id]
         if report is not None:

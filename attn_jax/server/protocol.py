@@ -2,7 +2,9 @@
 
 Requests are checked here, each value against its own range, so a bad one is a 400 that
 names its field (``app.py`` turns a ``pydantic.ValidationError`` into OpenAI's error
-body). Fields OpenAI defines that this server cannot honour (``logprobs``, penalties,
+body). Log-probabilities are served (completions' ``logprobs`` N, chat's ``logprobs`` and
+``top_logprobs`` N, N <= 20; the model's distribution before temperature and filters,
+vLLM's default). Fields OpenAI defines that this server cannot honour (penalties,
 ``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1, ``n`` > 1) are refused by name
 rather than ignored; ``top_k`` and ``ignore_eos`` are vLLM's extensions (pass them in
 the openai client's ``extra_body``).
@@ -16,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from attn_jax.serving.sampling import MAX_LOGPROBS
 from attn_jax.types import SEED_LIMIT
 
 
@@ -57,7 +60,6 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension
     user: str | None = None
-    logprobs: bool | int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -105,12 +107,6 @@ class _GenerationRequest(BaseModel):
             raise ValueError(f"n={v!r} is not supported: this server returns one choice per request (n=1)")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        _unsupported("logprobs", v, False if isinstance(v, bool) else None)
-        return v
-
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _penalties(cls, v, info):
@@ -129,6 +125,12 @@ class _GenerationRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _check_top(name: str, v: int | None) -> int | None:
+    if v is not None and not 0 <= v <= MAX_LOGPROBS:
+        raise ValueError(f"{name}={v!r} must be in [0, {MAX_LOGPROBS}] (alternatives per token)")
+    return v
+
+
 def _check_max_tokens(name: str, v: int | None) -> int | None:
     if v is not None and v < 1:
         raise ValueError(f"{name}={v!r} must be >= 1")
@@ -143,6 +145,16 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = None  # the sampled token's log-probability and this many alternatives'
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs(cls, v):
+        return _check_top("logprobs", v)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -204,6 +216,20 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = None  # None: the rest of the context
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None  # alternatives per token (with logprobs)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v, info):
+        _check_top("top_logprobs", v)
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError(f"top_logprobs={v!r} needs logprobs=true")
+        return v
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod
@@ -236,10 +262,60 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions' log-probabilities: per token its text, its log-probability
+    and its alternatives' (text -> log-probability), and where its text starts."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+    @classmethod
+    def of(cls, scores, offset: int = 0) -> CompletionLogprobs:
+        """From ``Delta.scores`` tuples; ``offset``: where the first token's text starts."""
+        offsets = []
+        for token, _, _ in scores:
+            offsets.append(offset)
+            offset += len(token)
+        return cls(
+            tokens=[t for t, _, _ in scores], token_logprobs=[lp for _, lp, _ in scores],
+            top_logprobs=[dict(top) for _, _, top in scores], text_offset=offsets,
+        )  # fmt: skip
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """Chat's log-probabilities: one entry per generated token."""
+
+    content: list[TokenLogprob]
+
+    @classmethod
+    def of(cls, scores) -> ChatLogprobs:
+        def top(token: str, logprob: float) -> TopLogprob:
+            return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+        return cls(
+            content=[
+                TokenLogprob(**top(t, lp).model_dump(), top_logprobs=[top(a, b) for a, b in alts])
+                for t, lp, alts in scores
+            ]
+        )
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -262,7 +338,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
 
 
@@ -283,7 +359,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -114,6 +114,10 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None  # "stop" (EOS), "length" (max_new_tokens), "abort" or "error" when finished
     error: str | None = None  # what went wrong, for finish_reason "error"
+    # With ``SamplingParams.logprobs`` N: the token's log-probability and the N most likely
+    # tokens' (id, log-probability), most likely first; else None.
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +133,9 @@ class Completion:
     error: str | None = None
     ttft_seconds: float | None = None  # from add_request to its first token read back
     latency_seconds: float | None = None  # from add_request to its last token read back
+    # With ``SamplingParams.logprobs``: each output token's (log-probability, top_logprobs) as
+    # its ``TokenEvent`` had them; else None.
+    logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -141,6 +148,7 @@ class _RequestState:
     arrival: float  # time.perf_counter() at add_request
     first_token: float | None = None  # ... when its first token was read back
     last_token: float | None = None
+    logprobs: list | None = None  # each output token's (logprob, top_logprobs) when the request asks
 
 
 @dataclasses.dataclass(eq=False)
@@ -677,7 +685,7 @@ class Engine:
         latency = None if state.last_token is None else state.last_token - state.arrival
         completion = Completion(
             request.request_id, list(request.prompt_ids), list(request.output_ids), text, request.finish_reason,
-            request.error, ttft, latency,
+            request.error, ttft, latency, None if state.logprobs is None else tuple(state.logprobs),
         )  # fmt: skip
         del self._requests[request.request_id]
         self._finished[request.request_id] = _Finished(request, completion)
@@ -834,13 +842,19 @@ class Engine:
         self.stats.replace(step.stats_index, stats)
         self.totals = self.totals.add(stats)
         events = []
+        logprobs = None if call.logprobs is None else self.runner.read_logprobs(call.logprobs)
         for shard, k, row, request in step.sampled:
             if request.status is RequestStatus.FINISHED:
                 continue  # stopped (EOS), aborted or failed after this call was dispatched
             request.num_pending -= 1
             state = self._requests[request.request_id]
+            scores = None
+            if logprobs is not None and request.params.logprobs is not None:
+                chosen, ids, top = (a[shard, k, row] for a in logprobs)
+                n = request.params.logprobs
+                scores = (float(chosen), tuple(zip(ids[:n].tolist(), top[:n].tolist(), strict=True)))
             try:
-                events.append(self._append_token(state, int(tokens[shard, k, row]), now))
+                events.append(self._append_token(state, int(tokens[shard, k, row]), now, scores))
             except Exception as e:  # e.g. the tokenizer fails on this request alone
                 events.append(self._fail(state, e))
         return events
@@ -862,9 +876,16 @@ class Engine:
         if self._in_flight is not None:
             jax.block_until_ready(self._in_flight.call.tokens)
 
-    def _append_token(self, state: _RequestState, token: int, now: float) -> TokenEvent:
+    def _append_token(self, state: _RequestState, token: int, now: float, scores=None) -> TokenEvent:
+        """Appends one sampled token (``scores``: its (logprob, top_logprobs) when the request
+        asks for them) and makes its event; ends the request at EOS, length or a stop string."""
         request = state.request
         request.output_ids.append(token)
+        logprob, top = (None, None) if scores is None else scores
+        if scores is not None:
+            if state.logprobs is None:
+                state.logprobs = []
+            state.logprobs.append(scores)
         if state.first_token is None:
             state.first_token = now
         state.last_token = now
@@ -881,11 +902,11 @@ class Engine:
             elif reason is not None:
                 text += state.detokenizer.finish(request.output_ids)
         if reason is None:
-            return TokenEvent(request.request_id, token, text, False, None)
+            return TokenEvent(request.request_id, token, text, False, None, None, logprob, top)
         request.num_pending = 0  # tokens of a multi-step call after this one are dropped
         self.schedulers[state.shard].finish(request, reason)
         self._retire(state)
-        return TokenEvent(request.request_id, token, text, True, reason)
+        return TokenEvent(request.request_id, token, text, True, reason, None, logprob, top)
 
     # ------------------------------------------------------------------ conveniences
 
@@ -907,8 +928,9 @@ class Engine:
         ttft = None if state.first_token is None else state.first_token - state.arrival
         latency = None if state.last_token is None else state.last_token - state.arrival
         return Completion(
-            r.request_id, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason, r.error, ttft, latency
-        )
+            r.request_id, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason, r.error, ttft, latency,
+            None if state.logprobs is None else tuple(state.logprobs),
+        )  # fmt: skip
 
     def generate(
         self,

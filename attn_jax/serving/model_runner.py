@@ -48,6 +48,10 @@ class DispatchedCall:
     """A jitted call that has been enqueued; its tokens may not be computed yet."""
 
     tokens: jax.Array  # i32[K, R_max] (or [data, K, R_max]): each step's and request row's sampled token
+    # A sampled call's log-probabilities (``sampling.sample_tokens``), each with tokens' leading
+    # axes: (f32[.., K, R_max] the token's, i32[.., K, R_max, L] the likeliest tokens, f32[..] theirs);
+    # None for a greedy call.
+    logprobs: tuple[jax.Array, jax.Array, jax.Array] | None
     num_steps: int  # K
     token_bucket: int  # the padded token count
     compiled: bool  # the call traced and compiled a new bucket
@@ -85,7 +89,8 @@ class PreparedCall:
     num_steps: int  # K
     token_bucket: int
     cascade_prefix_len: int  # the largest shard's; 0: no cascade attention
-    sampled: bool = False  # a row samples (temperature > 0): the program that sorts (``sampling.py``)
+    # A row samples (temperature > 0) or wants log-probabilities: the program that sorts (``sampling.py``).
+    sampled: bool = False
     decode: DecodeBatch | None = None  # a decode call the next one may continue; None: other calls
     page_delta: np.ndarray | None = None  # i32[2, 2 * R_max]: (buffer index, value) written before the step
 
@@ -311,7 +316,9 @@ class ModelRunner:
         ]
         packed = [pack(x) for x in inputs]
         decode = self._decode_batch(batches, rows, steps, num_steps, prefix_lens[0], packed[0][1])
-        sampled = any(bool((x["sampling"]["temperature"] > 0).any()) for x in inputs)
+        sampled = any(bool((x["sampling"]["temperature"] > 0).any()) for x in inputs) or any(
+            r.params.logprobs is not None for b in batches for r in b.requests
+        )
         return PreparedCall(packed, num_steps, token_bucket, max(prefix_lens), sampled, decode)
 
     def _decode_batch(self, batches, rows, steps, num_steps: int, prefix_len: int, layout) -> DecodeBatch | None:
@@ -393,20 +400,21 @@ class ModelRunner:
         start = time.perf_counter()
         if self._sharded is None:
             delta = self._no_page_delta if prepared.page_delta is None else prepared.page_delta
-            tokens, self._last_tokens, self.kv_caches, next_packed = self._jit_step(
+            tokens, self._last_tokens, self.kv_caches, next_packed, logprobs = self._jit_step(
                 self.params, self.kv_caches, self._last_tokens, packed[0][0], packed[0][1], num_steps, sampled, delta
             )
             self._decode_chain = None if prepared.decode is None else (prepared, next_packed)
         else:
-            tokens, self._last_tokens, self.kv_caches = self._sharded.run(
+            tokens, self._last_tokens, self.kv_caches, logprobs = self._sharded.run(
                 self._jit_step, self.params, self.kv_caches, self._last_tokens, packed, num_steps, sampled
             )
         end = time.perf_counter()
         self.dispatched_keys.add(prepared.key)
         ready = end if tokens.is_ready() else None
-        tokens.copy_to_host_async()
+        for x in (tokens, *(logprobs or ())):
+            x.copy_to_host_async()
         return DispatchedCall(
-            tokens, num_steps, prepared.token_bucket, self.num_compilations > compilations, start, end, ready,
+            tokens, logprobs, num_steps, prepared.token_bucket, self.num_compilations > compilations, start, end, ready,
             prepared.cascade_prefix_len,
         )  # fmt: skip
 
@@ -466,6 +474,13 @@ class ModelRunner:
         out = np.asarray(tokens)
         return out[None] if out.ndim == 2 else out
 
+    @staticmethod
+    def read_logprobs(logprobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A sampled call's log-probabilities on the host, each with a leading data axis:
+        f32[data, K, R_max], i32[data, K, R_max, L], f32[data, K, R_max, L]."""
+        chosen, ids, top = (np.asarray(x) for x in logprobs)
+        return (chosen[None], ids[None], top[None]) if chosen.ndim == 2 else (chosen, ids, top)
+
     def _device_step(
         self, params, kv_caches, last_tokens, packed, layout: PackedLayout, num_steps: int, sampled: bool,
         page_delta=None,
@@ -477,7 +492,9 @@ class ModelRunner:
         ``last_tokens`` i32[R_max] are the previous call's last sampled tokens (still on the
         device); rows whose ``token_src`` is >= 0 take their input token from there.
         Returns (i32[num_steps, R_max] sampled tokens, i32[R_max] each row's last sampled
-        token, caches, i32[n] packed inputs): a one-step call's inputs one token on, which the
+        token, caches, i32[n] packed inputs, the tokens' log-probabilities: ``sample_tokens``'
+        three arrays with a [num_steps, R_max] lead, or None when not ``sampled``); the packed
+        inputs are a one-step call's one token on, which the
         next call reuses when it is the same decode batch a token later (``continue_decode``);
         for other calls ``packed`` itself. ``page_delta`` i32[2, 2 * R_max] (one device only):
         (buffer index, value) pairs written into ``packed`` first, the pages a continued
@@ -490,13 +507,16 @@ class ModelRunner:
         num_rows = x["logits_rows"].shape[0]
         max_rows = self.max_rows
 
+        def pad(a):  # rows -> R_max
+            return jnp.pad(a, [(0, max_rows - num_rows)] + [(0, 0)] * (a.ndim - 1))
+
         def forward(kv_caches, token_ids, positions, md, counters):
+            """(i32[R_max] tokens, their log-probabilities or None, caches)."""
             logits, kv_caches = self.model.step(params, kv_caches, token_ids, positions, md, x["logits_rows"])
             if not sampled:
-                tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            else:
-                tokens = sample_tokens(logits, s["temperature"], s["top_p"], s["top_k"], s["seeds"], counters)
-            return jnp.pad(tokens, (0, max_rows - num_rows)), kv_caches
+                return pad(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None, kv_caches
+            out = sample_tokens(logits, s["temperature"], s["top_p"], s["top_k"], s["seeds"], counters)
+            return pad(out[0]), tuple(pad(a) for a in out[1:]), kv_caches
 
         limits = x["decode_steps"]  # i32[R]: steps each request takes (0 for padding rows)
         token_rows = jnp.arange(x["token_ids"].shape[0])
@@ -512,7 +532,8 @@ class ModelRunner:
             return positions, next_md, s["counters"] + steps
 
         token_ids = jnp.where(x["token_src"] >= 0, last_tokens[jnp.maximum(x["token_src"], 0)], x["token_ids"])
-        tokens, kv_caches = forward(kv_caches, token_ids, x["positions"], md, s["counters"])
+        tokens, logprobs, kv_caches = forward(kv_caches, token_ids, x["positions"], md, s["counters"])
+        first = None if logprobs is None else tuple(a[None] for a in logprobs)
         if num_steps == 1:
             next_packed = packed
             if self._chains_decodes:  # the next call's inputs, a token on
@@ -520,7 +541,7 @@ class ModelRunner:
                 positions, next_md, counters = moved(one, one > 0)
                 later = dict(x, positions=positions, md=next_md, sampling=dict(s, counters=counters))
                 next_packed = repack(packed, layout, x, later)
-            return tokens[None], tokens, kv_caches, next_packed
+            return tokens[None], tokens, kv_caches, next_packed, first
 
         def decode(carry, step):
             kv_caches, last = carry
@@ -528,9 +549,11 @@ class ModelRunner:
             active = step < limits
             token_ids = last[jnp.minimum(token_rows, max_rows - 1)]
             positions, step_md, counters = moved(steps, active)
-            new, kv_caches = forward(kv_caches, token_ids, positions, step_md, counters)
+            new, new_logprobs, kv_caches = forward(kv_caches, token_ids, positions, step_md, counters)
             last = jnp.where(jnp.pad(active, (0, max_rows - num_rows)), new, last)
-            return (kv_caches, last), new
+            return (kv_caches, last), (new, new_logprobs)
 
-        (kv_caches, last), later = jax.lax.scan(decode, (kv_caches, tokens), jnp.arange(1, num_steps))
-        return jnp.concatenate([tokens[None], later]), last, kv_caches, packed
+        (kv_caches, last), (later, later_logprobs) = jax.lax.scan(decode, (kv_caches, tokens), jnp.arange(1, num_steps))
+        if first is not None:
+            first = tuple(jnp.concatenate([a, b]) for a, b in zip(first, later_logprobs, strict=True))
+        return jnp.concatenate([tokens[None], later]), last, kv_caches, packed, first

@@ -14,6 +14,11 @@ for every row:
   the row's top-k / top-p set masked in sorted order (no filter: every token), and a
   categorical draw over it.
 
+The same program gives every row's log-probabilities (OpenAI's ``logprobs``; vLLM's
+default "raw" mode): the chosen token's and the ``MAX_LOGPROBS`` most likely tokens', from
+the model's logits before temperature and filters, out of the sort it already made (a
+greedy row's order is its logits'; a sampled row's tempered order is the same).
+
 Each row draws with its own key, ``fold_in(PRNGKey(seed), index)`` where ``index`` is the
 number of tokens the request has generated so far, so a seeded request gives the same
 tokens whatever else shares its batches.
@@ -24,9 +29,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+MAX_LOGPROBS = 20
+"""The most alternatives a request may ask log-probabilities of (OpenAI's ``top_logprobs``)."""
+
 
 def sample_tokens(logits, temperature, top_p, top_k, seeds, counters):
-    """Next token per row (traceable; one program whatever the values).
+    """Next token per row and its log-probabilities (traceable; one program whatever the
+    values).
 
     Args:
       logits: f32[N, V].
@@ -36,7 +45,8 @@ def sample_tokens(logits, temperature, top_p, top_k, seeds, counters):
       top_k: i32[N]; 0 = off, else keeps the k most likely tokens.
       seeds: u32[N]; counters: i32[N] (tokens generated so far).
 
-    Returns i32[N].
+    Returns (i32[N] tokens, f32[N] each token's log-probability, i32[N, L] the L =
+    min(``MAX_LOGPROBS``, V) most likely tokens, f32[N, L] their log-probabilities).
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = temperature > 0
@@ -52,4 +62,9 @@ def sample_tokens(logits, temperature, top_p, top_k, seeds, counters):
     keys = jax.vmap(lambda seed, counter: jax.random.fold_in(jax.random.PRNGKey(seed), counter))(seeds, counters)
     choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, values, -jnp.inf))
     drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-    return jnp.where(sampled, drawn, greedy)
+    tokens = jnp.where(sampled, drawn, greedy)
+    log_z = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    top_ids = order[:, : min(MAX_LOGPROBS, logits.shape[-1])]
+    top_logprobs = jnp.take_along_axis(logits, top_ids, axis=-1) - log_z
+    logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_z[:, 0]
+    return tokens, logprobs, top_ids, top_logprobs

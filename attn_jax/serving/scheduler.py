@@ -34,6 +34,7 @@ from collections import deque
 from attn_jax.serving.block_allocator import BlockAllocator
 from attn_jax.serving.cascade import num_common_prefix_blocks
 from attn_jax.serving.kv_cache_manager import KVCacheManager
+from attn_jax.serving.sampling import MAX_LOGPROBS
 from attn_jax.types import SEED_LIMIT, validate_positive_int
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,9 @@ class SamplingParams:
     token's index, so a seeded request gives the same tokens in any batch. ``seed``
     None: the engine draws one from its own seed. ``stop``: strings that end the
     request (finish reason "stop") where its text first contains one; the text ends
-    before it (the tokens keep the one that completed it).
+    before it (the tokens keep the one that completed it). ``logprobs`` N (None: off):
+    each token's log-probability and those of the N most likely tokens (0 to
+    ``sampling.MAX_LOGPROBS``), from the logits before temperature and filters.
     """
 
     max_new_tokens: int = 16
@@ -58,6 +61,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop: str | tuple[str, ...] = ()  # strings that end the output text where they appear (not returned)
+    logprobs: int | None = None  # alternatives per token whose log-probabilities come back; None: none
 
     def __post_init__(self) -> None:
         # Any real / integral number is accepted (NumPy scalars included) and stored as a Python one.
@@ -88,6 +92,12 @@ class SamplingParams:
         if not isinstance(stop, (tuple, list)) or not all(isinstance(x, str) and x for x in stop):
             raise ValueError(f"stop={self.stop!r} must be a non-empty string or a list of non-empty strings")
         set_("stop", tuple(stop))
+        if self.logprobs is not None:
+            if not integral(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"logprobs={self.logprobs!r} must be an int in [0, {MAX_LOGPROBS}] (alternatives per token) or None"
+                )
+            set_("logprobs", int(self.logprobs))
 
 
 class RequestStatus(enum.Enum):

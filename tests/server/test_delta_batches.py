@@ -54,13 +54,18 @@ def test_deltas_flattens_the_batches_and_close_aborts_an_unfinished_request():
 
 def test_token_events_from_the_template_are_the_bytes_pydantic_writes():
     from attn_jax.server.app import _sse, _token_events
-    from attn_jax.server.protocol import ChatChunkChoice, ChatCompletionChunk, DeltaMessage
+    from attn_jax.server.protocol import ChatChunkChoice, ChatCompletionChunk, ChatLogprobs, DeltaMessage
 
-    def build(text, finish_reason):
-        choice = ChatChunkChoice(delta=DeltaMessage(content=text or None), finish_reason=finish_reason)
+    def build(text, finish_reason, scores):
+        logprobs = None if scores is None else ChatLogprobs.of([scores])
+        choice = ChatChunkChoice(
+            delta=DeltaMessage(content=text or None), logprobs=logprobs, finish_reason=finish_reason
+        )
         return ChatCompletionChunk(id="chatcmpl-1", created=7, model="m", choices=[choice])
 
     event = _token_events(build)
     for text in (" hi", 'a"b\\c\n\t', "é中🙂", "\x01\x1f\x7f\u2028", "\ufffd", "@attn-stack-text@"):
-        assert event(Delta(text, 1)) == _sse(build(text, None))
-    assert event(Delta("end", 1, finish_reason="stop")) == _sse(build("end", "stop"))
+        assert event(Delta(text, 1)) == _sse(build(text, None, None))
+    assert event(Delta("end", 1, finish_reason="stop")) == _sse(build("end", "stop", None))
+    scores = (" hi", -0.5, ((" hi", -0.5), (" ho", -1.25)))  # a token with log-probabilities: built in full
+    assert event(Delta(" hi", 1, scores=scores)) == _sse(build(" hi", None, scores))

@@ -51,5 +51,5 @@ def test_a_round_waits_for_the_dispatch_time_and_admits_what_arrived_meanwhile()
     for message in messages:
         for request_id, pieces, reason, error in message[2]:
             assert error is None and reason in (None, "length")
-            tokens[request_id] = tokens.get(request_id, 0) + sum(n for _, n in pieces)
+            tokens[request_id] = tokens.get(request_id, 0) + sum(n for _, n, _ in pieces)
     assert tokens == {"a": 4, "b": 4} and messages[-1][0] == "closed"

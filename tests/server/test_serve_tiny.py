@@ -109,6 +109,39 @@ def test_chat_matches_engine_generate_with_the_chat_template(client, engine):
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
 
 
+def test_logprobs_match_the_engine_streamed_and_not(client, engine):
+    """Completions' ``logprobs`` N and chat's ``logprobs`` / ``top_logprobs`` N, whole and
+    streamed, carry the engine's own log-probabilities (``SamplingParams.logprobs``)."""
+    (want,) = engine.generate([PROMPTS[0]], greedy(5, logprobs=3, ignore_eos=True))
+    want_logprobs = [lp for lp, _ in want.logprobs]
+    want_top = [[lp for _, lp in top] for _, top in want.logprobs]
+    kwargs = dict(model=TINY_RANDOM, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=3)
+    got = client.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0]
+    assert got.logprobs.token_logprobs == pytest.approx(want_logprobs, abs=1e-5)
+    assert [sorted(t.values(), reverse=True) for t in got.logprobs.top_logprobs] == [
+        pytest.approx(t, abs=1e-5) for t in want_top
+    ]
+    assert len(got.logprobs.tokens) == 5 and got.logprobs.text_offset[0] == 0
+    chunks = list(client.completions.create(**kwargs, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [lp for x in streamed for lp in x.token_logprobs] == pytest.approx(want_logprobs, abs=1e-5)
+    assert [x.text_offset[0] for x in streamed] == got.logprobs.text_offset
+
+    (want,) = engine.generate([QUESTION], greedy(4, logprobs=2), chat=True)
+    body = dict(
+        model=TINY_RANDOM, messages=[{"role": "user", "content": QUESTION}], max_tokens=4, temperature=0,
+        logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = client.chat.completions.create(**body).choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([lp for lp, _ in want.logprobs], abs=1e-5)
+    assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
+    chunks = list(client.chat.completions.create(**body, stream=True))
+    streamed = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert [x.logprob for x in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
+    plain = client.chat.completions.create(**{k: v for k, v in body.items() if "logprobs" not in k})
+    assert plain.choices[0].logprobs is None
+
+
 def test_concurrent_requests_each_get_their_own_tokens(client, engine):
     """Six requests at once (the engine steps two at a time, the others wait), half of them streamed."""
     want = engine.generate(PROMPTS, greedy(8))
@@ -212,6 +245,13 @@ BAD_REQUESTS = [  # (route, JSON body or raw text, the param named, words of the
     ("completions", '{"prompt": "hi", "temperature": NaN}', "temperature", "temperature=nan"),
     ("completions", '{"prompt": "hi", "max_tokens": ', None, "not valid JSON"),
     ("completions", {"prompt": "hi", "n": 2}, "n", "n=2 is not supported"),
+    ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "logprobs=21 must be in [0, 20]"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        "top_logprobs",
+        "needs logprobs=true",
+    ),
     ("completions", {"prompt": "hi", "top_p": 0}, "top_p", "top_p=0.0 must be in (0, 1]"),
     ("completions", {"prompt": "hi", "seed": -1}, "seed", "seed=-1 is outside [0, 2**32)"),
     ("completions", {"prompt": "hi", "top_k": -5}, "top_k", "top_k=-5 must be in [0, 2**31)"),

@@ -50,6 +50,36 @@ def _finished(engine):
         engine.step()
 
 
+def test_logprobs_equal_transformers_log_softmax(engine, hf_smollm2):
+    """Each token's log-probability and its 5 likeliest alternatives, greedy and sampled (raw:
+    before temperature), equal transformers' float32 log-softmax over the same tokens to 2e-3;
+    asking for them changes no token and compiles nothing beyond the sampled program."""
+    import torch
+
+    model, _ = hf_smollm2
+    params = [
+        SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=5),
+        SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=0, temperature=0.8, seed=7),
+    ]
+    results = engine.generate(PROMPTS[:2], params)
+    assert [c.output_ids for c in engine.generate(PROMPTS[:1], greedy(6))] == [results[0].output_ids]
+    for result, sp in zip(results, params, strict=True):
+        ids = torch.tensor([result.prompt_ids + result.output_ids])
+        with torch.no_grad():
+            want = torch.log_softmax(model(ids).logits[0].float(), dim=-1).numpy()
+        rows = want[len(result.prompt_ids) - 1 : -1]  # the distribution each output token was drawn from
+        assert len(result.logprobs) == len(result.output_ids)
+        for row, token, (logprob, top) in zip(rows, result.output_ids, result.logprobs, strict=True):
+            assert abs(logprob - row[token]) < 2e-3
+            assert len(top) == sp.logprobs
+            for alt, alt_logprob in top:
+                assert abs(alt_logprob - row[alt]) < 2e-3
+            if top:
+                assert sorted(row, reverse=True)[0] == pytest.approx(top[0][1], abs=2e-3)
+    with pytest.raises(ValueError, match=r"logprobs=21 must be an int in \[0, 20\]"):
+        SamplingParams(logprobs=21)
+
+
 def test_greedy_batch_matches_transformers(engine, expected):
     results = engine.generate(PROMPTS, greedy(NEW_TOKENS))
     for prompt, result in zip(PROMPTS, results, strict=True):
