@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
@@ -54,6 +55,7 @@ from attn_jax.server.protocol import (
     ModelList,
     Usage,
 )
+from attn_jax.types import SEED_LIMIT
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -86,6 +88,8 @@ def _validation_message(error: dict, param: str | None) -> str:
         position = error["loc"][-1] if len(error.get("loc", ())) > 1 else "?"
         return f"the request body is not valid JSON: {detail} (at character {position})"
     if kind == "missing":
+        if param is None:
+            return "the request has no JSON body: send a JSON object with the fields of this endpoint"
         return f"{param} is required"
     if kind == "value_error":
         return msg.removeprefix("Value error, ")
@@ -211,16 +215,44 @@ def build_app(engine, served_model_name: str, *, metrics: ServerMetrics | None =
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine_loop.max_model_len)])
 
-    def sampling(body, **prompt) -> GenerationSpec:
-        return GenerationSpec(
-            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-            stop=tuple(body.stop or ()), ignore_eos=body.ignore_eos, logprobs=body.num_logprobs, **prompt,
-        )  # fmt: skip
+    def sampling(body, **prompt) -> list[GenerationSpec]:
+        """The request's ``n`` engine requests: choice i draws with ``seed + i`` when a seed is given."""
+        specs = []
+        for i in range(body.n):
+            seed = None if body.seed is None else (body.seed + i) % SEED_LIMIT
+            specs.append(
+                GenerationSpec(
+                    temperature=body.temperature,
+                    top_p=body.top_p,
+                    top_k=body.top_k,
+                    seed=seed,
+                    stop=tuple(body.stop or ()),
+                    ignore_eos=body.ignore_eos,
+                    logprobs=body.num_logprobs,
+                    **prompt,
+                )  # fmt: skip
+            )
+        return specs
 
-    async def whole(request: Request, handle: RequestHandle) -> tuple[str, int, str, list] | Response:
-        """The finished text, tokens, reason and each token's scores (log-probabilities, when
-        asked); a Response if it failed or the client left."""
-        done = asyncio.ensure_future(handle.collect())
+    async def submit(specs: list[GenerationSpec], request_id: str) -> list[RequestHandle]:
+        """The choices' handles, admitted one after another (the later ones take the first's
+        prompt blocks from the prefix cache); a refusal aborts those already admitted."""
+        if len(specs) == 1:
+            return [await engine_loop.submit(specs[0], request_id)]
+        handles = []
+        try:
+            for i, spec in enumerate(specs):
+                handles.append(await engine_loop.submit(spec, f"{request_id}-{i}"))
+        except BaseException:
+            for handle in handles:
+                handle.close()
+            raise
+        return handles
+
+    async def whole(request: Request, handles: list[RequestHandle]) -> list[tuple] | Response:
+        """Each choice's finished (text, tokens, reason, scores: its tokens' log-probabilities
+        when asked); a Response if one failed or the client left."""
+        done = asyncio.ensure_future(asyncio.gather(*(h.collect() for h in handles)))
         gone = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
             await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -228,54 +260,68 @@ def build_app(engine, served_model_name: str, *, metrics: ServerMetrics | None =
             gone.cancel()
             if not done.done():
                 done.cancel()
-            handle.close()
+            for handle in handles:
+                handle.close()
         if not done.done() or done.cancelled():
             return Response(status_code=499)  # the client closed the connection; nobody reads this
-        text, tokens, reason, error, scores = done.result()
-        if reason == "error":
-            return error_response(500, f"the engine failed this request: {error}")
-        return text, tokens, reason, scores
+        results = done.result()
+        for _, _, reason, error, _ in results:
+            if reason == "error":
+                return error_response(500, f"the engine failed this request: {error}")
+        return [(text, tokens, reason, scores) for text, tokens, reason, _, scores in results]
 
-    def usage(handle: RequestHandle, tokens: int) -> Usage:
-        return Usage(
-            prompt_tokens=handle.prompt_tokens, completion_tokens=tokens, total_tokens=handle.prompt_tokens + tokens
-        )
+    def usage(handles: list[RequestHandle], tokens: int) -> Usage:
+        prompt = handles[0].prompt_tokens  # one prompt, whatever n
+        return Usage(prompt_tokens=prompt, completion_tokens=tokens, total_tokens=prompt + tokens)
 
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        spec = sampling(body, prompt=body.prompt, max_tokens=body.max_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        handle = await engine_loop.submit(spec, request_id)
+        handles = await submit(sampling(body, prompt=body.prompt, max_tokens=body.max_tokens), request_id)
         if body.stream:
-            return EventStreamResponse(_completion_stream(handle, served_model_name, body.include_usage))
-        result = await whole(request, handle)
-        if isinstance(result, Response):
-            return result
-        text, tokens, reason, scores = result
-        logprobs = None if body.logprobs is None else CompletionLogprobs.of(scores)
-        choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=reason)
-        return CompletionResponse(id=request_id, model=served_model_name, choices=[choice], usage=usage(handle, tokens))
+            return EventStreamResponse(_completion_stream(handles, request_id, served_model_name, body.include_usage))
+        results = await whole(request, handles)
+        if isinstance(results, Response):
+            return results
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=text,
+                finish_reason=reason,
+                logprobs=None if body.logprobs is None else CompletionLogprobs.of(scores),
+            )  # fmt: skip
+            for i, (text, _, reason, scores) in enumerate(results)
+        ]
+        tokens = sum(r[1] for r in results)
+        return CompletionResponse(id=request_id, model=served_model_name, choices=choices, usage=usage(handles, tokens))
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        spec = sampling(
+        specs = sampling(
             body, prompt=[m.as_template_message() for m in body.messages], chat=True, prompt_param="messages",
             max_tokens=body.max_new_tokens, max_tokens_param=body.max_tokens_field,
         )  # fmt: skip
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        handle = await engine_loop.submit(spec, request_id)
+        handles = await submit(specs, request_id)
         if body.stream:
-            return EventStreamResponse(_chat_stream(handle, served_model_name, body.include_usage))
-        result = await whole(request, handle)
-        if isinstance(result, Response):
-            return result
-        text, tokens, reason, scores = result
-        logprobs = ChatLogprobs.of(scores) if body.logprobs else None
-        choice = ChatChoice(message=AssistantMessage(content=text), logprobs=logprobs, finish_reason=reason)
+            return EventStreamResponse(_chat_stream(handles, request_id, served_model_name, body.include_usage))
+        results = await whole(request, handles)
+        if isinstance(results, Response):
+            return results
+        choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=text),
+                finish_reason=reason,
+                logprobs=ChatLogprobs.of(scores) if body.logprobs else None,
+            )  # fmt: skip
+            for i, (text, _, reason, scores) in enumerate(results)
+        ]
+        tokens = sum(r[1] for r in results)
         return ChatCompletionResponse(
-            id=request_id, model=served_model_name, choices=[choice], usage=usage(handle, tokens)
+            id=request_id, model=served_model_name, choices=choices, usage=usage(handles, tokens)
         )
 
     return app
@@ -285,72 +331,101 @@ def _engine_error(d) -> str:
     return _sse(ErrorResponse(error=ErrorInfo(message=f"the engine failed: {d.error}", type="server_error")))
 
 
-async def _stream(handle: RequestHandle, chunk, usage_chunk, include_usage: bool, first=None) -> AsyncIterator[str]:
-    """One server-sent event per token (``chunk(text, finish_reason)``, a response model),
-    the tokens that arrived together (a multi-step call's) in one write; then the usage
-    (``usage_chunk``) if asked, and ``[DONE]``. ``first``: a response model sent before any
-    token."""
-    event = _token_events(chunk)
+async def _delta_batches(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, list]]:
+    """(choice, delta batch) as they arrive, from one handle or several (merged)."""
+    if len(handles) == 1:
+        async for batch in handles[0].delta_batches():
+            yield 0, batch
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, handle: RequestHandle) -> None:
+        try:
+            async for batch in handle.delta_batches():
+                queue.put_nowait((i, batch))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        live = len(handles)
+        while live:
+            i, batch = await queue.get()
+            if batch is None:
+                live -= 1
+            else:
+                yield i, batch
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _stream(
+    handles: list[RequestHandle], chunk, usage_chunk, include_usage: bool, first=None
+) -> AsyncIterator[str]:
+    """One server-sent event per token (``chunk(choice, text, finish_reason, scores)``, a
+    response model), the tokens that arrived together (a multi-step call's) in one write;
+    then the usage (``usage_chunk``) if asked, and ``[DONE]``. ``first(choice)``: a response
+    model sent for each choice before any token."""
+    events = [_token_events(functools.partial(chunk, i)) for i in range(len(handles))]
     tokens = 0
     try:
         if first is not None:
-            yield _sse(first)
-        async for batch in handle.delta_batches():
-            events = []
+            yield "".join(_sse(first(i)) for i in range(len(handles)))
+        async for i, batch in _delta_batches(handles):
+            out = []
             for d in batch:
                 tokens += d.num_tokens
                 if d.finish_reason == "error":
-                    events.append(_engine_error(d))
+                    out.append(_engine_error(d))
                 elif d.text or d.finish_reason is not None or d.scores is not None:
-                    events.append(event(d))
-            if events:
-                yield "".join(events)
+                    out.append(events[i](d))
+            if out:
+                yield "".join(out)
             if batch[-1].finish_reason == "error":  # a finishing delta is always its batch's last
                 break
         if include_usage:
-            total = handle.prompt_tokens + tokens
-            u = Usage(prompt_tokens=handle.prompt_tokens, completion_tokens=tokens, total_tokens=total)
+            prompt = handles[0].prompt_tokens
+            u = Usage(prompt_tokens=prompt, completion_tokens=tokens, total_tokens=prompt + tokens)
             yield _sse(usage_chunk(u))
         yield "data: [DONE]\n\n"
     finally:
-        handle.close()
+        for handle in handles:
+            handle.close()
 
 
-def _completion_stream(handle: RequestHandle, model: str, include_usage: bool) -> AsyncIterator[str]:
+def _completion_stream(handles: list[RequestHandle], request_id: str, model: str, include_usage: bool):
     created = int(time.time())  # one timestamp for every chunk of a response, as OpenAI's
+    offsets = [0] * len(handles)  # where each choice's next token's text starts (logprobs' text_offset)
 
-    offset = 0  # where the next token's text starts in the completion (logprobs' text_offset)
-
-    def chunk(text, finish_reason, scores):
-        nonlocal offset
+    def chunk(i, text, finish_reason, scores):
         logprobs = None
         if scores is not None:
-            logprobs = CompletionLogprobs.of([scores], offset)
-            offset += len(scores[0])
-        choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)
-        return CompletionResponse(id=handle.request_id, created=created, model=model, choices=[choice])
+            logprobs = CompletionLogprobs.of([scores], offsets[i])
+            offsets[i] += len(scores[0])
+        choice = CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish_reason)
+        return CompletionResponse(id=request_id, created=created, model=model, choices=[choice])
 
     def usage_chunk(u):
-        return CompletionResponse(id=handle.request_id, created=created, model=model, choices=[], usage=u)
+        return CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=u)
 
-    return _stream(handle, chunk, usage_chunk, include_usage)
+    return _stream(handles, chunk, usage_chunk, include_usage)
 
 
-def _chat_stream(handle: RequestHandle, model: str, include_usage: bool) -> AsyncIterator[str]:
+def _chat_stream(handles: list[RequestHandle], request_id: str, model: str, include_usage: bool):
     created = int(time.time())
 
-    def chunk(text, finish_reason, scores):
+    def chunk(i, text, finish_reason, scores):
         logprobs = None if scores is None else ChatLogprobs.of([scores])
-        choice = ChatChunkChoice(
-            delta=DeltaMessage(content=text or None), logprobs=logprobs, finish_reason=finish_reason
-        )
-        return ChatCompletionChunk(id=handle.request_id, created=created, model=model, choices=[choice])
+        delta = DeltaMessage(content=text or None)
+        choice = ChatChunkChoice(index=i, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+        return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
 
     def usage_chunk(u):
-        return ChatCompletionChunk(id=handle.request_id, created=created, model=model, choices=[], usage=u)
+        return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[], usage=u)
 
-    first = ChatCompletionChunk(
-        id=handle.request_id, created=created, model=model,
-        choices=[ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))],
-    )  # fmt: skip
-    return _stream(handle, chunk, usage_chunk, include_usage, first=first)
+    def first(i):
+        choice = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+        return ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice])
+
+    return _stream(handles, chunk, usage_chunk, include_usage, first=first)

@@ -4,9 +4,11 @@ Requests are checked here, each value against its own range, so a bad one is a 4
 names its field (``app.py`` turns a ``pydantic.ValidationError`` into OpenAI's error
 body). Log-probabilities are served (completions' ``logprobs`` N, chat's ``logprobs`` and
 ``top_logprobs`` N, N <= 20; the model's distribution before temperature and filters,
-vLLM's default). Fields OpenAI defines that this server cannot honour (penalties,
-``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1, ``n`` > 1) are refused by name
-rather than ignored; ``top_k`` and ``ignore_eos`` are vLLM's extensions (pass them in
+vLLM's default), and so is ``n`` > 1 (each choice a request of the engine's sharing the
+prompt's blocks through the prefix cache; with a ``seed``, choice i draws with seed + i,
+as vLLM's). Fields OpenAI defines that this server cannot honour (penalties,
+``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1) are refused by name rather than
+ignored; ``top_k`` and ``ignore_eos`` are vLLM's extensions (pass them in
 the openai client's ``extra_body``).
 """
 
@@ -35,7 +37,17 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+MAX_N = 64
+"""The most choices one request may ask for (``n``): each is a request of the engine's."""
+
+_STRICT = ConfigDict(strict=True)
+"""Types as OpenAI checks them: ``"stream": "yes"``, ``"seed": true`` or ``"temperature": "0"``
+are 400s naming the field, never coerced (an int is still a float)."""
+
+
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
@@ -47,7 +59,7 @@ def _unsupported(name: str, value, default) -> None:
 class _GenerationRequest(BaseModel):
     """The fields completions and chat completions share (OpenAI's names and defaults)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None  # None: the served model
     temperature: float = 1.0
@@ -103,8 +115,8 @@ class _GenerationRequest(BaseModel):
     @field_validator("n")
     @classmethod
     def _n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"n={v!r} is not supported: this server returns one choice per request (n=1)")
+        if not 1 <= v <= MAX_N:
+            raise ValueError(f"n={v!r} must be in [1, {MAX_N}] (choices per request)")
         return v
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -192,11 +204,15 @@ class CompletionRequest(_GenerationRequest):
 
 
 class TextPart(BaseModel):
+    model_config = _STRICT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = _STRICT
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None

@@ -142,6 +142,28 @@ def test_logprobs_match_the_engine_streamed_and_not(client, engine):
     assert plain.choices[0].logprobs is None
 
 
+def test_n_choices_each_draw_their_own_seed_whole_and_streamed(client, engine):
+    """``n`` choices of one prompt: choice i is the engine's request with seed + i, the
+    prompt counted once in the usage, the choices' tokens summed."""
+    params = [SamplingParams(max_new_tokens=6, temperature=0.9, seed=5 + i, ignore_eos=True) for i in range(3)]
+    want = engine.generate([PROMPTS[3]] * 3, params)
+    kwargs = dict(model=TINY_RANDOM, prompt=PROMPTS[3], max_tokens=6, temperature=0.9, seed=5, n=3)
+    got = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [w.text for w in want]
+    assert len({c.text for c in got.choices}) > 1  # their own seeds
+    assert got.usage.prompt_tokens == len(want[0].prompt_ids) and got.usage.completion_tokens == 18
+    chunks = list(client.completions.create(**kwargs, stream=True, extra_body={"ignore_eos": True}))
+    texts = ["", "", ""]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+    assert texts == [w.text for w in want]
+    body = dict(model=TINY_RANDOM, messages=[{"role": "user", "content": QUESTION}], max_tokens=3, n=2)
+    chat = client.chat.completions.create(**body, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message == chat.choices[1].message
+
+
 def test_concurrent_requests_each_get_their_own_tokens(client, engine):
     """Six requests at once (the engine steps two at a time, the others wait), half of them streamed."""
     want = engine.generate(PROMPTS, greedy(8))
@@ -244,8 +266,12 @@ BAD_REQUESTS = [  # (route, JSON body or raw text, the param named, words of the
     ("completions", {"prompt": [5, 49152]}, "prompt", "token id 49152, outside the vocabulary"),
     ("completions", '{"prompt": "hi", "temperature": NaN}', "temperature", "temperature=nan"),
     ("completions", '{"prompt": "hi", "max_tokens": ', None, "not valid JSON"),
-    ("completions", {"prompt": "hi", "n": 2}, "n", "n=2 is not supported"),
+    ("completions", {"prompt": "hi", "n": 65}, "n", "n=65 must be in [1, 64]"),
     ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "logprobs=21 must be in [0, 20]"),
+    ("completions", {"prompt": "hi", "stream": "yes"}, "stream", 'stream="yes" is invalid'),
+    ("completions", {"prompt": "hi", "seed": True}, "seed", "seed=true is invalid"),
+    ("completions", {"prompt": "hi", "temperature": "0"}, "temperature", 'temperature="0" is invalid'),
+    ("completions", "", None, "the request has no JSON body"),
     (
         "chat/completions",
         {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
