@@ -7,8 +7,8 @@ body). Log-probabilities are served (completions' ``logprobs`` N, chat's ``logpr
 vLLM's default), and so is ``n`` > 1 (each choice a request of the engine's sharing the
 prompt's blocks through the prefix cache; with a ``seed``, choice i draws with seed + i,
 as vLLM's). Fields OpenAI defines that this server cannot honour (penalties,
-``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1) are refused by name rather than
-ignored; ``top_k`` and ``ignore_eos`` are vLLM's extensions (pass them in
+``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1, a ``response_format`` other than
+text) are refused by name rather than ignored; ``top_k`` and ``ignore_eos`` are vLLM's extensions (pass them in
 the openai client's ``extra_body``).
 """
 
@@ -75,6 +75,7 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None  # structured outputs: only {"type": "text"} (no constraint) is served
 
     @field_validator("temperature")
     @classmethod
@@ -123,6 +124,16 @@ class _GenerationRequest(BaseModel):
     @classmethod
     def _penalties(cls, v, info):
         _unsupported(info.field_name, v, 0.0)
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, v):
+        if v is not None and v.get("type") != "text":
+            raise ValueError(
+                f"response_format type {v.get('type')!r} is not supported by this server (structured outputs are not "
+                "built yet): leave it out or use {'type': 'text'}"
+            )
         return v
 
     @field_validator("logit_bias")

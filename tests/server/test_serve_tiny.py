@@ -267,6 +267,12 @@ BAD_REQUESTS = [  # (route, JSON body or raw text, the param named, words of the
     ("completions", '{"prompt": "hi", "temperature": NaN}', "temperature", "temperature=nan"),
     ("completions", '{"prompt": "hi", "max_tokens": ', None, "not valid JSON"),
     ("completions", {"prompt": "hi", "n": 65}, "n", "n=65 must be in [1, 64]"),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+        "response_format",
+        "'json_object' is not supported",
+    ),
     ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "logprobs=21 must be in [0, 20]"),
     ("completions", {"prompt": "hi", "stream": "yes"}, "stream", 'stream="yes" is invalid'),
     ("completions", {"prompt": "hi", "seed": True}, "seed", "seed=true is invalid"),
