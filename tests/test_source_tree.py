@@ -52,3 +52,53 @@ def test_bridge_does_not_import_attn_torch(path):
 
 def test_bridge_holds_only_dlpack_and_memory_policy():
     assert sorted(p.name for p in BRIDGE.glob("*.py")) == ["__init__.py", "_jax_memory.py", "dlpack.py"]
+
+
+def _runtime_imports(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """The ``attn_jax`` modules ``path`` imports at run time, at any depth (imports under
+    ``if TYPE_CHECKING:`` are not run, so they are left out)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module for a in node.names
+            }
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return out & modules
+
+
+def test_the_import_graph_has_no_circle():
+    """No module of attn_jax imports (at run time, at any depth) one that imports it back,
+    directly or through others: each circle found is named."""
+    paths = {}
+    for path in (ROOT / "attn_jax").rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        paths[name.removesuffix(".__init__")] = path
+    graph = {name: _runtime_imports(path, set(paths)) for name, path in paths.items()}
+    circles, state = [], {}
+
+    def visit(name: str, trail: list[str]) -> None:  # depth-first: a module on the trail seen again closes a circle
+        state[name] = "open"
+        for other in sorted(graph[name]):
+            if state.get(other) == "open":
+                circles.append(" -> ".join(trail[trail.index(other) :] + [other]))
+            elif other not in state:
+                visit(other, trail + [other])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, "import circles: " + "; ".join(circles)

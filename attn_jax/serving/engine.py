@@ -77,7 +77,7 @@ from attn_jax.serving.kv_cache_manager import PrefixCacheStats
 from attn_jax.serving.kv_cache_sizing import default_limits, kv_cache_plan
 from attn_jax.serving.metrics import EngineTotals, StepStats, StepStatsLog
 from attn_jax.serving.model_runner import DispatchedCall, ModelRunner, PreparedCall, kv_cache_bytes_per_block
-from attn_jax.serving.scheduler import Request, RequestStatus, SamplingParams, ScheduledBatch, Scheduler
+from attn_jax.serving.scheduler import MIN_STEPS_CAP, Request, RequestStatus, SamplingParams, ScheduledBatch, Scheduler
 from attn_jax.serving.warmup import WarmupReport, warm_up
 from attn_jax.sharding import MODEL, check_num_devices, local_model_kwargs, make_mesh
 from attn_jax.types import SEED_LIMIT, validate_positive_int
@@ -88,9 +88,6 @@ logger = logging.getLogger(__name__)
 
 MAX_FINISHED_REQUESTS = 1024
 """Finished requests whose ``Completion`` an engine keeps by default (oldest dropped first)."""
-
-MIN_STEPS_CAP = 8
-"""A multi-step call is capped at what its requests can still generate, never below this."""
 
 STATS_WINDOW = 1024
 """Calls whose ``StepStats`` an engine keeps by default (``totals`` count every call)."""

@@ -100,6 +100,11 @@ class SamplingParams:
             set_("logprobs", int(self.logprobs))
 
 
+MIN_STEPS_CAP = 8
+"""A multi-step decode call is capped at what its requests can still generate, never below
+this (``Engine._decode_steps``; ``warmup.decode_step_counts``)."""
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -36,7 +36,7 @@ import jax
 from attn_jax.metadata import MetadataBuckets
 from attn_jax.ops.ragged_paged_attention.config import next_pow2
 from attn_jax.serving.model_runner import ModelRunner
-from attn_jax.serving.scheduler import Request, SamplingParams, ScheduledBatch
+from attn_jax.serving.scheduler import MIN_STEPS_CAP, Request, SamplingParams, ScheduledBatch
 
 __all__ = ["WarmupReport", "decode_step_counts", "query_len_patterns", "warm_up"]
 
@@ -151,8 +151,6 @@ def warm_up(
     the rest counted in
     ``WarmupReport.num_skipped``; ``progress(done, total)`` after each shape. The engine
     must hold no request (ValueError)."""
-    from attn_jax.serving.engine import MIN_STEPS_CAP
-
     if engine.has_unfinished() or engine.num_live_requests:
         raise ValueError(
             f"warmup needs an idle engine: {engine.num_live_requests} request(s) are live; warm up before adding any"
