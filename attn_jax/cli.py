@@ -526,6 +526,11 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="draws the seeds of requests that give none (default: 0)")
     parser.add_argument(
+        "--max-request-bytes", type=_bytes, default=None, metavar="BYTES",
+        help="the largest request body taken; larger ones are 413s before anything is parsed or tokenized "
+        "(default: 32 bytes per token of --max-model-len and 64 KiB)",
+    )  # fmt: skip
+    parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn's log level (default: info)",
     )  # fmt: skip
@@ -639,7 +644,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return _error(args, e)
     name = args.served_model_name or default_served_name(args.model)
     try:
-        uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level=args.log_level)
+        app = build_app(engine, name, max_request_bytes=args.max_request_bytes)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         engine.join(0)
     return 0

@@ -190,6 +190,8 @@ def test_memory_and_limit_flags(capsys):
     for text, want in (("4GiB", 4 << 30), ("500MB", 500 * 10**6), ("1048576", 1 << 20), ("1.5kib", 1536)):
         assert parser.parse_args(["serve", "--kv-cache-memory", text]).kv_cache_memory == want
     assert parser.parse_args(["generate", "--gpu-memory-utilization", "0.5"]).gpu_memory_utilization == 0.5
+    assert parser.parse_args(["serve", "--max-request-bytes", "1MiB"]).max_request_bytes == 1 << 20
+    assert parser.parse_args(["serve"]).max_request_bytes is None  # derived from --max-model-len
     for flag, bad, words in (
         ("--kv-cache-memory", "4 parsecs", "is not a size"), ("--kv-cache-memory", "0", "at least one byte"),
         ("--gpu-memory-utilization", "1.5", "must be in (0, 1]"), ("--gpu-memory-utilization", "x", "not a number"),

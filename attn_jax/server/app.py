@@ -148,17 +148,72 @@ def _token_events(build):
     return event
 
 
+def default_max_request_bytes(max_model_len: int) -> int:
+    """The largest request body taken by default: 32 bytes per token of the context and
+    64 KiB for the rest (a whole context of text, JSON-escaped, fits many times over)."""
+    return 32 * max_model_len + (64 << 10)
+
+
+class _BodyLimit:
+    """ASGI middleware: a request whose body exceeds ``limit`` bytes (by its Content-Length,
+    or counted as it arrives) is answered 413 in OpenAI's error shape before the app parses
+    or tokenizes any of it, so one oversized prompt never holds the engine's loop."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def _refuse(self, send, size: str) -> None:
+        body = ErrorResponse(
+            error=ErrorInfo(
+                message=f"the request body is {size} bytes; this server takes at most {self.limit} "
+                "(--max-request-bytes; by default 32 bytes per token of --max-model-len and 64 KiB)",
+                code="request_too_large",
+            )
+        ).model_dump_json()
+        await send({"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body.encode()})
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._refuse(send, length.decode())
+        seen, refused = 0, False
+
+        async def counted():
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # a body without a length (chunked): stop reading it
+                    refused = True
+                    await self._refuse(send, f"more than {self.limit}")
+                    return {"type": "http.disconnect"}
+            return message
+
+        await self.app(scope, counted, send)
+
+
 async def _wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 
 
-def build_app(engine, served_model_name: str, *, metrics: ServerMetrics | None = None) -> FastAPI:
+def build_app(
+    engine, served_model_name: str, *, metrics: ServerMetrics | None = None, max_request_bytes: int | None = None
+) -> FastAPI:
     """The app serving ``engine`` (an ``Engine``, run in a thread of this process, or an
     ``EngineProcess``) as ``served_model_name``; the engine core starts and stops with the
-    app (its lifespan). ``app.state.engine_loop`` is the ``EngineLoop``."""
+    app (its lifespan). ``app.state.engine_loop`` is the ``EngineLoop``. A body over
+    ``max_request_bytes`` (default ``default_max_request_bytes`` of the engine's context) is
+    a 413."""
     metrics = ServerMetrics(served_model_name) if metrics is None else metrics
     engine_loop = EngineLoop(engine, metrics)
+    if max_request_bytes is None:
+        max_request_bytes = default_max_request_bytes(engine_loop.max_model_len)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -169,6 +224,7 @@ def build_app(engine, served_model_name: str, *, metrics: ServerMetrics | None =
             await asyncio.to_thread(engine_loop.stop)
 
     app = FastAPI(title="attn-stack", summary="OpenAI-compatible API over the attn-stack engine", lifespan=lifespan)
+    app.add_middleware(_BodyLimit, limit=max_request_bytes)
     app.state.engine_loop = engine_loop
     app.state.metrics = metrics
 

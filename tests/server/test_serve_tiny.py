@@ -311,6 +311,8 @@ def test_bad_requests_get_400s_naming_the_field_and_leave_a_stream_in_flight_alo
                 error = r.json()["error"]
                 assert error["param"] == param and words in error["message"], (bad, error)
                 assert error["type"] == "invalid_request_error"
+            huge = http.post("/v1/completions", json={"prompt": "word " * 20_000, "max_tokens": 1})  # 100 kB
+            assert huge.status_code == 413 and "--max-request-bytes" in huge.json()["error"]["message"]
             missing = http.get("/v1/nope").json()["error"]
             assert missing["type"] == "not_found_error" and "GET /v1/nope" in missing["message"]
             data = list(data)
