@@ -185,6 +185,16 @@ def _bytes(text: str) -> int:
     return int(value)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number of seconds >= 0")
+    return value
+
+
 def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompt", action="append", default=None, metavar="TEXT",
@@ -526,6 +536,11 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="draws the seeds of requests that give none (default: 0)")
     parser.add_argument(
+        "--shutdown-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+        help="on SIGTERM / SIGINT, in-flight requests run this long, then end (finish reason 'abort') and the "
+        "process exits 0 (default: 30)",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-request-bytes", type=_bytes, default=None, metavar="BYTES",
         help="the largest request body taken; larger ones are 413s before anything is parsed or tokenized "
         "(default: 32 bytes per token of --max-model-len and 64 KiB)",
@@ -625,11 +640,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     the engine can meet is compiled (unless --no-warmup); the server listens once both
     are done, so no compilation stalls traffic."""
     try:
-        import uvicorn
-
         from attn_jax.server.app import build_app
         from attn_jax.server.engine_process import EngineProcess, EngineStartError
         from attn_jax.server.model_source import default_served_name
+        from attn_jax.server.uvicorn_server import serve
     except ImportError as e:
         return _error(args, f"{e.name or e} is missing: install the serve extra, pip install 'attn-stack[serve]'")
     if not 0 <= args.seed < SEED_LIMIT:
@@ -645,7 +659,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or default_served_name(args.model)
     try:
         app = build_app(engine, name, max_request_bytes=args.max_request_bytes)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        serve(app, host=args.host, port=args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
     finally:
         engine.join(0)
     return 0

@@ -161,6 +161,7 @@ class EngineLoop:
         self._core = engine if isinstance(engine, EngineProcess) else _EngineThread(engine)
         self.max_model_len: int = self._core.max_model_len
         self._started = self._stopping = self._closed = False
+        self._aloop: asyncio.AbstractEventLoop | None = None  # the event loop deltas go to, once started
         self._pending: dict[str, tuple[asyncio.Future, RequestHandle]] = {}  # submitted, not yet admitted
         self._handles: dict[str, RequestHandle] = {}  # admitted, not yet finished
         self._ids = itertools.count()
@@ -174,7 +175,20 @@ class EngineLoop:
         if self._started:
             raise RuntimeError("this EngineLoop was already started")
         self._started = True
+        self._aloop = aloop
         self._core.start(aloop, self._on_message)
+
+    def stop_after(self, seconds: float) -> None:
+        """In ``seconds``, ends every request (reason "abort") and stops the core, unless it
+        has stopped by then (thread-safe; a server's bounded graceful shutdown)."""
+
+        def stop() -> None:
+            if not self._stopping:
+                self._stopping = True
+                self._core.send(("stop",))
+
+        if self._aloop is not None:  # not started: nothing to end (the lifespan's stop does the rest)
+            self._aloop.call_soon_threadsafe(self._aloop.call_later, seconds, stop)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ends every request (reason "abort") and waits for the core to end (thread-safe)."""
