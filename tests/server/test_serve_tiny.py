@@ -405,3 +405,21 @@ def test_load_every_stream_completes_and_is_counted_while_one_client_leaves(serv
             return
         assert delta(LENGTH) == 9 and generated == 8 * 8 + leaver["max_tokens"]  # the leaver finished first
     pytest.fail("the leaving client's request finished before it left, three times")
+
+
+def test_the_readme_server_example_runs_against_a_live_server(client, server, engine, capsys):
+    """The README's openai example, as written but for the server's address and model name
+    (this module's tiny-random server instead of the embedded SmolLM2), prints the engine's text."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "from openai import" in b]
+    assert 'base_url="http://127.0.0.1:8000/v1"' in block and 'model="SmolLM2-135M-Instruct"' in block
+    code = block.replace("http://127.0.0.1:8000/v1", f"{server.base_url}/v1").replace(
+        "SmolLM2-135M-Instruct", TINY_RANDOM
+    )
+    capsys.readouterr()
+    exec(compile(code, "README.md", "exec"), {})
+    (want,) = engine.generate(["What is the capital of France?"], greedy(32), chat=True)
+    assert capsys.readouterr().out == want.text
