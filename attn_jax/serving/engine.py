@@ -230,9 +230,10 @@ class Engine:
         ids): ``load_tokenizer``'s ``GGUFTokenizer`` or a transformers tokenizer, anything
         with ``tokenizer(text)["input_ids"]``, ``decode(ids, skip_special_tokens=True)``,
         ``apply_chat_template`` and ``eos_token_id``.
-      num_blocks: KV cache pages (per data shard); default: ``kv_cache_bytes`` of them, or
-        on an accelerator what ``gpu_memory_utilization`` leaves (``kv_cache_sizing.py``);
-        on a CPU at most every request of ``max_num_seqs`` at ``max_model_len``.
+      num_blocks: KV cache pages (per data shard); default: what ``kv_cache_bytes`` holds,
+        or on an accelerator what ``gpu_memory_utilization`` leaves (``kv_cache_sizing.py``),
+        at most every one of the ``max_num_seqs`` slots at ``max_model_len`` (so an engine
+        of a few slots leaves the device to others; vLLM takes the whole budget).
       max_num_seqs: most requests per step (per data shard), the step's request slots;
         default 256 on an accelerator, 8 on a CPU (``kv_cache_sizing.default_limits``).
       max_num_batched_tokens: the step's token budget; longer prompts are prefilled in
@@ -313,6 +314,7 @@ class Engine:
         validate_positive_int("stats_window", stats_window)
         max_pages = -(-self.max_model_len // self.block_size)
         leaves = jax.tree.leaves(params)
+        bytes_per_block = kv_cache_bytes_per_block(model)
         self.kv_cache_plan = kv_cache_plan(
             config, params_bytes=sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
             // (1 if mesh is None else mesh.shape.get(MODEL, 1)),  # weights split over the model axis
@@ -320,11 +322,8 @@ class Engine:
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes, device=device,
             params_on_device=all(isinstance(x, jax.Array) for x in leaves),
         )  # fmt: skip
-        if num_blocks is None:
-            num_blocks = self.kv_cache_plan.kv_cache_bytes // kv_cache_bytes_per_block(model)
-            if self.kv_cache_plan.source == "cpu default":
-                num_blocks = min(max_num_seqs * max_pages, num_blocks)
-            num_blocks = max(num_blocks, 1)
+        if num_blocks is None:  # what the budget holds, at most every slot at max_model_len
+            num_blocks = max(min(max_num_seqs * max_pages, self.kv_cache_plan.kv_cache_bytes // bytes_per_block), 1)
         self.num_blocks = num_blocks
         validate_positive_int("num_blocks", self.num_blocks)
         if buckets is None:
@@ -422,8 +421,9 @@ class Engine:
         """The start-up line: the KV cache in tokens, how it was sized, and the concurrency
         it allows at ``max_model_len`` (vLLM's)."""
         return self.kv_cache_plan.summary(
-            num_blocks=self.num_blocks, block_size=self.block_size, max_model_len=self.max_model_len
-        )
+            num_blocks=self.num_blocks, block_size=self.block_size, max_model_len=self.max_model_len,
+            capped=self.num_blocks == self.max_num_seqs * -(-self.max_model_len // self.block_size),
+        )  # fmt: skip
 
     @property
     def num_compilations(self) -> int:

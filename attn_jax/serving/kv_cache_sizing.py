@@ -61,10 +61,11 @@ class KVCachePlan:
     weights_bytes: int = 0
     activation_bytes: int = 0
 
-    def summary(self, *, num_blocks: int, block_size: int, max_model_len: int) -> str:
-        """vLLM's start-up line: the cache's size in tokens and the concurrency it allows."""
+    def summary(self, *, num_blocks: int, block_size: int, max_model_len: int, capped: bool = False) -> str:
+        """vLLM's start-up line: the cache's size in tokens and the concurrency it allows
+        (``capped``: the engine took only every slot at ``max_model_len``, less than the budget)."""
         tokens = num_blocks * block_size
-        how = self.source
+        how = self.source + (", capped at every slot at max_model_len" if capped else "")
         if self.bytes_limit is not None:
             how += (
                 f" of {self.bytes_limit / 2**30:.1f} GiB; weights {self.weights_bytes / 2**30:.2f} GiB, "
