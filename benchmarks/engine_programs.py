@@ -18,6 +18,7 @@ import json
 import time
 
 import jax
+from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
 from attn_jax.models.llama import LlamaModel
 from attn_jax.serving import Engine
@@ -38,7 +39,7 @@ def main() -> None:
     parser.add_argument("--num-scheduler-steps", type=int, default=8)
     parser.add_argument("--warmup", action="store_true", help="compile every program at the platform's defaults")
     parser.add_argument("--compilation-cache", default=None, metavar="DIR", help="JAX's persistent cache folder")
-    parser.add_argument("--out", default=None)
+    add_output_args(parser, "engine_programs_{model}.json")
     args = parser.parse_args()
     if args.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
@@ -81,9 +82,7 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "compilation_cache":
         args.compilation_cache, "counts": counts, "warmup": warmup,
     }  # fmt: skip
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(output_path(args), result)
 
 
 if __name__ == "__main__":

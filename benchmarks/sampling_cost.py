@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
 from attn_jax.serving.sampling import sample_tokens
 
@@ -35,7 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--vocab", type=int, default=49152)
-    parser.add_argument("--out", default=None)
+    add_output_args(parser, "sampling_cost.json")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     sample, argmax = jax.jit(sample_tokens), jax.jit(lambda x: jnp.argmax(x, axis=-1))
@@ -55,9 +55,7 @@ def main() -> None:
         "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "rows": rows,
     }  # fmt: skip
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(output_path(args), result)
 
 
 if __name__ == "__main__":
