@@ -148,7 +148,6 @@ class ModelRunner:
         self.block_size = self.attention_group.block_size
         self.buckets = buckets
         self.max_rows = buckets.request_buckets[-1]  # the sampled-token buffer's length
-        self.vocab_size = model.config.vocab_size
         self._sharded = None if mesh is None else ShardedStep(model, mesh)
         self.num_shards = 1 if self._sharded is None else self._sharded.data_size
         if self._sharded is None:
@@ -527,8 +526,8 @@ class ModelRunner:
             """A decode batch's positions, metadata and sampling counters ``steps`` i32[rows] tokens
             on (the metadata's requests past the rows, padding, stay)."""
             positions = x["positions"] + jnp.where(token_rows < num_rows, steps[token_req], 0)
-            pad = (0, md.seq_lens.shape[0] - num_rows)
-            next_md = group.advance_decode(md, jnp.pad(steps, pad), jnp.pad(active, pad))
+            widths = (0, md.seq_lens.shape[0] - num_rows)  # rows -> the metadata's requests
+            next_md = group.advance_decode(md, jnp.pad(steps, widths), jnp.pad(active, widths))
             return positions, next_md, s["counters"] + steps
 
         token_ids = jnp.where(x["token_src"] >= 0, last_tokens[jnp.maximum(x["token_src"], 0)], x["token_ids"])

@@ -172,15 +172,16 @@ def warm_up(
             capacity = min(p * block_size, max_model_len)
             if max(lens) > capacity:
                 continue
-            for temperature in (0.0, 1.0):  # greedy batches, and batches where a row samples
-                batch = _dummy_batch(lens, capacity, block_size, SamplingParams(temperature=temperature))
-                batches = [batch] * runner.num_shards
-                rows = {id(r): ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, lens, strict=True)}
-                for k in step_counts if decode_only else [1]:
-                    for common in (None, [min(p, max_pages)] * runner.num_shards):
-                        steps = [[k] * len(lens)] * runner.num_shards
-                        prepared = runner.prepare(batches, rows, steps, k, common)
-                        num_probes += 1
+            batch = _dummy_batch(lens, capacity, block_size, SamplingParams(temperature=0.0))
+            batches = [batch] * runner.num_shards
+            rows = {id(r): ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, lens, strict=True)}
+            for k in step_counts if decode_only else [1]:
+                for common in (None, [min(p, max_pages)] * runner.num_shards):
+                    steps = [[k] * len(lens)] * runner.num_shards
+                    greedy = runner.prepare(batches, rows, steps, k, common)
+                    num_probes += 1
+                    # The same inputs run the sampled program too (greedy rows are exact there): its compile key.
+                    for prepared in (greedy, dataclasses.replace(greedy, sampled=True)):
                         priority = (prepared.sampled, not decode_only, common is not None)
                         calls.setdefault(prepared.key, (priority, prepared))
             if capacity >= max_model_len:
