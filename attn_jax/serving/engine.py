@@ -322,8 +322,10 @@ class Engine:
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes, device=device,
             params_on_device=all(isinstance(x, jax.Array) for x in leaves),
         )  # fmt: skip
+        affordable = self.kv_cache_plan.kv_cache_bytes // bytes_per_block
+        self._kv_cache_capped = num_blocks is None and affordable > max_num_seqs * max_pages
         if num_blocks is None:  # what the budget holds, at most every slot at max_model_len
-            num_blocks = max(min(max_num_seqs * max_pages, self.kv_cache_plan.kv_cache_bytes // bytes_per_block), 1)
+            num_blocks = max(min(max_num_seqs * max_pages, affordable), 1)
         self.num_blocks = num_blocks
         validate_positive_int("num_blocks", self.num_blocks)
         if buckets is None:
@@ -422,7 +424,7 @@ class Engine:
         it allows at ``max_model_len`` (vLLM's)."""
         return self.kv_cache_plan.summary(
             num_blocks=self.num_blocks, block_size=self.block_size, max_model_len=self.max_model_len,
-            capped=self.num_blocks == self.max_num_seqs * -(-self.max_model_len // self.block_size),
+            capped=self._kv_cache_capped,
         )  # fmt: skip
 
     @property
