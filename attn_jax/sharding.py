@@ -227,21 +227,15 @@ class ShardedStep:
 
         return jax.jit(step, donate_argnums=1, static_argnums=(4, 5, 6))
 
-    def run(self, jit_step, params, caches, last_tokens, packed, num_steps: int, sampled: bool):
-        """Stacks each data shard's packed inputs (``step_inputs.pack`` results, which must
-        share one layout) on a leading "data" axis and runs ``jit_step``. Every process
-        builds the same inputs; each uploads only the rows of its own devices.
-
-        Returns (i32[data, num_steps, R_max] sampled tokens, replicated; i32[data, R_max]
-        last tokens, split over "data"; caches; the log-probabilities, gathered as the
-        tokens are, or None)."""
+    def stack_inputs(self, packed) -> tuple[jax.Array, object]:
+        """Each data shard's packed inputs (``step_inputs.pack`` results, which must share one
+        layout) stacked on a leading "data" axis and placed over the mesh, and that layout.
+        Every process builds the same inputs; each uploads only the rows of its own devices."""
         layouts = {layout for _, layout in packed}
         if len(layouts) != 1:
             raise ValueError(f"data shards built inputs of different structures: {layouts}")
         buffers = np.stack([buffer for buffer, _ in packed])
-        sharding = NamedSharding(self.mesh, P(DATA))
-        buffers = put_global(buffers, sharding)
-        return jit_step(params, caches, last_tokens, buffers, layouts.pop(), num_steps, sampled)
+        return put_global(buffers, NamedSharding(self.mesh, P(DATA))), layouts.pop()
 
 
 def put_global(x, sharding: NamedSharding) -> jax.Array:

@@ -3,7 +3,7 @@
 For each (max_num_seqs, max_num_batched_tokens) given (default: the platform's defaults,
 and 64 x 2048), ``Engine.warmup(max_shapes=0)`` counts the programs without compiling any;
 ``--warmup`` then compiles every one at the platform's defaults, as ``attn-stack serve``
-does before it listens (with ``--compilation-cache DIR``: through JAX's persistent cache,
+does before it listens (``--workers`` threads at once) (with ``--compilation-cache DIR``: through JAX's persistent cache,
 so a second run times a warm start). Model: a shape of random weights (``--model``).
 
     python benchmarks/engine_programs.py --limits 256x2048 64x2048 --warmup --out /tmp/p.json
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-scheduler-steps", type=int, default=8)
     parser.add_argument("--warmup", action="store_true", help="compile every program at the platform's defaults")
+    parser.add_argument("--workers", type=int, default=None, help="compile threads (default: Engine.warmup's)")
     parser.add_argument("--compilation-cache", default=None, metavar="DIR", help="JAX's persistent cache folder")
     add_output_args(parser, "engine_programs_{model}.json")
     args = parser.parse_args()
@@ -74,8 +75,11 @@ def main() -> None:
             if done % 5 == 0 or done == total:
                 print(f"compiled {done} of {total} programs in {time.perf_counter() - start:.1f} s", flush=True)
 
-        report = engine.warmup(progress=progress)
-        warmup = {"summary": report.summary(), "programs": report.num_shapes, "seconds": report.seconds}
+        report = engine.warmup(progress=progress, workers=args.workers)
+        warmup = {
+            "summary": report.summary(), "programs": report.num_shapes, "seconds": report.seconds,
+            "workers": report.workers,
+        }  # fmt: skip
         print(report.summary(), flush=True)
     result = {
         "model": args.model, "dtype": args.dtype, "device": jax.devices()[0].device_kind, "jax": jax.__version__,

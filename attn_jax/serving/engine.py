@@ -437,14 +437,16 @@ class Engine:
         *,
         max_shapes: int | None = None,
         progress: Callable[[int, int], None] | None = None,
+        workers: int | None = None,
     ) -> WarmupReport:
         """Compiles every step shape this engine can meet (its buckets, the query-length
         patterns a backend may key on, cascade attention, multi-step counts; sampling values
         are data and add none) with dummy calls that change no state a request can see;
         returns how many shapes, compilations and seconds (``serving/warmup.py``). Call it
         on an idle engine, before the first request (ValueError otherwise); ``max_shapes``
-        bounds the shapes warmed (the likeliest first; the report counts those skipped)."""
-        return warm_up(self, max_shapes=max_shapes, progress=progress)
+        bounds the shapes warmed (the likeliest first; the report counts those skipped);
+        ``workers`` threads compile at once (default: one per core, at most 8)."""
+        return warm_up(self, max_shapes=max_shapes, progress=progress, workers=workers)
 
     # ------------------------------------------------------------------ construction
 

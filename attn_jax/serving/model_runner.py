@@ -392,28 +392,40 @@ class ModelRunner:
             page_delta=delta,
         )  # fmt: skip
 
+    def _step_args(self, prepared: PreparedCall) -> tuple:
+        """The jitted step's arguments for a prepared call (the sharded step's inputs stacked
+        over data shards)."""
+        packed, num_steps, sampled = prepared.packed, prepared.num_steps, prepared.sampled
+        if self._sharded is None:
+            delta = self._no_page_delta if prepared.page_delta is None else prepared.page_delta
+            return self.params, self.kv_caches, self._last_tokens, packed[0][0], packed[0][1], num_steps, sampled, delta
+        buffers, layout = self._sharded.stack_inputs(packed)
+        return self.params, self.kv_caches, self._last_tokens, buffers, layout, num_steps, sampled
+
+    def compile(self, prepared: PreparedCall) -> None:
+        """Compiles ``prepared``'s program without running it (jit's lowering cache keeps it,
+        so its first dispatch runs at once). Safe from several threads: XLA compiles outside
+        the GIL, which is how ``warm_up`` compiles programs in parallel."""
+        self._jit_step.lower(*self._step_args(prepared)).compile()
+
     def dispatch(self, prepared: PreparedCall) -> DispatchedCall:
         """Enqueues a prepared call on the device; returns without waiting for it."""
         compilations = self.num_compilations
-        packed, num_steps, sampled = prepared.packed, prepared.num_steps, prepared.sampled
+        args = self._step_args(prepared)
         start = time.perf_counter()
         if self._sharded is None:
-            delta = self._no_page_delta if prepared.page_delta is None else prepared.page_delta
-            tokens, self._last_tokens, self.kv_caches, next_packed, logprobs = self._jit_step(
-                self.params, self.kv_caches, self._last_tokens, packed[0][0], packed[0][1], num_steps, sampled, delta
-            )
+            tokens, self._last_tokens, self.kv_caches, next_packed, logprobs = self._jit_step(*args)
             self._decode_chain = None if prepared.decode is None else (prepared, next_packed)
         else:
-            tokens, self._last_tokens, self.kv_caches, logprobs = self._sharded.run(
-                self._jit_step, self.params, self.kv_caches, self._last_tokens, packed, num_steps, sampled
-            )
+            tokens, self._last_tokens, self.kv_caches, logprobs = self._jit_step(*args)
         end = time.perf_counter()
         self.dispatched_keys.add(prepared.key)
         ready = end if tokens.is_ready() else None
         for x in (tokens, *(logprobs or ())):
             x.copy_to_host_async()
         return DispatchedCall(
-            tokens, logprobs, num_steps, prepared.token_bucket, self.num_compilations > compilations, start, end, ready,
+            tokens, logprobs, prepared.num_steps, prepared.token_bucket, self.num_compilations > compilations, start,
+            end, ready,
             prepared.cascade_prefix_len,
         )  # fmt: skip
 

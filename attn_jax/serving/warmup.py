@@ -14,7 +14,9 @@ longest prefill at 2, 3 and every power of two and one past it, and at the budge
 contexts that fill the page bucket, with and without a prefix every request shares for
 cascade attention), each multi-step decode count the engine can choose, greedy and sampled.
 ``ModelRunner.prepare`` computes each batch's compile key on the host (the same code
-traffic runs); each distinct key is dispatched once with dummy inputs.
+traffic runs); each distinct key is compiled (by ``workers`` threads at once: XLA compiles
+outside the GIL, so a many-core host compiles that many programs in parallel) and then
+dispatched once with dummy inputs.
 Every dummy request's block table points at one scratch page, which
 ``ModelRunner.preserving_page`` saves and restores, so no page a request can see (live,
 or cached for prefix reuse) is changed.
@@ -28,8 +30,10 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import jax
 
@@ -38,7 +42,7 @@ from attn_jax.ops.ragged_paged_attention.config import next_pow2
 from attn_jax.serving.model_runner import ModelRunner
 from attn_jax.serving.scheduler import MIN_STEPS_CAP, Request, SamplingParams, ScheduledBatch
 
-__all__ = ["WarmupReport", "decode_step_counts", "query_len_patterns", "warm_up"]
+__all__ = ["WarmupReport", "decode_step_counts", "default_workers", "query_len_patterns", "warm_up"]
 
 SCRATCH_PAGE = 0
 """The KV page every dummy request writes (saved and restored around the warm-up)."""
@@ -55,13 +59,19 @@ class WarmupReport:
     num_compilations: int
     seconds: float
     num_skipped: int = 0  # shapes past ``max_shapes``, left to compile when traffic meets them
+    workers: int = 1  # threads that compiled at once
 
     def summary(self) -> str:
         skipped = f"; {self.num_skipped} rarer shapes skipped (max_shapes)" if self.num_skipped else ""
         return (
-            f"warmed up {self.num_shapes} step shapes ({self.num_compilations} compiled, from {self.num_probes} "
-            f"candidate batches) in {self.seconds:.1f} s{skipped}"
+            f"warmed up {self.num_shapes} step shapes ({self.num_compilations} compiled by {self.workers} "
+            f"thread(s), from {self.num_probes} candidate batches) in {self.seconds:.1f} s{skipped}"
         )
+
+
+def default_workers() -> int:
+    """Compile threads: one per core, at most 8 (each holds a program's compiler state)."""
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 def _lengths_up_to(limit: int) -> list[int]:
@@ -144,19 +154,24 @@ def warm_up(
     *,
     max_shapes: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    workers: int | None = None,
 ) -> WarmupReport:
     """Dispatches (and so compiles) every distinct step shape ``engine`` can meet; see the
     module docstring. ``max_shapes``: warm at most this many, in order of likelihood
     (greedy before sampled, decode batches before prefills, without cascade before with),
     the rest counted in
-    ``WarmupReport.num_skipped``; ``progress(done, total)`` after each shape. The engine
-    must hold no request (ValueError)."""
+    ``WarmupReport.num_skipped``; ``progress(done, total)`` after each shape compiles;
+    ``workers``: compile threads (default ``default_workers()``). The engine must hold no
+    request (ValueError)."""
     if engine.has_unfinished() or engine.num_live_requests:
         raise ValueError(
             f"warmup needs an idle engine: {engine.num_live_requests} request(s) are live; warm up before adding any"
         )
     if max_shapes is not None and (isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 0):
         raise ValueError(f"max_shapes={max_shapes!r} must be an int >= 0 or None (all)")
+    workers = default_workers() if workers is None else workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers={workers!r} must be an int >= 1")
     start = time.perf_counter()
     runner: ModelRunner = engine.runner
     block_size, max_model_len = engine.block_size, engine.max_model_len
@@ -189,13 +204,17 @@ def warm_up(
     ordered = [prepared for _, prepared in sorted(calls.values(), key=lambda x: x[0])]
     chosen = ordered if max_shapes is None else ordered[:max_shapes]
     compilations = runner.num_compilations
-    with runner.preserving_page(SCRATCH_PAGE):
-        for i, prepared in enumerate(chosen):
+    pending = [prepared for prepared in chosen if prepared.key not in runner.dispatched_keys]
+    with ThreadPoolExecutor(workers) as pool:
+        for i, future in enumerate(as_completed([pool.submit(runner.compile, p) for p in pending])):
+            future.result()
+            if progress is not None:
+                progress(i + 1, len(pending))
+    with runner.preserving_page(SCRATCH_PAGE):  # each program run once (dispatch-side caches filled)
+        for prepared in chosen:
             if prepared.key not in runner.dispatched_keys:
                 jax.block_until_ready(runner.dispatch(prepared).tokens)
-            if progress is not None:
-                progress(i + 1, len(chosen))
     seconds = time.perf_counter() - start
     return WarmupReport(
-        len(chosen), num_probes, runner.num_compilations - compilations, seconds, len(ordered) - len(chosen)
+        len(chosen), num_probes, runner.num_compilations - compilations, seconds, len(ordered) - len(chosen), workers
     )

@@ -44,7 +44,7 @@ def count_backend_compiles():
 @pytest.fixture(scope="module")
 def warmed():
     engine = tiny_random_engine(**LIMITS)
-    report = engine.warmup()
+    report = engine.warmup(workers=2)  # compiled by two threads at once, then each run once
     return engine, report
 
 
@@ -71,7 +71,7 @@ def test_report_counts_shapes_and_time(warmed):
     assert report.num_shapes == report.num_compilations == engine.num_compilations > 0
     assert report.num_probes >= report.num_shapes and report.seconds > 0 and report.num_skipped == 0
     assert engine.runner._jit_step._cache_size() == report.num_shapes
-    assert f"{report.num_shapes} step shapes" in report.summary()
+    assert f"{report.num_shapes} step shapes" in report.summary() and "by 2 thread(s)" in report.summary()
 
 
 def test_traffic_after_warmup_compiles_nothing(warmed):
@@ -111,6 +111,8 @@ def test_warmup_refuses_a_busy_engine():
     engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="1 request"):
         engine.warmup()
+    with pytest.raises(ValueError, match="workers=0 must be an int >= 1"):
+        tiny_random_engine(**LIMITS).warmup(workers=0)
 
 
 def test_max_shapes_warms_the_likeliest_first():
