@@ -3,8 +3,8 @@
 For each (max_num_seqs, max_num_batched_tokens) given (default: the platform's defaults,
 and 64 x 2048), ``Engine.warmup(max_shapes=0)`` counts the programs without compiling any;
 ``--warmup`` then compiles every one at the platform's defaults, as ``attn-stack serve``
-does before it listens (``--workers`` threads at once) (with ``--compilation-cache DIR``: through JAX's persistent cache,
-so a second run times a warm start). Model: a shape of random weights (``--model``).
+does before it listens, ``--workers`` threads at once (with ``--compilation-cache DIR``:
+through JAX's persistent cache, so a second run times a warm start). Model: a shape of random weights (``--model``).
 
     python benchmarks/engine_programs.py --limits 256x2048 64x2048 --warmup --out /tmp/p.json
 """
