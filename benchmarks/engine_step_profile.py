@@ -122,23 +122,21 @@ def _step_and_sync(engine) -> None:
 
 def device_only_step_ms(engine, steps: int) -> dict[str, float]:
     """The time per step with no scheduling between steps: the engine's last jitted call
-    repeated ``steps`` times back to back (the caches fed back as donated), as is
-    ("same_inputs"), then adding one by one what the engine does between steps: the
-    last step's tokens as the next input ("chained_tokens"), an asynchronous copy of
-    them to the host ("copy_to_host_async"), and reading the previous step's tokens
-    ("read_previous")."""
+    repeated ``steps`` times back to back (the caches and the rows' state fed back, both
+    donated), its tokens as the next input ("chained_tokens"), then adding one by one what
+    the engine does between steps: an asynchronous copy of the tokens to the host
+    ("copy_to_host_async"), and reading the previous step's tokens ("read_previous")."""
 
-    jit_step, (params, _, last_tokens, *rest) = record_step_call(engine, functools.partial(_step_and_sync, engine))
-    caches = engine.kv_caches
+    jit_step, (params, caches, last, *rest) = record_step_call(engine, functools.partial(_step_and_sync, engine))
+    caches, last = engine.kv_caches, engine.runner._last_tokens  # the recorded ones were donated
     out = {}
-    for variant in ("same_inputs", "chained_tokens", "copy_to_host_async", "read_previous"):
-        tokens, last, caches, _ = jit_step(params, caches, last_tokens, *rest)
+    for variant in ("chained_tokens", "copy_to_host_async", "read_previous"):
+        tokens, last, caches = jit_step(params, caches, last, *rest)[:3]  # then the step's other outputs
         jax.block_until_ready(tokens)
         t = time.perf_counter()
         previous = tokens
         for _ in range(steps):
-            feed = last_tokens if variant == "same_inputs" else last
-            tokens, last, caches, _ = jit_step(params, caches, feed, *rest)
+            tokens, last, caches = jit_step(params, caches, last, *rest)[:3]
             if variant in ("copy_to_host_async", "read_previous"):
                 tokens.copy_to_host_async()
             if variant == "read_previous":
@@ -146,6 +144,7 @@ def device_only_step_ms(engine, steps: int) -> dict[str, float]:
             previous = tokens
         jax.block_until_ready(tokens)
         out[variant] = 1e3 * (time.perf_counter() - t) / (steps * engine.num_scheduler_steps)  # per decode step
+    engine.runner._last_tokens = last
     engine.kv_caches = caches
     return out
 

@@ -14,6 +14,7 @@ The 8-layer Llama-3-8B shape (``--model``) on random weights, ``--prompt-len`` p
   (the last steps value).
 
     python benchmarks/scale_out.py --num-scheduler-steps 1 8 --check-tokens --write   # 2 GPUs: 1 GPU, TP=2, DP=2
+    python benchmarks/scale_out.py --model llama3-70b-8l --meshes 1x1 1x4 4x1 2x2 --batch 1 16 64 256
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/scale_out.py \\
         --model smollm2-135m --batch 1 --new-tokens 4 --prompt-len 8 --dtype float32
 
@@ -39,7 +40,27 @@ from attn_jax.serving import Engine, SamplingParams
 from attn_jax.sharding import local_model_kwargs, make_mesh
 from attn_jax.testing.models import MODEL_SHAPES, random_params
 
-MESHES = {"1 device": (1, 1), "TP=2": (1, 2), "DP=2": (2, 1)}  # (data, model)
+
+
+def mesh_name(data: int, model: int) -> str:
+    parts = [f"DP={data}"] * (data > 1) + [f"TP={model}"] * (model > 1)
+    return " x ".join(parts) or "1 device"
+
+
+def default_meshes(num_devices: int) -> list[tuple[int, int]]:
+    """(data, model) pairs: one device, then all devices as TP, as DP and, when they split
+    further, as DP=2 x TP=n/2."""
+    meshes = [(1, 1)]
+    if num_devices > 1:
+        meshes += [(1, num_devices), (num_devices, 1)]
+    if num_devices >= 4 and num_devices % 2 == 0:
+        meshes.append((2, num_devices // 2))
+    return meshes
+
+
+def _mesh_arg(text: str) -> tuple[int, int]:
+    data, model = text.lower().split("x")
+    return int(data), int(model)
 
 
 def greedy_tokens(config, params, mesh, args) -> list[list[int]]:
@@ -67,6 +88,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="decode steps traced per mesh (0: no profile)")
     parser.add_argument("--warmup-steps", type=int, default=4)
     parser.add_argument("--check-tokens", action="store_true", help="float32 greedy tokens of each mesh vs one device")
+    parser.add_argument(
+        "--meshes", type=_mesh_arg, nargs="+", default=None, metavar="DATAxMODEL",
+        help="meshes to run (default: one device, TP=n, DP=n and DP=2 x TP=n/2 over the devices present)",
+    )  # fmt: skip
     add_engine_args(parser, prompt_len=256, kv_cache_gib=8)
     add_output_args(parser, "scale_out.json")
     args = parse_engine_args(parser)
@@ -75,7 +100,8 @@ def main() -> None:
     params = random_params(config, args.dtype)
     backend = args.attn_backend
     results, single_tokens = [], None
-    for name, (data, model_axis) in MESHES.items():
+    for data, model_axis in args.meshes or default_meshes(jax.device_count()):
+        name = mesh_name(data, model_axis)
         if data * model_axis > jax.device_count():
             print(f"{name}: skipped ({jax.device_count()} device(s))")
             continue
@@ -105,22 +131,21 @@ def main() -> None:
                 entry["float32_token_agreement_with_one_device"] = float(same)
                 print(f"{name}: float32 greedy tokens equal one device's: {100 * same:.1f} %", flush=True)
         results.append(entry)
-    write_json(
-        output_path(args),
-        {
-            "workload": {
-                "model": args.model, "weights": "random", "dtype": str(args.dtype), "prompt_len": args.prompt_len,
-                "new_tokens": args.new_tokens,
+        write_json(  # after each mesh, so a run cut short keeps the meshes it finished
+            output_path(args),
+            {
+                "workload": {
+                    "model": args.model, "weights": "random", "dtype": str(args.dtype),
+                    "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                },
+                "machine": {
+                    "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
+                    "jax": jax.__version__, "python": platform.python_version(),
+                    "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                },
+                "meshes": results,
             },
-            "machine": {
-                "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(), "jax": jax.__version__,
-                "python": platform.python_version(),
-                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            },
-            "meshes": results,
-        },
-    )  # fmt: skip
-
+        )  # fmt: skip
 
 if __name__ == "__main__":
     main()

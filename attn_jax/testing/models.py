@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -43,9 +44,19 @@ def llama3_8b_layers(num_layers: int = 8) -> LlamaConfig:
     )
 
 
+def llama3_70b_layers(num_layers: int = 8) -> LlamaConfig:
+    """Llama-3-70B's shapes (hidden 8192, 64 query / 8 KV heads, MLP 28672) with ``num_layers``
+    layers (the full model has 80)."""
+    return dataclasses.replace(
+        llama3_8b_layers(num_layers), hidden_size=8192, intermediate_size=28672, num_heads=64,
+        name=f"llama3-70b-{num_layers}l",
+    )  # fmt: skip
+
+
 MODEL_SHAPES = {
     "smollm2-135m": smollm2_135m_config,
     "llama3-8b-8l": llama3_8b_layers,
+    "llama3-70b-8l": llama3_70b_layers,
 }
 
 
