@@ -41,7 +41,6 @@ from attn_jax.sharding import local_model_kwargs, make_mesh
 from attn_jax.testing.models import MODEL_SHAPES, random_params
 
 
-
 def mesh_name(data: int, model: int) -> str:
     parts = [f"DP={data}"] * (data > 1) + [f"TP={model}"] * (model > 1)
     return " x ".join(parts) or "1 device"
