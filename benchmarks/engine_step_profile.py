@@ -192,7 +192,7 @@ def profile_batch(config, params, batch: int, args, backend, mesh=None, num_sche
     untraced = time.perf_counter() - t
     stats = engine.stats[first:]
     device_ms = device_only_step_ms(engine, args.steps)
-    if args.hlo_out:
+    if getattr(args, "hlo_out", None):  # engine_step_profile.py's flag (scale_out.py has none)
         write_step_hlo(engine, f"{args.hlo_out}.batch{batch}.hlo.txt")
     return {
         "batch": batch,
