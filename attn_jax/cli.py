@@ -394,9 +394,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 engine = build_engine(
                     args.model, devices=args.devices if args.devices > 1 else None, progress=on_load, **engine_kwargs
                 )
+                mla = getattr(engine.model.config, "kv_lora_rank", None)  # DeepSeek: the latent row's width
                 report = explain_attn_backend_selection(
-                    engine.model.config.head_dim, engine.model.dtype, block_size=engine.block_size
-                )
+                    engine.model.config.head_dim if mla is None else mla + engine.model.config.qk_rope_head_dim,
+                    engine.model.dtype, block_size=engine.block_size, use_mla=mla is not None,
+                )  # fmt: skip
                 max_model_len = engine.max_model_len  # --max-model-len's default: the model's context, capped
                 if args.max_new_tokens >= max_model_len:
                     raise ValueError(

@@ -1,4 +1,4 @@
-"""Llama-family models from a Hugging Face checkpoint folder: no torch, no transformers.
+"""Llama-family and DeepSeek models from a Hugging Face checkpoint folder: no torch, no transformers.
 
 A folder written by transformers' ``save_pretrained`` (or downloaded from the Hub) holds
 ``config.json``, the weights as one ``model.safetensors`` or shards listed by
@@ -9,7 +9,9 @@ or the ``chat_template`` entry of ``tokenizer_config.json``). The weights are re
 ``llama.assemble_params`` as the GGUF path; the tokenizer runs on ``tokenizers``.
 
 Model types: ``SUPPORTED_MODEL_TYPES`` (Llama; Mistral with its sliding window; Qwen2 with
-its q/k/v biases; Qwen3 with its per-head q/k RMSNorm). RoPE types: ``SUPPORTED_ROPE_TYPES``
+its q/k/v biases; Qwen3 with its per-head q/k RMSNorm; Gemma 2 / 3 text; DeepSeek-V2 / V3,
+read by ``deepseek_config`` into ``deepseek.DeepSeekModel``: MLA, the routed and shared
+experts, V2's softmax routers and V3's grouped sigmoid one). RoPE types: ``SUPPORTED_ROPE_TYPES``
 (default, linear, Llama 3.1's llama3, YaRN), read from ``rope_scaling`` or ``rope_parameters``
 with transformers 5's precedence (``_rope``). Weight dtypes: F32, F16, BF16. A configuration
 key that would change the model and that the loader does not read (a RoPE parameter,
@@ -31,12 +33,15 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from attn_jax.models import deepseek
+from attn_jax.models.deepseek import DeepSeekConfig, DeepSeekModel
 from attn_jax.models.gguf_loader import ModelLoadError, check_finite_tensor
 from attn_jax.models.gguf_tokenizer import GGUFTokenizer
 from attn_jax.models.llama import HIDDEN_ACTS, ROPE_PARAMETERS, ROPE_TYPES, LlamaConfig, LlamaModel, assemble_params
 
 GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *GEMMA_MODEL_TYPES)
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *GEMMA_MODEL_TYPES, *DEEPSEEK_MODEL_TYPES)
 """``config.json``'s ``model_type`` values this loader reads."""
 
 SUPPORTED_ROPE_TYPES = ROPE_TYPES
@@ -145,7 +150,7 @@ def _rope(config: Mapping, max_position_embeddings: int) -> dict:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_PARAMETERS:
         raise ModelLoadError(
-            f"config.json {source} type {rope_type!r} is not supported by attn_jax's LlamaModel; supported: "
+            f"config.json {source} type {rope_type!r} is not supported by attn_jax; supported: "
             f"{list(SUPPORTED_ROPE_TYPES)}"
         )
     required, optional = ROPE_PARAMETERS[rope_type]
@@ -160,7 +165,8 @@ def _rope(config: Mapping, max_position_embeddings: int) -> dict:
         if value not in (None, 1, 1.0):
             name = f"{where} partial_rotary_factor" if where else "partial_rotary_factor"
             raise ModelLoadError(
-                f"config.json {name}={value!r} is not supported: attn_jax's LlamaModel rotates the whole head"
+                f"config.json {name}={value!r} is not supported: attn_jax rotates the whole head (DeepSeek: its "
+                "qk_rope_head_dim)"
             )
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     if rope_type in ("llama3", "yarn"):
@@ -289,10 +295,132 @@ def _gemma(config: Mapping, model_type: str, max_positions: int) -> dict:
     return {**fields, **_rope({"rope_parameters": full}, max_positions), "local_rope_theta": float(local_theta)}
 
 
-def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
-    """The ``LlamaConfig`` of a checkpoint folder (``config.json``, plus the EOS ids of
-    ``generation_config.json``). Raises ``ModelLoadError`` naming the key for a missing
-    file, an unsupported ``model_type`` / RoPE type / activation, or a bad value."""
+_DEEPSEEK_DEFAULTS = {  # transformers' DeepseekV2Config / DeepseekV3Config values of absent keys
+    "deepseek_v2": dict(
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        first_k_dense_replace=0, n_routed_experts=64, n_shared_experts=2, moe_intermediate_size=1407,
+        num_experts_per_tok=None, n_group=None, topk_group=None, routed_scaling_factor=1.0, norm_topk_prob=False,
+        scoring_func="softmax", topk_method="greedy", rms_norm_eps=1e-6,
+    ),
+    "deepseek_v3": dict(
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        first_k_dense_replace=3, n_routed_experts=256, n_shared_experts=1, moe_intermediate_size=2048,
+        num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+        scoring_func="sigmoid", topk_method="noaux_tc", rms_norm_eps=1e-6,
+    ),
+}  # fmt: skip
+DEEPSEEK_ROUTERS = {
+    "deepseek_v2": ("softmax", ("greedy", "group_limited_greedy")),
+    "deepseek_v3": ("sigmoid", ("noaux_tc",)),
+}
+"""Each DeepSeek model type's ``scoring_func`` and ``topk_method`` values, as transformers runs them."""
+
+
+def deepseek_config(
+    config: Mapping, name: str = "deepseek", eos_token_ids: tuple[int, ...] | None = None
+) -> DeepSeekConfig:
+    """The ``DeepSeekConfig`` of a DeepSeek-V2 / V3 ``config.json`` (a dict; a transformers
+    config's ``to_dict()`` too), absent keys read as transformers' defaults. A key whose value
+    the model does not run as transformers does is refused by name (``ModelLoadError``):
+    ``scoring_func`` / ``topk_method`` other than ``DEEPSEEK_ROUTERS``' (V3's sigmoid +
+    ``noaux_tc``; V2's softmax + ``greedy`` or ``group_limited_greedy``), V2's
+    ``norm_topk_prob`` (transformers ignores it, DeepSeek's own code normalises),
+    ``moe_layer_freq`` other than 1, ``attention_bias``, V2's ``rope_interleave=false``, and
+    the RoPE keys ``_rope`` refuses. Ignored (they do not change the outputs):
+    ``num_key_value_heads`` and ``head_dim`` (derived for MLA), ``num_nextn_predict_layers``
+    (V3's multi-token-prediction layers: transformers does not run them either), ``ep_size``,
+    ``aux_loss_alpha``, ``seq_aux``, ``pretraining_tp``."""
+    model_type = config.get("model_type", "deepseek_v3")
+    defaults = _DEEPSEEK_DEFAULTS[model_type]
+
+    def get(key):
+        return config.get(key, defaults.get(key))
+
+    def number(key):
+        value = get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ModelLoadError(f"config.json {key}={value!r} must be a positive number")
+        return float(value)
+
+    scoring, methods = DEEPSEEK_ROUTERS[model_type]
+    for key, valid in (("scoring_func", (scoring,)), ("topk_method", methods)):
+        if get(key) not in valid:
+            raise ModelLoadError(
+                f"config.json {key}={get(key)!r} is not supported for {model_type}; supported: {list(valid)}"
+            )
+    if model_type == "deepseek_v2" and get("norm_topk_prob"):
+        raise ModelLoadError(
+            "config.json norm_topk_prob=true is not supported for deepseek_v2: transformers' DeepseekV2 ignores it "
+            "and DeepSeek's own code normalises the weights; supported: [False]"
+        )
+    if config.get("moe_layer_freq", 1) != 1:
+        raise ModelLoadError(
+            f"config.json moe_layer_freq={config['moe_layer_freq']!r} is not supported; supported: [1] (every layer "
+            "from first_k_dense_replace on is a mixture of experts)"
+        )
+    if config.get("attention_bias"):
+        raise ModelLoadError("config.json attention_bias=true is not supported for DeepSeek: supported: [False]")
+    interleave = config.get("rope_interleave", True)
+    if not isinstance(interleave, bool) or (model_type == "deepseek_v2" and not interleave):
+        raise ModelLoadError(
+            f"config.json rope_interleave={interleave!r} is not supported for {model_type}; supported: "
+            f"{[True] if model_type == 'deepseek_v2' else [True, False]}"
+        )
+    num_layers = _positive(config, "num_hidden_layers")
+    max_positions = _positive(config, "max_position_embeddings", default=2048)
+    q_lora = get("q_lora_rank")
+    first_dense = get("first_k_dense_replace")
+    if isinstance(first_dense, bool) or not isinstance(first_dense, int) or first_dense < 0:
+        raise ModelLoadError(f"config.json first_k_dense_replace={first_dense!r} must be a non-negative integer")
+    moe = {}
+    if first_dense < num_layers:
+        grouped = get("topk_method") != "greedy"
+        moe = dict(
+            first_k_dense_replace=first_dense,
+            n_routed_experts=_positive(config, "n_routed_experts", defaults["n_routed_experts"]),
+            num_experts_per_tok=_positive(config, "num_experts_per_tok", defaults["num_experts_per_tok"]),
+            n_group=_positive(config, "n_group", defaults["n_group"]) if grouped else 1,
+            topk_group=_positive(config, "topk_group", defaults["topk_group"]) if grouped else 1,
+            n_shared_experts=_positive(config, "n_shared_experts", defaults["n_shared_experts"]),
+            moe_intermediate_size=_positive(config, "moe_intermediate_size", defaults["moe_intermediate_size"]),
+            routed_scaling_factor=number("routed_scaling_factor"),
+            norm_topk_prob=bool(get("norm_topk_prob")),
+        )
+    eos = eos_token_ids if eos_token_ids is not None else _token_ids(config.get("eos_token_id"), "eos_token_id")
+    bos = config.get("bos_token_id")
+    try:
+        return DeepSeekConfig(
+            vocab_size=_positive(config, "vocab_size"),
+            hidden_size=_positive(config, "hidden_size"),
+            intermediate_size=_positive(config, "intermediate_size"),
+            num_layers=num_layers,
+            num_heads=_positive(config, "num_attention_heads"),
+            kv_lora_rank=_positive(config, "kv_lora_rank", defaults["kv_lora_rank"]),
+            qk_nope_head_dim=_positive(config, "qk_nope_head_dim", defaults["qk_nope_head_dim"]),
+            qk_rope_head_dim=_positive(config, "qk_rope_head_dim", defaults["qk_rope_head_dim"]),
+            v_head_dim=_positive(config, "v_head_dim", defaults["v_head_dim"]),
+            q_lora_rank=None if q_lora is None else _positive(config, "q_lora_rank", q_lora),
+            rope_interleave=interleave,
+            rms_norm_eps=number("rms_norm_eps"),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else -1,
+            eos_token_ids=tuple(dict.fromkeys(eos)),
+            name=name,
+            scoring_func=scoring,
+            topk_method=get("topk_method"),
+            **_rope(config, max_positions),
+            **moe,
+        )
+    except ValueError as e:  # DeepSeekConfig's own checks (groups, experts per token, even RoPE width)
+        raise ModelLoadError(f"config.json: {e}") from e
+
+
+def read_hf_config(path: str | os.PathLike) -> LlamaConfig | DeepSeekConfig:
+    """The ``LlamaConfig`` (``DeepSeekConfig`` for ``DEEPSEEK_MODEL_TYPES``) of a checkpoint
+    folder (``config.json``, plus the EOS ids of ``generation_config.json``). Raises
+    ``ModelLoadError`` naming the key for a missing file, an unsupported ``model_type`` /
+    RoPE type / activation, or a bad value."""
     folder = _folder(path)
     config = _read_json(folder / "config.json")
     model_type = config.get("model_type")
@@ -305,12 +433,7 @@ def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
     if act != "silu" and not gemma:  # transformers' Gemma reads hidden_activation instead
         raise ModelLoadError(f"config.json hidden_act={act!r} is not supported; supported: ['silu']")
     if config.get("mlp_bias"):
-        raise ModelLoadError("config.json mlp_bias=true is not supported: attn_jax's LlamaModel has no MLP biases")
-    num_heads = _positive(config, "num_attention_heads")
-    hidden = _positive(config, "hidden_size")
-    num_layers = _positive(config, "num_hidden_layers")
-    max_positions = _positive(config, "max_position_embeddings", default=2048)
-    family = _gemma(config, model_type, max_positions) if gemma else _rope(config, max_positions)
+        raise ModelLoadError("config.json mlp_bias=true is not supported: attn_jax's models have no MLP biases")
     if config.get("quantization_config") is not None:
         method = config["quantization_config"]
         method = method.get("quant_method") if isinstance(method, dict) else method
@@ -318,15 +441,22 @@ def read_hf_config(path: str | os.PathLike) -> LlamaConfig:
             f"config.json quantization_config (quant_method={method!r}) is not supported: attn_jax reads "
             "F32, F16 and BF16 weights only"
         )
+    generation = _read_json(folder / "generation_config.json", required=False) or {}
+    eos = _token_ids(config.get("eos_token_id"), "config.json eos_token_id")
+    eos += tuple(t for t in _token_ids(generation.get("eos_token_id"), "generation_config.json eos_token_id"))
+    if model_type in DEEPSEEK_MODEL_TYPES:
+        return deepseek_config(config, name=folder.resolve().name, eos_token_ids=eos)
+    num_heads = _positive(config, "num_attention_heads")
+    hidden = _positive(config, "hidden_size")
+    num_layers = _positive(config, "num_hidden_layers")
+    max_positions = _positive(config, "max_position_embeddings", default=2048)
+    family = _gemma(config, model_type, max_positions) if gemma else _rope(config, max_positions)
     if model_type == "qwen2":
         qkv_bias, o_bias = True, False
     elif model_type in ("llama", "qwen3", *GEMMA_MODEL_TYPES):
         qkv_bias = o_bias = bool(config.get("attention_bias", False))
     else:
         qkv_bias = o_bias = False
-    generation = _read_json(folder / "generation_config.json", required=False) or {}
-    eos = _token_ids(config.get("eos_token_id"), "config.json eos_token_id")
-    eos += tuple(t for t in _token_ids(generation.get("eos_token_id"), "generation_config.json eos_token_id"))
     bos = config.get("bos_token_id")
     eps = config.get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps > 0:
@@ -380,12 +510,70 @@ def _weight_files(folder: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
+class _Tensors(contextlib.ExitStack):
+    """A folder's safetensors files open (a context manager): ``get(name, shape)`` reads one
+    tensor, checking it exists with that shape, a read dtype and (``check_finite``) finite
+    values; ``refuse_unused`` names the tensors nothing read. Every family's loader reads
+    through it."""
+
+    def __init__(self, folder: pathlib.Path, progress: Callable[[int, int], None] | None, check_finite: bool):
+        super().__init__()
+        self.folder, self.progress, self.check_finite = folder, progress, check_finite
+        self.where, self.used = {}, set()
+
+    def __enter__(self) -> _Tensors:
+        import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy for safetensors' BF16)
+        from safetensors import safe_open
+
+        super().__enter__()
+        for file in _weight_files(self.folder):
+            try:
+                handle = self.enter_context(safe_open(str(file), framework="np"))
+            except Exception as e:  # safetensors raises its own SafetensorError for a damaged header
+                self.close()
+                raise ModelLoadError(f"{str(file)!r} is not a readable safetensors file: {e}") from e
+            self.where.update(dict.fromkeys(handle.keys(), handle))
+        return self
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        handle = self.where.get(name)
+        if handle is None:
+            raise ModelLoadError(
+                f"{str(self.folder)!r} has no tensor {name!r}, which the model of its config.json needs"
+            )
+        view = handle.get_slice(name)
+        if view.get_dtype() not in WEIGHT_DTYPES:
+            raise ModelLoadError(
+                f"tensor {name!r} has dtype {view.get_dtype()}; supported: {list(WEIGHT_DTYPES)} (quantised "
+                "safetensors checkpoints are not read)"
+            )
+        if tuple(view.get_shape()) != shape:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(view.get_shape())}; config.json implies {shape}")
+        self.used.add(name)
+        tensor = handle.get_tensor(name)
+        if self.check_finite:
+            check_finite_tensor(name, tensor, str(self.folder))
+        if self.progress is not None:
+            self.progress(len(self.used), len(self.where))
+        return tensor
+
+    def refuse_unused(self, ignored: Callable[[str], bool]) -> None:
+        """``ModelLoadError`` naming tensors neither read nor ``ignored`` (and not ``_IGNORED_SUFFIXES``)."""
+        unused = sorted(n for n in self.where if n not in self.used and not n.endswith(_IGNORED_SUFFIXES))
+        unused = [n for n in unused if not ignored(n)]
+        if unused:
+            raise ModelLoadError(
+                f"{str(self.folder)!r} has {len(unused)} tensors the model would not use, e.g. {unused[:4]}: "
+                "config.json does not describe these weights"
+            )
+
+
 def load_hf_weights(
     path: str | os.PathLike,
     dtype=np.float32,
     progress: Callable[[int, int], None] | None = None,
     check_finite: bool = True,
-) -> tuple[LlamaConfig, dict]:
+) -> tuple[LlamaConfig | DeepSeekConfig, dict]:
     """Reads a checkpoint folder's config and safetensors weights (``load_gguf``'s sibling).
 
     Args:
@@ -397,60 +585,24 @@ def load_hf_weights(
 
     Returns ``(config, params)`` in ``load_gguf``'s layout (``llama.assemble_params``), with
     ``bq``/``bk``/``bv`` [Hq*D], [Hkv*D] per layer when the config has q/k/v biases and
-    ``bo`` [H] when it has an output bias. Raises ``ModelLoadError`` for a missing file or
-    tensor, a tensor of another shape or dtype, or a tensor the model would not use.
+    ``bo`` [H] when it has an output bias; for a DeepSeek config ``deepseek.assemble_params``'
+    layout (tensors of V3's multi-token-prediction layers, past ``num_hidden_layers``, are
+    not read). Raises ``ModelLoadError`` for a missing file or tensor, a tensor of another
+    shape or dtype, or a tensor the model would not use.
     """
-    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy for safetensors' BF16)
-    from safetensors import safe_open
-
     folder = _folder(path)
     config = read_hf_config(folder)
-    names = {**_TENSOR_NAMES, **(_SANDWICH_NORM_NAMES if config.sandwich_norms else {})}
-    with contextlib.ExitStack() as stack:
-        where = {}
-        for file in _weight_files(folder):
-            try:
-                handle = stack.enter_context(safe_open(str(file), framework="np"))
-            except Exception as e:  # safetensors raises its own SafetensorError for a damaged header
-                raise ModelLoadError(f"{str(file)!r} is not a readable safetensors file: {e}") from e
-            where.update(dict.fromkeys(handle.keys(), handle))
-        used = set()
-        total = len(where)
-
-        def get(key: str, layer: int | None, shape: tuple[int, ...]) -> np.ndarray:
-            name = names[key].format(i=layer)
-            handle = where.get(name)
-            if handle is None:
-                raise ModelLoadError(
-                    f"{str(folder)!r} has no tensor {name!r}, which the model of its config.json needs"
-                )
-            view = handle.get_slice(name)
-            if view.get_dtype() not in WEIGHT_DTYPES:
-                raise ModelLoadError(
-                    f"tensor {name!r} has dtype {view.get_dtype()}; supported: {list(WEIGHT_DTYPES)} (quantised "
-                    "safetensors checkpoints are not read)"
-                )
-            if tuple(view.get_shape()) != shape:
-                raise ModelLoadError(
-                    f"tensor {name!r} has shape {tuple(view.get_shape())}; config.json implies {shape}"
-                )
-            used.add(name)
-            tensor = handle.get_tensor(name)
-            if check_finite:
-                check_finite_tensor(name, tensor, str(folder))
-            if progress is not None:
-                progress(len(used), total)
-            return tensor
-
-        params = assemble_params(config, get, dtype)
-    unused = sorted(n for n in where if n not in used and not n.endswith(_IGNORED_SUFFIXES))
-    if config.tie_word_embeddings and _TENSOR_NAMES["lm_head"] in unused:
-        unused.remove(_TENSOR_NAMES["lm_head"])  # tied: transformers uses the embedding too
-    if unused:
-        raise ModelLoadError(
-            f"{str(folder)!r} has {len(unused)} tensors the model would not use, e.g. {unused[:4]}: config.json "
-            "does not describe these weights"
-        )
+    with _Tensors(folder, progress, check_finite) as tensors:
+        if isinstance(config, DeepSeekConfig):
+            params = deepseek.assemble_params(config, tensors.get, dtype)
+            extra = _read_json(folder / "config.json").get("num_nextn_predict_layers") or 0
+            mtp = tuple(f"model.layers.{config.num_layers + i}." for i in range(extra if isinstance(extra, int) else 0))
+            tensors.refuse_unused(lambda name: name.startswith(mtp))
+        else:
+            names = {**_TENSOR_NAMES, **(_SANDWICH_NORM_NAMES if config.sandwich_norms else {})}
+            params = assemble_params(config, lambda key, i, shape: tensors.get(names[key].format(i=i), shape), dtype)
+            tied = _TENSOR_NAMES["lm_head"] if config.tie_word_embeddings else None  # transformers uses the embedding
+            tensors.refuse_unused(lambda name: name == tied)
     return config, params
 
 
@@ -606,17 +758,18 @@ def load_hf_checkpoint(
     mesh=None,
     progress: Callable[[str, int, int], None] | None = None,
     check_finite: bool = True,
-) -> tuple[LlamaModel, dict, HFTokenizer]:
+) -> tuple[LlamaModel | DeepSeekModel, dict, HFTokenizer]:
     """``(model, params, tokenizer)`` of a checkpoint folder: what ``Engine(model, params,
-    tokenizer, mesh=mesh, ...)`` takes.
+    tokenizer, mesh=mesh, ...)`` takes; a ``DeepSeekModel`` (its MLA attention on the MLA
+    backends: ``get_attn_backend(..., use_mla=True)``) for ``DEEPSEEK_MODEL_TYPES``.
 
     Args:
       path: the checkpoint folder.
       dtype: weights and activations, one of ``MODEL_DTYPES`` (float32 default, whatever
         the checkpoint stores).
-      block_size / attn_backend / kv_cache_dtype: ``LlamaModel``'s.
+      block_size / attn_backend / kv_cache_dtype: ``LlamaModel``'s (``DeepSeekModel``'s).
       mesh: the engine's mesh (``attn_jax.sharding.make_mesh``); the model is built for
-        one shard of it.
+        one shard of it. DeepSeek models run on one device (a mesh of more is refused).
       progress: ``progress(stage, done, total)`` while the weights ("weights") and the
         tokenizer ("tokenizer") load, as ``Engine.from_gguf`` calls it.
       check_finite: ``load_hf_weights``' (a NaN or infinity in a weight is an error).
@@ -633,7 +786,12 @@ def load_hf_checkpoint(
         np_dtype = None
     if np_dtype is None or np_dtype.name not in MODEL_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; supported: {list(MODEL_DTYPES)}")
-    read_hf_config(path)
+    config = read_hf_config(path)
+    if isinstance(config, DeepSeekConfig) and mesh is not None and mesh.size > 1:
+        raise ModelLoadError(
+            f"{config.name!r} is a DeepSeek (MLA) model: it runs on one device; a mesh of {mesh.size} devices "
+            "(--devices) is not supported for it"
+        )
     if progress is not None:
         progress("tokenizer", 0, 1)
     tokenizer = load_hf_tokenizer(path)
@@ -645,6 +803,11 @@ def load_hf_checkpoint(
         progress=None if progress is None else lambda d, t: progress("weights", d, t),
         check_finite=check_finite,
     )
+    if isinstance(config, DeepSeekConfig):
+        model = DeepSeekModel(
+            config, block_size=block_size, kv_cache_dtype=kv_cache_dtype, attn_backend=attn_backend, dtype=np_dtype
+        )
+        return model, params, tokenizer
     local = {}
     if mesh is not None:
         from attn_jax.sharding import local_model_kwargs

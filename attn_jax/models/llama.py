@@ -316,10 +316,11 @@ def soft_cap(x, cap: float | None):
     return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-def rope_frequencies(config: LlamaConfig) -> tuple[np.ndarray, float]:
+def rope_frequencies(config: LlamaConfig, dim: int | None = None) -> tuple[np.ndarray, float]:
     """``(inv_freq f32[D/2], attention_scaling)`` of the config's RoPE, computed in float32
     as transformers' ``ROPE_INIT_FUNCTIONS[rope_type]`` does: cos and sin are multiplied by
-    ``attention_scaling`` (1 except for YaRN).
+    ``attention_scaling`` (1 except for YaRN). ``dim``: the rotated width (default
+    ``config.head_dim``; DeepSeek's ``qk_rope_head_dim``, its config read alike).
 
     Example::
 
@@ -328,7 +329,7 @@ def rope_frequencies(config: LlamaConfig) -> tuple[np.ndarray, float]:
                              ("original_max_position_embeddings", 8192))))
     """
     c = config
-    dim, factor, get = c.head_dim, c.rope_scaling_factor, c.rope_parameter
+    dim, factor, get = c.head_dim if dim is None else dim, c.rope_scaling_factor, c.rope_parameter
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     pos_freqs = np.float32(c.rope_theta) ** exponents  # f32[D/2]
     inv_freq = np.float32(1.0) / pos_freqs

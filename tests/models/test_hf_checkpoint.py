@@ -25,6 +25,7 @@ import transformers
 from attn_jax import build_common_attn_metadata
 from attn_jax.models.gguf_loader import ModelLoadError
 from attn_jax.models.hf_checkpoint import (
+    DEEPSEEK_MODEL_TYPES,
     SUPPORTED_MODEL_TYPES,
     HFTokenizer,
     load_hf_checkpoint,
@@ -145,9 +146,12 @@ def _randomise(model) -> None:
     """Weights whose greedy tokens vary (transformers' init gives zero biases, unit norms and
     a model that repeats one token): matrices ~ N(0, 1/fan_in) with the residual branches'
     outputs (o_proj, down_proj) x3 and the embeddings x0.3, norms ~ 1 + N(0, 0.01), biases
-    ~ N(0, 0.01)."""
+    (DeepSeek-V3's router score-correction buffers too) ~ N(0, 0.01)."""
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=generator))
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=generator)
             if "norm" in name:
@@ -159,11 +163,12 @@ def _randomise(model) -> None:
                 p.copy_(noise * scale * p.shape[-1] ** -0.5)
 
 
-def _write_checkpoint(model_type: str, folder):
-    """The transformers model (eval mode) of a tiny random ``model_type``, saved with a tokenizer in ``folder``."""
-    config_cls, model_cls, extra = MODELS[model_type]
+def _write_checkpoint(model_type: str, folder, models=MODELS, sizes=SIZES):
+    """The transformers model (eval mode) of a tiny random ``model_type`` (a key of ``models``,
+    built with ``sizes``), saved with a tokenizer in ``folder``."""
+    config_cls, model_cls, extra = models[model_type]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**SIZES, **extra)).eval()
+    model = model_cls(config_cls(**sizes, **extra)).eval()
     _randomise(model)
     model.save_pretrained(folder, max_shard_size="40KB" if model_type == "llama" else "100MB")
     _save_tokenizer(folder)
@@ -319,8 +324,8 @@ def test_rope_reads_as_transformers(tmp_path, rope):
     assert scale == pytest.approx(theirs.attention_scaling, rel=1e-12)
 
 
-@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
-def test_defaults_of_absent_keys_are_transformers(tmp_path, model_type):
+@pytest.mark.parametrize("model_type", [t for t in SUPPORTED_MODEL_TYPES if t not in DEEPSEEK_MODEL_TYPES])
+def test_defaults_of_absent_keys_are_transformers(tmp_path, model_type):  # DeepSeek's: tests/models/test_deepseek.py
     """A config.json with only the sizes: every default the loader fills in (head_dim, tied
     embeddings, eps, RoPE theta, windows, Gemma's soft caps and query scalar) is the one
     transformers' config class fills in."""
@@ -464,7 +469,7 @@ def _write_config(folder, **changes) -> None:
         (
             {"model_type": "gpt2"},
             r"model_type='gpt2' is not supported; supported: "
-            r"\['llama', 'mistral', 'qwen2', 'qwen3', 'gemma2', 'gemma3_text'\]",
+            r"\['llama', 'mistral', 'qwen2', 'qwen3', 'gemma2', 'gemma3_text', 'deepseek_v2', 'deepseek_v3'\]",
         ),
         (
             {"rope_parameters": {"rope_type": "dynamic", "factor": 8.0, "rope_theta": 5e5}},
@@ -534,7 +539,9 @@ def test_config_errors_name_the_value(tmp_path, changes, message):
     _write_config(tmp_path, **changes)
     with pytest.raises(ModelLoadError, match=message):
         read_hf_config(tmp_path)
-    assert SUPPORTED_MODEL_TYPES == ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+    assert SUPPORTED_MODEL_TYPES == (
+        "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "deepseek_v2", "deepseek_v3"
+    )  # fmt: skip
 
 
 def test_folder_errors(tmp_path):
@@ -722,8 +729,8 @@ def test_cli_reports_a_bad_checkpoint_folder(tmp_path, capsys):
     _write_config(tmp_path, model_type="gpt2")
     assert main(["generate", "--model", str(tmp_path), "--max-new-tokens", "2"]) == 2
     assert (
-        "model_type='gpt2' is not supported; supported: ['llama', 'mistral', 'qwen2', 'qwen3', 'gemma2', 'gemma3_text']"
-        in capsys.readouterr().err
+        "model_type='gpt2' is not supported; supported: ['llama', 'mistral', 'qwen2', 'qwen3', 'gemma2', "
+        "'gemma3_text', 'deepseek_v2', 'deepseek_v3']" in capsys.readouterr().err
     )
 
 
