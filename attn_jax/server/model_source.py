@@ -2,7 +2,7 @@
 
 ``--model`` is a Llama GGUF file (default: the embedded SmolLM2-135M-Instruct), a
 Hugging Face checkpoint directory (``attn_jax.models.hf_checkpoint``: Llama, Mistral,
-Qwen2 safetensors), or ``tiny-random``: a 2-layer model of random weights over SmolLM2's
+Qwen2/3, Gemma 2/3, DeepSeek-V2/V3 safetensors), or ``tiny-random``: a 2-layer model of random weights over SmolLM2's
 tokenizer, for tests (``attn_jax.testing.models.tiny_random_engine``).
 """
 
