@@ -188,33 +188,34 @@ class ShardedStep:
         zeros = jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)
         return [zeros() for _ in range(self.model.config.num_layers)]
 
-    def zeros_per_shard(self, n: int) -> jax.Array:
-        """i32[data, n] zeros, a row per data shard (the engine's last sampled tokens: each
-        data shard holds and reads its own row)."""
+    def zeros_per_shard(self, *shape: int) -> jax.Array:
+        """i32[data, *shape] zeros, a slice per data shard (the engine's last sampled tokens and
+        token counts: each data shard holds and reads its own)."""
         rows = NamedSharding(self.mesh, P(DATA))
-        return jax.jit(lambda: jax.numpy.zeros((self.data_size, n), jax.numpy.int32), out_shardings=rows)()
+        return jax.jit(lambda: jax.numpy.zeros((self.data_size, *shape), jax.numpy.int32), out_shardings=rows)()
 
     def jit(self, device_step):
-        """``device_step(params, caches, last_tokens, packed, layout, num_steps, sampled)``
-        (one shard's arrays; the last three static; it returns sampled tokens, last tokens,
+        """``device_step(params, caches, rows, packed, layout, num_steps, sampled)``
+        (one shard's arrays; ``rows`` a pytree of per-row state, each leaf with a leading data
+        axis here; the last three static; it returns sampled tokens, the rows' state,
         caches, the next call's inputs, which this drops, and the tokens' log-probabilities
-        or None) jitted over the mesh, caches donated.
+        or None) jitted over the mesh, caches and rows' state donated.
 
         The only collective beside the model's own (one ``psum`` per split attention and
         MLP) gathers the data shards' sampled tokens (and a sampled call's log-probabilities),
         once per call: the result is
-        replicated, so every process of a multi-process run reads all of them. The last
-        tokens stay on their shard (i32[data, R_max], split over "data")."""
+        replicated, so every process of a multi-process run reads all of them. The rows'
+        state stays on its shard (split over "data")."""
         mesh, cache_spec = self.mesh, self.cache_spec
 
-        def step(params, caches, last_tokens, packed, layout, num_steps, sampled):
-            def body(params, caches, last_tokens, packed):
-                tokens, last, caches, _, logprobs = device_step(  # the next call's inputs: one device's only
-                    params, caches, last_tokens[0], packed[0], layout, num_steps, sampled
+        def step(params, caches, rows, packed, layout, num_steps, sampled):
+            def body(params, caches, rows, packed):
+                tokens, rows, caches, _, logprobs = device_step(  # the next call's inputs: one device's only
+                    params, caches, jax.tree.map(lambda a: a[0], rows), packed[0], layout, num_steps, sampled
                 )
                 if logprobs is not None:
                     logprobs = tuple(jax.lax.all_gather(a, DATA) for a in logprobs)
-                return jax.lax.all_gather(tokens, DATA), last[None], caches, logprobs
+                return jax.lax.all_gather(tokens, DATA), jax.tree.map(lambda a: a[None], rows), caches, logprobs
 
             fn = jax.shard_map(
                 body,
@@ -223,9 +224,9 @@ class ShardedStep:
                 out_specs=(P(), P(DATA), [cache_spec] * len(caches), (P(), P(), P()) if sampled else None),
                 check_vma=False,
             )
-            return fn(params, caches, last_tokens, packed)
+            return fn(params, caches, rows, packed)
 
-        return jax.jit(step, donate_argnums=1, static_argnums=(4, 5, 6))
+        return jax.jit(step, donate_argnums=(1, 2), static_argnums=(4, 5, 6))
 
     def stack_inputs(self, packed) -> tuple[jax.Array, object]:
         """Each data shard's packed inputs (``step_inputs.pack`` results, which must share one

@@ -86,13 +86,15 @@ def activation_bytes(config, *, max_num_batched_tokens: int, max_rows: int) -> i
     """An upper estimate of one step's activations (bytes, float32): ``max_num_batched_tokens``
     tokens through the widest layer and ``max_rows`` rows of logits with the sampler's
     sorted values, indices, probabilities and masks, twice over for XLA's temporaries, plus
+    the penalties' token counts (``ModelRunner``: i32[max_rows, vocab], kept between steps) and
     ``WORKSPACE_BYTES``."""
     hidden, vocab = config.hidden_size, config.vocab_size
     inter = getattr(config, "intermediate_size", 4 * hidden)
     num_heads = getattr(config, "num_heads", 1)
     heads = num_heads + 2 * getattr(config, "num_kv_heads", num_heads)
     per_token = 4 * hidden + 3 * inter + heads * getattr(config, "head_dim", hidden // max(num_heads, 1))
-    return 2 * 4 * (max_num_batched_tokens * per_token + 8 * max_rows * vocab) + WORKSPACE_BYTES
+    counts = 4 * max_rows * vocab
+    return 2 * 4 * (max_num_batched_tokens * per_token + 8 * max_rows * vocab) + counts + WORKSPACE_BYTES
 
 
 def kv_cache_plan(

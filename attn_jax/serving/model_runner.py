@@ -12,6 +12,20 @@ device. ``execute`` is ``prepare`` (host work only; ``PreparedCall.key`` names t
 compiled step the call needs) then ``dispatch``; ``Engine.warmup`` (``warmup.py``) uses the
 two halves to compile each distinct key once, inside ``preserving_page``.
 
+Penalties (``SamplingParams``' presence / frequency / repetition) read per-request token
+counts kept on the device, i32[R_max, V] (per data shard; 256 slots x 49,152 tokens is 50 MB):
+a running request with penalties owns a row (its ``penalty_slot``, taken by the scheduler at
+admission). Counts rather than each row's token history: the history would have to travel
+with the inputs (the whole prompt, for repetition) and be rebuilt into counts every step,
+while the table is updated in place. The sampled program (``PreparedCall.sampled``, which any
+row with penalties selects: greedy rows are exact there) gathers its rows' counts, starts a
+newly admitted request's over, adds the input tokens it must count (``marks``: the prompt's,
+and a recomputed request's generated ones; the step's own sampled tokens are added as they
+are sampled, in every step of a multi-step call) and writes the rows back; the greedy program
+hands the table through untouched (donated, so no copy): batches without penalties pay
+nothing, and no program is added. Continued decode calls (``continue_decode``) reuse inputs
+with nothing to mark and no row starting over, so they need nothing more.
+
 Example::
 
     runner = ModelRunner(model, params, num_blocks=64, buckets=buckets, max_rows=8)
@@ -36,7 +50,7 @@ import numpy as np
 from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
 from attn_jax.models.base import ServingModel
 from attn_jax.serving.cascade import CascadeConfig, common_prefix_len
-from attn_jax.serving.sampling import sample_tokens
+from attn_jax.serving.sampling import PROMPT_SEEN, apply_penalties, sample_tokens
 from attn_jax.serving.scheduler import Request, ScheduledBatch
 from attn_jax.serving.step_inputs import PackedLayout, leaf_offsets, pack, repack, unpack
 from attn_jax.sharding import ShardedStep
@@ -89,7 +103,8 @@ class PreparedCall:
     num_steps: int  # K
     token_bucket: int
     cascade_prefix_len: int  # the largest shard's; 0: no cascade attention
-    # A row samples (temperature > 0) or wants log-probabilities: the program that sorts (``sampling.py``).
+    # A row samples (temperature > 0), wants log-probabilities or has penalties: the program that sorts
+    # (``sampling.py``) and keeps the token counts.
     sampled: bool = False
     decode: DecodeBatch | None = None  # a decode call the next one may continue; None: other calls
     page_delta: np.ndarray | None = None  # i32[2, 2 * R_max]: (buffer index, value) written before the step
@@ -150,17 +165,20 @@ class ModelRunner:
         self.max_rows = buckets.request_buckets[-1]  # the sampled-token buffer's length
         self._sharded = None if mesh is None else ShardedStep(model, mesh)
         self.num_shards = 1 if self._sharded is None else self._sharded.data_size
+        vocab = model.config.vocab_size
         if self._sharded is None:
             self.params = jax.device_put(params)
             self.kv_caches = model.init_kv_caches(num_blocks)
-            self._jit_step = jax.jit(self._device_step, donate_argnums=1, static_argnums=(4, 5, 6))
+            self._jit_step = jax.jit(self._device_step, donate_argnums=(1, 2), static_argnums=(4, 5, 6))
             self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)
+            self._token_counts = jnp.zeros((self.max_rows, vocab), jnp.int32)
             self._no_page_delta = jnp.full((2, 2 * self.max_rows), NO_INDEX, jnp.int32)
         else:
             self.params = self._sharded.put_params(params)
             self.kv_caches = self._sharded.init_kv_caches(num_blocks)
             self._jit_step = self._sharded.jit(self._device_step)
             self._last_tokens = self._sharded.zeros_per_shard(self.max_rows)
+            self._token_counts = self._sharded.zeros_per_shard(self.max_rows, vocab)
         self.num_blocks = num_blocks
         # The last dispatched call, when a decode batch, and its inputs one step on, computed on
         # the device: the next call continues from them when it is that batch a token later.
@@ -187,9 +205,11 @@ class ModelRunner:
     def request_row(request: Request, num_new: int, rows_of_pending: dict[int, int]) -> tuple:
         """One request's part of the step: (known input token ids, the row of its pending
         token in the previous call's output or -1, (temperature, top_p, top_k, seed,
-        tokens generated)); ``rows_of_pending`` maps ``id(request)`` to that row. Raises
-        for a request whose values do not fit the step's arrays (a seed outside
-        [0, 2**32), say), so the core can fail it alone."""
+        tokens generated, presence, frequency and repetition penalties, its token-count
+        slot or -1, 1 when that slot starts over, how many of the known ids the step counts
+        as prompt tokens, and after them as generated ones)); ``rows_of_pending`` maps
+        ``id(request)`` to that row. Raises for a request whose values do not fit the step's
+        arrays (a seed outside [0, 2**32), say), so the core can fail it alone."""
         known = request.known_ids(request.num_computed, request.num_computed + num_new)
         src = -1
         if len(known) < num_new:  # the last token is the previous step's, still on the device
@@ -200,7 +220,18 @@ class ModelRunner:
         for name, value, limit in (("seed", request.seed, SEED_LIMIT), ("top_k", p.top_k, 2**31)):
             if not 0 <= value < limit:
                 raise OverflowError(f"{name}={value} does not fit the step's arrays: it must be in [0, {limit})")
-        return known, src, (p.temperature, p.top_p, p.top_k, request.seed, request.num_generated)
+        values = (p.temperature, p.top_p, p.top_k, request.seed, request.num_generated)
+        slot = request.penalty_slot
+        if slot < 0:
+            return known, src, (*values, 0.0, 0.0, 1.0, -1, 0, 0, 0)
+        # Its known ids before ``num_counted_inputs`` are counted here (the prompt's as such),
+        # the later ones were counted when sampled; its first call after admission starts over.
+        start, counted = request.num_computed, request.num_counted_inputs
+        num_prompt = min(max(min(counted, len(request.prompt_ids)) - start, 0), len(known))
+        num_generated = min(max(counted - start, 0), len(known)) - num_prompt
+        fresh = int(start == request.num_cached_tokens)
+        penalties = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+        return known, src, (*values, *penalties, slot, fresh, num_prompt, num_generated)
 
     def cascade_prefix_lens(self, batches: Sequence[ScheduledBatch], num_common_blocks: Sequence[int]) -> list[int]:
         """Each shard's cascade prefix (tokens; 0: no cascade attention) from its running
@@ -256,9 +287,15 @@ class ModelRunner:
         logits_rows[:n] = ends - 1
         steps = np.zeros(num_rows, np.int32)
         steps[:n] = decode_steps
-        columns = np.zeros((5, num_rows), np.float64)  # exact for every value in range
-        columns[1] = 1.0
-        columns[:, :n] = np.asarray(values, np.float64).reshape(n, 5).T
+        columns = np.zeros((12, num_rows), np.float64)  # exact for every value in range
+        columns[[1, 7]] = 1.0  # top_p, repetition penalty: off
+        columns[8] = -1  # no token-count slot
+        columns[:, :n] = np.asarray(values, np.float64).reshape(n, 12).T
+        marks = np.full(token_bucket, -1, np.int32)  # per token: 2 * row + 1 if generated, counted; -1: not
+        for i in np.flatnonzero(columns[10, :n] + columns[11, :n]).tolist():  # rows counting their inputs
+            first, num_prompt, num_generated = int(ends[i] - query_lens[i]), int(columns[10, i]), int(columns[11, i])
+            marks[first : first + num_prompt] = 2 * i
+            marks[first + num_prompt : first + num_prompt + num_generated] = 2 * i + 1
         exact = self._exact_buckets.get(buckets)
         if exact is None:  # built (and validated) once per combination, not per step
             exact = self._exact_buckets[buckets] = MetadataBuckets(*((b,) for b in buckets))
@@ -266,11 +303,12 @@ class ModelRunner:
         md = self.attention_group.build_for_jit(md, step_query_lens=step_query_lens, common_prefix_len=prefix_len)
         return dict(
             token_ids=token_ids, token_src=token_src, positions=positions, md=md, logits_rows=logits_rows,
-            decode_steps=steps,
+            decode_steps=steps, marks=marks,
             sampling=dict(
                 temperature=columns[0].astype(np.float32), top_p=columns[1].astype(np.float32),
                 top_k=columns[2].astype(np.int32), seeds=columns[3].astype(np.uint32),
-                counters=columns[4].astype(np.int32),
+                counters=columns[4].astype(np.int32), penalties=columns[5:8].astype(np.float32),
+                slots=columns[8:10].astype(np.int32),
             ),
         )  # fmt: skip
 
@@ -316,7 +354,7 @@ class ModelRunner:
         packed = [pack(x) for x in inputs]
         decode = self._decode_batch(batches, rows, steps, num_steps, prefix_lens[0], packed[0][1])
         sampled = any(bool((x["sampling"]["temperature"] > 0).any()) for x in inputs) or any(
-            r.params.logprobs is not None for b in batches for r in b.requests
+            r.params.logprobs is not None or r.params.has_penalties for b in batches for r in b.requests
         )
         return PreparedCall(packed, num_steps, token_bucket, max(prefix_lens), sampled, decode)
 
@@ -396,11 +434,12 @@ class ModelRunner:
         """The jitted step's arguments for a prepared call (the sharded step's inputs stacked
         over data shards)."""
         packed, num_steps, sampled = prepared.packed, prepared.num_steps, prepared.sampled
+        rows = (self._last_tokens, self._token_counts)
         if self._sharded is None:
             delta = self._no_page_delta if prepared.page_delta is None else prepared.page_delta
-            return self.params, self.kv_caches, self._last_tokens, packed[0][0], packed[0][1], num_steps, sampled, delta
+            return self.params, self.kv_caches, rows, packed[0][0], packed[0][1], num_steps, sampled, delta
         buffers, layout = self._sharded.stack_inputs(packed)
-        return self.params, self.kv_caches, self._last_tokens, buffers, layout, num_steps, sampled
+        return self.params, self.kv_caches, rows, buffers, layout, num_steps, sampled
 
     def compile(self, prepared: PreparedCall) -> None:
         """Compiles ``prepared``'s program without running it (jit's lowering cache keeps it,
@@ -414,10 +453,11 @@ class ModelRunner:
         args = self._step_args(prepared)
         start = time.perf_counter()
         if self._sharded is None:
-            tokens, self._last_tokens, self.kv_caches, next_packed, logprobs = self._jit_step(*args)
+            tokens, rows, self.kv_caches, next_packed, logprobs = self._jit_step(*args)
             self._decode_chain = None if prepared.decode is None else (prepared, next_packed)
         else:
-            tokens, self._last_tokens, self.kv_caches, logprobs = self._jit_step(*args)
+            tokens, rows, self.kv_caches, logprobs = self._jit_step(*args)
+        self._last_tokens, self._token_counts = rows
         end = time.perf_counter()
         self.dispatched_keys.add(prepared.key)
         ready = end if tokens.is_ready() else None
@@ -493,24 +533,28 @@ class ModelRunner:
         return (chosen[None], ids[None], top[None]) if chosen.ndim == 2 else (chosen, ids, top)
 
     def _device_step(
-        self, params, kv_caches, last_tokens, packed, layout: PackedLayout, num_steps: int, sampled: bool,
+        self, params, kv_caches, rows, packed, layout: PackedLayout, num_steps: int, sampled: bool,
         page_delta=None,
     ):  # fmt: skip
         """Traced once per (layout, steps, sampled), whatever the sampling values: forward
         and sampling (with ``sampled`` False every row is greedy: an argmax), ``num_steps``
         times (the later steps decodes only, each request's input its previous token).
 
-        ``last_tokens`` i32[R_max] are the previous call's last sampled tokens (still on the
-        device); rows whose ``token_src`` is >= 0 take their input token from there.
-        Returns (i32[num_steps, R_max] sampled tokens, i32[R_max] each row's last sampled
-        token, caches, i32[n] packed inputs, the tokens' log-probabilities: ``sample_tokens``'
-        three arrays with a [num_steps, R_max] lead, or None when not ``sampled``); the packed
+        ``rows`` is the device's per-row state: (i32[R_max] the previous call's last sampled
+        tokens, i32[R_max, V] the penalties' token counts by slot); rows whose ``token_src``
+        is >= 0 take their input token from the first. A sampled call applies each row's
+        penalties from its slot's counts (``_penalized_sampling``); a greedy call has no row
+        with penalties and hands the counts back untouched (donated: no copy).
+        Returns (i32[num_steps, R_max] sampled tokens, ``rows`` after the call, caches, i32[n]
+        packed inputs, the tokens' log-probabilities: ``sample_tokens``' three arrays with a
+        [num_steps, R_max] lead, or None when not ``sampled``); the packed
         inputs are a one-step call's one token on, which the
         next call reuses when it is the same decode batch a token later (``continue_decode``);
         for other calls ``packed`` itself. ``page_delta`` i32[2, 2 * R_max] (one device only):
         (buffer index, value) pairs written into ``packed`` first, the pages a continued
         call's requests gained (index ``NO_INDEX``: none)."""
         self.num_compilations += 1
+        last_tokens, all_counts = rows
         if page_delta is not None:
             packed = packed.at[page_delta[0]].set(page_delta[1], mode="drop")
         x = unpack(packed, layout)
@@ -521,15 +565,37 @@ class ModelRunner:
         def pad(a):  # rows -> R_max
             return jnp.pad(a, [(0, max_rows - num_rows)] + [(0, 0)] * (a.ndim - 1))
 
-        def forward(kv_caches, token_ids, positions, md, counters):
-            """(i32[R_max] tokens, their log-probabilities or None, caches)."""
+        limits = x["decode_steps"]  # i32[R]: steps each request takes (0 for padding rows)
+        token_ids = jnp.where(x["token_src"] >= 0, last_tokens[jnp.maximum(x["token_src"], 0)], x["token_ids"])
+        slots, fresh = s["slots"]  # i32[R] each row's token-count slot (-1: no penalties), 1: it starts over
+        counts = None
+        if sampled:  # the rows' counts, started over where fresh, with the inputs' counted tokens added
+            counts = jnp.where(((slots >= 0) & (fresh == 0))[:, None], all_counts[jnp.maximum(slots, 0)], 0)
+            marks = x["marks"]
+            row = jnp.where(marks >= 0, marks >> 1, num_rows)  # out of bounds: dropped
+            # The prompt's first: a slot's generated counts are 0 while its prompt is counted.
+            generated = (marks & 1) == 1
+            counts = counts.at[jnp.where(generated, num_rows, row), token_ids].max(PROMPT_SEEN, mode="drop")
+            counts = counts.at[jnp.where(generated, row, num_rows), token_ids].add(1, mode="drop")
+
+        def forward(kv_caches, token_ids, positions, md, counters, counts, active):
+            """(i32[R_max] tokens, their log-probabilities or None, caches, the counts with the
+            ``active`` bool[R] rows' new tokens added)."""
             logits, kv_caches = self.model.step(params, kv_caches, token_ids, positions, md, x["logits_rows"])
             if not sampled:
-                return pad(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None, kv_caches
+                return pad(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None, kv_caches, counts
+            presence, frequency, repetition = s["penalties"]
+            logits = apply_penalties(logits, counts, presence, frequency, repetition)
             out = sample_tokens(logits, s["temperature"], s["top_p"], s["top_k"], s["seeds"], counters)
-            return pad(out[0]), tuple(pad(a) for a in out[1:]), kv_caches
+            counts = counts.at[jnp.arange(num_rows), out[0]].add(active.astype(jnp.int32))
+            return pad(out[0]), tuple(pad(a) for a in out[1:]), kv_caches, counts
 
-        limits = x["decode_steps"]  # i32[R]: steps each request takes (0 for padding rows)
+        def store(counts):
+            """The device's counts with these rows' written back to their slots."""
+            if counts is None:
+                return all_counts
+            return all_counts.at[jnp.where(slots >= 0, slots, max_rows)].set(counts, mode="drop")
+
         token_rows = jnp.arange(x["token_ids"].shape[0])
         token_req = jnp.minimum(token_rows, num_rows - 1)  # a decode batch's token r is request r's
         group = self.attention_group
@@ -542,8 +608,9 @@ class ModelRunner:
             next_md = group.advance_decode(md, jnp.pad(steps, widths), jnp.pad(active, widths))
             return positions, next_md, s["counters"] + steps
 
-        token_ids = jnp.where(x["token_src"] >= 0, last_tokens[jnp.maximum(x["token_src"], 0)], x["token_ids"])
-        tokens, logprobs, kv_caches = forward(kv_caches, token_ids, x["positions"], md, s["counters"])
+        tokens, logprobs, kv_caches, counts = forward(
+            kv_caches, token_ids, x["positions"], md, s["counters"], counts, limits > 0
+        )
         first = None if logprobs is None else tuple(a[None] for a in logprobs)
         if num_steps == 1:
             next_packed = packed
@@ -552,19 +619,23 @@ class ModelRunner:
                 positions, next_md, counters = moved(one, one > 0)
                 later = dict(x, positions=positions, md=next_md, sampling=dict(s, counters=counters))
                 next_packed = repack(packed, layout, x, later)
-            return tokens[None], tokens, kv_caches, next_packed, first
+            return tokens[None], (tokens, store(counts)), kv_caches, next_packed, first
 
         def decode(carry, step):
-            kv_caches, last = carry
+            kv_caches, last, counts = carry
             steps = jnp.clip(jnp.minimum(step, limits - 1), 0)
             active = step < limits
             token_ids = last[jnp.minimum(token_rows, max_rows - 1)]
             positions, step_md, counters = moved(steps, active)
-            new, new_logprobs, kv_caches = forward(kv_caches, token_ids, positions, step_md, counters)
+            new, new_logprobs, kv_caches, counts = forward(
+                kv_caches, token_ids, positions, step_md, counters, counts, active
+            )
             last = jnp.where(jnp.pad(active, (0, max_rows - num_rows)), new, last)
-            return (kv_caches, last), (new, new_logprobs)
+            return (kv_caches, last, counts), (new, new_logprobs)
 
-        (kv_caches, last), (later, later_logprobs) = jax.lax.scan(decode, (kv_caches, tokens), jnp.arange(1, num_steps))
+        (kv_caches, last, counts), (later, later_logprobs) = jax.lax.scan(
+            decode, (kv_caches, tokens, counts), jnp.arange(1, num_steps)
+        )
         if first is not None:
             first = tuple(jnp.concatenate([a, b]) for a, b in zip(first, later_logprobs, strict=True))
-        return jnp.concatenate([tokens[None], later]), last, kv_caches, packed, first
+        return jnp.concatenate([tokens[None], later]), (last, store(counts)), kv_caches, packed, first

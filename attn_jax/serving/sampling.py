@@ -22,6 +22,12 @@ greedy row's order is its logits'; a sampled row's tempered order is the same).
 Each row draws with its own key, ``fold_in(PRNGKey(seed), index)`` where ``index`` is the
 number of tokens the request has generated so far, so a seeded request gives the same
 tokens whatever else shares its batches.
+
+Penalties (``apply_penalties``; vLLM's and OpenAI's semantics) change a row's logits before
+all of the above, so a greedy row's argmax is the penalized logits' and its log-probabilities
+are the penalized logits' (before temperature and filters); a row without penalties gets its
+logits back bit for bit. They read each row's token counts, which the model runner keeps on
+the device (``ModelRunner``: one i32[V] row per request slot, updated inside the step).
 """
 
 from __future__ import annotations
@@ -33,12 +39,42 @@ MAX_LOGPROBS = 20
 """The most alternatives a request may ask log-probabilities of (OpenAI's ``top_logprobs``)."""
 
 
+PROMPT_SEEN = 1 << 30
+"""``apply_penalties``' counts: a token's count is its generated occurrences, plus this flag
+when the request's prompt holds it (generated counts stay far below it)."""
+
+
+def apply_penalties(logits, counts, presence, frequency, repetition):
+    """The logits after vLLM's penalties (traceable; the values are data: one program).
+
+    For a token seen in the prompt or the output (repetition, Keskar et al.'s CTRL rule): its
+    logit divided by ``repetition`` when positive, multiplied by it otherwise. Then for the
+    tokens generated so far: ``logit -= frequency * count + presence * (count > 0)``
+    (OpenAI's presence and frequency penalties, over the output only).
+
+    Args:
+      logits: f32[N, V], the model's.
+      counts: i32[N, V]: each row's generated count of each token, plus ``PROMPT_SEEN`` where
+        its prompt holds the token.
+      presence, frequency: f32[N], 0 = off (the API allows [-2, 2]).
+      repetition: f32[N] > 0, 1 = off.
+
+    Returns f32[N, V]; a row whose penalties are off is its logits unchanged (exactly).
+    """
+    generated = (counts & (PROMPT_SEEN - 1)).astype(logits.dtype)
+    factor = jnp.where(counts != 0, repetition[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / factor, logits * factor)
+    logits = logits - frequency[:, None] * generated
+    return logits - presence[:, None] * (generated > 0).astype(logits.dtype)
+
+
 def sample_tokens(logits, temperature, top_p, top_k, seeds, counters):
     """Next token per row and its log-probabilities (traceable; one program whatever the
     values).
 
     Args:
-      logits: f32[N, V].
+      logits: f32[N, V] (after ``apply_penalties`` for rows with penalties: the
+        log-probabilities are then the penalized logits').
       temperature: f32[N]; 0 = greedy (argmax) for that row.
       top_p: f32[N] in (0, 1]; keeps the smallest set of most likely tokens whose
         probability reaches top_p (Hugging Face's rule: the most likely token always stays).

@@ -51,7 +51,17 @@ class SamplingParams:
     request (finish reason "stop") where its text first contains one; the text ends
     before it (the tokens keep the one that completed it). ``logprobs`` N (None: off):
     each token's log-probability and those of the N most likely tokens (0 to
-    ``sampling.MAX_LOGPROBS``), from the logits before temperature and filters.
+    ``sampling.MAX_LOGPROBS``), from the logits before temperature and filters (after the
+    penalties, when the request has any).
+
+    Penalties (vLLM's and OpenAI's; ``sampling.apply_penalties``) change the logits before
+    temperature, filters and greedy's argmax: ``presence_penalty`` and ``frequency_penalty``
+    in [-2, 2] (0 = off) over the generated tokens, ``logit -= frequency * count + presence
+    * (count > 0)``; ``repetition_penalty`` > 0 (1 = off) over the prompt's and the generated
+    tokens, a seen token's logit divided by it when positive, multiplied when negative. The
+    values are data on the device: none compiles a program. A request with a repetition
+    penalty (or one with presence / frequency penalties recomputed after a preemption) takes
+    no prefix-cache hits: the step counts the tokens it computes, so it computes them all.
     """
 
     max_new_tokens: int = 16
@@ -62,6 +72,9 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: str | tuple[str, ...] = ()  # strings that end the output text where they appear (not returned)
     logprobs: int | None = None  # alternatives per token whose log-probabilities come back; None: none
+    presence_penalty: float = 0.0  # in [-2, 2]; 0 = off
+    frequency_penalty: float = 0.0  # in [-2, 2]; 0 = off
+    repetition_penalty: float = 1.0  # > 0; 1 = off
 
     def __post_init__(self) -> None:
         # Any real / integral number is accepted (NumPy scalars included) and stored as a Python one.
@@ -98,6 +111,20 @@ class SamplingParams:
                     f"logprobs={self.logprobs!r} must be an int in [0, {MAX_LOGPROBS}] (alternatives per token) or None"
                 )
             set_("logprobs", int(self.logprobs))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (real(value) and -2 <= value <= 2):
+                raise ValueError(f"{name}={value!r} must be a number in [-2, 2] (0 = off)")
+            set_(name, float(value))
+        value = self.repetition_penalty
+        if not (real(value) and math.isfinite(value) and value > 0):
+            raise ValueError(f"repetition_penalty={value!r} must be a finite number > 0 (1 = off)")
+        set_("repetition_penalty", float(value))
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty is on (the request's logits are changed; it needs token counts)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 MIN_STEPS_CAP = 8
@@ -133,6 +160,11 @@ class Request:
     # call's, one or a multi-step decode's; the next step takes the last one's value from
     # the device).
     num_pending: int = 0
+    # With penalties, while running: the row of the device's token counts it owns
+    # (``ModelRunner``), -1 otherwise; and its tokens known when it took that row, which the
+    # step counts from its inputs (the later ones are counted when sampled).
+    penalty_slot: int = -1
+    num_counted_inputs: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -204,6 +236,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._warned_full = False
+        # Rows of the device's token counts (``ModelRunner``) free for a request with penalties.
+        self._free_penalty_slots = list(range(self.max_num_seqs - 1, -1, -1))
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -223,7 +257,21 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _release_penalty_slot(self, request: Request) -> None:
+        if request.penalty_slot >= 0:
+            self._free_penalty_slots.append(request.penalty_slot)
+            request.penalty_slot = -1
+
+    @staticmethod
+    def _counts_every_token(request: Request) -> bool:
+        """Whether the step must see all of ``request``'s known tokens to count them (a
+        repetition penalty counts the prompt; presence / frequency the generated tokens a
+        recomputed request has), so that it takes no prefix-cache hits."""
+        p = request.params
+        return p.repetition_penalty != 1 or (p.has_penalties and bool(request.output_ids))
+
     def _preempt(self, request: Request) -> None:
+        self._release_penalty_slot(request)
         self.kv_cache_manager.free(request)
         request.num_computed = 0
         request.status = RequestStatus.WAITING
@@ -276,7 +324,9 @@ class Scheduler:
             if request in preempted or request.num_pending:
                 break  # not in the step that preempted it, nor before its last token is known
             hits, num_hit = manager.get_computed_blocks(request)
-            if manager.next_block_pending(request, len(hits), pending):
+            if self._counts_every_token(request):
+                hits, num_hit = [], 0
+            elif manager.next_block_pending(request, len(hits), pending):
                 continue  # its next block is computed in this step: it takes it from the cache in the next
             n = min(request.num_tokens - num_hit, budget)
             if not manager.allocate_slots(request, n, hits):
@@ -297,6 +347,9 @@ class Scheduler:
                 num_queried += request.num_tokens
                 num_cached += num_hit
             request.status = RequestStatus.RUNNING
+            if request.params.has_penalties:  # its counts start over with this admission
+                request.penalty_slot = self._free_penalty_slots.pop()
+                request.num_counted_inputs = request.num_tokens
             self.running.append(request)
             scheduled.append(request)
             num_new.append(n)
@@ -322,6 +375,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
+        self._release_penalty_slot(request)
         self.kv_cache_manager.free(request)
         if request in self.running:
             self.running.remove(request)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from attn_jax.serving import BlockAllocator, OutOfBlocksError, Request, SamplingParams, Scheduler
-from attn_jax.serving.sampling import sample_tokens
+from attn_jax.serving.sampling import PROMPT_SEEN, apply_penalties, sample_tokens
 
 
 def test_allocator_allocates_frees_and_reuses():
@@ -88,6 +88,27 @@ def test_max_num_seqs_limits_admission():
     assert [r.request_id for r in batch.requests] == ["r0", "r1"] and len(s.waiting) == 1
 
 
+def test_requests_with_penalties_own_a_count_slot_while_running():
+    """A slot of the device's token counts per running request with penalties: distinct,
+    taken at admission (with the tokens known then), given back on finish and preemption."""
+    s = Scheduler(BlockAllocator(4), block_size=4, max_num_seqs=3, max_num_batched_tokens=64)
+    pen = SamplingParams(max_new_tokens=8, presence_penalty=0.5)
+    a, b = (Request(rid, list(range(1, 9)), pen, seed=0) for rid in "ab")
+    plain = _request("plain", 3)
+    for r in (a, b, plain):
+        s.add(r)
+    _run_step(s, s.schedule())  # a and b prefilled (2 pages each; plain waits for pages)
+    assert {a.penalty_slot, b.penalty_slot} == {0, 1} and plain.penalty_slot == -1
+    assert a.num_counted_inputs == b.num_counted_inputs == 8
+    batch = s.schedule()  # a needs a third page: b is preempted and its slot comes back
+    assert batch.preempted == [b] and b.penalty_slot == -1
+    s.finish(a, "stop")
+    assert a.penalty_slot == -1
+    s.schedule()
+    assert b.penalty_slot in (0, 1, 2) and plain.penalty_slot == -1
+    assert b.num_counted_inputs == 9  # its prompt and the token it generated before the preemption
+
+
 def test_preemption_frees_the_newest_and_recomputes_it():
     s = Scheduler(BlockAllocator(4), block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
     a, b = _request("a", 8, new=8), _request("b", 8, new=8)
@@ -126,6 +147,11 @@ def test_waiting_when_the_cache_is_full_and_refusal_when_a_request_can_never_fit
         (dict(seed=2**32), r"seed=4294967296 is outside \[0, 2\*\*32\)"),
         (dict(seed=np.int64(-5)), r"seed=np.int64\(-5\) is outside \[0, 2\*\*32\)"),
         (dict(top_k=2.0), "top_k=2.0 must be an int >= 0"),
+        (dict(presence_penalty=2.5), r"presence_penalty=2.5 must be a number in \[-2, 2\] \(0 = off\)"),
+        (dict(frequency_penalty=float("nan")), r"frequency_penalty=nan must be a number in \[-2, 2\]"),
+        (dict(frequency_penalty="1"), r"frequency_penalty='1' must be a number in \[-2, 2\]"),
+        (dict(repetition_penalty=0), r"repetition_penalty=0 must be a finite number > 0 \(1 = off\)"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty=inf must be a finite number > 0"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
@@ -213,3 +239,28 @@ def test_sampling_greedy_top_k_top_p_and_seeds():
     assert (picked == again).all()  # seeded: reproducible
     assert (_sample(logits, 5.0, seed=1) != _sample(logits, 5.0, seed=2)).any()
     assert (_sample(logits, 5.0, seed=1, counter=0) != _sample(logits, 5.0, seed=1, counter=1)).any()
+
+
+def _penalized_oracle(logits, generated, in_prompt, presence, frequency, repetition):
+    """vLLM's penalties in float64 NumPy (``apply_penalties``' specification)."""
+    logits = logits.astype(np.float64)
+    seen = (generated > 0) | in_prompt
+    factor = np.where(seen, repetition[:, None], 1.0)
+    logits = np.where(logits > 0, logits / factor, logits * factor)
+    return logits - frequency[:, None] * generated - presence[:, None] * (generated > 0)
+
+
+def test_penalties_match_a_float64_oracle_and_leave_rows_without_them_exact():
+    rng = np.random.default_rng(0)
+    n, v = 6, 97
+    logits = rng.normal(0, 3, (n, v)).astype(np.float32)
+    generated = rng.integers(0, 4, (n, v)) * (rng.random((n, v)) < 0.3)
+    in_prompt = rng.random((n, v)) < 0.2
+    presence = np.array([0.0, 1.5, -2.0, 0.0, 0.7, 2.0], np.float32)
+    frequency = np.array([0.0, 0.0, 0.5, -1.0, 2.0, -2.0], np.float32)
+    repetition = np.array([1.0, 1.0, 1.0, 1.3, 0.6, 2.0], np.float32)
+    counts = (generated + PROMPT_SEEN * in_prompt).astype(np.int32)
+    got = np.asarray(jax.jit(apply_penalties)(logits, counts, presence, frequency, repetition))
+    want = _penalized_oracle(logits, generated, in_prompt, presence, frequency, repetition)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+    np.testing.assert_array_equal(got[0], logits[0])  # penalties off: the logits bit for bit

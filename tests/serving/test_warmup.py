@@ -84,6 +84,21 @@ def test_traffic_after_warmup_compiles_nothing(warmed):
     assert all(c.finish_reason == "length" for c in done)
 
 
+def test_penalty_values_after_warmup_compile_nothing(warmed):
+    """Penalties are data of the sampled program: greedy rows with them, values the warm-up
+    never saw, multi-step calls included, compile nothing."""
+    engine, _ = warmed
+    before, cache = engine.num_compilations, engine.runner._jit_step._cache_size()
+    params = [
+        SamplingParams(max_new_tokens=9, presence_penalty=1.1, frequency_penalty=-0.4, ignore_eos=True),
+        SamplingParams(max_new_tokens=5, repetition_penalty=1.7, temperature=0.6, seed=2, ignore_eos=True),
+    ]
+    with count_backend_compiles() as compiles:
+        done = engine.generate([[7, 7, 7], list(range(100, 130))], params)
+    assert compiles == [] and engine.num_compilations == before and engine.runner._jit_step._cache_size() == cache
+    assert [len(c.output_ids) for c in done] == [9, 5]
+
+
 def test_warmed_engine_gives_the_cold_engines_tokens(warmed):
     engine, _ = warmed
     cold = tiny_random_engine(**LIMITS)
