@@ -285,6 +285,9 @@ def build_app(
                     stop=tuple(body.stop or ()),
                     ignore_eos=body.ignore_eos,
                     logprobs=body.num_logprobs,
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    repetition_penalty=body.repetition_penalty,
                     **prompt,
                 )  # fmt: skip
             )

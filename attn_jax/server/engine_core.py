@@ -61,6 +61,9 @@ class GenerationSpec:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # alternatives per token whose log-probabilities come back; None: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     chat: bool = False  # prompt holds chat messages, rendered with the model's chat template
     prompt_param: str = "prompt"  # the request field errors about the prompt name
     max_tokens_param: str = "max_tokens"
@@ -237,6 +240,8 @@ class EngineCore:
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
             seed=spec.seed, ignore_eos=spec.ignore_eos, logprobs=spec.logprobs,
+            presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
+            repetition_penalty=spec.repetition_penalty,
         )  # fmt: skip
         return ids, params
 

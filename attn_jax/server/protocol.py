@@ -4,12 +4,15 @@ Requests are checked here, each value against its own range, so a bad one is a 4
 names its field (``app.py`` turns a ``pydantic.ValidationError`` into OpenAI's error
 body). Log-probabilities are served (completions' ``logprobs`` N, chat's ``logprobs`` and
 ``top_logprobs`` N, N <= 20; the model's distribution before temperature and filters,
-vLLM's default), and so is ``n`` > 1 (each choice a request of the engine's sharing the
-prompt's blocks through the prefix cache; with a ``seed``, choice i draws with seed + i,
-as vLLM's). Fields OpenAI defines that this server cannot honour (penalties,
-``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1, a ``response_format`` other than
-text) are refused by name rather than ignored; ``top_k`` and ``ignore_eos`` are vLLM's extensions (pass them in
-the openai client's ``extra_body``).
+vLLM's default, after the penalties where a request has any), and so is ``n`` > 1 (each
+choice a request of the engine's sharing the prompt's blocks through the prefix cache;
+with a ``seed``, choice i draws with seed + i, as vLLM's). ``presence_penalty`` and
+``frequency_penalty`` ([-2, 2]) and vLLM's ``repetition_penalty`` (> 0) are served
+(``SamplingParams`` says how they apply). Fields OpenAI defines that this server cannot
+honour (``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1, a ``response_format`` other
+than text) are refused by name rather than ignored; ``top_k``, ``ignore_eos`` and
+``repetition_penalty`` are vLLM's extensions (pass them in the openai client's
+``extra_body``).
 """
 
 from __future__ import annotations
@@ -72,8 +75,9 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = 0.0  # null: 0, off
+    frequency_penalty: float | None = 0.0  # null: 0, off
+    repetition_penalty: float | None = 1.0  # vLLM's extension; null: 1, off
     logit_bias: dict[str, float] | None = None
     response_format: dict | None = None  # structured outputs: only {"type": "text"} (no constraint) is served
 
@@ -122,8 +126,20 @@ class _GenerationRequest(BaseModel):
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
-    def _penalties(cls, v, info):
-        _unsupported(info.field_name, v, 0.0)
+    def _penalties(cls, v: float | None, info) -> float:
+        if v is None:
+            return 0.0
+        if not -2 <= v <= 2:  # NaN fails too
+            raise ValueError(f"{info.field_name}={v!r} must be in [-2, 2] (0 = off)")
+        return v
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty(cls, v: float | None) -> float:
+        if v is None:
+            return 1.0
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"repetition_penalty={v!r} must be a finite number > 0 (1 = off)")
         return v
 
     @field_validator("response_format")

@@ -201,6 +201,20 @@ def test_seeded_sampling_matches_the_engine(client, engine):
     assert texts == [want.text, want.text]
 
 
+def test_penalties_match_the_engine(client, engine):
+    """OpenAI's presence / frequency penalties and vLLM's repetition penalty (extra body) give
+    the engine's tokens, which they change."""
+    penalties = dict(presence_penalty=1.2, frequency_penalty=0.5)
+    (plain,) = engine.generate([PROMPTS[4]], greedy(12, ignore_eos=True))
+    (want,) = engine.generate([PROMPTS[4]], greedy(12, ignore_eos=True, repetition_penalty=1.4, **penalties))
+    assert want.output_ids != plain.output_ids
+    got = client.completions.create(
+        model=TINY_RANDOM, prompt=PROMPTS[4], max_tokens=12, temperature=0, **penalties,
+        extra_body={"repetition_penalty": 1.4, "ignore_eos": True},
+    )  # fmt: skip
+    assert got.choices[0].text == want.text
+
+
 def test_stop_strings_end_the_text_before_them(client, engine):
     (want,) = engine.generate([PROMPTS[3]], greedy(16, ignore_eos=True))
     stop = want.text[len(want.text) // 2 :][:3]
@@ -287,6 +301,20 @@ BAD_REQUESTS = [  # (route, JSON body or raw text, the param named, words of the
     ("completions", {"prompt": "hi", "top_p": 0}, "top_p", "top_p=0.0 must be in (0, 1]"),
     ("completions", {"prompt": "hi", "seed": -1}, "seed", "seed=-1 is outside [0, 2**32)"),
     ("completions", {"prompt": "hi", "top_k": -5}, "top_k", "top_k=-5 must be in [0, 2**31)"),
+    ("completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", "=2.5 must be in [-2, 2]"),
+    (
+        "completions",
+        {"prompt": "hi", "frequency_penalty": "1"},
+        "frequency_penalty",
+        'frequency_penalty="1" is invalid',
+    ),
+    (
+        "chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -2.5},
+        "frequency_penalty",
+        "frequency_penalty=-2.5 must be in [-2, 2] (0 = off)",
+    ),
+    ("completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "must be a finite number > 0"),
     ("completions", {"max_tokens": 3}, "prompt", "prompt is required"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}, "max_tokens", "500"),
     ("chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "robot"),
