@@ -128,7 +128,8 @@ def device_only_step_ms(engine, steps: int) -> dict[str, float]:
     ("copy_to_host_async"), and reading the previous step's tokens ("read_previous")."""
 
     jit_step, (params, caches, last, *rest) = record_step_call(engine, functools.partial(_step_and_sync, engine))
-    caches, last = engine.kv_caches, engine.runner._last_tokens  # the recorded ones were donated
+    runner = engine.runner
+    caches, last = engine.kv_caches, (runner._last_tokens, runner._token_counts)  # the recorded ones were donated
     out = {}
     for variant in ("chained_tokens", "copy_to_host_async", "read_previous"):
         tokens, last, caches = jit_step(params, caches, last, *rest)[:3]  # then the step's other outputs
@@ -144,7 +145,7 @@ def device_only_step_ms(engine, steps: int) -> dict[str, float]:
             previous = tokens
         jax.block_until_ready(tokens)
         out[variant] = 1e3 * (time.perf_counter() - t) / (steps * engine.num_scheduler_steps)  # per decode step
-    engine.runner._last_tokens = last
+    runner._last_tokens, runner._token_counts = last
     engine.kv_caches = caches
     return out
 
