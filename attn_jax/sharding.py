@@ -4,7 +4,8 @@ The mesh has two axes: "data" splits requests (each data shard has its own reque
 its own KV cache pages and block tables) and "model" splits heads: query and KV heads,
 the KV cache's head axis, the attention output projection's rows, and the MLP's
 intermediate dimension (Megatron-style, one ``psum`` after the attention output and
-one after the MLP). A model whose KV heads do not divide over the model axis (SmolLM2
+one after the MLP), and an untied LM head's vocabulary columns (one all-gather of the
+logits per step, in the activation dtype). A model whose KV heads do not divide over the model axis (SmolLM2
 has 3 KV heads) keeps attention and its cache replicated over that axis, with a logged
 warning, and still splits the MLP. Several hosts: call ``jax.distributed.initialize()``
 first; the mesh then spans every process's devices, with no other distribution layer.
@@ -100,7 +101,8 @@ def make_mesh(
 def local_model_kwargs(config, mesh: Mesh, warn: bool = True) -> dict:
     """``LlamaModel`` keywords for one shard of ``mesh``: local head counts and what is
     split over the "model" axis (attention when the KV heads divide, the MLP when its
-    intermediate size does); logs a warning for what is replicated unless ``warn`` is False."""
+    intermediate size does, an untied LM head when the vocabulary does); logs a warning for
+    what is replicated unless ``warn`` is False."""
     m = mesh.shape[MODEL]
     attn = config.num_kv_heads % m == 0
     if warn and m > 1 and not attn:
@@ -113,12 +115,14 @@ def local_model_kwargs(config, mesh: Mesh, warn: bool = True) -> dict:
     mlp = config.intermediate_size % m == 0
     if warn and m > 1 and not mlp:
         logger.warning("intermediate_size=%d does not divide by %d: the MLP is replicated", config.intermediate_size, m)
+    head = not config.tie_word_embeddings and config.vocab_size % m == 0  # tied: the embedding's lookup reads it
     return dict(
         num_heads=config.num_heads // m if attn else config.num_heads,
         num_kv_heads=config.num_kv_heads // m if attn else config.num_kv_heads,
         model_axis=MODEL,
         attn_sharded=attn and m > 1,
         mlp_sharded=mlp and m > 1,
+        head_sharded=head and m > 1,
     )
 
 
@@ -144,6 +148,7 @@ class ShardedStep:
             model_axis=model.model_axis,
             attn_sharded=model.attn_sharded,
             mlp_sharded=model.mlp_sharded,
+            head_sharded=getattr(model, "head_sharded", False),
         )
         if m > 1 and got != expected:
             raise ValueError(
@@ -170,6 +175,8 @@ class ShardedStep:
 
     def param_specs(self, params) -> dict:
         specs = {k: P() for k in params if k != "layers"}
+        if "lm_head" in specs and getattr(self.model, "head_sharded", False):
+            specs["lm_head"] = P(None, MODEL)  # [H, V]: by vocabulary column
         specs["layers"] = [{k: self.layer_specs[k] for k in layer} for layer in params["layers"]]
         return specs
 
@@ -195,38 +202,48 @@ class ShardedStep:
         return jax.jit(lambda: jax.numpy.zeros((self.data_size, *shape), jax.numpy.int32), out_shardings=rows)()
 
     def jit(self, device_step):
-        """``device_step(params, caches, rows, packed, layout, num_steps, sampled)``
+        """``device_step(params, caches, rows, packed, layout, num_steps, sampled, page_delta)``
         (one shard's arrays; ``rows`` a pytree of per-row state, each leaf with a leading data
-        axis here; the last three static; it returns sampled tokens, the rows' state,
-        caches, the next call's inputs, which this drops, and the tokens' log-probabilities
-        or None) jitted over the mesh, caches and rows' state donated.
+        axis here, as ``packed`` and ``page_delta`` have; layout, num_steps and sampled
+        static; it returns sampled tokens, the rows' state, caches, the next call's inputs
+        and the tokens' log-probabilities or None) jitted over the mesh, caches and rows'
+        state donated. The next call's inputs stay on their shards (i32[data, n]): a decode
+        call continued from them uploads only its page delta, as on one device.
 
         The only collective beside the model's own (one ``psum`` per split attention and
-        MLP) gathers the data shards' sampled tokens (and a sampled call's log-probabilities),
-        once per call: the result is
+        MLP, one all-gather of a split LM head's logits) gathers the data shards' sampled
+        tokens (and a sampled call's log-probabilities), once per call: the result is
         replicated, so every process of a multi-process run reads all of them. The rows'
         state stays on its shard (split over "data")."""
         mesh, cache_spec = self.mesh, self.cache_spec
 
-        def step(params, caches, rows, packed, layout, num_steps, sampled):
-            def body(params, caches, rows, packed):
-                tokens, rows, caches, _, logprobs = device_step(  # the next call's inputs: one device's only
-                    params, caches, jax.tree.map(lambda a: a[0], rows), packed[0], layout, num_steps, sampled
-                )
+        def step(params, caches, rows, packed, layout, num_steps, sampled, page_delta):
+            def body(params, caches, rows, packed, page_delta):
+                tokens, rows, caches, next_packed, logprobs = device_step(
+                    params, caches, jax.tree.map(lambda a: a[0], rows), packed[0], layout, num_steps, sampled,
+                    page_delta[0],
+                )  # fmt: skip
                 if logprobs is not None:
                     logprobs = tuple(jax.lax.all_gather(a, DATA) for a in logprobs)
-                return jax.lax.all_gather(tokens, DATA), jax.tree.map(lambda a: a[None], rows), caches, logprobs
+                rows = jax.tree.map(lambda a: a[None], rows)
+                return jax.lax.all_gather(tokens, DATA), rows, caches, next_packed[None], logprobs
 
             fn = jax.shard_map(
                 body,
                 mesh=mesh,
-                in_specs=(self.param_specs(params), [cache_spec] * len(caches), P(DATA), P(DATA)),
-                out_specs=(P(), P(DATA), [cache_spec] * len(caches), (P(), P(), P()) if sampled else None),
+                in_specs=(self.param_specs(params), [cache_spec] * len(caches), P(DATA), P(DATA), P(DATA)),
+                out_specs=(
+                    P(), P(DATA), [cache_spec] * len(caches), P(DATA), (P(), P(), P()) if sampled else None,
+                ),
                 check_vma=False,
-            )
-            return fn(params, caches, rows, packed)
+            )  # fmt: skip
+            return fn(params, caches, rows, packed, page_delta)
 
         return jax.jit(step, donate_argnums=(1, 2), static_argnums=(4, 5, 6))
+
+    def put_per_shard(self, x: np.ndarray) -> jax.Array:
+        """``x`` (the same in every process, a leading "data" axis) split over "data"."""
+        return put_global(x, NamedSharding(self.mesh, P(DATA)))
 
     def stack_inputs(self, packed) -> tuple[jax.Array, object]:
         """Each data shard's packed inputs (``step_inputs.pack`` results, which must share one
@@ -235,8 +252,7 @@ class ShardedStep:
         layouts = {layout for _, layout in packed}
         if len(layouts) != 1:
             raise ValueError(f"data shards built inputs of different structures: {layouts}")
-        buffers = np.stack([buffer for buffer, _ in packed])
-        return put_global(buffers, NamedSharding(self.mesh, P(DATA))), layouts.pop()
+        return self.put_per_shard(np.stack([buffer for buffer, _ in packed])), layouts.pop()
 
 
 def put_global(x, sharding: NamedSharding) -> jax.Array:

@@ -146,5 +146,6 @@ def main() -> None:
             },
         )  # fmt: skip
 
+
 if __name__ == "__main__":
     main()

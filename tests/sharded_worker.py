@@ -6,6 +6,7 @@ initialises, which pytest's worker processes have already done.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -40,11 +41,26 @@ def small_engine(model, params, tokenizer=None, mesh=None, **kwargs) -> Engine:
     )  # fmt: skip
 
 
+def record_continued(engine: Engine) -> list:
+    """Each ``continue_decode`` result of ``engine``'s runner from now on (None: built on the host)."""
+    continued = []
+    original = engine.runner.continue_decode
+
+    def recording(*args, **kwargs):
+        continued.append(original(*args, **kwargs))
+        return continued[-1]
+
+    engine.runner.continue_decode = recording
+    return continued
+
+
 def tiny() -> dict:
-    """Heads that divide: attention and its cache split over the model axis."""
+    """Heads that divide: attention and its cache split over the model axis, and the untied
+    LM head's vocabulary."""
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16
-    )
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16,
+        tie_word_embeddings=False,
+    )  # fmt: skip
     params = init_params(config, seed=3)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, n).tolist() for n in (5, 40, 9, 17, 3)]
@@ -54,8 +70,14 @@ def tiny() -> dict:
         mesh = make_mesh(data * model_axis, model_parallel=model_axis, num_kv_heads=config.num_kv_heads)
         model = LlamaModel(config, **local_model_kwargs(config, mesh))
         engine = small_engine(model, params, mesh=mesh)
+        continued = record_continued(engine)
         out[f"{data}x{model_axis}"] = [c.output_ids for c in engine.generate(prompts, sp)]
+        out[f"{data}x{model_axis}_continued"] = sum(c is not None for c in continued)
+        out[f"{data}x{model_axis}_continued_across_pages"] = any(
+            c is not None and c.page_delta is not None for c in continued
+        )
         out[f"{data}x{model_axis}_attn_sharded"] = model.attn_sharded
+        out[f"{data}x{model_axis}_head_sharded"] = model.head_sharded
         engine = small_engine(model, params, mesh=mesh, num_scheduler_steps=4)
         out[f"{data}x{model_axis}_multistep"] = [c.output_ids for c in engine.generate(prompts, sp)]
         out[f"{data}x{model_axis}_multistep_calls"] = sorted({s.num_steps for s in engine.stats})
@@ -104,6 +126,11 @@ def agreement() -> dict:
             model = LlamaModel(config, **local_model_kwargs(config, mesh))
             engine = small_engine(model, params, mesh=mesh, num_scheduler_steps=steps)
             out[f"collectives/{name}{suffix}"] = collectives(engine, cases["uneven"])
+    untied = dataclasses.replace(config, tie_word_embeddings=False)  # the LM head split over "model" too
+    mesh = make_mesh(2, model_parallel=2)
+    model = LlamaModel(untied, **local_model_kwargs(untied, mesh))
+    engine = small_engine(model, init_params(untied, seed=1), mesh=mesh)
+    out["collectives/tp_split_head"] = collectives(engine, cases["uneven"])
     return out
 
 

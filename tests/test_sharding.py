@@ -40,7 +40,11 @@ def sharded():
 def test_tensor_parallel_heads_match_one_device(sharded):
     tiny = sharded["tiny"]
     assert tiny["2x2_attn_sharded"]  # 4 KV heads over a model axis of 2, requests over a data axis of 2
+    assert tiny["2x2_head_sharded"]  # the untied LM head's 256 vocabulary columns too
     assert tiny["2x2"] == tiny["single"]
+    # One-step decode calls continue the last call's inputs on the mesh too (the persistent batch),
+    # across page crossings (each data shard's pages written in by its page delta).
+    assert tiny["2x2_continued"] >= 5 and tiny["2x2_continued_across_pages"]
 
 
 def test_multi_step_decoding_on_a_mesh_matches_one_device(sharded):
@@ -70,6 +74,8 @@ def test_only_the_needed_collectives_cross_devices(sharded):
     # the tokens of every step are gathered once, after the loop.
     assert sharded["agreement"]["collectives/dp_multistep"] == none | {"all-gather": 1}
     assert sharded["agreement"]["collectives/tp_multistep"] == none | {"all-reduce": 4, "all-gather": 1}
+    # An untied LM head split over the model axis: its logits gathered once a step.
+    assert sharded["agreement"]["collectives/tp_split_head"] == none | {"all-reduce": 2, "all-gather": 2}
 
 
 def test_replicated_kv_heads_on_a_mesh_match_one_device(sharded):
@@ -111,6 +117,6 @@ def test_local_model_kwargs_on_one_device():
     )
     mesh = make_mesh(1)
     assert local_model_kwargs(config, mesh) == dict(
-        num_heads=4, num_kv_heads=2, model_axis="model", attn_sharded=False, mlp_sharded=False
+        num_heads=4, num_kv_heads=2, model_axis="model", attn_sharded=False, mlp_sharded=False, head_sharded=False
     )
     assert LlamaModel(config, **local_model_kwargs(config, mesh)).num_kv_heads == 2

@@ -409,7 +409,9 @@ class LlamaModel:
       num_heads / num_kv_heads / intermediate_size: the local (per-device) sizes when the
         model runs sharded inside ``shard_map`` (``attn_jax.sharding``); default: config's.
       model_axis: the mesh axis to ``psum`` partial attention / MLP outputs over, with
-        ``attn_sharded`` / ``mlp_sharded`` saying which are split over it.
+        ``attn_sharded`` / ``mlp_sharded`` saying which are split over it; ``head_sharded``:
+        the (untied) LM head's vocabulary columns are split over it too, each shard's logits
+        gathered (vLLM's parallel LM head: the head is read once over the axis, not on each).
     """
 
     def __init__(
@@ -425,6 +427,7 @@ class LlamaModel:
         model_axis: str | None = None,
         attn_sharded: bool = False,
         mlp_sharded: bool = False,
+        head_sharded: bool = False,
     ) -> None:
         self.config = config
         self.dtype = np.dtype(dtype)
@@ -432,6 +435,7 @@ class LlamaModel:
         self.model_axis = model_axis
         self.attn_sharded = attn_sharded
         self.mlp_sharded = mlp_sharded
+        self.head_sharded = head_sharded
         self.num_heads = num_heads or config.num_heads
         self.num_kv_heads = num_kv_heads or config.num_kv_heads
         self.inv_freq, self.rope_attention_scaling = rope_frequencies(config)
@@ -557,4 +561,6 @@ class LlamaModel:
             logits = jnp.dot(h, jnp.asarray(params["embed"]).T, precision=_HIGHEST)
         else:
             logits = jnp.dot(h, head, precision=_HIGHEST)
+            if self.head_sharded:  # this shard's vocabulary columns: gathered, in the activation dtype
+                logits = jax.lax.all_gather(logits, self.model_axis, axis=1, tiled=True)
         return soft_cap(logits.astype(jnp.float32), c.final_logit_softcap), new_caches

@@ -106,8 +106,10 @@ class PreparedCall:
     # A row samples (temperature > 0), wants log-probabilities or has penalties: the program that sorts
     # (``sampling.py``) and keeps the token counts.
     sampled: bool = False
-    decode: DecodeBatch | None = None  # a decode call the next one may continue; None: other calls
-    page_delta: np.ndarray | None = None  # i32[2, 2 * R_max]: (buffer index, value) written before the step
+    # A decode call the next one may continue, one ``DecodeBatch`` per data shard; None: other calls.
+    decode: tuple[DecodeBatch, ...] | None = None
+    # i32[data, 2, 2 * R_max]: each shard's (buffer index, value) pairs written before the step; None: none.
+    page_delta: np.ndarray | None = None
 
     @property
     def key(self) -> tuple:
@@ -172,13 +174,13 @@ class ModelRunner:
             self._jit_step = jax.jit(self._device_step, donate_argnums=(1, 2), static_argnums=(4, 5, 6))
             self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)
             self._token_counts = jnp.zeros((self.max_rows, vocab), jnp.int32)
-            self._no_page_delta = jnp.full((2, 2 * self.max_rows), NO_INDEX, jnp.int32)
         else:
             self.params = self._sharded.put_params(params)
             self.kv_caches = self._sharded.init_kv_caches(num_blocks)
             self._jit_step = self._sharded.jit(self._device_step)
             self._last_tokens = self._sharded.zeros_per_shard(self.max_rows)
             self._token_counts = self._sharded.zeros_per_shard(self.max_rows, vocab)
+        self._no_page_delta = self._put_delta(np.full((self.num_shards, 2, 2 * self.max_rows), NO_INDEX, np.int32))
         self.num_blocks = num_blocks
         # The last dispatched call, when a decode batch, and its inputs one step on, computed on
         # the device: the next call continues from them when it is that batch a token later.
@@ -190,9 +192,14 @@ class ModelRunner:
 
     @property
     def _chains_decodes(self) -> bool:
-        """Whether one-step decode calls hand their next inputs on (the decode chain): one
-        device's runner whose attention group advances its metadata."""
-        return self._sharded is None and self.supports_decode_advance
+        """Whether one-step decode calls hand their next inputs on (the decode chain): an
+        attention group that advances its metadata (on a mesh too: each data shard's inputs)."""
+        return self.supports_decode_advance
+
+    def _put_delta(self, delta: np.ndarray) -> jax.Array:
+        """A page delta i32[data, 2, 2 * R_max] on the device: one device's is its only row;
+        a mesh's is split over "data" (each process uploads its own shards' rows)."""
+        return jax.device_put(delta[0]) if self._sharded is None else self._sharded.put_per_shard(delta)
 
     @property
     def supports_decode_advance(self) -> bool:
@@ -331,9 +338,9 @@ class ModelRunner:
         BENCHMARKS.md). Padded requests have no tokens: a few empty rows
         of metadata, logits and sampling. Decode-only calls keep the exact bucket.
 
-        The call is a ``DecodeBatch`` (the next call may continue it, ``continue_decode``) when
-        it is one step of decodes only on one device, each input token the previous call's
-        output in the request's own row."""
+        The call is a ``DecodeBatch`` per data shard (the next call may continue it,
+        ``continue_decode``) when it is one step of decodes only, each input token the
+        previous call's output in the request's own row."""
         prefix_lens = [0] * len(batches)
         if num_common_blocks is not None:
             prefix_lens = self.cascade_prefix_lens(batches, num_common_blocks)
@@ -352,28 +359,33 @@ class ModelRunner:
             for b, s, p in zip(batches, steps, prefix_lens, strict=True)
         ]
         packed = [pack(x) for x in inputs]
-        decode = self._decode_batch(batches, rows, steps, num_steps, prefix_lens[0], packed[0][1])
+        decode = self._decode_batch(batches, rows, steps, num_steps, prefix_lens, packed[0][1])
         sampled = any(bool((x["sampling"]["temperature"] > 0).any()) for x in inputs) or any(
             r.params.logprobs is not None or r.params.has_penalties for b in batches for r in b.requests
         )
         return PreparedCall(packed, num_steps, token_bucket, max(prefix_lens), sampled, decode)
 
-    def _decode_batch(self, batches, rows, steps, num_steps: int, prefix_len: int, layout) -> DecodeBatch | None:
-        """The call as a ``DecodeBatch``, or None when the next call cannot continue it (see
-        ``prepare``)."""
-        if num_steps != 1 or not self._chains_decodes or len(batches) != 1:
+    def _decode_batch(
+        self, batches, rows, steps, num_steps: int, prefix_lens: list[int], layout
+    ) -> tuple[DecodeBatch, ...] | None:
+        """The call as a ``DecodeBatch`` per data shard, or None when the next call cannot
+        continue it (see ``prepare``)."""
+        if num_steps != 1 or not self._chains_decodes or not any(b.requests for b in batches):
             return None
-        reqs = batches[0].requests
-        ones = [1] * len(reqs)
-        if not reqs or batches[0].num_new != ones or steps[0] != ones:
-            return None
-        for i, r in enumerate(reqs):
-            known, src, _ = rows[id(r)]
-            if known or src != i:
+        table = self._table_slot(layout) if max(prefix_lens) == 0 else None
+        decodes = []
+        for batch, shard_steps, prefix_len in zip(batches, steps, prefix_lens, strict=True):
+            reqs = batch.requests
+            ones = [1] * len(reqs)
+            if batch.num_new != ones or shard_steps != ones:
                 return None
-        table = self._table_slot(layout) if prefix_len == 0 else None
-        pages = np.fromiter(map(len, (r.blocks for r in reqs)), np.int32, len(reqs))
-        return DecodeBatch([id(r) for r in reqs], ones, pages, prefix_len, table)
+            for i, r in enumerate(reqs):
+                known, src, _ = rows[id(r)]
+                if known or src != i:
+                    return None
+            pages = np.fromiter(map(len, (r.blocks for r in reqs)), np.int32, len(reqs))
+            decodes.append(DecodeBatch([id(r) for r in reqs], ones, pages, prefix_len, table))
+        return tuple(decodes)
 
     def _table_slot(self, layout: PackedLayout) -> tuple[int, int, int] | None:
         """Where the metadata's block table and slot mapping lie in ``layout``'s buffer:
@@ -402,44 +414,48 @@ class ModelRunner:
         page's first, which ``advance_decode`` computed from the table before): no
         per-request host work, no upload but those pages.
         A batch-1 decode step's host metadata and upload were most of its host time."""
-        if self._decode_chain is None or num_steps != 1 or len(batches) != 1:
+        if self._decode_chain is None or num_steps != 1 or len(batches) != self.num_shards:
             return None
         previous, next_packed = self._decode_chain
-        decode, batch = previous.decode, batches[0]
-        reqs = batch.requests
-        if batch.num_new != decode.ones or steps[0] != decode.ones or [id(r) for r in reqs] != decode.request_ids:
-            return None
-        prefix_len = 0 if num_common_blocks is None else self.cascade_prefix_lens(batches, num_common_blocks)[0]
-        if prefix_len != decode.prefix_len:
-            return None
-        pages = np.fromiter(map(len, (r.blocks for r in reqs)), np.int32, len(reqs))
-        grown = np.flatnonzero(pages != decode.pages)
-        delta = None
-        if grown.size:
-            if decode.table is None or (pages[grown] != decode.pages[grown] + 1).any():
+        prefix_lens = [0] * len(batches)
+        if num_common_blocks is not None:
+            prefix_lens = self.cascade_prefix_lens(batches, num_common_blocks)
+        decodes, delta = [], None
+        for shard, (decode, batch, shard_steps) in enumerate(zip(previous.decode, batches, steps, strict=True)):
+            reqs = batch.requests
+            if batch.num_new != decode.ones or shard_steps != decode.ones:
                 return None
-            offset, width, slots = decode.table
-            if pages.max() > width:
+            if [id(r) for r in reqs] != decode.request_ids or prefix_lens[shard] != decode.prefix_len:
                 return None
-            new_pages = np.asarray([reqs[i].blocks[-1] for i in grown.tolist()], np.int32)
-            delta = np.full((2, 2 * self.max_rows), NO_INDEX, np.int32)
-            delta[:, : grown.size] = offset + grown * width + decode.pages[grown], new_pages
-            delta[:, grown.size : 2 * grown.size] = slots + grown, new_pages * self.block_size
+            pages = np.fromiter(map(len, (r.blocks for r in reqs)), np.int32, len(reqs))
+            grown = np.flatnonzero(pages != decode.pages)
+            if grown.size:
+                if decode.table is None or (pages[grown] != decode.pages[grown] + 1).any():
+                    return None
+                offset, width, slots = decode.table
+                if pages.max() > width:
+                    return None
+                new_pages = np.asarray([reqs[i].blocks[-1] for i in grown.tolist()], np.int32)
+                if delta is None:
+                    delta = np.full((self.num_shards, 2, 2 * self.max_rows), NO_INDEX, np.int32)
+                delta[shard, :, : grown.size] = offset + grown * width + decode.pages[grown], new_pages
+                delta[shard, :, grown.size : 2 * grown.size] = slots + grown, new_pages * self.block_size
+            decodes.append(dataclasses.replace(decode, pages=pages))
         return dataclasses.replace(
-            previous, packed=[(next_packed, previous.packed[0][1])], decode=dataclasses.replace(decode, pages=pages),
-            page_delta=delta,
-        )  # fmt: skip
+            previous, packed=[(next_packed, previous.packed[0][1])], decode=tuple(decodes), page_delta=delta
+        )
 
     def _step_args(self, prepared: PreparedCall) -> tuple:
         """The jitted step's arguments for a prepared call (the sharded step's inputs stacked
         over data shards)."""
         packed, num_steps, sampled = prepared.packed, prepared.num_steps, prepared.sampled
         rows = (self._last_tokens, self._token_counts)
-        if self._sharded is None:
-            delta = self._no_page_delta if prepared.page_delta is None else prepared.page_delta
-            return self.params, self.kv_caches, rows, packed[0][0], packed[0][1], num_steps, sampled, delta
-        buffers, layout = self._sharded.stack_inputs(packed)
-        return self.params, self.kv_caches, rows, buffers, layout, num_steps, sampled
+        delta = self._no_page_delta if prepared.page_delta is None else self._put_delta(prepared.page_delta)
+        if self._sharded is None or isinstance(packed[0][0], jax.Array):  # one device's, or continued (on the mesh)
+            buffer, layout = packed[0]
+        else:
+            buffer, layout = self._sharded.stack_inputs(packed)
+        return self.params, self.kv_caches, rows, buffer, layout, num_steps, sampled, delta
 
     def compile(self, prepared: PreparedCall) -> None:
         """Compiles ``prepared``'s program without running it (jit's lowering cache keeps it,
@@ -452,11 +468,8 @@ class ModelRunner:
         compilations = self.num_compilations
         args = self._step_args(prepared)
         start = time.perf_counter()
-        if self._sharded is None:
-            tokens, rows, self.kv_caches, next_packed, logprobs = self._jit_step(*args)
-            self._decode_chain = None if prepared.decode is None else (prepared, next_packed)
-        else:
-            tokens, rows, self.kv_caches, logprobs = self._jit_step(*args)
+        tokens, rows, self.kv_caches, next_packed, logprobs = self._jit_step(*args)
+        self._decode_chain = None if prepared.decode is None else (prepared, next_packed)
         self._last_tokens, self._token_counts = rows
         end = time.perf_counter()
         self.dispatched_keys.add(prepared.key)
@@ -550,9 +563,9 @@ class ModelRunner:
         [num_steps, R_max] lead, or None when not ``sampled``); the packed
         inputs are a one-step call's one token on, which the
         next call reuses when it is the same decode batch a token later (``continue_decode``);
-        for other calls ``packed`` itself. ``page_delta`` i32[2, 2 * R_max] (one device only):
-        (buffer index, value) pairs written into ``packed`` first, the pages a continued
-        call's requests gained (index ``NO_INDEX``: none)."""
+        for other calls ``packed`` itself. ``page_delta`` i32[2, 2 * R_max]: (buffer index,
+        value) pairs written into ``packed`` first, the pages a continued call's requests
+        gained (index ``NO_INDEX``: none)."""
         self.num_compilations += 1
         last_tokens, all_counts = rows
         if page_delta is not None:
