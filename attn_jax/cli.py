@@ -121,6 +121,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def check_mesh_args(args: argparse.Namespace) -> None:
+    """ValueError naming a bad --devices, or a --model-parallel that does not fit them."""
+    from attn_jax.sharding import check_num_devices
+
+    check_num_devices(args.devices)
+    m = args.model_parallel
+    if m is not None and (args.devices % m or (m > 1 and args.devices == 1)):
+        raise ValueError(f"--model-parallel {m} must divide --devices {args.devices} (and needs --devices > 1)")
+
+
+def _mesh_kwargs(args: argparse.Namespace) -> dict:
+    """``build_engine``'s mesh keywords from --devices / --model-parallel."""
+    if args.devices == 1:
+        return {}
+    return dict(devices=args.devices, model_parallel=args.model_parallel)
+
+
 def _add_engine_args(parser: argparse.ArgumentParser, *, num_scheduler_steps: int) -> None:
     """The engine's flags, shared by ``generate`` and ``serve`` (which differ only in the
     default number of decode steps per device call)."""
@@ -128,6 +145,11 @@ def _add_engine_args(parser: argparse.ArgumentParser, *, num_scheduler_steps: in
     parser.add_argument(
         "--devices", type=int, default=1,
         help="devices to shard over (requests over a data axis, heads over a model axis); default 1",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model-parallel", type=_positive_int, default=None, metavar="M",
+        help="the model axis of --devices (tensor parallel; the rest split requests); default: the KV heads' "
+        "largest share of the devices",
     )  # fmt: skip
     parser.add_argument(
         "--max-num-seqs", type=_positive_int, default=None,
@@ -352,10 +374,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from attn_jax.models.gguf_loader import ModelLoadError
     from attn_jax.selector import explain_attn_backend_selection, global_force_attn_backend_context_manager
     from attn_jax.server.model_source import build_engine
-    from attn_jax.sharding import check_num_devices
+    from attn_jax.sharding import describe_mesh
 
     try:
-        check_num_devices(args.devices)
+        check_mesh_args(args)
         forced = _forced_backend(args.backend)
     except ValueError as e:
         return _error(args, e)
@@ -391,9 +413,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                     max_model_len=args.max_model_len, seed=args.seed, num_scheduler_steps=args.num_scheduler_steps,
                     enable_prefix_caching=not args.no_prefix_caching,
                 )  # fmt: skip
-                engine = build_engine(
-                    args.model, devices=args.devices if args.devices > 1 else None, progress=on_load, **engine_kwargs
-                )
+                engine = build_engine(args.model, progress=on_load, **_mesh_kwargs(args), **engine_kwargs)
                 mla = getattr(engine.model.config, "kv_lora_rank", None)  # DeepSeek: the latent row's width
                 report = explain_attn_backend_selection(
                     engine.model.config.head_dim if mla is None else mla + engine.model.config.qk_rope_head_dim,
@@ -459,6 +479,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     print(f"model: {engine.model.config.name} ({engine.model.config.num_layers} layers), devices: {args.devices}")
+    if engine.mesh is not None:
+        print(describe_mesh(engine.mesh, engine.model.config))
     print(f"attention backend: {backend} ({why})")
     for row in report.rows:
         if row.name != backend:
@@ -583,9 +605,9 @@ def _serve_engine(args: argparse.Namespace):
 
     from attn_jax.selector import global_force_attn_backend_context_manager
     from attn_jax.server.model_source import build_engine, default_served_name
-    from attn_jax.sharding import check_num_devices
+    from attn_jax.sharding import describe_mesh
 
-    check_num_devices(args.devices)
+    check_mesh_args(args)
     forced = _forced_backend(args.backend)
     if not args.no_compilation_cache:
         from attn_jax.cache_dir import enable_compilation_cache
@@ -594,12 +616,14 @@ def _serve_engine(args: argparse.Namespace):
     force = global_force_attn_backend_context_manager(forced) if forced is not None else contextlib.nullcontext()
     with force:
         engine = build_engine(
-            args.model, devices=args.devices if args.devices > 1 else None, max_num_seqs=args.max_num_seqs,
+            args.model, **_mesh_kwargs(args), max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             seed=args.seed, num_scheduler_steps=args.num_scheduler_steps,
             enable_prefix_caching=not args.no_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_bytes=args.kv_cache_memory,
         )  # fmt: skip
+        if engine.mesh is not None:
+            print(f"attn-stack serve: {describe_mesh(engine.mesh, engine.model.config)}", file=sys.stderr, flush=True)
         print(
             f"attn-stack serve: {engine.kv_cache_summary()}; {engine.max_num_seqs} request slots, "
             f"{engine.max_num_batched_tokens} tokens per step",

@@ -5,10 +5,13 @@ its own KV cache pages and block tables) and "model" splits heads: query and KV 
 the KV cache's head axis, the attention output projection's rows, and the MLP's
 intermediate dimension (Megatron-style, one ``psum`` after the attention output and
 one after the MLP), and an untied LM head's vocabulary columns (one all-gather of the
-logits per step, in the activation dtype). A model whose KV heads do not divide over the model axis (SmolLM2
-has 3 KV heads) keeps attention and its cache replicated over that axis, with a logged
-warning, and still splits the MLP. Several hosts: call ``jax.distributed.initialize()``
-first; the mesh then spans every process's devices, with no other distribution layer.
+logits per step, in the activation dtype). A model axis larger than the KV heads that
+they divide (TP=4 over 2 KV heads) splits the query heads and gives each model shard a
+copy of the KV head its queries read (vLLM's rule, ``replicate_kv_heads``). A model whose KV
+heads do not divide over the model axis otherwise (SmolLM2 has 3 KV heads) keeps attention
+and its cache replicated over that axis, with a logged warning, and still splits the MLP.
+Several hosts: call ``jax.distributed.initialize()`` first; the mesh then spans every
+process's devices, with no other distribution layer.
 
 Test on a CPU with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (set before
 jax initialises).
@@ -83,7 +86,9 @@ def make_mesh(
         raise ValueError(f"model_parallel={model_parallel} must divide devices={num_devices}")
     if num_kv_heads is not None and num_kv_heads % num_devices:
         data = num_devices // model_parallel
-        if num_kv_heads % model_parallel:
+        if model_parallel > num_kv_heads and model_parallel % num_kv_heads == 0:
+            how = f"each copied {model_parallel // num_kv_heads} times over the 'model' axis of {model_parallel}"
+        elif num_kv_heads % model_parallel:
             how = f"replicated over the 'model' axis of {model_parallel}"
         elif model_parallel == 1:
             how = "replicated on every device (model axis 1)"
@@ -96,6 +101,73 @@ def make_mesh(
         )  # fmt: skip
     grid = np.asarray(devices[:num_devices], dtype=object).reshape(num_devices // model_parallel, model_parallel)
     return Mesh(grid, (DATA, MODEL))
+
+
+def kv_replication(config, model_parallel: int) -> int:
+    """How many copies of each KV head a model axis of ``model_parallel`` needs (vLLM's
+    rule): ``model_parallel / num_kv_heads`` when the axis is larger than the KV heads,
+    divisible by them and the query heads divide over it; else 1."""
+    kv, q = config.num_kv_heads, config.num_heads
+    if model_parallel > kv and model_parallel % kv == 0 and q % model_parallel == 0:
+        return model_parallel // kv
+    return 1
+
+
+def replicate_kv_heads(config, params, copies: int):
+    """``(config, params)`` of the same model with each KV head repeated ``copies`` times:
+    KV head j becomes heads ``j * copies ... (j + 1) * copies - 1``, each serving the next
+    ``G / copies`` of its query heads (``fuse_params``' ``wqkv`` [H, Hkv, G + 2, D] and
+    ``bqkv`` [Hkv, G + 2, D] regrouped; NumPy or jax arrays). The outputs are the same;
+    over a model axis of ``num_kv_heads * copies`` every shard then holds one KV head."""
+    import dataclasses
+
+    if copies == 1:
+        return config, params
+    g = config.num_heads // config.num_kv_heads
+    if g % copies:
+        raise ValueError(f"copies={copies} must divide the {g} query heads of each KV head")
+
+    def regroup(w):  # [..., Hkv, G + 2, D] -> [..., Hkv * copies, G / copies + 2, D]
+        xp = jax.numpy if isinstance(w, jax.Array) else np
+        *lead, hkv, _, d = w.shape
+        q = w[..., :g, :].reshape(*lead, hkv, copies, g // copies, d)
+        kv = xp.broadcast_to(w[..., g:, :][..., None, :, :], (*lead, hkv, copies, 2, d))
+        return xp.concatenate([q, kv], axis=-2).reshape(*lead, hkv * copies, g // copies + 2, d)
+
+    layers = [{k: regroup(v) if k in ("wqkv", "bqkv") else v for k, v in layer.items()} for layer in params["layers"]]
+    config = dataclasses.replace(
+        config, num_kv_heads=config.num_kv_heads * copies, kv_head_copies=config.kv_head_copies * copies
+    )
+    return config, {**params, "layers": layers}
+
+
+def shard_model(config, params, mesh: Mesh):
+    """``(config, params, LlamaModel keywords)`` for one shard of ``mesh``: KV heads copied
+    first where the model axis needs it (``kv_replication``), then ``local_model_kwargs``."""
+    copies = kv_replication(config, mesh.shape[MODEL])
+    if copies > 1:
+        logger.info(
+            "num_kv_heads=%d over a 'model' axis of %d: each KV head copied %d times (vLLM's rule)",
+            config.num_kv_heads, mesh.shape[MODEL], copies,
+        )  # fmt: skip
+    config, params = replicate_kv_heads(config, params, copies)
+    return config, params, local_model_kwargs(config, mesh)
+
+
+def describe_mesh(mesh: Mesh, config) -> str:
+    """One line: the mesh's split and what each axis holds, for the CLI's start-up message."""
+    data, m = mesh.shape[DATA], mesh.shape[MODEL]
+    copies = getattr(config, "kv_head_copies", 1)
+    kv = config.num_kv_heads // copies  # the checkpoint's
+    if m == 1:
+        heads = "weights replicated"
+    elif copies > 1:
+        heads = f"{kv} KV heads each copied {copies} times, query heads split {m} ways"
+    elif kv % m == 0:
+        heads = f"{kv} KV heads split {m} ways"
+    else:
+        heads = f"attention replicated ({kv} KV heads do not divide by {m}), the MLP split {m} ways"
+    return f"mesh data={data} x model={m}: requests over data, {heads} over model"
 
 
 def local_model_kwargs(config, mesh: Mesh, warn: bool = True) -> dict:

@@ -21,7 +21,7 @@ from attn_jax.metadata import MetadataBuckets  # noqa: E402
 from attn_jax.models.llama import LlamaConfig, LlamaModel, init_params  # noqa: E402
 from attn_jax.registry import AttentionBackendEnum  # noqa: E402
 from attn_jax.serving import Engine, SamplingParams  # noqa: E402
-from attn_jax.sharding import local_model_kwargs, make_mesh  # noqa: E402
+from attn_jax.sharding import describe_mesh, local_model_kwargs, make_mesh  # noqa: E402
 from attn_jax.testing.engine_probes import record_step_call  # noqa: E402
 
 
@@ -152,6 +152,30 @@ def replicated_kv_heads() -> dict:
             "tokens": tokens, "single": single}  # fmt: skip
 
 
+def meshes_of_four() -> dict:
+    """TP=4, DP=4 and DP=2 x TP=2 through ``Engine.from_llama(devices=4, model_parallel=...)``
+    on a model of 2 KV heads (TP=4 copies each twice) and an untied LM head: each mesh's
+    tokens, one device's, and the split each describes."""
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=16,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    params = init_params(config, seed=4)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 128, n).tolist() for n in (7, 3, 12, 5)]
+    sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    limits = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32, num_blocks=16)
+    out = {"single": [c.output_ids for c in Engine.from_llama(config, params, **limits).generate(prompts, sp)]}
+    for name, model_parallel in (("TP=4", 4), ("DP=4", 1), ("DP=2 x TP=2", 2)):
+        engine = Engine.from_llama(config, params, devices=4, model_parallel=model_parallel, **limits)
+        out[name] = {
+            "tokens": [c.output_ids for c in engine.generate(prompts, sp)],
+            "describe": describe_mesh(engine.mesh, engine.model.config),
+            "local_kv_heads": engine.model.num_kv_heads,
+        }
+    return out
+
+
 def smollm2_layout() -> dict:
     """``Engine.from_gguf(devices=4)`` on the embedded SmolLM2: the mesh it builds for 3 KV
     heads and where its weights and caches live (nothing compiled)."""
@@ -172,6 +196,7 @@ def main() -> None:
         "tiny": tiny(),
         "agreement": agreement(),
         "replicated": replicated_kv_heads(),
+        "four": meshes_of_four(),
         "smollm2": smollm2_layout(),
     }
     result["warnings"] = handler.messages

@@ -810,9 +810,9 @@ def load_hf_checkpoint(
         return model, params, tokenizer
     local = {}
     if mesh is not None:
-        from attn_jax.sharding import local_model_kwargs
+        from attn_jax.sharding import shard_model
 
-        local = local_model_kwargs(config, mesh)
+        config, params, local = shard_model(config, params, mesh)
     model = LlamaModel(
         config, block_size=block_size, kv_cache_dtype=kv_cache_dtype, attn_backend=attn_backend, dtype=np_dtype, **local
     )

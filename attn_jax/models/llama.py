@@ -80,6 +80,9 @@ class LlamaConfig:
     final_logit_softcap: float | None = None
     attn_scale: float | None = None
     local_rope_theta: float | None = None
+    # Each KV head stored this many times in a row (``sharding.replicate_kv_heads``: a model
+    # axis larger than the KV heads gives each shard a copy of the one its queries read).
+    kv_head_copies: int = 1
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -47,15 +47,17 @@ def build_engine(
     return Engine.from_gguf(model, devices=devices, progress=progress, **engine_kwargs)
 
 
-def engine_from_hf_checkpoint(path: str, *, devices: int | None = None, progress=None, **engine_kwargs):
+def engine_from_hf_checkpoint(
+    path: str, *, devices: int | None = None, model_parallel: int | None = None, progress=None, **engine_kwargs
+):
     """``Engine.from_gguf``'s sibling for a Hugging Face checkpoint folder (float32 weights),
-    heads over a model axis of ``devices`` devices when more than one."""
+    sharded over ``make_mesh(devices, model_parallel=...)`` when more than one device."""
     from attn_jax.models.hf_checkpoint import load_hf_checkpoint, read_hf_config
     from attn_jax.serving import Engine
     from attn_jax.sharding import make_mesh
 
     mesh = None
     if devices is not None and devices > 1:
-        mesh = make_mesh(devices, num_kv_heads=read_hf_config(path).num_kv_heads)
+        mesh = make_mesh(devices, model_parallel=model_parallel, num_kv_heads=read_hf_config(path).num_kv_heads)
     model, params, tokenizer = load_hf_checkpoint(path, mesh=mesh, progress=progress)
     return Engine(model, params, tokenizer, mesh=mesh, **engine_kwargs)

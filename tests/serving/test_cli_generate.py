@@ -48,6 +48,7 @@ def test_generate_json_matches_transformers(capsys, hf_smollm2, monkeypatch):
         (["--prompt", "  "], "--prompt number 1 is empty: give some text to continue"),
         (["--devices", "0"], "devices=0 must be a positive integer"),
         (["--devices", "64"], f"devices=64 but only {len(jax.devices())} cpu device(s) are available"),
+        (["--model-parallel", "2"], "--model-parallel 2 must divide --devices 1 (and needs --devices > 1)"),
         (["--backend", "NOPE"], "Unknown attention backend: 'NOPE'. Valid options are: XLA, PALLAS_TPU"),
         (["--model", "/nonexistent/model.gguf"], "model file '/nonexistent/model.gguf' does not exist"),
         (["--temperature", "-1"], "--temperature -1.0 must be >= 0 (0 = greedy)"),
@@ -61,8 +62,9 @@ def test_generate_json_matches_transformers(capsys, hf_smollm2, monkeypatch):
         (["--max-new-tokens", "5000"], "--max-new-tokens 5000 leaves no room for a prompt: max_model_len=2048"),
     ],
     ids=[
-        "empty-prompt", "devices-0", "devices-too-many", "backend", "model-path", "temperature", "temperature-inf",
-        "temperature-nan", "top-p-nan", "top-p", "top-k", "seed-negative", "seed-too-big", "too-long",
+        "empty-prompt", "devices-0", "devices-too-many", "model-parallel", "backend", "model-path", "temperature",
+        "temperature-inf", "temperature-nan", "top-p-nan", "top-p", "top-k", "seed-negative", "seed-too-big",
+        "too-long",
     ],
 )  # fmt: skip
 def test_user_errors_are_one_line_without_traceback(capsys, argv, message):
