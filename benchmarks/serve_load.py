@@ -32,6 +32,8 @@ so the prefix cache finds nothing) and asks for exactly ``--max-tokens`` tokens:
 ``extra_body``) makes the engine run to ``max_tokens`` whatever it samples, and each
 request's ``usage.completion_tokens`` is checked against it (a mismatch counts as a
 failed request). The offline engine gets ``SamplingParams(ignore_eos=True)`` likewise.
+With ``--logprobs N`` every request, and the offline engine's, also asks for the sampled
+tokens' log-probabilities and top N (issue 47: the cost of logprobs on every request).
 
     python benchmarks/serve_load.py --model tiny-random --concurrency 8 --max-tokens 16 --out /tmp/s.json
     python benchmarks/serve_load.py --model smollm2-135m --dtype bfloat16 --out /tmp/serve_load.json
@@ -154,7 +156,7 @@ def run_offline(engine, opts: dict) -> dict:
     from attn_jax.serving import SamplingParams
 
     n, vocab = opts["concurrency"], engine.model.config.vocab_size
-    sp = SamplingParams(max_new_tokens=opts["max_tokens"], ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=opts["max_tokens"], ignore_eos=True, logprobs=opts["logprobs"])
     t = time.perf_counter()
     engine.generate(prompts_for(vocab, n, opts["prompt_len"], 1000), sp)
     warmup = time.perf_counter() - t
@@ -333,12 +335,14 @@ class RequestRecord:
     error: str | None = None
 
 
-async def _one_request(client, prompt: list[int], max_tokens: int) -> RequestRecord:
+async def _one_request(client, prompt: list[int], request: dict) -> RequestRecord:
+    """``request``: the completion's ``max_tokens`` and ``logprobs`` (None: none asked)."""
     record = RequestRecord(start=time.monotonic())
+    max_tokens = request["max_tokens"]
     try:
         stream = await client.completions.create(
             model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, logprobs=request["logprobs"],
         )  # fmt: skip
         async for chunk in stream:
             now = time.monotonic()
@@ -380,35 +384,35 @@ def _run(coro):
     return asyncio.run(coro) if run is None else run(coro)
 
 
-async def _closed_loop(base_url: str, jobs: list[list[list[int]]], max_tokens: int, start_at: float) -> list:
+async def _closed_loop(base_url: str, jobs: list[list[list[int]]], request: dict, start_at: float) -> list:
     async with _client(base_url) as client:
         await asyncio.sleep(max(start_at - time.monotonic(), 0))
 
         async def one_client(prompts):
-            return [await _one_request(client, p, max_tokens) for p in prompts]
+            return [await _one_request(client, p, request) for p in prompts]
 
         return [r for rs in await asyncio.gather(*(one_client(j) for j in jobs)) for r in rs]
 
 
-async def _open_loop(base_url: str, prompts: list, offsets: list[float], max_tokens: int, start_at: float) -> list:
+async def _open_loop(base_url: str, prompts: list, offsets: list[float], request: dict, start_at: float) -> list:
     async with _client(base_url) as client:
 
         async def at(offset, prompt):
             await asyncio.sleep(max(start_at + offset - time.monotonic(), 0))
-            return await _one_request(client, prompt, max_tokens)
+            return await _one_request(client, prompt, request)
 
         return list(await asyncio.gather(*(at(o, p) for o, p in zip(offsets, prompts, strict=True))))
 
 
-def load_process(kind: str, base_url: str, work, max_tokens: int, start_at: float) -> dict:
+def load_process(kind: str, base_url: str, work, request: dict, start_at: float) -> dict:
     """One load process: its requests' records and its CPU use (a saturated client would
     make the server look slow)."""
     cpu, wall = time.process_time(), time.monotonic()
     if kind == "closed":
-        records = _run(_closed_loop(base_url, work, max_tokens, start_at))
+        records = _run(_closed_loop(base_url, work, request, start_at))
     else:
         prompts, offsets = work
-        records = _run(_open_loop(base_url, prompts, offsets, max_tokens, start_at))
+        records = _run(_open_loop(base_url, prompts, offsets, request, start_at))
     busy = time.monotonic() - max(start_at, wall)
     return {"records": [dataclasses.asdict(r) for r in records], "cpu_fraction": (time.process_time() - cpu) / busy}
 
@@ -509,16 +513,16 @@ def split(items: list, parts: int) -> list[list]:
     return [items[i::parts] for i in range(parts) if items[i::parts]]
 
 
-def closed_loop(pool, procs: int, base_url: str, prompts: list, concurrency: int, per_client: int, max_tokens: int):
+def closed_loop(pool, procs: int, base_url: str, prompts: list, concurrency: int, per_client: int, request: dict):
     """``concurrency`` clients, ``per_client`` requests each, spread over ``procs`` processes."""
     jobs = [prompts[c * per_client : (c + 1) * per_client] for c in range(concurrency)]
     start_at = time.monotonic() + 1.0
-    futures = [pool.submit(load_process, "closed", base_url, part, max_tokens, start_at) for part in split(jobs, procs)]
+    futures = [pool.submit(load_process, "closed", base_url, part, request, start_at) for part in split(jobs, procs)]
     outs = [f.result() for f in futures]
     return [r for o in outs for r in o["records"]], [o["cpu_fraction"] for o in outs]
 
 
-def open_loop(pool, base_url: str, prompts: list, rate: float, max_tokens: int, seed: int):
+def open_loop(pool, base_url: str, prompts: list, rate: float, request: dict, seed: int):
     import random
 
     rng, t, offsets = random.Random(seed), 0.0, []
@@ -526,7 +530,7 @@ def open_loop(pool, base_url: str, prompts: list, rate: float, max_tokens: int, 
         offsets.append(t)
         t += rng.expovariate(rate)
     start_at = time.monotonic() + 1.0
-    out = pool.submit(load_process, "open", base_url, (prompts, offsets), max_tokens, start_at).result()
+    out = pool.submit(load_process, "open", base_url, (prompts, offsets), request, start_at).result()
     return out["records"], [out["cpu_fraction"]]
 
 
@@ -591,6 +595,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="most unmeasured rounds before each phase; they stop at the first that compiles nothing",
     )  # fmt: skip
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument(
+        "--logprobs", type=int, default=None, metavar="N",
+        help="every request (and the offline engine's) asks for the sampled tokens' log-probabilities and top N",
+    )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (0: no open-loop phase)")
     p.add_argument("--poisson-requests", type=int, default=64)
@@ -658,6 +666,7 @@ def _workload(args: argparse.Namespace, procs: int) -> dict:
         "dtype": "float32" if args.model == TINY else args.dtype,
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
+        "logprobs": args.logprobs,
         "equal_lengths": "ignore_eos=True (extra_body); usage.completion_tokens checked == max_tokens",
         "greedy": True,
         "concurrency": args.concurrency,
@@ -749,16 +758,17 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
         print(f"{phase} warm-up: {rounds}", flush=True)
 
     per_warm = args.warmup_requests_per_client or k
+    request = {"max_tokens": args.max_tokens, "logprobs": args.logprobs}
     warm_up(
         "closed_loop",
         lambda i: closed_loop(
             pool, procs, base_url, prompts_for(vocab, n * per_warm, args.prompt_len, seed + 100 + i), n, per_warm,
-            args.max_tokens,
+            request,
         ),
     )  # fmt: skip
     mark = server.ask("mark")
     prompts = prompts_for(vocab, n * k, args.prompt_len, seed + 1)
-    records, cpu = closed_loop(pool, procs, base_url, prompts, n, k, args.max_tokens)
+    records, cpu = closed_loop(pool, procs, base_url, prompts, n, k, request)
     result["closed_loop"] = measured(records, cpu, mark, concurrency=n)
     print(f"closed loop: {_fmt(result['closed_loop']['output_tokens_per_s'])} tokens/s", flush=True)
     _update_targets(result)
@@ -769,12 +779,12 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
         "poisson",
         lambda i: open_loop(
             pool, base_url, prompts_for(vocab, args.poisson_warmup_requests, args.prompt_len, seed + 200 + i),
-            args.rate, args.max_tokens, args.seed + 1 + i,
+            args.rate, request, args.seed + 1 + i,
         ),
     )  # fmt: skip
     mark = server.ask("mark")
     prompts = prompts_for(vocab, args.poisson_requests, args.prompt_len, seed + 2)
-    records, cpu = open_loop(pool, base_url, prompts, args.rate, args.max_tokens, args.seed)
+    records, cpu = open_loop(pool, base_url, prompts, args.rate, request, args.seed)
     result["poisson"] = measured(records, cpu, mark, rate=args.rate)
     _update_targets(result)
 
