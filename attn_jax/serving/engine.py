@@ -115,6 +115,10 @@ class TokenEvent:
     # tokens' (id, log-probability), most likely first; else None.
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+    # With ``SamplingParams.prompt_logprobs`` N, on the request's first event only: one entry per
+    # prompt token, None for the first, else (its log-probability, the N most likely tokens' (id,
+    # log-probability) at its position, most likely first); else None.
+    prompt_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]] | None, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +137,8 @@ class Completion:
     # With ``SamplingParams.logprobs``: each output token's (log-probability, top_logprobs) as
     # its ``TokenEvent`` had them; else None.
     logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None = None
+    # With ``SamplingParams.prompt_logprobs``: as ``TokenEvent.prompt_logprobs``; else None.
+    prompt_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]] | None, ...] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -146,6 +152,7 @@ class _RequestState:
     first_token: float | None = None  # ... when its first token was read back
     last_token: float | None = None
     logprobs: list | None = None  # each output token's (logprob, top_logprobs) when the request asks
+    prompt_logprobs: list | None = None  # each prompt token's (logprob, top_logprobs) (the first None)
 
 
 @dataclasses.dataclass(eq=False)
@@ -162,6 +169,9 @@ class _InFlight:
 
     call: DispatchedCall
     sampled: list[tuple[int, int, int, Request]]  # (data shard, step, row, request) of each sampled token
+    # (request, its first token row, the first prompt position, how many) of each prompt chunk whose
+    # prompt log-probabilities the call computes (position p's row gives prompt token p + 1's)
+    prompt: list[tuple[Request, int, int, int]]
     stats: StepStats  # its statistics, timing still unknown
     stats_index: int  # its step number in ``Engine.stats``
     step_start: float  # time.perf_counter() when its ``step`` began
@@ -570,6 +580,10 @@ class Engine:
                 f"new tokens, block_size={self.block_size}) but the cache holds {self.num_blocks}: "
                 "lower max_new_tokens or give the engine more num_blocks"
             )
+        if params.prompt_logprobs is not None and not self.runner.supports_prompt_logprobs:
+            raise ValueError(
+                f"prompt_logprobs={params.prompt_logprobs} is not supported on a mesh yet (one device only)"
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={params.stop!r} needs text: this engine has no tokenizer")
         if request_id is not None:
@@ -695,6 +709,7 @@ class Engine:
         completion = Completion(
             request.request_id, list(request.prompt_ids), list(request.output_ids), text, request.finish_reason,
             request.error, ttft, latency, None if state.logprobs is None else tuple(state.logprobs),
+            None if state.prompt_logprobs is None else tuple(state.prompt_logprobs),
         )  # fmt: skip
         del self._requests[request.request_id]
         self._finished[request.request_id] = _Finished(request, completion)
@@ -803,10 +818,17 @@ class Engine:
         """Advances the host's view of a dispatched call: computed tokens, a pending token
         for each token a request samples in it (``steps``: each request's count), and the
         call's statistics (timing to come when its tokens are read back)."""
-        sampled = []
+        sampled, prompt = [], []
         num_prefill = num_decode = 0
         for shard, (batch, counts) in enumerate(zip(batches, steps, strict=True)):
+            first_row = 0
             for row, (request, n, k) in enumerate(zip(batch.requests, batch.num_new, counts, strict=True)):
+                if call.prompt_logprobs is not None and request.params.prompt_logprobs is not None:
+                    start = request.num_computed
+                    count = min(n, len(request.prompt_ids) - 1 - start)
+                    if count > 0:
+                        prompt.append((request, first_row, start, count))
+                first_row += n
                 request.num_computed += _computed_tokens(n, k)
                 request.num_pending += k
                 sampled += [(shard, step, row, request) for step in range(k)]
@@ -829,7 +851,7 @@ class Engine:
             num_cached_tokens=sum(b.num_cached_tokens for b in batches),
             cascade_prefix_len=call.cascade_prefix_len,
         )
-        return _InFlight(call, sampled, stats, self.stats.append(stats), start)
+        return _InFlight(call, sampled, prompt, stats, self.stats.append(stats), start)
 
     def _resolve(self, step: _InFlight | None) -> list[TokenEvent]:
         """Reads a dispatched call's tokens back (timing the call) and appends them (EOS,
@@ -852,6 +874,8 @@ class Engine:
         self.totals = self.totals.add(stats)
         events = []
         logprobs = None if call.logprobs is None else self.runner.read_logprobs(call.logprobs)
+        if step.prompt:
+            self._record_prompt_logprobs(step.prompt, self.runner.read_prompt_logprobs(call.prompt_logprobs))
         for shard, k, row, request in step.sampled:
             if request.status is RequestStatus.FINISHED:
                 continue  # stopped (EOS), aborted or failed after this call was dispatched
@@ -867,6 +891,22 @@ class Engine:
             except Exception as e:  # e.g. the tokenizer fails on this request alone
                 events.append(self._fail(state, e))
         return events
+
+    def _record_prompt_logprobs(self, chunks, arrays) -> None:
+        """Keeps each chunk's prompt log-probabilities in its request's state (a recomputed
+        request writes the same positions again)."""
+        chosen, ids, top = arrays
+        for request, first_row, start, count in chunks:
+            if request.status is RequestStatus.FINISHED:
+                continue
+            state = self._requests[request.request_id]
+            if state.prompt_logprobs is None:
+                state.prompt_logprobs = [None] * len(request.prompt_ids)
+            n = request.params.prompt_logprobs
+            rows = slice(first_row, first_row + count)
+            values, alt_ids, alt_values = chosen[rows].tolist(), ids[rows, :n].tolist(), top[rows, :n].tolist()
+            for j in range(count):
+                state.prompt_logprobs[start + j + 1] = (values[j], tuple(zip(alt_ids[j], alt_values[j], strict=True)))
 
     def dispatch_delay(self) -> float:
         """Seconds a server may still collect arrivals before its next ``step`` and keep the
@@ -895,8 +935,13 @@ class Engine:
             if state.logprobs is None:
                 state.logprobs = []
             state.logprobs.append(scores)
+        prompt = None
         if state.first_token is None:
             state.first_token = now
+            if request.params.prompt_logprobs is not None:
+                if state.prompt_logprobs is None:  # a one-token prompt
+                    state.prompt_logprobs = [None] * len(request.prompt_ids)
+                prompt = tuple(state.prompt_logprobs)
         state.last_token = now
         reason = None
         if token in self.eos_token_ids and not request.params.ignore_eos:
@@ -911,11 +956,11 @@ class Engine:
             elif reason is not None:
                 text += state.detokenizer.finish(request.output_ids)
         if reason is None:
-            return TokenEvent(request.request_id, token, text, False, None, None, logprob, top)
+            return TokenEvent(request.request_id, token, text, False, None, None, logprob, top, prompt)
         request.num_pending = 0  # tokens of a multi-step call after this one are dropped
         self.schedulers[state.shard].finish(request, reason)
         self._retire(state)
-        return TokenEvent(request.request_id, token, text, True, reason, None, logprob, top)
+        return TokenEvent(request.request_id, token, text, True, reason, None, logprob, top, prompt)
 
     # ------------------------------------------------------------------ conveniences
 
@@ -939,6 +984,7 @@ class Engine:
         return Completion(
             r.request_id, list(r.prompt_ids), list(r.output_ids), text, r.finish_reason, r.error, ttft, latency,
             None if state.logprobs is None else tuple(state.logprobs),
+            None if state.prompt_logprobs is None else tuple(state.prompt_logprobs),
         )  # fmt: skip
 
     def generate(

@@ -50,8 +50,8 @@ import numpy as np
 from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
 from attn_jax.models.base import ServingModel
 from attn_jax.serving.cascade import CascadeConfig, common_prefix_len
-from attn_jax.serving.sampling import PROMPT_SEEN, apply_penalties, sample_tokens
-from attn_jax.serving.scheduler import Request, ScheduledBatch
+from attn_jax.serving.sampling import PROMPT_SEEN, apply_penalties, prompt_logprobs, sample_tokens
+from attn_jax.serving.scheduler import Request, ScheduledBatch, wants_prompt_logprobs
 from attn_jax.serving.step_inputs import PackedLayout, leaf_offsets, pack, repack, unpack
 from attn_jax.sharding import ShardedStep
 from attn_jax.types import SEED_LIMIT
@@ -74,6 +74,9 @@ class DispatchedCall:
     ready_at: float | None  # dispatch_end if the tokens were computed by then (a runtime that ran it
     # inside the call), else None: known when they are read back
     cascade_prefix_len: int = 0  # tokens cascade attention read once for the batch (the largest shard's); 0: off
+    # A call with prompt log-probabilities (``PreparedCall.prompt_logprobs``): per token row, (f32[T] the
+    # next prompt token's log-probability, i32[T, L] the likeliest tokens, f32[T, L] theirs); else None.
+    prompt_logprobs: tuple[jax.Array, jax.Array, jax.Array] | None = None
 
 
 NO_INDEX = np.iinfo(np.int32).max
@@ -110,11 +113,16 @@ class PreparedCall:
     decode: tuple[DecodeBatch, ...] | None = None
     # i32[data, 2, 2 * R_max]: each shard's (buffer index, value) pairs written before the step; None: none.
     page_delta: np.ndarray | None = None
+    # A request wants prompt log-probabilities of this call's tokens: the packed inputs hold each token
+    # row's next prompt token (``prompt_targets``, so the layout, and the key, differ) and the program
+    # computes every token row's logits (always a sampled program).
+    prompt_logprobs: bool = False
 
     @property
     def key(self) -> tuple:
         """What selects the compiled step: (layout, num_steps, sampled). Sampling values
-        never do; whether any row samples does (greedy batches skip the sampler's sort)."""
+        never do; whether any row samples does (greedy batches skip the sampler's sort); a
+        call with prompt log-probabilities has a layout of its own (``prompt_targets``)."""
         return (self.packed[0][1], self.num_steps, self.sampled)
 
 
@@ -202,6 +210,12 @@ class ModelRunner:
         return jax.device_put(delta[0]) if self._sharded is None else self._sharded.put_per_shard(delta)
 
     @property
+    def supports_prompt_logprobs(self) -> bool:
+        """Whether calls may compute prompt log-probabilities (one device's step; the sharded
+        step gathers only the sampled tokens' log-probabilities)."""
+        return self._sharded is None
+
+    @property
     def supports_decode_advance(self) -> bool:
         """Whether a call may run several decode steps (the group's metadata advances)."""
         return self.attention_group.supports_decode_advance
@@ -263,12 +277,14 @@ class ModelRunner:
 
     def _host_inputs(
         self, batch: ScheduledBatch, rows: dict[int, tuple], buckets, step_query_lens, decode_steps: list[int],
-        prefix_len: int = 0,
+        prefix_len: int = 0, prompt_logprobs: bool = False,
     ) -> dict:  # fmt: skip
         """One shard's batch as a tree of NumPy arrays, padded to ``buckets`` (tokens,
         requests, pages per request); ``rows`` holds each request's ``request_row``,
         ``decode_steps`` its steps in this call and ``prefix_len`` its cascade prefix (0:
-        none). Built column by column (one NumPy call per array, not per request)."""
+        none). Built column by column (one NumPy call per array, not per request).
+        ``prompt_logprobs``: add ``prompt_targets`` i32[T], each token row's next prompt token
+        for requests that ask for prompt log-probabilities (0 elsewhere: not read)."""
         token_bucket, req_bucket, page_bucket = buckets
         reqs = batch.requests
         n = len(reqs)
@@ -308,7 +324,17 @@ class ModelRunner:
             exact = self._exact_buckets[buckets] = MetadataBuckets(*((b,) for b in buckets))
         md = build_common_attn_metadata(query_lens, starts + query_lens, block_table, self.block_size, exact)
         md = self.attention_group.build_for_jit(md, step_query_lens=step_query_lens, common_prefix_len=prefix_len)
+        extra = {}
+        if prompt_logprobs:
+            targets = np.zeros(token_bucket, np.int32)
+            for i, r in enumerate(reqs):
+                if r.params.prompt_logprobs is not None:
+                    first, start = int(ends[i] - query_lens[i]), int(starts[i])
+                    nxt = r.prompt_ids[start + 1 : start + 1 + int(query_lens[i])]
+                    targets[first : first + len(nxt)] = nxt
+            extra["prompt_targets"] = targets
         return dict(
+            **extra,
             token_ids=token_ids, token_src=token_src, positions=positions, md=md, logits_rows=logits_rows,
             decode_steps=steps, marks=marks,
             sampling=dict(
@@ -353,17 +379,29 @@ class ModelRunner:
         pages = max((len(r.blocks) for b in batches for r in b.requests), default=1)
         page_bucket = fits(self.buckets.blocks_per_request_buckets, pages, "blocks per request")
         step_query_lens = np.concatenate([np.asarray(b.num_new, np.int32) for b in batches])
+        prompt = any(wants_prompt_logprobs(r) for b in batches for r in b.requests)
+        if prompt:  # the widest block table: one program with prompt log-probabilities per token bucket and kind
+            page_bucket = self.buckets.blocks_per_request_buckets[-1]
         buckets = (token_bucket, req_bucket, page_bucket)
+        if prompt and self._sharded is not None:
+            raise NotImplementedError(
+                "prompt_logprobs on a mesh: the sharded step gathers sampled log-probabilities only"
+            )
         inputs = [
-            self._host_inputs(b, rows, buckets, step_query_lens, s, p)
+            self._host_inputs(b, rows, buckets, step_query_lens, s, p, prompt)
             for b, s, p in zip(batches, steps, prefix_lens, strict=True)
         ]
         packed = [pack(x) for x in inputs]
         decode = self._decode_batch(batches, rows, steps, num_steps, prefix_lens, packed[0][1])
-        sampled = any(bool((x["sampling"]["temperature"] > 0).any()) for x in inputs) or any(
-            r.params.logprobs is not None or r.params.has_penalties for b in batches for r in b.requests
+        sampled = (
+            prompt
+            or any(bool((x["sampling"]["temperature"] > 0).any()) for x in inputs)
+            or any(r.params.logprobs is not None or r.params.has_penalties for b in batches for r in b.requests)
         )
-        return PreparedCall(packed, num_steps, token_bucket, max(prefix_lens), sampled, decode)
+        return PreparedCall(
+            packed, num_steps, token_bucket, max(prefix_lens), sampled, None if prompt else decode,
+            prompt_logprobs=prompt,
+        )  # fmt: skip
 
     def _decode_batch(
         self, batches, rows, steps, num_steps: int, prefix_lens: list[int], layout
@@ -469,17 +507,20 @@ class ModelRunner:
         args = self._step_args(prepared)
         start = time.perf_counter()
         tokens, rows, self.kv_caches, next_packed, logprobs = self._jit_step(*args)
+        prompt_logprobs = None
+        if prepared.prompt_logprobs:
+            logprobs, prompt_logprobs = logprobs[:3], logprobs[3:]
         self._decode_chain = None if prepared.decode is None else (prepared, next_packed)
         self._last_tokens, self._token_counts = rows
         end = time.perf_counter()
         self.dispatched_keys.add(prepared.key)
         ready = end if tokens.is_ready() else None
-        for x in (tokens, *(logprobs or ())):
+        for x in (tokens, *(logprobs or ()), *(prompt_logprobs or ())):
             x.copy_to_host_async()
         return DispatchedCall(
             tokens, logprobs, prepared.num_steps, prepared.token_bucket, self.num_compilations > compilations, start,
             end, ready,
-            prepared.cascade_prefix_len,
+            prepared.cascade_prefix_len, prompt_logprobs,
         )  # fmt: skip
 
     def execute(
@@ -545,6 +586,12 @@ class ModelRunner:
         chosen, ids, top = (np.asarray(x) for x in logprobs)
         return (chosen[None], ids[None], top[None]) if chosen.ndim == 2 else (chosen, ids, top)
 
+    @staticmethod
+    def read_prompt_logprobs(prompt_logprobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A call's prompt log-probabilities on the host (one device's): f32[T] each token row's
+        next prompt token's, i32[T, L] the likeliest tokens, f32[T, L] theirs."""
+        return tuple(np.asarray(x) for x in prompt_logprobs)
+
     def _device_step(
         self, params, kv_caches, rows, packed, layout: PackedLayout, num_steps: int, sampled: bool,
         page_delta=None,
@@ -560,7 +607,8 @@ class ModelRunner:
         with penalties and hands the counts back untouched (donated: no copy).
         Returns (i32[num_steps, R_max] sampled tokens, ``rows`` after the call, caches, i32[n]
         packed inputs, the tokens' log-probabilities: ``sample_tokens``' three arrays with a
-        [num_steps, R_max] lead, or None when not ``sampled``); the packed
+        [num_steps, R_max] lead, or None when not ``sampled``; inputs with ``prompt_targets``
+        (one step, sampled) add ``prompt_logprobs``' three, per token row); the packed
         inputs are a one-step call's one token on, which the
         next call reuses when it is the same decode batch a token later (``continue_decode``);
         for other calls ``packed`` itself. ``page_delta`` i32[2, 2 * R_max]: (buffer index,
@@ -591,10 +639,21 @@ class ModelRunner:
             counts = counts.at[jnp.where(generated, num_rows, row), token_ids].max(PROMPT_SEEN, mode="drop")
             counts = counts.at[jnp.where(generated, row, num_rows), token_ids].add(1, mode="drop")
 
-        def forward(kv_caches, token_ids, positions, md, counters, counts, active):
+        prompt_out = None
+
+        def forward(kv_caches, token_ids, positions, md, counters, counts, active, targets=None):
             """(i32[R_max] tokens, their log-probabilities or None, caches, the counts with the
-            ``active`` bool[R] rows' new tokens added)."""
-            logits, kv_caches = self.model.step(params, kv_caches, token_ids, positions, md, x["logits_rows"])
+            ``active`` bool[R] rows' new tokens added); with ``targets`` (each token row's next
+            prompt token) every token row's logits are computed, and their prompt
+            log-probabilities set in ``prompt_out``."""
+            nonlocal prompt_out
+            if targets is None:
+                logits, kv_caches = self.model.step(params, kv_caches, token_ids, positions, md, x["logits_rows"])
+            else:
+                every = jnp.arange(targets.shape[0], dtype=jnp.int32)
+                logits, kv_caches = self.model.step(params, kv_caches, token_ids, positions, md, every)
+                prompt_out = prompt_logprobs(logits, targets)
+                logits = logits[x["logits_rows"]]
             if not sampled:
                 return pad(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None, kv_caches, counts
             presence, frequency, repetition = s["penalties"]
@@ -622,9 +681,11 @@ class ModelRunner:
             return positions, next_md, s["counters"] + steps
 
         tokens, logprobs, kv_caches, counts = forward(
-            kv_caches, token_ids, x["positions"], md, s["counters"], counts, limits > 0
+            kv_caches, token_ids, x["positions"], md, s["counters"], counts, limits > 0, x.get("prompt_targets")
         )
         first = None if logprobs is None else tuple(a[None] for a in logprobs)
+        if prompt_out is not None:
+            first = (*first, *prompt_out)
         if num_steps == 1:
             next_packed = packed
             if self._chains_decodes:  # the next call's inputs, a token on

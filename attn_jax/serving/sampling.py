@@ -104,3 +104,21 @@ def sample_tokens(logits, temperature, top_p, top_k, seeds, counters):
     top_logprobs = jnp.take_along_axis(logits, top_ids, axis=-1) - log_z
     logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_z[:, 0]
     return tokens, logprobs, top_ids, top_logprobs
+
+
+def prompt_logprobs(logits, targets):
+    """Each row's log-probability of ``targets`` and of its ``MAX_LOGPROBS`` most likely
+    tokens, from the float32 log-softmax of ``logits`` (no penalties, no temperature: vLLM's
+    prompt logprobs). Traceable.
+
+    Args:
+      logits: f[T, V], the model's at every token row of a prefill.
+      targets: i32[T], each row's next prompt token (the one whose log-probability is wanted).
+
+    Returns (f32[T] the targets' log-probabilities, i32[T, L] the L = min(``MAX_LOGPROBS``, V)
+    most likely tokens, most likely first, f32[T, L] their log-probabilities).
+    """
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top, ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
+    chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+    return chosen, ids.astype(jnp.int32), top

@@ -52,7 +52,14 @@ class SamplingParams:
     before it (the tokens keep the one that completed it). ``logprobs`` N (None: off):
     each token's log-probability and those of the N most likely tokens (0 to
     ``sampling.MAX_LOGPROBS``), from the logits before temperature and filters (after the
-    penalties, when the request has any).
+    penalties, when the request has any). ``prompt_logprobs`` N (None: off; vLLM's): each
+    prompt token's log-probability given the tokens before it (the first has none: None) and
+    those of the N most likely tokens there (0 to ``sampling.MAX_LOGPROBS``), from the float32
+    log-softmax of the model's logits at every prompt position (no penalties, no
+    temperature), computed in the prefill (``ModelRunner``); such a request takes no
+    prefix-cache hits (each position's logits must be computed) and is never given a prefill
+    chunk of one token that is not its prompt's last (so it never needs a decode-shaped
+    program with every row's logits).
 
     Penalties (vLLM's and OpenAI's; ``sampling.apply_penalties``) change the logits before
     temperature, filters and greedy's argmax: ``presence_penalty`` and ``frequency_penalty``
@@ -75,6 +82,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]; 0 = off
     frequency_penalty: float = 0.0  # in [-2, 2]; 0 = off
     repetition_penalty: float = 1.0  # > 0; 1 = off
+    prompt_logprobs: int | None = None  # alternatives per prompt token whose log-probabilities come back
 
     def __post_init__(self) -> None:
         # Any real / integral number is accepted (NumPy scalars included) and stored as a Python one.
@@ -111,6 +119,13 @@ class SamplingParams:
                     f"logprobs={self.logprobs!r} must be an int in [0, {MAX_LOGPROBS}] (alternatives per token) or None"
                 )
             set_("logprobs", int(self.logprobs))
+        if self.prompt_logprobs is not None:
+            if not integral(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"prompt_logprobs={self.prompt_logprobs!r} must be an int in [0, {MAX_LOGPROBS}] "
+                    "(alternatives per prompt token) or None"
+                )
+            set_("prompt_logprobs", int(self.prompt_logprobs))
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (real(value) and -2 <= value <= 2):
@@ -192,6 +207,12 @@ class Request:
         return len(self.prompt_ids) + self.params.max_new_tokens
 
 
+def wants_prompt_logprobs(request: Request) -> bool:
+    """Whether ``request``'s next token to compute is a prompt position whose logits give a
+    prompt log-probability it asks for (any but the prompt's last position)."""
+    return request.params.prompt_logprobs is not None and request.num_computed < len(request.prompt_ids) - 1
+
+
 @dataclasses.dataclass
 class ScheduledBatch:
     """One step's work: ``num_new[i]`` tokens of ``requests[i]`` from its ``num_computed``."""
@@ -268,7 +289,11 @@ class Scheduler:
         repetition penalty counts the prompt; presence / frequency the generated tokens a
         recomputed request has), so that it takes no prefix-cache hits."""
         p = request.params
-        return p.repetition_penalty != 1 or (p.has_penalties and bool(request.output_ids))
+        return (
+            p.repetition_penalty != 1
+            or (p.has_penalties and bool(request.output_ids))
+            or wants_prompt_logprobs(request)
+        )
 
     def _preempt(self, request: Request) -> None:
         self._release_penalty_slot(request)
@@ -302,6 +327,8 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed, budget)
             if n <= 0 or request.num_generated >= request.params.max_new_tokens:
                 continue  # nothing to compute, or its last token is pending and ends it
+            if n == 1 and wants_prompt_logprobs(request):
+                continue  # a one-token chunk would need a decode-shaped program with every row's logits
             while not manager.allocate_slots(request, n):  # nothing taken when the pool cannot supply them
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -329,6 +356,8 @@ class Scheduler:
             elif manager.next_block_pending(request, len(hits), pending):
                 continue  # its next block is computed in this step: it takes it from the cache in the next
             n = min(request.num_tokens - num_hit, budget)
+            if n == 1 and wants_prompt_logprobs(request):
+                break  # as for running requests: no one-token chunk before its prompt's last token
             if not manager.allocate_slots(request, n, hits):
                 if not self._warned_full:
                     logger.info(

@@ -42,7 +42,7 @@ from attn_jax.ops.ragged_paged_attention.config import next_pow2
 from attn_jax.serving.model_runner import ModelRunner
 from attn_jax.serving.scheduler import MIN_STEPS_CAP, Request, SamplingParams, ScheduledBatch
 
-__all__ = ["WarmupReport", "decode_step_counts", "default_workers", "query_len_patterns", "warm_up"]
+__all__ = ["WarmupReport", "candidate_calls", "decode_step_counts", "default_workers", "query_len_patterns", "warm_up"]
 
 SCRATCH_PAGE = 0
 """The KV page every dummy request writes (saved and restored around the warm-up)."""
@@ -149,30 +149,11 @@ def _dummy_batch(query_lens: Sequence[int], capacity: int, block_size: int, para
     return ScheduledBatch(requests, list(query_lens), [])
 
 
-def warm_up(
-    engine,
-    *,
-    max_shapes: int | None = None,
-    progress: Callable[[int, int], None] | None = None,
-    workers: int | None = None,
-) -> WarmupReport:
-    """Dispatches (and so compiles) every distinct step shape ``engine`` can meet; see the
-    module docstring. ``max_shapes``: warm at most this many, in order of likelihood
-    (greedy before sampled, decode batches before prefills, without cascade before with),
-    the rest counted in
-    ``WarmupReport.num_skipped``; ``progress(done, total)`` after each shape compiles;
-    ``workers``: compile threads (default ``default_workers()``). The engine must hold no
-    request (ValueError)."""
-    if engine.has_unfinished() or engine.num_live_requests:
-        raise ValueError(
-            f"warmup needs an idle engine: {engine.num_live_requests} request(s) are live; warm up before adding any"
-        )
-    if max_shapes is not None and (isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 0):
-        raise ValueError(f"max_shapes={max_shapes!r} must be an int >= 0 or None (all)")
-    workers = default_workers() if workers is None else workers
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers={workers!r} must be an int >= 1")
-    start = time.perf_counter()
+def candidate_calls(engine) -> tuple[dict, int]:
+    """The calls ``warm_up`` would compile for ``engine``, by ``PreparedCall.key``:
+    ``{key: (priority, PreparedCall)}`` (lower priority first), and the number of candidate
+    batches enumerated to find them. Host work only (tests check that a call's key is
+    among them)."""
     runner: ModelRunner = engine.runner
     block_size, max_model_len = engine.block_size, engine.max_model_len
     page_buckets = [p for p in engine.buckets.blocks_per_request_buckets]
@@ -197,10 +178,49 @@ def warm_up(
                     num_probes += 1
                     # The same inputs run the sampled program too (greedy rows are exact there): its compile key.
                     for prepared in (greedy, dataclasses.replace(greedy, sampled=True)):
-                        priority = (prepared.sampled, not decode_only, common is not None)
+                        priority = (False, prepared.sampled, not decode_only, common is not None)
                         calls.setdefault(prepared.key, (priority, prepared))
+            # With prompt log-probabilities: every token row's logits (one step, sampled, the widest table).
+            if not decode_only and runner.supports_prompt_logprobs:
+                batch = _dummy_batch(lens, capacity, block_size, SamplingParams(temperature=0.0, prompt_logprobs=0))
+                batches = [batch] * runner.num_shards
+                rows = {id(r): ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, lens, strict=True)}
+                prepared = runner.prepare(batches, rows, [[1] * len(lens)] * runner.num_shards, 1)
+                num_probes += 1
+                calls.setdefault(prepared.key, ((True, True, True, False), prepared))
             if capacity >= max_model_len:
                 break
+    return calls, num_probes
+
+
+def warm_up(
+    engine,
+    *,
+    max_shapes: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    workers: int | None = None,
+) -> WarmupReport:
+    """Dispatches (and so compiles) every distinct step shape ``engine`` can meet; see the
+    module docstring. ``max_shapes``: warm at most this many, in order of likelihood
+    (greedy before sampled, decode batches before prefills, without cascade before with,
+    and the prefills with prompt log-probabilities last: a program each, which computes
+    every token row's logits),
+    the rest counted in
+    ``WarmupReport.num_skipped``; ``progress(done, total)`` after each shape compiles;
+    ``workers``: compile threads (default ``default_workers()``). The engine must hold no
+    request (ValueError)."""
+    if engine.has_unfinished() or engine.num_live_requests:
+        raise ValueError(
+            f"warmup needs an idle engine: {engine.num_live_requests} request(s) are live; warm up before adding any"
+        )
+    if max_shapes is not None and (isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 0):
+        raise ValueError(f"max_shapes={max_shapes!r} must be an int >= 0 or None (all)")
+    workers = default_workers() if workers is None else workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers={workers!r} must be an int >= 1")
+    start = time.perf_counter()
+    runner: ModelRunner = engine.runner
+    calls, num_probes = candidate_calls(engine)
     ordered = [prepared for _, prepared in sorted(calls.values(), key=lambda x: x[0])]
     chosen = ordered if max_shapes is None else ordered[:max_shapes]
     compilations = runner.num_compilations
