@@ -337,7 +337,9 @@ def build_app(
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        handles = await submit(sampling(body, prompt=body.prompt, max_tokens=body.max_tokens), request_id)
+        handles = await submit(
+            sampling(body, prompt=body.prompt, max_tokens=body.max_tokens, echo=body.echo), request_id
+        )
         if body.stream:
             return EventStreamResponse(_completion_stream(handles, request_id, served_model_name, body.include_usage))
         results = await whole(request, handles)
@@ -460,8 +462,9 @@ def _completion_stream(handles: list[RequestHandle], request_id: str, model: str
     def chunk(i, text, finish_reason, scores):
         logprobs = None
         if scores is not None:
-            logprobs = CompletionLogprobs.of([scores], offsets[i])
-            offsets[i] += len(scores[0])
+            tokens = scores if isinstance(scores, list) else [scores]  # an echoed prompt's: each of its tokens'
+            logprobs = CompletionLogprobs.of(tokens, offsets[i])
+            offsets[i] += sum(len(t[0]) for t in tokens)
         choice = CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=finish_reason)
         return CompletionResponse(id=request_id, created=created, model=model, choices=[choice])
 

@@ -61,6 +61,10 @@ class GenerationSpec:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # alternatives per token whose log-probabilities come back; None: off
+    # The prompt's text before the generated one, and with ``logprobs`` its tokens' scores (prompt
+    # log-probabilities): one piece of no tokens before the first generated one; max_tokens 0: no
+    # generated text at all (the engine computes one token, which is dropped).
+    echo: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -92,6 +96,8 @@ class _Live:
     arrival: float
     num_tokens: int = 0
     last_token_at: float | None = None
+    echo: tuple | None = None  # (prompt text, prompt ids) to send before the first token; None: no echo
+    generates: bool = True  # False: max_tokens 0 with echo (the generated token is dropped)
 
 
 class EngineCore:
@@ -188,7 +194,11 @@ class EngineCore:
             return request_id, 0, (str(e), e.param, e.code)
         except (ValueError, TypeError) as e:  # the engine's own checks
             return request_id, 0, (str(e), spec.prompt_param, None)
-        self._live[request_id] = _Live(request_id, StopMatcher(spec.stop), arrival)
+        live = _Live(request_id, StopMatcher(spec.stop), arrival)
+        if spec.echo:
+            text = spec.prompt if isinstance(spec.prompt, str) else self._decode(ids)
+            live.echo, live.generates = (text, ids), spec.max_tokens != 0
+        self._live[request_id] = live
         report.prompt_tokens += len(ids)
         return request_id, len(ids), None
 
@@ -222,7 +232,7 @@ class EngineCore:
                 "prompt and completion together: shorten it",
                 name,
             )
-        max_tokens = limit - len(ids) if spec.max_tokens is None else spec.max_tokens
+        max_tokens = limit - len(ids) if spec.max_tokens is None else max(spec.max_tokens, 1)  # 0: echo alone
         if len(ids) + max_tokens > limit:
             raise RequestError(
                 f"{spec.max_tokens_param}={max_tokens} with a {name} of {len(ids)} tokens exceeds this model's "
@@ -240,6 +250,7 @@ class EngineCore:
         params = SamplingParams(
             max_new_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
             seed=spec.seed, ignore_eos=spec.ignore_eos, logprobs=spec.logprobs,
+            prompt_logprobs=spec.logprobs if spec.echo else None,
             presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
             repetition_penalty=spec.repetition_penalty,
         )  # fmt: skip
@@ -282,6 +293,15 @@ class EngineCore:
                 else:
                     gaps.append(now - live.last_token_at)
                 live.last_token_at = now
+            if live.echo is not None:
+                self._add_echo(outputs, live, event.prompt_logprobs)
+            if not live.generates:  # max_tokens 0: the prompt alone
+                if event.finished or event.token_id >= 0:
+                    if not event.finished:
+                        self._engine_abort(event.request_id)
+                    reason = "length" if event.token_id >= 0 else event.finish_reason
+                    self._finish(live, reason, event.error, outputs, report)
+                continue
             text, stopped = live.stop.feed(event.text)
             scores = None if event.logprob is None else self._token_scores(event)
             self._add(outputs, live, text, int(event.token_id >= 0), scores)
@@ -292,6 +312,24 @@ class EngineCore:
             elif event.finished:
                 self._add(outputs, live, live.stop.flush(), 0)
                 self._finish(live, event.finish_reason, event.error, outputs, report)
+
+    def _decode(self, ids) -> str:
+        tokenizer = self.engine.tokenizer
+        return "".join(f"[{i}]" for i in ids) if tokenizer is None else tokenizer.decode(list(ids))
+
+    def _add_echo(self, outputs: dict, live: _Live, prompt_logprobs) -> None:
+        """Queues the echoed prompt as a piece of no tokens (its scores, with log-probabilities,
+        a list of each prompt token's: the first (text, None, None)), once."""
+        text, ids = live.echo
+        live.echo = None
+        scores = None
+        if prompt_logprobs is not None:
+            scores = [(self._decode([ids[0]]), None, None)] + [
+                (self._decode([token]), logprob, tuple((self._decode([t]), lp) for t, lp in top))
+                for token, (logprob, top) in zip(ids[1:], prompt_logprobs[1:], strict=True)
+            ]
+        entry = outputs.setdefault(live.request_id, [live.request_id, [], None, None])
+        entry[1].append([text, 0, scores])
 
     def _token_scores(self, event) -> tuple:
         """(token, logprob, ((token, logprob), ...)) of an event's log-probabilities, each token

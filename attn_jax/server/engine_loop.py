@@ -56,8 +56,9 @@ class Delta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" once finished
     error: str | None = None
     # The token's (text, logprob, ((text, logprob), ...) alternatives) when the request asked
-    # for log-probabilities (``GenerationSpec.logprobs``); else None.
-    scores: tuple | None = None
+    # for log-probabilities (``GenerationSpec.logprobs``); else None. An echoed prompt's delta
+    # (``GenerationSpec.echo``, no tokens) holds a list of them, one per prompt token.
+    scores: tuple | list | None = None
 
 
 class RequestHandle:
@@ -95,7 +96,9 @@ class RequestHandle:
         async for d in self.deltas():
             parts.append(d.text)
             tokens += d.num_tokens
-            if d.scores is not None:
+            if isinstance(d.scores, list):  # an echoed prompt's
+                scores.extend(d.scores)
+            elif d.scores is not None:
                 scores.append(d.scores)
         return "".join(parts), tokens, d.finish_reason, d.error, scores
 

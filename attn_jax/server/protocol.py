@@ -8,8 +8,12 @@ vLLM's default, after the penalties where a request has any), and so is ``n`` > 
 choice a request of the engine's sharing the prompt's blocks through the prefix cache;
 with a ``seed``, choice i draws with seed + i, as vLLM's). ``presence_penalty`` and
 ``frequency_penalty`` ([-2, 2]) and vLLM's ``repetition_penalty`` (> 0) are served
-(``SamplingParams`` says how they apply). Fields OpenAI defines that this server cannot
-honour (``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1, a ``response_format`` other
+(``SamplingParams`` says how they apply). Completions' ``echo`` returns the prompt before
+the completion and, with ``logprobs``, its tokens' log-probabilities first (vLLM's prompt
+logprobs: the first token's null, the others computed in the prefill), streamed or not;
+``max_tokens`` 0 is allowed with ``echo`` (the prompt's log-probabilities alone: what
+lm-eval's log-likelihood requests ask). Fields OpenAI defines that this server cannot
+honour (``logit_bias``, ``suffix``, ``best_of`` > 1, a ``response_format`` other
 than text) are refused by name rather than ignored; ``top_k``, ``ignore_eos`` and
 ``repetition_penalty`` are vLLM's extensions (pass them in the openai client's
 ``extra_body``).
@@ -180,8 +184,8 @@ class CompletionRequest(_GenerationRequest):
     """``POST /v1/completions``: one prompt (text, or token ids), continued as is."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions; None: the rest of the context
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion (and its log-probabilities, with logprobs)
+    max_tokens: int | None = 16  # OpenAI's default for completions; None: the rest of the context; 0: echo only
     suffix: str | None = None
     best_of: int | None = None
     logprobs: int | None = None  # the sampled token's log-probability and this many alternatives'
@@ -208,14 +212,12 @@ class CompletionRequest(_GenerationRequest):
 
     @field_validator("max_tokens")
     @classmethod
-    def _max_tokens(cls, v):
+    def _max_tokens(cls, v, info):
+        if v == 0 and info.data.get("echo"):
+            return v  # the prompt's text and log-probabilities alone (OpenAI's and vLLM's echo)
+        if v == 0:
+            raise ValueError("max_tokens=0 must be >= 1 (0 is allowed only with echo=true: the prompt alone)")
         return _check_max_tokens("max_tokens", v)
-
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, v):
-        _unsupported("echo", v, False)
-        return v
 
     @field_validator("suffix")
     @classmethod
@@ -310,20 +312,21 @@ class CompletionLogprobs(BaseModel):
     and its alternatives' (text -> log-probability), and where its text starts."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing before it)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
     @classmethod
     def of(cls, scores, offset: int = 0) -> CompletionLogprobs:
-        """From ``Delta.scores`` tuples; ``offset``: where the first token's text starts."""
+        """From ``Delta.scores`` tuples (an echoed prompt's first one (text, None, None));
+        ``offset``: where the first token's text starts."""
         offsets = []
         for token, _, _ in scores:
             offsets.append(offset)
             offset += len(token)
         return cls(
             tokens=[t for t, _, _ in scores], token_logprobs=[lp for _, lp, _ in scores],
-            top_logprobs=[dict(top) for _, _, top in scores], text_offset=offsets,
+            top_logprobs=[None if top is None else dict(top) for _, _, top in scores], text_offset=offsets,
         )  # fmt: skip
 
 

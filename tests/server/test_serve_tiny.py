@@ -142,6 +142,36 @@ def test_logprobs_match_the_engine_streamed_and_not(client, engine):
     assert plain.choices[0].logprobs is None
 
 
+def test_echo_returns_the_prompt_and_its_logprobs_streamed_and_not(client, engine):
+    """Completions' ``echo``: the prompt's text before the completion's, and with ``logprobs``
+    N the prompt tokens' log-probabilities (the first null, as OpenAI's and vLLM's) then the
+    generated ones', each the engine's own (``SamplingParams.prompt_logprobs``); ``max_tokens``
+    0 returns the prompt alone (lm-eval's log-likelihood requests), streamed alike."""
+    prompt = PROMPTS[2]
+    (want,) = engine.generate([prompt], greedy(3, logprobs=2, prompt_logprobs=2, ignore_eos=True))
+    n = len(want.prompt_ids)
+    want_logprobs = [None] + [e[0] for e in want.prompt_logprobs[1:]] + [lp for lp, _ in want.logprobs]
+    kwargs = dict(model=TINY_RANDOM, prompt=prompt, temperature=0, echo=True, logprobs=2)
+    got = client.completions.create(max_tokens=3, extra_body={"ignore_eos": True}, **kwargs).choices[0]
+    assert got.text == prompt + want.text
+    assert got.logprobs.token_logprobs[0] is None and got.logprobs.top_logprobs[0] is None
+    assert got.logprobs.token_logprobs[1:] == pytest.approx(want_logprobs[1:], abs=1e-5)
+    assert all(len(t) <= 2 for t in got.logprobs.top_logprobs[1:])
+    assert "".join(got.logprobs.tokens[:n]) == prompt and got.logprobs.text_offset[n] == len(prompt)
+    alone = client.completions.create(max_tokens=0, **kwargs)
+    assert alone.choices[0].text == prompt and alone.usage.completion_tokens == 0
+    assert alone.choices[0].logprobs.token_logprobs == got.logprobs.token_logprobs[:n]
+    assert alone.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(max_tokens=0, stream=True, **kwargs))
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in streamed) == prompt
+    assert [lp for c in streamed if c.logprobs for lp in c.logprobs.token_logprobs] == (
+        alone.choices[0].logprobs.token_logprobs
+    )
+    plain = client.completions.create(model=TINY_RANDOM, prompt=prompt, max_tokens=2, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+
+
 def test_n_choices_each_draw_their_own_seed_whole_and_streamed(client, engine):
     """``n`` choices of one prompt: choice i is the engine's request with seed + i, the
     prompt counted once in the usage, the choices' tokens summed."""
@@ -288,6 +318,7 @@ BAD_REQUESTS = [  # (route, JSON body or raw text, the param named, words of the
         "'json_object' is not supported",
     ),
     ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "logprobs=21 must be in [0, 20]"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "0 is allowed only with echo=true"),
     ("completions", {"prompt": "hi", "stream": "yes"}, "stream", 'stream="yes" is invalid'),
     ("completions", {"prompt": "hi", "seed": True}, "seed", "seed=true is invalid"),
     ("completions", {"prompt": "hi", "temperature": "0"}, "temperature", 'temperature="0" is invalid'),
