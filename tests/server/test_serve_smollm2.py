@@ -9,6 +9,9 @@ programs in the session's compilation cache.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from attn_jax.cli import SERVE_NUM_SCHEDULER_STEPS
@@ -66,3 +69,50 @@ def test_streamed_completion_matches_engine_generate(client, expected):
     pieces = [c.choices[0].text for c in stream]
     assert "".join(pieces) == plain.text and plain.text.startswith(" Paris")
     assert len([p for p in pieces if p]) > 1
+
+
+def _lm_eval_task(tmp_path):
+    """The tiny multiple-choice task's YAML in ``tmp_path``, its data file's path filled in, and
+    a TaskManager that finds it."""
+    from lm_eval.tasks import TaskManager
+
+    data = Path(__file__).parent / "data" / "lm_eval"
+    text = (data / "tiny_mc.yaml").read_text().replace("DATA_FILE", str(data / "tiny_mc.jsonl"))
+    (tmp_path / "tiny_mc.yaml").write_text(text)
+    return TaskManager(include_path=str(tmp_path), include_defaults=False)
+
+
+def _loglikelihoods(results) -> tuple[list[list[float]], float]:
+    """Each example's choices' log-likelihoods, and the accuracy."""
+    samples = sorted(results["samples"]["attn_stack_tiny_mc"], key=lambda s: s["doc_id"])
+    return [[r[0][0] for r in s["resps"]] for s in samples], results["results"]["attn_stack_tiny_mc"]["acc,none"]
+
+
+def test_lm_eval_local_completions_equals_transformers(client, server, hf_smollm2, tmp_path, monkeypatch):
+    """lm-eval-harness end to end: its ``local-completions`` model (echo, max_tokens 0 or 1,
+    logprobs 1: the prompt's log-probabilities) against this server, and its ``hf`` model on
+    stock transformers (the same GGUF, float32), on a 6-question multiple-choice task from a
+    local JSONL file: every choice's log-likelihood agrees to 1e-3 and the accuracies are equal."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    model, tokenizer = hf_smollm2
+    tokenizer.save_pretrained(tmp_path / "tokenizer")  # local-completions counts the context's tokens with it
+    manager = _lm_eval_task(tmp_path)
+    common = dict(tasks=["attn_stack_tiny_mc"], task_manager=manager, log_samples=True, bootstrap_iters=0)
+    served = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=dict(
+            model=NAME, base_url=f"{server.base_url}/v1/completions", tokenizer=str(tmp_path / "tokenizer"),
+            tokenizer_backend="huggingface", num_concurrent=1, max_retries=1,
+        ),
+        **common,
+    )  # fmt: skip
+    stock = lm_eval.simple_evaluate(model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=8), **common)
+    got, got_acc = _loglikelihoods(served)
+    want, want_acc = _loglikelihoods(stock)
+    assert len(got) == 6 and all(len(x) == 4 for x in got)
+    np.testing.assert_allclose(got, want, atol=1e-3)
+    assert got_acc == want_acc
