@@ -153,7 +153,7 @@ def replicated_kv_heads() -> dict:
 
 
 def meshes_of_four() -> dict:
-    """TP=4, DP=4 and DP=2 x TP=2 through ``Engine.from_llama(devices=4, model_parallel=...)``
+    """TP=4 and DP=2 x TP=2 through ``Engine.from_llama(devices=4, model_parallel=...)``
     on a model of 2 KV heads (TP=4 copies each twice) and an untied LM head: each mesh's
     tokens, one device's, and the split each describes."""
     config = LlamaConfig(
@@ -166,7 +166,7 @@ def meshes_of_four() -> dict:
     sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
     limits = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32, num_blocks=16)
     out = {"single": [c.output_ids for c in Engine.from_llama(config, params, **limits).generate(prompts, sp)]}
-    for name, model_parallel in (("TP=4", 4), ("DP=4", 1), ("DP=2 x TP=2", 2)):
+    for name, model_parallel in (("TP=4", 4), ("DP=2 x TP=2", 2)):  # DP=4: agreement()'s XLA/one/4
         engine = Engine.from_llama(config, params, devices=4, model_parallel=model_parallel, **limits)
         out[name] = {
             "tokens": [c.output_ids for c in engine.generate(prompts, sp)],

@@ -79,16 +79,16 @@ def test_only_the_needed_collectives_cross_devices(sharded):
 
 
 def test_every_mesh_of_four_devices_gives_one_devices_tokens(sharded):
-    """TP=4 over 2 KV heads (each copied twice, vLLM's rule: one KV head per shard), DP=4
-    and DP=2 x TP=2, built by ``Engine.from_llama(devices=4, model_parallel=...)``."""
+    """TP=4 over 2 KV heads (each copied twice, vLLM's rule: one KV head per shard) and
+    DP=2 x TP=2, built by ``Engine.from_llama(devices=4, model_parallel=...)`` (DP=4:
+    ``test_data_shards_agree_for_every_backend``)."""
     four = sharded["four"]
-    for name in ("TP=4", "DP=4", "DP=2 x TP=2"):
+    for name in ("TP=4", "DP=2 x TP=2"):
         assert four[name]["tokens"] == four["single"], name
     assert four["TP=4"]["local_kv_heads"] == 1 and four["DP=2 x TP=2"]["local_kv_heads"] == 1
     assert four["TP=4"]["describe"] == (
         "mesh data=1 x model=4: requests over data, 2 KV heads each copied 2 times, query heads split 4 ways over model"
     )
-    assert four["DP=4"]["describe"] == "mesh data=4 x model=1: requests over data, weights replicated over model"
     assert four["DP=2 x TP=2"]["describe"] == (
         "mesh data=2 x model=2: requests over data, 2 KV heads split 2 ways over model"
     )

@@ -190,7 +190,7 @@ def test_engine_warmup_compiles_every_shape_of_the_mla_model(models):
 
     model, params, want = models
     engine = Engine(
-        model, params, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, num_blocks=8, num_scheduler_steps=4
+        model, params, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64, num_blocks=8, num_scheduler_steps=1
     )
     report = engine.warmup()
     compiles = []
