@@ -254,9 +254,12 @@ class ModelRunner:
         penalties = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
         return known, src, (*values, *penalties, slot, fresh, num_prompt, num_generated)
 
-    def cascade_prefix_lens(self, batches: Sequence[ScheduledBatch], num_common_blocks: Sequence[int]) -> list[int]:
+    def cascade_prefix_lens(
+        self, batches: Sequence[ScheduledBatch], num_common_blocks: Sequence[int] | None
+    ) -> list[int]:
         """Each shard's cascade prefix (tokens; 0: no cascade attention) from its running
-        requests' ``num_common_blocks`` shared pages (``cascade.num_common_prefix_blocks``):
+        requests' ``num_common_blocks`` shared pages (``cascade.num_common_prefix_blocks``;
+        None: none counted):
         ``cascade.common_prefix_len`` of the shard's batch, kept when the attention group's
         builder says cascade pays (``CascadeConfig``'s thresholds). Every shard's metadata has
         one structure, so cascade attention runs only when every shard takes it; and only in
@@ -264,7 +267,7 @@ class ModelRunner:
         prefill and mixed calls would double their programs, for steps whose time is mostly
         the new tokens' compute rather than the shared prefix's reads."""
         config = self.cascade
-        if not config.enabled or not any(num_common_blocks):
+        if num_common_blocks is None or not config.enabled or not any(num_common_blocks):
             return [0] * len(batches)
         if any(n != 1 for b in batches for n in b.num_new):
             return [0] * len(batches)
@@ -367,9 +370,7 @@ class ModelRunner:
         The call is a ``DecodeBatch`` per data shard (the next call may continue it,
         ``continue_decode``) when it is one step of decodes only, each input token the
         previous call's output in the request's own row."""
-        prefix_lens = [0] * len(batches)
-        if num_common_blocks is not None:
-            prefix_lens = self.cascade_prefix_lens(batches, num_common_blocks)
+        prefix_lens = self.cascade_prefix_lens(batches, num_common_blocks)
         fits = MetadataBuckets.fit
         token_bucket = fits(self.buckets.token_buckets, max(b.num_tokens for b in batches), "num_tokens")
         num_reqs = max(len(b.requests) for b in batches)
@@ -455,9 +456,7 @@ class ModelRunner:
         if self._decode_chain is None or num_steps != 1 or len(batches) != self.num_shards:
             return None
         previous, next_packed = self._decode_chain
-        prefix_lens = [0] * len(batches)
-        if num_common_blocks is not None:
-            prefix_lens = self.cascade_prefix_lens(batches, num_common_blocks)
+        prefix_lens = self.cascade_prefix_lens(batches, num_common_blocks)
         decodes, delta = [], None
         for shard, (decode, batch, shard_steps) in enumerate(zip(previous.decode, batches, steps, strict=True)):
             reqs = batch.requests
