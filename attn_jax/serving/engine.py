@@ -34,6 +34,13 @@ attention group's ``advance_decode``), so the host's scheduling and the call's d
 are paid once per K tokens. A request with fewer than K tokens left stops writing after
 its last; tokens after EOS are dropped; tokens reach the caller K at a time.
 
+Structured outputs (``SamplingParams.json_schema``, ``serving/structured_output.py``): a
+guided request's next-token mask depends on its last token, so a call that holds one runs
+one step, and is dispatched only once that request's last token has been read back, its
+grammar advanced and its mask row written on the device: while guided requests run, the
+pipeline is synchronous (the host schedules while the device waits), for the unguided
+requests in the same calls too.
+
 Long-running: a request leaves every engine structure once its final event has been
 returned (``completion(id)`` and ``get_request(id)`` then read a bounded record of the
 last ``max_finished_requests``); text is decoded incrementally (``serving/detokenizer.py``,
@@ -55,6 +62,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib.util
 import itertools
 import logging
 import numbers
@@ -78,6 +86,7 @@ from attn_jax.serving.kv_cache_sizing import default_limits, kv_cache_plan
 from attn_jax.serving.metrics import EngineTotals, StepStats, StepStatsLog
 from attn_jax.serving.model_runner import DispatchedCall, ModelRunner, PreparedCall, kv_cache_bytes_per_block
 from attn_jax.serving.scheduler import MIN_STEPS_CAP, Request, RequestStatus, SamplingParams, ScheduledBatch, Scheduler
+from attn_jax.serving.structured_output import Guide, GuideTokenizer, compile_json_schema
 from attn_jax.serving.warmup import WarmupReport, warm_up
 from attn_jax.sharding import MODEL, check_num_devices, make_mesh, shard_model
 from attn_jax.types import SEED_LIMIT, validate_positive_int
@@ -153,6 +162,7 @@ class _RequestState:
     last_token: float | None = None
     logprobs: list | None = None  # each output token's (logprob, top_logprobs) when the request asks
     prompt_logprobs: list | None = None  # each prompt token's (logprob, top_logprobs) (the first None)
+    guide: Guide | None = None  # the output grammar's state, with a json_schema
 
 
 @dataclasses.dataclass(eq=False)
@@ -184,6 +194,7 @@ class _Prepared:
     ids: list[int]
     params: SamplingParams
     request_id: str | None
+    grammar: str | None = None  # the json_schema's llguidance grammar
 
 
 def _powers_of_two_up_to(limit: int, start: int = 1) -> tuple[int, ...]:
@@ -385,6 +396,7 @@ class Engine:
         self._collectors: list[dict[str, Completion | None]] = []  # generate()'s requests, filled as they finish
         self.stats = StepStatsLog(stats_window)
         self.totals = EngineTotals()
+        self._guide_tokenizer: GuideTokenizer | None = None  # built on the first guided request (or the warm-up)
 
     # ------------------------------------------------------------------ device state (the runner's)
 
@@ -456,8 +468,20 @@ class Engine:
         returns how many shapes, compilations and seconds (``serving/warmup.py``). Call it
         on an idle engine, before the first request (ValueError otherwise); ``max_shapes``
         bounds the shapes warmed (the likeliest first; the report counts those skipped);
-        ``workers`` threads compile at once (default: one per core, at most 8)."""
-        return warm_up(self, max_shapes=max_shapes, progress=progress, workers=workers)
+        ``workers`` threads compile at once (default: one per core, at most 8). With a
+        tokenizer and llguidance installed, it also builds structured outputs' tokenizer."""
+        report = warm_up(self, max_shapes=max_shapes, progress=progress, workers=workers)
+        if self.tokenizer is not None and importlib.util.find_spec("llguidance") is not None:
+            self.guide_tokenizer()
+        return report
+
+    def guide_tokenizer(self) -> GuideTokenizer:
+        """Structured outputs' tokenizer (llguidance's, over the model's vocabulary), built once."""
+        if self._guide_tokenizer is None:
+            if self.tokenizer is None:
+                raise ValueError("json_schema needs text: this engine has no tokenizer")
+            self._guide_tokenizer = GuideTokenizer(self.tokenizer, self.model.config.vocab_size)
+        return self._guide_tokenizer
 
     # ------------------------------------------------------------------ construction
 
@@ -586,11 +610,15 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={params.stop!r} needs text: this engine has no tokenizer")
+        grammar = None
+        if params.json_schema is not None:
+            grammar = compile_json_schema(params.json_schema)
+            self.guide_tokenizer()
         if request_id is not None:
             request_id = str(request_id)
             if request_id in self._requests:
                 raise ValueError(f"request_id={request_id!r} is already in use")
-        return _Prepared(ids, params, request_id)
+        return _Prepared(ids, params, request_id, grammar)
 
     def _queue(self, prepared: _Prepared) -> str:
         request_id = f"req-{next(self._ids)}" if prepared.request_id is None else prepared.request_id
@@ -603,7 +631,8 @@ class Engine:
         self.schedulers[shard].add(request)
         self._finished.pop(request_id, None)  # an id reused after its request finished
         detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.stop)
-        self._requests[request_id] = _RequestState(request, shard, detokenizer, time.perf_counter())
+        guide = None if prepared.grammar is None else Guide(self.guide_tokenizer(), prepared.grammar)
+        self._requests[request_id] = _RequestState(request, shard, detokenizer, time.perf_counter(), guide=guide)
         return request_id
 
     def add_request(
@@ -727,6 +756,7 @@ class Engine:
         batches = [s.schedule() for s in self.schedulers]
         if not any(b.requests for b in batches):
             return None
+        self._write_guides(batches)
         steps, num_steps = self._decode_steps(batches)
         common = [s.num_common_prefix_blocks() for s in self.schedulers]
         prepared = self.runner.continue_decode(batches, steps, num_steps, num_common_blocks=common)
@@ -751,11 +781,31 @@ class Engine:
             common = [s.num_common_prefix_blocks() for s in self.schedulers]  # after the failed requests left
         return batches, steps, self.runner.prepare(batches, rows, steps, num_steps, num_common_blocks=common)
 
+    def _write_guides(self, batches: list[ScheduledBatch]) -> None:
+        """Writes the token mask of each guided request in ``batches`` whose device row does not
+        hold its current one (it changed, or the request took a row at admission); a request
+        preempted in this step lost its row."""
+        rows, masks = [], []
+        for shard, batch in enumerate(batches):
+            for request in batch.preempted:
+                guide = self._requests[request.request_id].guide
+                if guide is not None:
+                    guide.row = -1
+            for request in batch.requests:
+                guide = self._requests[request.request_id].guide
+                if guide is not None and guide.row != request.guide_slot:
+                    rows.append((shard, request.guide_slot))
+                    masks.append(guide.mask)
+                    guide.row = request.guide_slot
+        if rows:
+            self.runner.write_guide_rows(rows, masks)
+
     def _decode_steps(self, batches: list[ScheduledBatch]) -> tuple[list[list[int]], int]:
         """Each request's steps in this call and the call's step count: a multi-step decode
         (``reserve_decode_steps``) when every shard's batch holds decodes only, no request
-        could be admitted instead, the attention group advances its metadata, and the
-        pages are free; else one step (0 for a prefill chunk that samples nothing).
+        could be admitted instead, the attention group advances its metadata, no request is
+        guided (its next mask needs its last token) and the pages are free; else one step (0
+        for a prefill chunk that samples nothing).
 
         A call runs no more steps than its batch can still use: K is capped at the power of
         two >= the most new tokens any of its requests has left, and never below
@@ -774,6 +824,7 @@ class Engine:
                 for r, n in zip(b.requests, b.num_new, strict=True)
             )
             and all(not s.waiting or len(s.running) >= s.max_num_seqs for s in self.schedulers)
+            and not any(r.guide_slot >= 0 for b in batches for r in b.requests)
         )
         if multi:
             steps = [s.reserve_decode_steps(b, k) for s, b in zip(self.schedulers, batches, strict=True)]
@@ -793,6 +844,10 @@ class Engine:
         start = time.perf_counter()
         events = [self._report_abort(state) for state in self._aborted]
         self._aborted.clear()
+        flight = self._in_flight
+        if flight is not None and any(r.guide_slot >= 0 for _, _, _, r in flight.sampled):
+            events += self._resolve(flight)  # a guided request's next mask needs its last token
+            self._in_flight = None
         scheduled = self._schedule(events)
         if scheduled is None:
             events += self._resolve(self._in_flight)
@@ -946,6 +1001,8 @@ class Engine:
         reason = None
         if token in self.eos_token_ids and not request.params.ignore_eos:
             reason = "stop"
+        elif state.guide is not None and state.guide.advance(token):
+            reason = "stop"  # the output grammar is complete
         elif len(request.output_ids) >= request.params.max_new_tokens:
             reason = "length"
         text = ""

@@ -26,6 +26,14 @@ hands the table through untouched (donated, so no copy): batches without penalti
 nothing, and no program is added. Continued decode calls (``continue_decode``) reuse inputs
 with nothing to mark and no row starting over, so they need nothing more.
 
+Structured outputs (``structured_output.py``) keep a token mask per guided request on the
+device beside the counts, i32[R_max, ceil(V / 32)] (per data shard; 256 slots x 1,536 words is
+1.5 MB): a guided request owns a row (its ``guide_slot``, taken by the scheduler at admission),
+which the engine writes after reading back the request's last token (``write_guide_rows``: one
+small program of ``GUIDE_ROWS_PER_WRITE`` rows, compiled once), and the sampled program sets the
+logits its grammar forbids to -inf (``sampling.apply_guides``; rows without a guide unchanged).
+A call holding a guided request is always a sampled one, of one step.
+
 Example::
 
     runner = ModelRunner(model, params, num_blocks=64, buckets=buckets, max_rows=8)
@@ -50,9 +58,10 @@ import numpy as np
 from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
 from attn_jax.models.base import ServingModel
 from attn_jax.serving.cascade import CascadeConfig, common_prefix_len
-from attn_jax.serving.sampling import PROMPT_SEEN, apply_penalties, prompt_logprobs, sample_tokens
+from attn_jax.serving.sampling import PROMPT_SEEN, apply_guides, apply_penalties, prompt_logprobs, sample_tokens
 from attn_jax.serving.scheduler import Request, ScheduledBatch, wants_prompt_logprobs
 from attn_jax.serving.step_inputs import PackedLayout, leaf_offsets, pack, repack, unpack
+from attn_jax.serving.structured_output import mask_words
 from attn_jax.sharding import ShardedStep
 from attn_jax.types import SEED_LIMIT
 
@@ -81,6 +90,9 @@ class DispatchedCall:
 
 NO_INDEX = np.iinfo(np.int32).max
 """A page delta's index that writes nothing (out of every buffer's bounds: dropped)."""
+
+GUIDE_ROWS_PER_WRITE = 8
+"""Mask rows one ``ModelRunner.write_guide_rows`` program writes (more are written in turns)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -124,6 +136,13 @@ class PreparedCall:
         never do; whether any row samples does (greedy batches skip the sampler's sort); a
         call with prompt log-probabilities has a layout of its own (``prompt_targets``)."""
         return (self.packed[0][1], self.num_steps, self.sampled)
+
+
+def _write_guide_rows(table, index, rows):
+    """``table`` i32[(data,) R_max, W] with ``rows`` i32[G, W] written at ``index`` i32[G] (a
+    flat (shard, row) index: shard * R_max + row; out of bounds: dropped)."""
+    flat = table.reshape(-1, table.shape[-1]).at[index].set(rows, mode="drop")
+    return flat.reshape(table.shape)
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
@@ -182,12 +201,18 @@ class ModelRunner:
             self._jit_step = jax.jit(self._device_step, donate_argnums=(1, 2), static_argnums=(4, 5, 6))
             self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)
             self._token_counts = jnp.zeros((self.max_rows, vocab), jnp.int32)
+            self._guide_masks = jnp.zeros((self.max_rows, mask_words(vocab)), jnp.int32)
+            self._jit_write_guides = jax.jit(_write_guide_rows, donate_argnums=0)
         else:
             self.params = self._sharded.put_params(params)
             self.kv_caches = self._sharded.init_kv_caches(num_blocks)
             self._jit_step = self._sharded.jit(self._device_step)
             self._last_tokens = self._sharded.zeros_per_shard(self.max_rows)
             self._token_counts = self._sharded.zeros_per_shard(self.max_rows, vocab)
+            self._guide_masks = self._sharded.zeros_per_shard(self.max_rows, mask_words(vocab))
+            self._jit_write_guides = jax.jit(
+                _write_guide_rows, donate_argnums=0, out_shardings=self._guide_masks.sharding
+            )
         self._no_page_delta = self._put_delta(np.full((self.num_shards, 2, 2 * self.max_rows), NO_INDEX, np.int32))
         self.num_blocks = num_blocks
         # The last dispatched call, when a decode batch, and its inputs one step on, computed on
@@ -228,8 +253,8 @@ class ModelRunner:
         token in the previous call's output or -1, (temperature, top_p, top_k, seed,
         tokens generated, presence, frequency and repetition penalties, its token-count
         slot or -1, 1 when that slot starts over, how many of the known ids the step counts
-        as prompt tokens, and after them as generated ones)); ``rows_of_pending`` maps
-        ``id(request)`` to that row. Raises for a request whose values do not fit the step's
+        as prompt tokens, and after them as generated ones, its guide mask's row or -1));
+        ``rows_of_pending`` maps ``id(request)`` to that row. Raises for a request whose values do not fit the step's
         arrays (a seed outside [0, 2**32), say), so the core can fail it alone."""
         known = request.known_ids(request.num_computed, request.num_computed + num_new)
         src = -1
@@ -242,9 +267,9 @@ class ModelRunner:
             if not 0 <= value < limit:
                 raise OverflowError(f"{name}={value} does not fit the step's arrays: it must be in [0, {limit})")
         values = (p.temperature, p.top_p, p.top_k, request.seed, request.num_generated)
-        slot = request.penalty_slot
+        slot, guide = request.penalty_slot, request.guide_slot
         if slot < 0:
-            return known, src, (*values, 0.0, 0.0, 1.0, -1, 0, 0, 0)
+            return known, src, (*values, 0.0, 0.0, 1.0, -1, 0, 0, 0, guide)
         # Its known ids before ``num_counted_inputs`` are counted here (the prompt's as such),
         # the later ones were counted when sampled; its first call after admission starts over.
         start, counted = request.num_computed, request.num_counted_inputs
@@ -252,7 +277,7 @@ class ModelRunner:
         num_generated = min(max(counted - start, 0), len(known)) - num_prompt
         fresh = int(start == request.num_cached_tokens)
         penalties = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
-        return known, src, (*values, *penalties, slot, fresh, num_prompt, num_generated)
+        return known, src, (*values, *penalties, slot, fresh, num_prompt, num_generated, guide)
 
     def cascade_prefix_lens(
         self, batches: Sequence[ScheduledBatch], num_common_blocks: Sequence[int] | None
@@ -313,10 +338,10 @@ class ModelRunner:
         logits_rows[:n] = ends - 1
         steps = np.zeros(num_rows, np.int32)
         steps[:n] = decode_steps
-        columns = np.zeros((12, num_rows), np.float64)  # exact for every value in range
+        columns = np.zeros((13, num_rows), np.float64)  # exact for every value in range
         columns[[1, 7]] = 1.0  # top_p, repetition penalty: off
-        columns[8] = -1  # no token-count slot
-        columns[:, :n] = np.asarray(values, np.float64).reshape(n, 12).T
+        columns[[8, 12]] = -1  # no token-count slot, no guide
+        columns[:, :n] = np.asarray(values, np.float64).reshape(n, 13).T
         marks = np.full(token_bucket, -1, np.int32)  # per token: 2 * row + 1 if generated, counted; -1: not
         for i in np.flatnonzero(columns[10, :n] + columns[11, :n]).tolist():  # rows counting their inputs
             first, num_prompt, num_generated = int(ends[i] - query_lens[i]), int(columns[10, i]), int(columns[11, i])
@@ -344,7 +369,7 @@ class ModelRunner:
                 temperature=columns[0].astype(np.float32), top_p=columns[1].astype(np.float32),
                 top_k=columns[2].astype(np.int32), seeds=columns[3].astype(np.uint32),
                 counters=columns[4].astype(np.int32), penalties=columns[5:8].astype(np.float32),
-                slots=columns[8:10].astype(np.int32),
+                slots=columns[8:10].astype(np.int32), guides=columns[12].astype(np.int32),
             ),
         )  # fmt: skip
 
@@ -397,7 +422,11 @@ class ModelRunner:
         sampled = (
             prompt
             or any(bool((x["sampling"]["temperature"] > 0).any()) for x in inputs)
-            or any(r.params.logprobs is not None or r.params.has_penalties for b in batches for r in b.requests)
+            or any(
+                r.params.logprobs is not None or r.params.has_penalties or r.guide_slot >= 0
+                for b in batches
+                for r in b.requests
+            )
         )
         return PreparedCall(
             packed, num_steps, token_bucket, max(prefix_lens), sampled, None if prompt else decode,
@@ -486,7 +515,7 @@ class ModelRunner:
         """The jitted step's arguments for a prepared call (the sharded step's inputs stacked
         over data shards)."""
         packed, num_steps, sampled = prepared.packed, prepared.num_steps, prepared.sampled
-        rows = (self._last_tokens, self._token_counts)
+        rows = (self._last_tokens, self._token_counts, self._guide_masks)
         delta = self._no_page_delta if prepared.page_delta is None else self._put_delta(prepared.page_delta)
         if self._sharded is None or isinstance(packed[0][0], jax.Array):  # one device's, or continued (on the mesh)
             buffer, layout = packed[0]
@@ -510,7 +539,7 @@ class ModelRunner:
         if prepared.prompt_logprobs:
             logprobs, prompt_logprobs = logprobs[:3], logprobs[3:]
         self._decode_chain = None if prepared.decode is None else (prepared, next_packed)
-        self._last_tokens, self._token_counts = rows
+        self._last_tokens, self._token_counts, self._guide_masks = rows
         end = time.perf_counter()
         self.dispatched_keys.add(prepared.key)
         ready = end if tokens.is_ready() else None
@@ -529,6 +558,25 @@ class ModelRunner:
         """``prepare`` then ``dispatch``: one jitted call of ``num_steps`` steps for these
         batches (the arguments are ``prepare``'s). Returns without waiting for the device."""
         return self.dispatch(self.prepare(batches, rows, steps, num_steps, num_common_blocks))
+
+    def write_guide_rows(self, rows: Sequence[tuple[int, int]], masks: Sequence[np.ndarray]) -> None:
+        """Writes guided requests' token masks into the device's table: ``rows`` each mask's
+        (data shard, guide slot), ``masks`` i32[ceil(V / 32)] each; ``GUIDE_ROWS_PER_WRITE``
+        at a time (padding dropped), by one program compiled once (``compile_guide_writes``)."""
+        g = GUIDE_ROWS_PER_WRITE
+        for start in range(0, len(rows), g):
+            index = np.full(g, NO_INDEX, np.int32)
+            values = np.zeros((g, self._guide_masks.shape[-1]), np.int32)
+            chunk = zip(rows[start : start + g], masks[start : start + g], strict=True)
+            for i, ((shard, slot), mask) in enumerate(chunk):
+                index[i], values[i] = shard * self.max_rows + slot, mask
+            self._guide_masks = self._jit_write_guides(self._guide_masks, index, values)
+
+    def compile_guide_writes(self) -> None:
+        """Compiles ``write_guide_rows``' program (the warm-up's), writing nothing."""
+        index = np.full(GUIDE_ROWS_PER_WRITE, NO_INDEX, np.int32)
+        values = np.zeros((GUIDE_ROWS_PER_WRITE, self._guide_masks.shape[-1]), np.int32)
+        self._jit_write_guides.lower(self._guide_masks, index, values).compile()
 
     # ------------------------------------------------------------------ scratch pages (warm-up)
 
@@ -600,10 +648,11 @@ class ModelRunner:
         times (the later steps decodes only, each request's input its previous token).
 
         ``rows`` is the device's per-row state: (i32[R_max] the previous call's last sampled
-        tokens, i32[R_max, V] the penalties' token counts by slot); rows whose ``token_src``
-        is >= 0 take their input token from the first. A sampled call applies each row's
-        penalties from its slot's counts (``_penalized_sampling``); a greedy call has no row
-        with penalties and hands the counts back untouched (donated: no copy).
+        tokens, i32[R_max, V] the penalties' token counts by slot, i32[R_max, ceil(V / 32)]
+        the guided requests' token masks by slot); rows whose ``token_src`` is >= 0 take their
+        input token from the first. A sampled call applies each row's penalties from its
+        slot's counts, then its guide's mask; a greedy call has no row with either and hands
+        the counts back untouched (donated: no copy); the masks are only read.
         Returns (i32[num_steps, R_max] sampled tokens, ``rows`` after the call, caches, i32[n]
         packed inputs, the tokens' log-probabilities: ``sample_tokens``' three arrays with a
         [num_steps, R_max] lead, or None when not ``sampled``; inputs with ``prompt_targets``
@@ -614,7 +663,7 @@ class ModelRunner:
         value) pairs written into ``packed`` first, the pages a continued call's requests
         gained (index ``NO_INDEX``: none)."""
         self.num_compilations += 1
-        last_tokens, all_counts = rows
+        last_tokens, all_counts, guide_masks = rows
         if page_delta is not None:
             packed = packed.at[page_delta[0]].set(page_delta[1], mode="drop")
         x = unpack(packed, layout)
@@ -657,6 +706,7 @@ class ModelRunner:
                 return pad(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None, kv_caches, counts
             presence, frequency, repetition = s["penalties"]
             logits = apply_penalties(logits, counts, presence, frequency, repetition)
+            logits = apply_guides(logits, guide_masks, s["guides"])
             out = sample_tokens(logits, s["temperature"], s["top_p"], s["top_k"], s["seeds"], counters)
             counts = counts.at[jnp.arange(num_rows), out[0]].add(active.astype(jnp.int32))
             return pad(out[0]), tuple(pad(a) for a in out[1:]), kv_caches, counts
@@ -692,7 +742,7 @@ class ModelRunner:
                 positions, next_md, counters = moved(one, one > 0)
                 later = dict(x, positions=positions, md=next_md, sampling=dict(s, counters=counters))
                 next_packed = repack(packed, layout, x, later)
-            return tokens[None], (tokens, store(counts)), kv_caches, next_packed, first
+            return tokens[None], (tokens, store(counts), guide_masks), kv_caches, next_packed, first
 
         def decode(carry, step):
             kv_caches, last, counts = carry
@@ -711,4 +761,4 @@ class ModelRunner:
         )
         if first is not None:
             first = tuple(jnp.concatenate([a, b]) for a, b in zip(first, later_logprobs, strict=True))
-        return jnp.concatenate([tokens[None], later]), (last, store(counts)), kv_caches, packed, first
+        return jnp.concatenate([tokens[None], later]), (last, store(counts), guide_masks), kv_caches, packed, first

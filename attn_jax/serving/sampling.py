@@ -122,3 +122,21 @@ def prompt_logprobs(logits, targets):
     top, ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
     chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
     return chosen, ids.astype(jnp.int32), top
+
+
+def apply_guides(logits, masks, rows):
+    """The logits with the tokens a row's output grammar forbids at -inf (structured
+    outputs, ``structured_output.py``); traceable, the masks data.
+
+    Args:
+      logits: f32[N, V].
+      masks: i32[S, W], W = ceil(V / 32): the device's mask table, a row per guided request
+        (bit ``t % 32`` of word ``t // 32`` set: token t allowed).
+      rows: i32[N], each row's mask row; -1: not guided.
+
+    Returns f32[N, V]; a row that is not guided is its logits unchanged (exactly).
+    """
+    words = masks[jnp.maximum(rows, 0)]  # i32[N, W]
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(words.shape[0], -1)[:, : logits.shape[-1]] == 1
+    return jnp.where(allowed | (rows < 0)[:, None], logits, -jnp.inf)

@@ -69,6 +69,11 @@ class SamplingParams:
     values are data on the device: none compiles a program. A request with a repetition
     penalty (or one with presence / frequency penalties recomputed after a preemption) takes
     no prefix-cache hits: the step counts the tokens it computes, so it computes them all.
+
+    ``json_schema`` (None: off; structured outputs, ``structured_output.py``): a JSON Schema as
+    JSON text the output must match (OpenAI's ``json_object`` is ``{"type": "object"}``); the
+    engine masks each step's logits with the grammar's allowed tokens, ends the request with
+    "stop" when the grammar is complete, and runs calls holding it one step at a time.
     """
 
     max_new_tokens: int = 16
@@ -83,6 +88,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # in [-2, 2]; 0 = off
     repetition_penalty: float = 1.0  # > 0; 1 = off
     prompt_logprobs: int | None = None  # alternatives per prompt token whose log-probabilities come back
+    json_schema: str | None = None  # the JSON Schema (JSON text) the output must match; None: free text
 
     def __post_init__(self) -> None:
         # Any real / integral number is accepted (NumPy scalars included) and stored as a Python one.
@@ -135,6 +141,10 @@ class SamplingParams:
         if not (real(value) and math.isfinite(value) and value > 0):
             raise ValueError(f"repetition_penalty={value!r} must be a finite number > 0 (1 = off)")
         set_("repetition_penalty", float(value))
+        if self.json_schema is not None and not isinstance(self.json_schema, str):
+            raise ValueError(
+                f"json_schema={self.json_schema!r} must be a JSON Schema as JSON text (str; json.dumps a dict) or None"
+            )
 
     @property
     def has_penalties(self) -> bool:
@@ -180,6 +190,8 @@ class Request:
     # step counts from its inputs (the later ones are counted when sampled).
     penalty_slot: int = -1
     num_counted_inputs: int = 0
+    # With a json_schema, while running: the row of the device's token masks it owns, -1 otherwise.
+    guide_slot: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -257,8 +269,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._warned_full = False
-        # Rows of the device's token counts (``ModelRunner``) free for a request with penalties.
+        # Rows of the device's token counts (``ModelRunner``) free for a request with penalties,
+        # and of its token masks for a request with a json_schema.
         self._free_penalty_slots = list(range(self.max_num_seqs - 1, -1, -1))
+        self._free_guide_slots = list(range(self.max_num_seqs - 1, -1, -1))
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -278,10 +292,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _release_penalty_slot(self, request: Request) -> None:
+    def _release_slots(self, request: Request) -> None:
+        """Gives back ``request``'s rows of the device's token counts and token masks."""
         if request.penalty_slot >= 0:
             self._free_penalty_slots.append(request.penalty_slot)
             request.penalty_slot = -1
+        if request.guide_slot >= 0:
+            self._free_guide_slots.append(request.guide_slot)
+            request.guide_slot = -1
 
     @staticmethod
     def _counts_every_token(request: Request) -> bool:
@@ -296,7 +314,7 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request) -> None:
-        self._release_penalty_slot(request)
+        self._release_slots(request)
         self.kv_cache_manager.free(request)
         request.num_computed = 0
         request.status = RequestStatus.WAITING
@@ -379,6 +397,8 @@ class Scheduler:
             if request.params.has_penalties:  # its counts start over with this admission
                 request.penalty_slot = self._free_penalty_slots.pop()
                 request.num_counted_inputs = request.num_tokens
+            if request.params.json_schema is not None:  # its mask is written into this row before its call
+                request.guide_slot = self._free_guide_slots.pop()
             self.running.append(request)
             scheduled.append(request)
             num_new.append(n)
@@ -404,7 +424,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
-        self._release_penalty_slot(request)
+        self._release_slots(request)
         self.kv_cache_manager.free(request)
         if request in self.running:
             self.running.remove(request)

@@ -225,6 +225,7 @@ def warm_up(
     chosen = ordered if max_shapes is None else ordered[:max_shapes]
     compilations = runner.num_compilations
     pending = [prepared for prepared in chosen if prepared.key not in runner.dispatched_keys]
+    runner.compile_guide_writes()  # structured outputs' mask writes: one program, not a step shape
     with ThreadPoolExecutor(workers) as pool:
         for i, future in enumerate(as_completed([pool.submit(runner.compile, p) for p in pending])):
             future.result()
