@@ -118,8 +118,9 @@ class PreparedCall:
     num_steps: int  # K
     token_bucket: int
     cascade_prefix_len: int  # the largest shard's; 0: no cascade attention
-    # A row samples (temperature > 0), wants log-probabilities or has penalties: the program that sorts
-    # (``sampling.py``) and keeps the token counts.
+    # The program that sorts (``sampling.py``) and keeps the token counts: a row samples (temperature > 0),
+    # wants log-probabilities or has penalties, or the call prefills (a prefill call has one program whatever
+    # its rows: the sampler's sort is small beside its forward); a decode call of greedy rows runs the argmax.
     sampled: bool = False
     # A decode call the next one may continue, one ``DecodeBatch`` per data shard; None: other calls.
     decode: tuple[DecodeBatch, ...] | None = None
@@ -133,8 +134,9 @@ class PreparedCall:
     @property
     def key(self) -> tuple:
         """What selects the compiled step: (layout, num_steps, sampled). Sampling values
-        never do; whether any row samples does (greedy batches skip the sampler's sort); a
-        call with prompt log-probabilities has a layout of its own (``prompt_targets``)."""
+        never do; whether a decode call's rows sample does (greedy decodes skip the sampler's
+        sort); a call with prompt log-probabilities has a layout of its own (``prompt_targets``,
+        in the largest token bucket)."""
         return (self.packed[0][1], self.num_steps, self.sampled)
 
 
@@ -398,15 +400,18 @@ class ModelRunner:
         prefix_lens = self.cascade_prefix_lens(batches, num_common_blocks)
         fits = MetadataBuckets.fit
         token_bucket = fits(self.buckets.token_buckets, max(b.num_tokens for b in batches), "num_tokens")
+        prompt = any(wants_prompt_logprobs(r) for b in batches for r in b.requests)
+        if prompt:  # the largest token bucket and the widest table: one program per batch kind
+            token_bucket = self.buckets.token_buckets[-1]
         num_reqs = max(len(b.requests) for b in batches)
-        if any(q > 1 for b in batches for q in b.num_new):  # see the docstring: one request bucket per token bucket
+        prefills = any(q > 1 for b in batches for q in b.num_new)
+        if prefills:  # see the docstring: one request bucket per token bucket
             num_reqs = max(num_reqs, min(token_bucket, self.buckets.request_buckets[-1]))
         req_bucket = fits(self.buckets.request_buckets, num_reqs, "num_reqs")
         pages = max((len(r.blocks) for b in batches for r in b.requests), default=1)
         page_bucket = fits(self.buckets.blocks_per_request_buckets, pages, "blocks per request")
         step_query_lens = np.concatenate([np.asarray(b.num_new, np.int32) for b in batches])
-        prompt = any(wants_prompt_logprobs(r) for b in batches for r in b.requests)
-        if prompt:  # the widest block table: one program with prompt log-probabilities per token bucket and kind
+        if prompt:
             page_bucket = self.buckets.blocks_per_request_buckets[-1]
         buckets = (token_bucket, req_bucket, page_bucket)
         if prompt and self._sharded is not None:
@@ -420,7 +425,8 @@ class ModelRunner:
         packed = [pack(x) for x in inputs]
         decode = self._decode_batch(batches, rows, steps, num_steps, prefix_lens, packed[0][1])
         sampled = (
-            prompt
+            prefills
+            or prompt
             or any(bool((x["sampling"]["temperature"] > 0).any()) for x in inputs)
             or any(
                 r.params.logprobs is not None or r.params.has_penalties or r.guide_slot >= 0
