@@ -118,9 +118,9 @@ class PreparedCall:
     num_steps: int  # K
     token_bucket: int
     cascade_prefix_len: int  # the largest shard's; 0: no cascade attention
-    # The program that sorts (``sampling.py``) and keeps the token counts: a row samples (temperature > 0),
-    # wants log-probabilities or has penalties, or the call prefills (a prefill call has one program whatever
-    # its rows: the sampler's sort is small beside its forward); a decode call of greedy rows runs the argmax.
+    # A row samples (temperature > 0), wants log-probabilities or has penalties: the program that sorts
+    # (``sampling.py``) and keeps the token counts. (Always sorting would halve the programs but costs
+    # 0.9-1.6 ms a call at 64-256 rows on an H100: ``benchmarks/sampling_cost.py``.)
     sampled: bool = False
     # A decode call the next one may continue, one ``DecodeBatch`` per data shard; None: other calls.
     decode: tuple[DecodeBatch, ...] | None = None
@@ -134,8 +134,7 @@ class PreparedCall:
     @property
     def key(self) -> tuple:
         """What selects the compiled step: (layout, num_steps, sampled). Sampling values
-        never do; whether a decode call's rows sample does (greedy decodes skip the sampler's
-        sort); a call with prompt log-probabilities has a layout of its own (``prompt_targets``,
+        never do; whether any row samples does (greedy batches skip the sampler's sort); a call with prompt log-probabilities has a layout of its own (``prompt_targets``,
         in the largest token bucket)."""
         return (self.packed[0][1], self.num_steps, self.sampled)
 
@@ -425,8 +424,7 @@ class ModelRunner:
         packed = [pack(x) for x in inputs]
         decode = self._decode_batch(batches, rows, steps, num_steps, prefix_lens, packed[0][1])
         sampled = (
-            prefills
-            or prompt
+            prompt
             or any(bool((x["sampling"]["temperature"] > 0).any()) for x in inputs)
             or any(
                 r.params.logprobs is not None or r.params.has_penalties or r.guide_slot >= 0

@@ -2,9 +2,9 @@
 
 A jitted step compiles once per key: the packed inputs' layout (token, request and page
 buckets, and the metadata's structure, which a backend may key on the step's prefill
-count and longest prefill, or on cascade attention), the steps per call, and whether a
-decode call's rows sample (greedy decodes skip the sampler; a prefill call always runs it,
-and one with prompt log-probabilities takes the largest token bucket). Sampling values are per-row data
+count and longest prefill, or on cascade attention), the steps per call, and whether any
+row samples (greedy batches skip the sampler; a call with prompt log-probabilities takes the
+largest token bucket). Sampling values are per-row data
 (``sampling.py``): they never add a program. A compilation inside traffic stalls every
 stream for as long as it takes, so a server compiles them all first.
 
