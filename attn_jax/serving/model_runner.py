@@ -134,8 +134,9 @@ class PreparedCall:
     @property
     def key(self) -> tuple:
         """What selects the compiled step: (layout, num_steps, sampled). Sampling values
-        never do; whether any row samples does (greedy batches skip the sampler's sort); a call with prompt log-probabilities has a layout of its own (``prompt_targets``,
-        in the largest token bucket)."""
+        never do; whether any row samples does (greedy batches skip the sampler's sort); a
+        call with prompt log-probabilities has a layout of its own (``prompt_targets``, in
+        the largest token bucket)."""
         return (self.packed[0][1], self.num_steps, self.sampled)
 
 
