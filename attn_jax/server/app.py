@@ -288,6 +288,7 @@ def build_app(
                     presence_penalty=body.presence_penalty,
                     frequency_penalty=body.frequency_penalty,
                     repetition_penalty=body.repetition_penalty,
+                    json_schema=body.json_schema,
                     **prompt,
                 )  # fmt: skip
             )

@@ -68,6 +68,7 @@ class GenerationSpec:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    json_schema: str | None = None  # the JSON Schema (JSON text) the output must match; None: free text
     chat: bool = False  # prompt holds chat messages, rendered with the model's chat template
     prompt_param: str = "prompt"  # the request field errors about the prompt name
     max_tokens_param: str = "max_tokens"
@@ -252,7 +253,7 @@ class EngineCore:
             seed=spec.seed, ignore_eos=spec.ignore_eos, logprobs=spec.logprobs,
             prompt_logprobs=spec.logprobs if spec.echo else None,
             presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
-            repetition_penalty=spec.repetition_penalty,
+            repetition_penalty=spec.repetition_penalty, json_schema=spec.json_schema,
         )  # fmt: skip
         return ids, params
 

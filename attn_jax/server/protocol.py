@@ -12,15 +12,20 @@ with a ``seed``, choice i draws with seed + i, as vLLM's). ``presence_penalty`` 
 the completion and, with ``logprobs``, its tokens' log-probabilities first (vLLM's prompt
 logprobs: the first token's null, the others computed in the prefill), streamed or not;
 ``max_tokens`` 0 is allowed with ``echo`` (the prompt's log-probabilities alone: what
-lm-eval's log-likelihood requests ask). Fields OpenAI defines that this server cannot
-honour (``logit_bias``, ``suffix``, ``best_of`` > 1, a ``response_format`` other
-than text) are refused by name rather than ignored; ``top_k``, ``ignore_eos`` and
+lm-eval's log-likelihood requests ask). ``response_format`` (structured outputs, chat and,
+as vLLM's, completions) is ``{"type": "text"}``, ``{"type": "json_object"}`` (any JSON object)
+or ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``; the schema is
+compiled here by llguidance (``serving/structured_output.py``), so one it cannot compile is a
+400 naming ``response_format`` with llguidance's error. Fields OpenAI defines that this server
+cannot honour (``logit_bias``, ``suffix``, ``best_of`` > 1) are refused by name rather than
+ignored; ``top_k``, ``ignore_eos`` and
 ``repetition_penalty`` are vLLM's extensions (pass them in the openai client's
 ``extra_body``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Literal
@@ -28,6 +33,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from attn_jax.serving.sampling import MAX_LOGPROBS
+from attn_jax.serving.structured_output import JSON_OBJECT_SCHEMA, compile_json_schema
 from attn_jax.types import SEED_LIMIT
 
 
@@ -50,6 +56,10 @@ MAX_N = 64
 _STRICT = ConfigDict(strict=True)
 """Types as OpenAI checks them: ``"stream": "yes"``, ``"seed": true`` or ``"temperature": "0"``
 are 400s naming the field, never coerced (an int is still a float)."""
+
+
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+"""``response_format`` types served: free text, any JSON object, a JSON Schema."""
 
 
 class StreamOptions(BaseModel):
@@ -83,7 +93,7 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: float | None = 0.0  # null: 0, off
     repetition_penalty: float | None = 1.0  # vLLM's extension; null: 1, off
     logit_bias: dict[str, float] | None = None
-    response_format: dict | None = None  # structured outputs: only {"type": "text"} (no constraint) is served
+    response_format: dict | None = None  # structured outputs: text, json_object or json_schema
 
     @field_validator("temperature")
     @classmethod
@@ -149,12 +159,32 @@ class _GenerationRequest(BaseModel):
     @field_validator("response_format")
     @classmethod
     def _response_format(cls, v):
-        if v is not None and v.get("type") != "text":
-            raise ValueError(
-                f"response_format type {v.get('type')!r} is not supported by this server (structured outputs are not "
-                "built yet): leave it out or use {'type': 'text'}"
-            )
+        if v is None:
+            return v
+        kind = v.get("type")
+        if kind not in _RESPONSE_FORMATS:
+            raise ValueError(f"response_format.type={kind!r} must be one of {list(_RESPONSE_FORMATS)}")
+        if kind == "json_schema":
+            spec = v.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                shown = json.dumps(spec)[:80]
+                raise ValueError(
+                    f"response_format.json_schema={shown} must be an object whose schema is a JSON Schema object: "
+                    '{"name": ..., "schema": {...}, "strict": ...}'
+                )
+            try:
+                compile_json_schema(json.dumps(spec["schema"]))
+            except ValueError as e:
+                raise ValueError(f"response_format.json_schema.schema: {e}") from None
         return v
+
+    @property
+    def json_schema(self) -> str | None:
+        """The JSON Schema (JSON text) ``response_format`` asks the output to match; None: free text."""
+        kind = None if self.response_format is None else self.response_format["type"]
+        if kind == "json_object":
+            return JSON_OBJECT_SCHEMA
+        return json.dumps(self.response_format["json_schema"]["schema"]) if kind == "json_schema" else None
 
     @field_validator("logit_bias")
     @classmethod

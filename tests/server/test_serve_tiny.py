@@ -109,6 +109,32 @@ def test_chat_matches_engine_generate_with_the_chat_template(client, engine):
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
 
 
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+def test_response_format_json_schema_and_json_object_streamed_and_not(client, engine):
+    """Structured outputs through the openai client: chat's json_schema (n = 2, each choice
+    guided) and completions' json_object give the engine's guided text, streamed or not."""
+    messages = [{"role": "user", "content": QUESTION}]
+    (want,) = engine.generate([QUESTION], greedy(20, json_schema=json.dumps(SCHEMA)), chat=True)
+    assert set(json.loads(want.text)) == {"ok"} and want.finish_reason == "stop"
+    schema_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    kwargs = dict(model=TINY_RANDOM, messages=messages, max_tokens=20, temperature=0, response_format=schema_format)
+    got = client.chat.completions.create(**kwargs, n=2)
+    assert [c.message.content for c in got.choices] == [want.text] * 2
+    assert [c.finish_reason for c in got.choices] == ["stop"] * 2
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True))
+    assert streamed == want.text
+
+    (any_object,) = engine.generate([PROMPTS[0]], greedy(12, json_schema='{"type": "object"}'))
+    assert any_object.text.startswith("{")  # random weights: an object's keys may outlast 12 tokens
+    kwargs = dict(model=TINY_RANDOM, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    body = {"response_format": {"type": "json_object"}}
+    assert client.completions.create(**kwargs, extra_body=body).choices[0].text == any_object.text
+    chunks = client.completions.create(**kwargs, stream=True, extra_body=body)
+    assert "".join(c.choices[0].text for c in chunks) == any_object.text
+
+
 def test_logprobs_match_the_engine_streamed_and_not(client, engine):
     """Completions' ``logprobs`` N and chat's ``logprobs`` / ``top_logprobs`` N, whole and
     streamed, carry the engine's own log-probabilities (``SamplingParams.logprobs``)."""
@@ -313,9 +339,24 @@ BAD_REQUESTS = [  # (route, JSON body or raw text, the param named, words of the
     ("completions", {"prompt": "hi", "n": 65}, "n", "n=65 must be in [1, 64]"),
     (
         "chat/completions",
-        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+        {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "xml"}},
         "response_format",
-        "'json_object' is not supported",
+        "response_format.type='xml' must be one of ['text', 'json_object', 'json_schema']",
+    ),
+    (
+        "chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}},
+        },
+        "response_format",
+        "response_format.json_schema.schema: json_schema does not compile: Invalid type: foo",
+    ),
+    (
+        "completions",
+        {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format",
+        "must be an object whose schema is a JSON Schema object",
     ),
     ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs", "logprobs=21 must be in [0, 20]"),
     ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "0 is allowed only with echo=true"),
