@@ -34,6 +34,12 @@ request's ``usage.completion_tokens`` is checked against it (a mismatch counts a
 failed request). The offline engine gets ``SamplingParams(ignore_eos=True)`` likewise.
 With ``--logprobs N`` every request, and the offline engine's, also asks for the sampled
 tokens' log-probabilities and top N (issue 47: the cost of logprobs on every request).
+With ``--json-schema-fraction F`` about that share of the requests (chosen by their prompts,
+the same in every run) carries a small ``json_schema`` ``response_format`` (structured
+outputs; such a request ends when its JSON is complete, so its tokens are checked to be at
+most ``max_tokens``); each phase then also reports the unguided and the guided requests
+apart (``unguided`` / ``guided``: issue 47's target is the unguided ones' tokens/s with a
+share guided >= 0.9x their tokens/s with none).
 
     python benchmarks/serve_load.py --model tiny-random --concurrency 8 --max-tokens 16 --out /tmp/s.json
     python benchmarks/serve_load.py --model smollm2-135m --dtype bfloat16 --out /tmp/serve_load.json
@@ -62,6 +68,7 @@ import json
 import multiprocessing
 import os
 import platform
+import random
 import signal
 import socket
 import statistics
@@ -333,16 +340,36 @@ class RequestRecord:
     completion_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    guided: bool = False  # it carried --json-schema-fraction's response_format
+
+
+GUIDED_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string"}, "confidence": {"type": "number"}},
+    "required": ["answer", "confidence"],
+}
+"""The ``json_schema`` of ``--json-schema-fraction``'s requests."""
+
+
+def is_guided(prompt: list[int], fraction: float) -> bool:
+    """Whether the request of ``prompt`` carries the ``response_format`` (about ``fraction`` of
+    all; a prompt's answer is the same in every run and process)."""
+    return fraction > 0 and random.Random(prompt[0] * 49152 + prompt[1]).random() < fraction
 
 
 async def _one_request(client, prompt: list[int], request: dict) -> RequestRecord:
-    """``request``: the completion's ``max_tokens`` and ``logprobs`` (None: none asked)."""
-    record = RequestRecord(start=time.monotonic())
+    """``request``: the completion's ``max_tokens``, ``logprobs`` (None: none asked) and
+    ``json_schema_fraction``."""
+    guided = is_guided(prompt, request["json_schema_fraction"])
+    record = RequestRecord(start=time.monotonic(), guided=guided)
     max_tokens = request["max_tokens"]
+    extra = {"ignore_eos": True}
+    if guided:
+        extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": GUIDED_SCHEMA}}
     try:
         stream = await client.completions.create(
             model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}, logprobs=request["logprobs"],
+            stream_options={"include_usage": True}, extra_body=extra, logprobs=request["logprobs"],
         )  # fmt: skip
         async for chunk in stream:
             now = time.monotonic()
@@ -357,7 +384,9 @@ async def _one_request(client, prompt: list[int], request: dict) -> RequestRecor
     except Exception as e:  # recorded: the report counts failed requests
         record.error = f"{type(e).__name__}: {e}"[:300]
     record.end = time.monotonic()
-    if record.error is None and record.completion_tokens != max_tokens:
+    if record.error is None and not (
+        0 < record.completion_tokens <= max_tokens if guided else record.completion_tokens == max_tokens
+    ):
         record.error = f"{record.completion_tokens} completion tokens, not max_tokens={max_tokens}"
     return record
 
@@ -432,7 +461,9 @@ def percentiles(values: list[float], scale: float = 1e3) -> dict:
     return {"p50": q(0.50), "p90": q(0.90), "p99": q(0.99), "mean": scale * statistics.fmean(xs)}
 
 
-def summarize(records: list[dict], max_tokens: int) -> dict:
+def summarize(records: list[dict], max_tokens: int, part: str | None = None) -> dict:
+    """The phase's figures; with guided requests among ``records`` (``--json-schema-fraction``)
+    also the ``unguided`` and ``guided`` ones' apart (``part``: the records are one of those)."""
     ok = [r for r in records if r["error"] is None]
     ttft = [r["chunk_times"][0] - r["start"] for r in ok if r["chunk_times"]]
     itl = [b - a for r in ok for a, b in zip(r["chunk_times"], r["chunk_times"][1:], strict=False)]
@@ -444,7 +475,7 @@ def summarize(records: list[dict], max_tokens: int) -> dict:
     span = max(r["end"] for r in records) - min(r["start"] for r in records) if records else 0.0
     tokens = sum(r["completion_tokens"] for r in ok)
     chunks = sum(len(r["chunk_times"]) for r in ok)
-    return {
+    out = {
         "requests": len(records),
         "completed": len(ok),
         "failed": len(records) - len(ok),
@@ -459,6 +490,12 @@ def summarize(records: list[dict], max_tokens: int) -> dict:
         "tpot_ms": percentiles(tpot),
         "e2e_ms": percentiles([r["end"] - r["start"] for r in ok]),
     }
+    guided = [r for r in records if r.get("guided")]
+    if guided and part is None:  # each kind's tokens over its own requests' span
+        unguided = [r for r in records if not r.get("guided")]
+        out["unguided"] = summarize(unguided, max_tokens, part="unguided") if unguided else None
+        out["guided"] = summarize(guided, max_tokens, part="guided")
+    return out
 
 
 class ServerProcess:
@@ -523,8 +560,6 @@ def closed_loop(pool, procs: int, base_url: str, prompts: list, concurrency: int
 
 
 def open_loop(pool, base_url: str, prompts: list, rate: float, request: dict, seed: int):
-    import random
-
     rng, t, offsets = random.Random(seed), 0.0, []
     for _ in prompts:
         offsets.append(t)
@@ -557,6 +592,15 @@ def print_table(result: dict) -> None:
             f"{_fmt(s['itl_ms']['p50'], '.2f'):>9}{_fmt(s['itl_ms']['p99'], '.2f'):>9}"
             f"{_fmt(s['tpot_ms']['p50'], '.2f'):>10}{_fmt(s['e2e_ms']['p50'], '.0f'):>10}"
         )
+        for kind in ("unguided", "guided"):
+            part = s.get(kind)
+            if part is not None:
+                print(
+                    f"  {kind:<24}{part['completed']:>4}/{part['requests']:<4}{_fmt(part['output_tokens_per_s']):>10}"
+                    f"{_fmt(part['ttft_ms']['p50'], '.2f'):>10}{_fmt(part['ttft_ms']['p99'], '.2f'):>9}"
+                    f"{_fmt(part['itl_ms']['p50'], '.2f'):>9}{_fmt(part['itl_ms']['p99'], '.2f'):>9}"
+                    f"{_fmt(part['tpot_ms']['p50'], '.2f'):>10}{_fmt(part['e2e_ms']['p50'], '.0f'):>10}"
+                )
     t = result["targets"] or {}
     print(
         f"server / offline throughput: {_fmt(t.get('throughput_ratio'), '.3f')} (target >= 0.9); "
@@ -600,6 +644,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="every request (and the offline engine's) asks for the sampled tokens' log-probabilities and top N",
     )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--json-schema-fraction", type=float, default=0.0,
+        help="the share of requests with a small json_schema response_format (structured outputs; default 0)",
+    )  # fmt: skip
     p.add_argument("--rate", type=float, default=8.0, help="Poisson arrivals per second (0: no open-loop phase)")
     p.add_argument("--poisson-requests", type=int, default=64)
     p.add_argument(
@@ -645,6 +693,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.poisson_warmup_requests is None:
         args.poisson_warmup_requests = args.poisson_requests
+    if not 0 <= args.json_schema_fraction <= 1:
+        p.error(f"--json-schema-fraction={args.json_schema_fraction} must be in [0, 1]")
     if args.rate < 0 or args.poisson_requests < 1:
         p.error(f"--rate={args.rate} must be >= 0 and --poisson-requests={args.poisson_requests} >= 1")
     return args
@@ -667,6 +717,7 @@ def _workload(args: argparse.Namespace, procs: int) -> dict:
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
         "logprobs": args.logprobs,
+        "json_schema_fraction": args.json_schema_fraction,
         "equal_lengths": "ignore_eos=True (extra_body); usage.completion_tokens checked == max_tokens",
         "greedy": True,
         "concurrency": args.concurrency,
@@ -758,7 +809,11 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
         print(f"{phase} warm-up: {rounds}", flush=True)
 
     per_warm = args.warmup_requests_per_client or k
-    request = {"max_tokens": args.max_tokens, "logprobs": args.logprobs}
+    request = {
+        "max_tokens": args.max_tokens,
+        "logprobs": args.logprobs,
+        "json_schema_fraction": args.json_schema_fraction,
+    }
     warm_up(
         "closed_loop",
         lambda i: closed_loop(
