@@ -109,7 +109,9 @@ def test_chat_matches_engine_generate_with_the_chat_template(client, engine):
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
 
 
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+SCHEMA = {
+    "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False,
+}  # fmt: skip
 
 
 def test_response_format_json_schema_and_json_object_streamed_and_not(client, engine):
