@@ -27,9 +27,40 @@ def test_there_are_notebooks():
     assert NOTEBOOKS, "notebooks/ holds no jupytext .md notebook"
 
 
+def _reuse_the_sessions_hf_smollm2(request, monkeypatch) -> None:
+    """transformers' ``from_pretrained(folder, gguf_file=...)`` of the embedded SmolLM2, called as
+    conftest's ``hf_smollm2`` calls it (the model in float32), answers with that fixture's result:
+    transformers converts the GGUF's vocabulary and weights once per session (about 35 s on the
+    CI machine), not again for the notebook. The model is a deep copy, so the notebook's changes
+    stay in it; any other call goes to transformers."""
+    import copy
+
+    import torch
+    import transformers
+
+    gguf = request.getfixturevalue("smollm2_gguf")
+    model, tokenizer = request.getfixturevalue("hf_smollm2")
+
+    def answer(cls, value, want: dict):
+        original = cls.from_pretrained
+
+        def from_pretrained(name, *args, **kwargs):
+            gguf_file = kwargs.pop("gguf_file", None)
+            if not args and gguf_file == gguf.name and pathlib.Path(name) == gguf.parent and kwargs == want:
+                return value()
+            return original(name, *args, gguf_file=gguf_file, **kwargs)
+
+        monkeypatch.setattr(cls, "from_pretrained", from_pretrained)
+
+    answer(transformers.AutoTokenizer, lambda: tokenizer, {})
+    answer(transformers.AutoModelForCausalLM, lambda: copy.deepcopy(model), {"dtype": torch.float32})
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_is_paired_and_runs(path, capsys, monkeypatch):
+def test_notebook_is_paired_and_runs(path, capsys, monkeypatch, request):
     monkeypatch.setenv("ATTN_STACK_NOTEBOOK_FAST", "1")  # notebooks that read it run a smaller workload
+    if "gguf_file=" in path.read_text():  # transformers on the embedded GGUF: the session's copy
+        _reuse_the_sessions_hf_smollm2(request, monkeypatch)
     notebook = jupytext.read(path)
     paired = path.with_suffix(".ipynb")
     assert paired.exists(), f"{paired.name} is missing: run `jupytext --sync {path.name}`"
