@@ -109,22 +109,31 @@ def agreement() -> dict:
     }
     sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
     out = {}
+    # One device's tokens of each case, on XLA: every backend's sharded run must give them (a
+    # Pallas kernel in the interpreter compiles for seconds, so no one-device run of its own).
+    single = {
+        case: [c.output_ids for c in small_engine(LlamaModel(config), params).generate(prompts, sp)]
+        for case, prompts in cases.items()
+    }
     # Each backend's kernels in the interpreter are the slow part: every (backend, case) pair
     # that adds coverage once, the idle shards of "one" and the uneven split of "uneven".
     runs = (("XLA", "one", 4), ("XLA", "uneven", 2), ("PALLAS_GPU", "one", 2), ("PALLAS_TPU", "uneven", 2))
+    engines = {}
     for backend, case, devices in runs:
         cls = AttentionBackendEnum[backend].get_class()
-        prompts = cases[case]
-        single = small_engine(LlamaModel(config, attn_backend=cls), params).generate(prompts, sp)
         mesh = make_mesh(devices, model_parallel=1)
         model = LlamaModel(config, attn_backend=cls, **local_model_kwargs(config, mesh))
-        got = small_engine(model, params, mesh=mesh).generate(prompts, sp)
-        out[f"{backend}/{case}/{devices}"] = [c.output_ids for c in got] == [c.output_ids for c in single]
+        engines[backend, devices] = small_engine(model, params, mesh=mesh)
+        got = engines[backend, devices].generate(cases[case], sp)
+        out[f"{backend}/{case}/{devices}"] = [c.output_ids for c in got] == single[case]
     for name, (data, model_axis) in {"dp": (4, 1), "tp": (1, 2)}.items():
         mesh = make_mesh(data * model_axis, model_parallel=model_axis, num_kv_heads=config.num_kv_heads)
         for steps, suffix in ((1, ""), (3, "_multistep")):
-            model = LlamaModel(config, **local_model_kwargs(config, mesh))
-            engine = small_engine(model, params, mesh=mesh, num_scheduler_steps=steps)
+            if (name, steps) == ("dp", 1):  # the XLA run's DP=4 engine (XLA: the CPU's default backend)
+                engine = engines["XLA", 4]
+            else:
+                model = LlamaModel(config, **local_model_kwargs(config, mesh))
+                engine = small_engine(model, params, mesh=mesh, num_scheduler_steps=steps)
             out[f"collectives/{name}{suffix}"] = collectives(engine, cases["uneven"])
     untied = dataclasses.replace(config, tie_word_embeddings=False)  # the LM head split over "model" too
     mesh = make_mesh(2, model_parallel=2)
