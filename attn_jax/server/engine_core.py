@@ -119,6 +119,7 @@ class EngineCore:
         self._live: dict[str, _Live] = {}
         self._admitted: list[tuple] = []  # this round's admissions, not yet emitted
         self._compilations = getattr(engine, "num_compilations", None)  # the warm-up's are not counted
+        self._token_texts: dict[int, str] = {}  # a token's text decoded alone (log-probabilities), once per id
 
     def run(self) -> None:
         """The loop; returns once it has emitted ``("closed", ...)``."""
@@ -325,21 +326,26 @@ class EngineCore:
         live.echo = None
         scores = None
         if prompt_logprobs is not None:
-            scores = [(self._decode([ids[0]]), None, None)] + [
-                (self._decode([token]), logprob, tuple((self._decode([t]), lp) for t, lp in top))
+            text_of = self._token_text
+            scores = [(text_of(ids[0]), None, None)] + [
+                (text_of(token), logprob, tuple((text_of(t), lp) for t, lp in top))
                 for token, (logprob, top) in zip(ids[1:], prompt_logprobs[1:], strict=True)
             ]
         entry = outputs.setdefault(live.request_id, [live.request_id, [], None, None])
         entry[1].append([text, 0, scores])
 
+    def _token_text(self, token_id: int) -> str:
+        """A token's text decoded alone (its id in brackets without a tokenizer), decoded once
+        per id: top-N log-probabilities name N + 1 tokens per generated token."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._decode([int(token_id)])
+        return text
+
     def _token_scores(self, event) -> tuple:
         """(token, logprob, ((token, logprob), ...)) of an event's log-probabilities, each token
-        as its text (the tokenizer's decoding of it alone; its id in brackets without one)."""
-        tokenizer = self.engine.tokenizer
-
-        def text(token_id: int) -> str:
-            return f"[{token_id}]" if tokenizer is None else tokenizer.decode([token_id])
-
+        as its text (``_token_text``)."""
+        text = self._token_text
         return text(event.token_id), event.logprob, tuple((text(t), lp) for t, lp in event.top_logprobs)
 
     @staticmethod
