@@ -108,10 +108,12 @@ class _Terminal(io.StringIO):
 
 
 def test_text_is_streamed_on_a_terminal(monkeypatch):
-    """The text report (one run serves both: each run loads and compiles the model)."""
+    """The text report (one run serves both: each run loads and compiles the model). One decode
+    step per call, as the JSON test: its step programs, from the session's compilation cache
+    (the default multi-step decode: test_multistep_decode, the serving notebook, CI's first command)."""
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stdout", terminal)
-    assert main([*ARGS, "--max-new-tokens", "3", "--backend", "xla"]) == 0
+    assert main([*ARGS, "--max-new-tokens", "3", "--backend", "xla", "--num-scheduler-steps", "1"]) == 0
     out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", terminal.getvalue())  # without the terminal's control codes
     assert "generating: 3/3 tokens" in out  # the live region (cleared at the end)
     assert "[1] The capital of France is Paris" in out
