@@ -35,11 +35,11 @@ are paid once per K tokens. A request with fewer than K tokens left stops writin
 its last; tokens after EOS are dropped; tokens reach the caller K at a time.
 
 Structured outputs (``SamplingParams.json_schema``, ``serving/structured_output.py``): a
-guided request's next-token mask depends on its last token, so a call that holds one runs
-one step, and is dispatched only once that request's last token has been read back, its
-grammar advanced and its mask row written on the device: while guided requests run, the
-pipeline is synchronous (the host schedules while the device waits), for the unguided
-requests in the same calls too.
+guided request's next-token mask depends on its last token, so it takes one step of a
+call (the unguided requests beside it keep their multi-step calls), and a call is
+dispatched only once the guided requests' last tokens have been read back, their grammars
+advanced and their mask rows written on the device: while guided requests run, the
+pipeline is synchronous (the host schedules while the device waits), once per call.
 
 Long-running: a request leaves every engine structure once its final event has been
 returned (``completion(id)`` and ``get_request(id)`` then read a bounded record of the
@@ -803,9 +803,10 @@ class Engine:
     def _decode_steps(self, batches: list[ScheduledBatch]) -> tuple[list[list[int]], int]:
         """Each request's steps in this call and the call's step count: a multi-step decode
         (``reserve_decode_steps``) when every shard's batch holds decodes only, no request
-        could be admitted instead, the attention group advances its metadata, no request is
-        guided (its next mask needs its last token) and the pages are free; else one step (0
-        for a prefill chunk that samples nothing).
+        could be admitted instead, the attention group advances its metadata, some request is
+        not guided and the pages are free; else one step (0 for a prefill chunk that samples
+        nothing). A guided request takes one step of a multi-step call (its next mask needs its
+        last token), so the unguided ones beside it keep their multi-step calls.
 
         A call runs no more steps than its batch can still use: K is capped at the power of
         two >= the most new tokens any of its requests has left, and never below
@@ -824,7 +825,7 @@ class Engine:
                 for r, n in zip(b.requests, b.num_new, strict=True)
             )
             and all(not s.waiting or len(s.running) >= s.max_num_seqs for s in self.schedulers)
-            and not any(r.guide_slot >= 0 for b in batches for r in b.requests)
+            and any(r.guide_slot < 0 for b in batches for r in b.requests)
         )
         if multi:
             steps = [s.reserve_decode_steps(b, k) for s, b in zip(self.schedulers, batches, strict=True)]

@@ -407,10 +407,14 @@ class Scheduler:
 
     def reserve_decode_steps(self, batch: ScheduledBatch, num_steps: int) -> list[int] | None:
         """Pages for a multi-step decode of ``batch`` (decodes only): each request's steps
-        (``num_steps``, or fewer when it has fewer tokens left), with the pages for them
-        allocated; None, with nothing allocated, when the free pages do not suffice."""
+        (``num_steps``, or fewer when it has fewer tokens left; one for a guided request, whose
+        next token mask needs its last token), with the pages for them allocated; None, with
+        nothing allocated, when the free pages do not suffice."""
         manager = self.kv_cache_manager
-        steps = [min(num_steps, r.params.max_new_tokens - r.num_generated) for r in batch.requests]
+        steps = [
+            1 if r.guide_slot >= 0 else min(num_steps, r.params.max_new_tokens - r.num_generated)
+            for r in batch.requests
+        ]
         needs = [manager.num_pages_needed(r, n) for r, n in zip(batch.requests, steps, strict=True)]
         if not self.allocator.can_allocate(sum(needs)):
             return None
