@@ -30,9 +30,10 @@ Structured outputs (``structured_output.py``) keep a token mask per guided reque
 device beside the counts, i32[R_max, ceil(V / 32)] (per data shard; 256 slots x 1,536 words is
 1.5 MB): a guided request owns a row (its ``guide_slot``, taken by the scheduler at admission),
 which the engine writes after reading back the request's last token (``write_guide_rows``: one
-small program of ``GUIDE_ROWS_PER_WRITE`` rows, compiled once), and the sampled program sets the
-logits its grammar forbids to -inf (``sampling.apply_guides``; rows without a guide unchanged).
-A call holding a guided request is always a sampled one, of one step.
+small program of ``GUIDE_ROWS_PER_WRITE`` rows, compiled once), and every step program sets the
+logits its grammar forbids to -inf before its argmax or sampler (``sampling.apply_guides``; rows
+without a guide unchanged, and a greedy guided row needs no sort). A guided request takes one
+step of a call.
 
 Example::
 
@@ -428,7 +429,7 @@ class ModelRunner:
             prompt
             or any(bool((x["sampling"]["temperature"] > 0).any()) for x in inputs)
             or any(
-                r.params.logprobs is not None or r.params.has_penalties or r.guide_slot >= 0
+                r.params.logprobs is not None or r.params.has_penalties
                 for b in batches
                 for r in b.requests
             )
@@ -656,8 +657,9 @@ class ModelRunner:
         tokens, i32[R_max, V] the penalties' token counts by slot, i32[R_max, ceil(V / 32)]
         the guided requests' token masks by slot); rows whose ``token_src`` is >= 0 take their
         input token from the first. A sampled call applies each row's penalties from its
-        slot's counts, then its guide's mask; a greedy call has no row with either and hands
-        the counts back untouched (donated: no copy); the masks are only read.
+        slot's counts; every call applies each guided row's mask (the masks are only read);
+        a greedy call has no row with penalties and hands the counts back untouched
+        (donated: no copy).
         Returns (i32[num_steps, R_max] sampled tokens, ``rows`` after the call, caches, i32[n]
         packed inputs, the tokens' log-probabilities: ``sample_tokens``' three arrays with a
         [num_steps, R_max] lead, or None when not ``sampled``; inputs with ``prompt_targets``
@@ -708,6 +710,7 @@ class ModelRunner:
                 prompt_out = prompt_logprobs(logits, targets)
                 logits = logits[x["logits_rows"]]
             if not sampled:
+                logits = apply_guides(logits, guide_masks, s["guides"])
                 return pad(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None, kv_caches, counts
             presence, frequency, repetition = s["penalties"]
             logits = apply_penalties(logits, counts, presence, frequency, repetition)
