@@ -3,7 +3,9 @@
 
 Every request gets exactly the tokens and text the engine's own ``generate`` gives; none is
 lost; afterwards every KV page is back and nothing runs or waits; and the resident memory of
-the server and its engine process comes back to its baseline. The server has a batch of its
+the server and its engine process comes back to its baseline. Among the greedy streams runs
+a mix of the clients' other fields (log-probabilities, echo, penalties, ``n`` with a seed, a
+JSON schema), each also the engine's own result. The server has a batch of its
 own (32 requests, a 256-token budget), larger than ``test_serve_tiny.py``'s, so that 300
 clients finish well inside the client's timeout on 2 cores.
 """
@@ -11,6 +13,7 @@ clients finish well inside the client's timeout on 2 cores.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import pytest
@@ -24,6 +27,37 @@ ARGS = ["--model", TINY_RANDOM, "--no-warmup"] + [f"--{k.replace('_', '-')}={v}"
 LOAD_CLIENTS = int(os.environ.get("ATTN_STACK_LOAD_CLIENTS", "300"))
 NEW_TOKENS = 4
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,"]
+SCHEMA = {
+    "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False,
+}  # fmt: skip
+PENALTIES = dict(presence_penalty=1.2, frequency_penalty=0.5)
+# The mix: (the completions request's fields, the engine's SamplingParams for each choice).
+MIX = [
+    (dict(logprobs=3), [SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)]),
+    (dict(echo=True, logprobs=2), [SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=2)]),
+    (
+        dict(**PENALTIES, extra_body={"repetition_penalty": 1.4, "ignore_eos": True}),
+        [SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=1.4, **PENALTIES)],
+    ),
+    (
+        dict(n=2, temperature=0.9, seed=5),
+        [SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.9, seed=5 + i) for i in range(2)],
+    ),
+    (
+        dict(max_tokens=24, extra_body={"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}),
+        [SamplingParams(max_new_tokens=24, json_schema=json.dumps(SCHEMA))],
+    ),
+]
+
+
+async def _mixed(client, prompt: str, fields: dict) -> tuple[list[str], list]:
+    """One non-streamed completion with ``fields``: each choice's text and token log-probabilities."""
+    fields = dict(fields)
+    extra = fields.pop("extra_body", {"ignore_eos": True})
+    kwargs = dict(model=TINY_RANDOM, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0) | fields
+    got = await client.completions.create(**kwargs, extra_body=extra)
+    choices = sorted(got.choices, key=lambda c: c.index)
+    return [c.text for c in choices], [None if c.logprobs is None else c.logprobs.token_logprobs for c in choices]
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +74,34 @@ def test_hundreds_of_streaming_clients_lose_nothing_and_memory_returns_to_its_ba
     resident memory after the second must be within 5 % of that after the first."""
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} #{i}" for i in range(LOAD_CLIENTS)]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    want = [(c.text, NEW_TOKENS) for c in tiny_random_engine(**LIMITS).generate(prompts, params)]
+    reference = tiny_random_engine(**LIMITS)
+    want = [(c.text, NEW_TOKENS) for c in reference.generate(prompts, params)]
+    mixed_prompts = [f"{PROMPTS[i % len(PROMPTS)]} (mixed)" for i in range(len(MIX))]
+    mixed_want = []
+    for prompt, (fields, choices) in zip(mixed_prompts, MIX, strict=True):
+        done = reference.generate([prompt] * len(choices), choices)
+        echo = prompt if fields.get("echo") else ""
+        mixed_want.append(([echo + c.text for c in done], [c.logprobs and [lp for lp, _ in c.logprobs] for c in done]))
 
-    async def round_() -> list[tuple[str, int]]:
+    async def round_() -> tuple[list[tuple[str, int]], list]:
         async with server.wait_ready().async_client() as client:
-            return await asyncio.gather(*(stream_greedy(client, TINY_RANDOM, p, NEW_TOKENS) for p in prompts))
+            streams = [stream_greedy(client, TINY_RANDOM, p, NEW_TOKENS) for p in prompts]
+            mixed = [_mixed(client, p, fields) for p, (fields, _) in zip(mixed_prompts, MIX, strict=True)]
+            done = await asyncio.gather(*streams, *mixed)
+            return done[: len(prompts)], done[len(prompts) :]
 
     rss = []
     for _ in range(2):
-        assert asyncio.run(round_()) == want
+        streamed, mixed = asyncio.run(round_())
+        assert streamed == want
+        for (texts, logprobs), (want_texts, want_logprobs) in zip(mixed, mixed_want, strict=True):
+            assert texts == want_texts
+            for got_lp, want_lp in zip(logprobs, want_logprobs, strict=True):
+                if want_lp is None:
+                    assert got_lp is None
+                else:  # echo's prompt tokens come first (the first one has none)
+                    assert got_lp[-len(want_lp) :] == pytest.approx(want_lp, abs=1e-4)
+        assert isinstance(json.loads(mixed[-1][0][0])["ok"], bool)
         server.wait_for(idle, "every KV page back, nothing running or waiting, after the clients")
         rss.append(server.rss_bytes())
     assert rss[1] <= 1.05 * rss[0], f"resident memory grew from {rss[0] >> 20} MiB to {rss[1] >> 20} MiB"
