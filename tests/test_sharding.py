@@ -56,7 +56,8 @@ def test_multi_step_decoding_on_a_mesh_matches_one_device(sharded):
 
 def test_data_shards_agree_for_every_backend(sharded):
     """One request (the other shards idle) and uneven requests, on 2 and 4 data shards:
-    the shards build one static structure and the tokens equal one device's."""
+    the shards build one static structure and the tokens equal one device's on XLA (the
+    reference of every backend, as in tests/serving/test_engine_backends.py)."""
     runs = {k: v for k, v in sharded["agreement"].items() if not k.startswith("collectives/")}
     assert set(runs) == {"XLA/one/4", "XLA/uneven/2", "PALLAS_GPU/one/2", "PALLAS_TPU/uneven/2"}
     assert all(runs.values()), runs
