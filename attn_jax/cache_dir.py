@@ -1,4 +1,5 @@
-"""attn-stack's on-disk cache: built tokenizers and JAX's persistent compilation cache.
+"""attn-stack's on-disk cache: built tokenizers, JAX's persistent compilation cache and the
+serving engine's compiled step programs beside it.
 
 The root is ``$ATTN_STACK_CACHE_DIR`` or ``~/.cache/attn-stack``.
 """
@@ -39,3 +40,9 @@ def enable_compilation_cache() -> str:
     folder = str(cache_root() / "jax-compilation")
     jax.config.update("jax_compilation_cache_dir", folder)
     return folder
+
+
+def executable_cache_dir(compilation_cache: str) -> str:
+    """attn-stack's compiled step programs (``serving/executable_cache.py``) beside JAX's
+    compilation cache folder ``compilation_cache``: the same folder name with ``-executables``."""
+    return str(pathlib.Path(compilation_cache)) + "-executables"

@@ -581,7 +581,8 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-compilation-cache", action="store_true",
         help="compile every step program afresh (default: JAX's persistent compilation cache in "
-        "$ATTN_STACK_CACHE_DIR/jax-compilation, or JAX_COMPILATION_CACHE_DIR when set, so a restart loads them)",
+        "$ATTN_STACK_CACHE_DIR/jax-compilation, or JAX_COMPILATION_CACHE_DIR when set, and the compiled step "
+        "programs in the same folder name with -executables, so a restart loads them without tracing)",
     )  # fmt: skip
     parser.add_argument(
         "--warmup-max-shapes", type=_max_shapes, default=None, metavar="N|all",
@@ -609,10 +610,16 @@ def _serve_engine(args: argparse.Namespace):
 
     check_mesh_args(args)
     forced = _forced_backend(args.backend)
+    executables = None
     if not args.no_compilation_cache:
-        from attn_jax.cache_dir import enable_compilation_cache
+        from attn_jax.cache_dir import enable_compilation_cache, executable_cache_dir
 
-        print(f"attn-stack serve: compilation cache {enable_compilation_cache()}", file=sys.stderr, flush=True)
+        folder = enable_compilation_cache()
+        executables = executable_cache_dir(folder)
+        print(
+            f"attn-stack serve: compilation cache {folder}, compiled step programs {executables}",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
     force = global_force_attn_backend_context_manager(forced) if forced is not None else contextlib.nullcontext()
     with force:
         engine = build_engine(
@@ -645,7 +652,7 @@ def _serve_engine(args: argparse.Namespace):
             if max_shapes is None:
                 max_shapes = CPU_WARMUP_MAX_SHAPES if jax.default_backend() == "cpu" else "all"
             max_shapes = None if max_shapes == "all" else max_shapes
-            report = engine.warmup(max_shapes=max_shapes, progress=progress)
+            report = engine.warmup(max_shapes=max_shapes, progress=progress, executable_cache=executables)
             print(f"attn-stack serve: {report.summary()}", file=sys.stderr, flush=True)
     name = args.served_model_name or default_served_name(args.model)
     print(

@@ -39,6 +39,7 @@ def pytest_unconfigure(config):
     if not hasattr(config, "workerinput"):  # the session's controller made them
         if _OWN_CACHE:
             shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+            shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"] + "-executables", ignore_errors=True)
         if _OWN_SHARED:
             shutil.rmtree(os.environ[SHARED_ENV], ignore_errors=True)
 

@@ -461,6 +461,7 @@ class Engine:
         max_shapes: int | None = None,
         progress: Callable[[int, int], None] | None = None,
         workers: int | None = None,
+        executable_cache: str | os.PathLike | None = None,
     ) -> WarmupReport:
         """Compiles every step shape this engine can meet (its buckets, the query-length
         patterns a backend may key on, cascade attention, multi-step counts; sampling values
@@ -468,9 +469,13 @@ class Engine:
         returns how many shapes, compilations and seconds (``serving/warmup.py``). Call it
         on an idle engine, before the first request (ValueError otherwise); ``max_shapes``
         bounds the shapes warmed (the likeliest first; the report counts those skipped);
-        ``workers`` threads compile at once (default: one per core, at most 8). With a
-        tokenizer and llguidance installed, it also builds structured outputs' tokenizer."""
-        report = warm_up(self, max_shapes=max_shapes, progress=progress, workers=workers)
+        ``workers`` threads compile at once (default: one per core, at most 8);
+        ``executable_cache`` a folder of compiled programs loaded without tracing (and filled
+        with those compiled; ``serving/executable_cache.py``). With a tokenizer and llguidance
+        installed, it also builds structured outputs' tokenizer."""
+        report = warm_up(
+            self, max_shapes=max_shapes, progress=progress, workers=workers, executable_cache=executable_cache
+        )
         if self.tokenizer is not None and importlib.util.find_spec("llguidance") is not None:
             self.guide_tokenizer()
         return report

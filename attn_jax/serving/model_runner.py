@@ -59,6 +59,7 @@ import numpy as np
 from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
 from attn_jax.models.base import ServingModel
 from attn_jax.serving.cascade import CascadeConfig, common_prefix_len
+from attn_jax.serving.executable_cache import ExecutableCache
 from attn_jax.serving.sampling import PROMPT_SEEN, apply_guides, apply_penalties, prompt_logprobs, sample_tokens
 from attn_jax.serving.scheduler import Request, ScheduledBatch, wants_prompt_logprobs
 from attn_jax.serving.step_inputs import PackedLayout, leaf_offsets, pack, repack, unpack
@@ -148,6 +149,12 @@ def _write_guide_rows(table, index, rows):
     return flat.reshape(table.shape)
 
 
+def _dynamic(step_args: tuple) -> tuple:
+    """The step's arguments without its static ones (layout, steps, sampled): what a
+    compiled program takes."""
+    return (*step_args[:4], step_args[7])
+
+
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
 def _write_pages(cache, pages, values, axis: int):
     """``cache`` with ``values`` written at ``pages`` along ``axis``, in place (donated)."""
@@ -224,6 +231,7 @@ class ModelRunner:
         self._table_slots: dict = {}  # PackedLayout -> ``DecodeBatch.table``
         self.num_compilations = 0
         self.dispatched_keys: set[tuple] = set()  # ``PreparedCall.key`` of every call dispatched so far
+        self._loaded: dict[tuple, object] = {}  # key -> program loaded from an ``ExecutableCache`` (not jit's)
         self._exact_buckets: dict[tuple[int, int, int], MetadataBuckets] = {}  # one per bucket combination
 
     @property
@@ -428,11 +436,7 @@ class ModelRunner:
         sampled = (
             prompt
             or any(bool((x["sampling"]["temperature"] > 0).any()) for x in inputs)
-            or any(
-                r.params.logprobs is not None or r.params.has_penalties
-                for b in batches
-                for r in b.requests
-            )
+            or any(r.params.logprobs is not None or r.params.has_penalties for b in batches for r in b.requests)
         )
         return PreparedCall(
             packed, num_steps, token_bucket, max(prefix_lens), sampled, None if prompt else decode,
@@ -529,18 +533,30 @@ class ModelRunner:
             buffer, layout = self._sharded.stack_inputs(packed)
         return self.params, self.kv_caches, rows, buffer, layout, num_steps, sampled, delta
 
-    def compile(self, prepared: PreparedCall) -> None:
+    def compile(self, prepared: PreparedCall, cache: ExecutableCache | None = None) -> None:
         """Compiles ``prepared``'s program without running it (jit's lowering cache keeps it,
         so its first dispatch runs at once). Safe from several threads: XLA compiles outside
-        the GIL, which is how ``warm_up`` compiles programs in parallel."""
-        self._jit_step.lower(*self._step_args(prepared)).compile()
+        the GIL, which is how ``warm_up`` compiles programs in parallel. With ``cache``: the
+        program is loaded from it when stored there (no trace; the call then runs it), else
+        compiled and stored."""
+        args = self._step_args(prepared)
+        if cache is not None:
+            loaded = cache.load(prepared.key, _dynamic(args))
+            if loaded is not None:
+                self._loaded[prepared.key] = loaded
+                return
+        compiled = self._jit_step.lower(*args).compile()
+        if cache is not None:
+            cache.store(prepared.key, compiled)
 
     def dispatch(self, prepared: PreparedCall) -> DispatchedCall:
         """Enqueues a prepared call on the device; returns without waiting for it."""
         compilations = self.num_compilations
         args = self._step_args(prepared)
         start = time.perf_counter()
-        tokens, rows, self.kv_caches, next_packed, logprobs = self._jit_step(*args)
+        loaded = self._loaded.get(prepared.key) if self._loaded else None
+        outputs = self._jit_step(*args) if loaded is None else loaded(*_dynamic(args))
+        tokens, rows, self.kv_caches, next_packed, logprobs = outputs
         prompt_logprobs = None
         if prepared.prompt_logprobs:
             logprobs, prompt_logprobs = logprobs[:3], logprobs[3:]

@@ -40,6 +40,7 @@ import jax
 
 from attn_jax.metadata import MetadataBuckets
 from attn_jax.ops.ragged_paged_attention.config import next_pow2
+from attn_jax.serving.executable_cache import ExecutableCache
 from attn_jax.serving.model_runner import ModelRunner
 from attn_jax.serving.scheduler import MIN_STEPS_CAP, Request, SamplingParams, ScheduledBatch
 
@@ -61,12 +62,14 @@ class WarmupReport:
     seconds: float
     num_skipped: int = 0  # shapes past ``max_shapes``, left to compile when traffic meets them
     workers: int = 1  # threads that compiled at once
+    num_loaded: int = 0  # programs loaded from the executable cache (neither traced nor compiled)
 
     def summary(self) -> str:
         skipped = f"; {self.num_skipped} rarer shapes skipped (max_shapes)" if self.num_skipped else ""
+        loaded = f", {self.num_loaded} loaded from the executable cache" if self.num_loaded else ""
         return (
             f"warmed up {self.num_shapes} step shapes ({self.num_compilations} compiled by {self.workers} "
-            f"thread(s), from {self.num_probes} candidate batches) in {self.seconds:.1f} s{skipped}"
+            f"thread(s){loaded}, from {self.num_probes} candidate batches) in {self.seconds:.1f} s{skipped}"
         )
 
 
@@ -200,6 +203,7 @@ def warm_up(
     max_shapes: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     workers: int | None = None,
+    executable_cache: str | os.PathLike | None = None,
 ) -> WarmupReport:
     """Dispatches (and so compiles) every distinct step shape ``engine`` can meet; see the
     module docstring. ``max_shapes``: warm at most this many, in order of likelihood
@@ -208,8 +212,10 @@ def warm_up(
     every token row's logits),
     the rest counted in
     ``WarmupReport.num_skipped``; ``progress(done, total)`` after each shape compiles;
-    ``workers``: compile threads (default ``default_workers()``). The engine must hold no
-    request (ValueError)."""
+    ``workers``: compile threads (default ``default_workers()``); ``executable_cache``: a
+    folder of compiled programs (``ExecutableCache``; one process only) from which programs
+    are loaded without tracing, and to which compiled ones are written. The engine must hold
+    no request (ValueError)."""
     if engine.has_unfinished() or engine.num_live_requests:
         raise ValueError(
             f"warmup needs an idle engine: {engine.num_live_requests} request(s) are live; warm up before adding any"
@@ -227,8 +233,11 @@ def warm_up(
     compilations = runner.num_compilations
     pending = [prepared for prepared in chosen if prepared.key not in runner.dispatched_keys]
     runner.compile_guide_writes()  # structured outputs' mask writes: one program, not a step shape
+    cache = None
+    if executable_cache is not None and jax.process_count() == 1:
+        cache = ExecutableCache(executable_cache, runner)
     with ThreadPoolExecutor(workers) as pool:
-        for i, future in enumerate(as_completed([pool.submit(runner.compile, p) for p in pending])):
+        for i, future in enumerate(as_completed([pool.submit(runner.compile, p, cache) for p in pending])):
             future.result()
             if progress is not None:
                 progress(i + 1, len(pending))
@@ -238,5 +247,6 @@ def warm_up(
                 jax.block_until_ready(runner.dispatch(prepared).tokens)
     seconds = time.perf_counter() - start
     return WarmupReport(
-        len(chosen), num_probes, runner.num_compilations - compilations, seconds, len(ordered) - len(chosen), workers
-    )
+        len(chosen), num_probes, runner.num_compilations - compilations, seconds, len(ordered) - len(chosen), workers,
+        0 if cache is None else cache.num_loaded,
+    )  # fmt: skip

@@ -42,9 +42,15 @@ def count_backend_compiles():
 
 
 @pytest.fixture(scope="module")
-def warmed():
+def executables(tmp_path_factory):
+    """The executable cache folder the ``warmed`` engine fills."""
+    return tmp_path_factory.mktemp("executables")
+
+
+@pytest.fixture(scope="module")
+def warmed(executables):
     engine = tiny_random_engine(**LIMITS)
-    report = engine.warmup(workers=2)  # compiled by two threads at once, then each run once
+    report = engine.warmup(workers=2, executable_cache=executables)  # two threads at once, then each run once
     return engine, report
 
 
@@ -104,6 +110,26 @@ def test_warmed_engine_gives_the_cold_engines_tokens(warmed):
     cold = tiny_random_engine(**LIMITS)
     got, want = traffic(engine), traffic(cold)
     assert [c.output_ids for c in got] == [c.output_ids for c in want]
+
+
+def test_a_new_engine_loads_every_program_from_the_executable_cache(warmed, executables, caplog):
+    """A second engine of the same model loads the warmed engine's programs without tracing
+    or compiling (``ExecutableCache``), gives its tokens, and compiles nothing in traffic; a
+    damaged file is compiled again (and rewritten), with a warning."""
+    engine, report = warmed
+    loaded = tiny_random_engine(**LIMITS)
+    with count_backend_compiles() as compiles:
+        again = loaded.warmup(executable_cache=executables)
+        got = traffic(loaded)
+    assert again.num_loaded == report.num_shapes and again.num_compilations == loaded.num_compilations == 0
+    assert "loaded from the executable cache" in again.summary()
+    assert compiles == [] and [c.output_ids for c in got] == [c.output_ids for c in traffic(engine)]
+    (folder,) = executables.iterdir()  # one fingerprint: the same model, devices and sources
+    damaged = sorted(folder.iterdir())[0]
+    damaged.write_bytes(b"not a program")
+    third = tiny_random_engine(**LIMITS).warmup(executable_cache=executables)
+    assert (third.num_loaded, third.num_compilations) == (report.num_shapes - 1, 1)
+    assert "could not be loaded" in caplog.text and damaged.read_bytes() != b"not a program"
 
 
 def test_warmup_preserves_cached_pages():
