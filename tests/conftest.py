@@ -166,13 +166,27 @@ def _smollm2_weights_read_once():
         yield
 
 
-# The files whose runs take minutes on the 2-core CI machine (each a subprocess of engines or
-# notebooks): collected first, so `--dist loadfile` starts them first and the other worker
-# fills in with short files instead of one worker finishing them alone at the end.
+# The files whose runs take a minute or more on the 2-core CI machine, longest first (seconds
+# summed over their tests, 2026-11-28): collected first, and run in collection order (pyproject's
+# `--no-loadscope-reorder`: xdist would otherwise order files by their number of tests), so
+# `--dist loadfile` starts them first and the other worker fills in with short files instead
+# of one worker finishing a long one alone at the end.
 LONG_FILES = (
-    "tests/test_sharding.py", "tests/test_notebooks.py", "tests/test_distributed.py",
-    "tests/serving/test_cli_generate.py", "tests/test_benchmark_scripts.py",
-)  # fmt: skip
+    "tests/serving/test_engine.py",  # 151 s
+    "tests/test_notebooks.py",  # 112
+    "tests/server/test_serve_smollm2.py",  # 103
+    "tests/serving/test_warmup.py",  # 100
+    "tests/test_sharding.py",  # 93, one subprocess
+    "tests/serving/test_cli_generate.py",  # 88
+    "tests/models/test_deepseek.py",  # 68
+    "tests/ops/test_pallas_triton.py",  # 65
+    "tests/server/test_serve_load_tiny.py",  # 60
+    "tests/ops/test_pallas_mosaic_tpu.py",  # 55
+    "tests/models/test_hf_checkpoint.py",  # 54
+    "tests/test_benchmark_scripts.py",  # 53
+    "tests/server/test_serve_tiny.py",  # 53
+    "tests/test_distributed.py",  # 42
+)
 
 
 def pytest_collection_modifyitems(items):
