@@ -33,6 +33,10 @@ SHARED_ENV = "ATTN_STACK_TEST_SHARED_DIR"
 _OWN_SHARED = SHARED_ENV not in os.environ
 if _OWN_SHARED:
     os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="attn-stack-test-shared-")
+# The embedded SmolLM2's dequantised weights, written by the first process that reads them
+# (``gguf_loader.WEIGHTS_CACHE_ENV``): the servers, CLI runs, notebooks and workers this
+# session starts read them back instead of parsing and dequantising the GGUF again.
+os.environ.setdefault("ATTN_STACK_GGUF_WEIGHTS_CACHE", os.path.join(os.environ[SHARED_ENV], "gguf-weights"))
 
 
 def pytest_unconfigure(config):

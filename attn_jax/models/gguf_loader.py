@@ -11,9 +11,12 @@ folder, gguf_file=name)``.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import pathlib
+import pickle
+import tempfile
 from collections.abc import Callable
 
 import numpy as np
@@ -168,6 +171,17 @@ def load_gguf(
     from gguf import dequantize
 
     path = pathlib.Path(path)
+    cached = _weights_cache_file(path, dtype)
+    if cached is not None and cached.is_file():
+        try:
+            with open(cached, "rb") as f:
+                config, params, (reads, total) = pickle.load(f)
+        except Exception as e:  # damaged: read the file again (and rewrite it)
+            logger.warning("dequantised weights cache %s unreadable (%s); reading %s again", cached, e, path)
+        else:
+            for done in range(1, reads + 1) if progress is not None else ():  # as the reads told it
+                progress(done, total)
+            return config, params
     reader = _reader(path)
     config = read_config(reader)
     tensors = {t.name: t for t in reader.tensors}
@@ -199,7 +213,41 @@ def load_gguf(
             return _unpermute(w, config.num_kv_heads)
         return w
 
-    return config, assemble_params(config, get, dtype)
+    params = assemble_params(config, get, dtype)
+    if cached is not None and check_finite:
+        _write_atomically(cached, pickle.dumps((config, params, (done, total)), protocol=pickle.HIGHEST_PROTOCOL))
+    return config, params
+
+
+WEIGHTS_CACHE_ENV = "ATTN_STACK_GGUF_WEIGHTS_CACHE"
+"""A folder for dequantised GGUF weights (off when unset): ``load_gguf`` writes each file's
+weights there once per dtype and later processes read them back instead of parsing and
+dequantising the file again (seconds each for the embedded model). Meant for test suites and
+repeated short runs; the weights take their full dtype's size on disk."""
+
+
+def _weights_cache_file(path: pathlib.Path, dtype) -> pathlib.Path | None:
+    """Where ``WEIGHTS_CACHE_ENV``'s folder keeps ``path``'s weights in ``dtype`` (named by the
+    file's path, size and mtime, the dtype and this loader's source), or None when unset."""
+    folder = os.environ.get(WEIGHTS_CACHE_ENV)
+    if not folder or not path.is_file():
+        return None
+    stat = path.resolve().stat()
+    source = pathlib.Path(__file__).read_bytes() + pathlib.Path(assemble_params.__code__.co_filename).read_bytes()
+    key = repr((str(path.resolve()), stat.st_size, stat.st_mtime_ns, np.dtype(dtype).name))
+    digest = hashlib.sha256(key.encode() + source).hexdigest()[:32]
+    return pathlib.Path(folder) / f"{digest}.pkl"
+
+
+def _write_atomically(target: pathlib.Path, blob: bytes) -> None:
+    """``blob`` into ``target`` through a temporary file and a rename; a failure is logged."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as f:
+            f.write(blob)
+        os.replace(f.name, target)
+    except OSError as e:
+        logger.warning("could not write the dequantised weights cache %s: %s", target, e)
 
 
 def tokenizer_cache_dir(path: pathlib.Path) -> pathlib.Path:

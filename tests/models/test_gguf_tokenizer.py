@@ -209,6 +209,7 @@ def test_main_job_imports_neither_torch_nor_transformers(tmp_path):
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
     )
     env = os.environ | {"ATTN_STACK_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    env.pop("ATTN_STACK_GGUF_WEIGHTS_CACHE", None)  # the file read and dequantised, as the main job does
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "The capital of France is" in result.stdout and "assistant" in result.stdout

@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from attn_jax import build_common_attn_metadata
-from attn_jax.models.gguf_loader import ModelLoadError, _unpermute, load_gguf, load_tokenizer, read_config
+from attn_jax.models.gguf_loader import (
+    WEIGHTS_CACHE_ENV,
+    ModelLoadError,
+    _unpermute,
+    _weights_cache_file,
+    load_gguf,
+    load_tokenizer,
+    read_config,
+)
 from attn_jax.models.llama import LlamaConfig, LlamaModel
 from attn_jax.models.smollm2 import GGUF_NAME, gguf_path
 from attn_jax.testing.models import unfused_layer
@@ -109,8 +117,31 @@ def test_non_finite_weight_is_named(smollm2_gguf, monkeypatch):
         return w
 
     monkeypatch.setattr(gguf, "dequantize", poisoned)
+    monkeypatch.delenv(WEIGHTS_CACHE_ENV, raising=False)  # the session's cache holds the clean weights
     with pytest.raises(ModelLoadError, match=r"tensor 'token_embd.weight' of '.*' holds non-finite values \(1 NaN, 0"):
         load_gguf(smollm2_gguf)
+
+
+def test_weights_cache_is_read_back_and_a_damaged_entry_read_again(tmp_path, monkeypatch, caplog):
+    """With ``WEIGHTS_CACHE_ENV`` set, ``load_gguf`` returns a file's cached weights, telling
+    ``progress`` the reads the real load told; an unreadable entry is logged and the GGUF read
+    again (here a text file, so its error shows the file was read)."""
+    import pickle
+
+    monkeypatch.setenv(WEIGHTS_CACHE_ENV, str(tmp_path / "cache"))
+    model = tmp_path / "model.gguf"
+    model.write_text("hello, not a model")
+    entry = _weights_cache_file(model, np.float32)
+    entry.parent.mkdir()
+    entry.write_bytes(pickle.dumps(("config", {"embed": np.ones(2)}, (2, 3))))
+    calls = []
+    config, params = load_gguf(model, progress=lambda done, total: calls.append((done, total)))
+    assert config == "config" and params["embed"].tolist() == [1.0, 1.0] and calls == [(1, 3), (2, 3)]
+    assert _weights_cache_file(model, np.float16) != entry  # one entry per dtype
+    entry.write_bytes(b"damaged")
+    with pytest.raises(ModelLoadError, match="is not a GGUF file"):
+        load_gguf(model)
+    assert "unreadable" in caplog.text
 
 
 def test_config_checks():
