@@ -6,6 +6,8 @@ The root is ``$ATTN_STACK_CACHE_DIR`` or ``~/.cache/attn-stack``.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import pathlib
 
@@ -46,3 +48,16 @@ def executable_cache_dir(compilation_cache: str) -> str:
     """attn-stack's compiled step programs (``serving/executable_cache.py``) beside JAX's
     compilation cache folder ``compilation_cache``: the same folder name with ``-executables``."""
     return str(pathlib.Path(compilation_cache)) + "-executables"
+
+
+@functools.cache
+def source_hash() -> str:
+    """SHA-256 of every ``.py`` and ``.json`` file of the attn_jax package (paths and bytes): the
+    caches of things this code computes (compiled step programs, dequantised weights) start
+    over whenever it changes."""
+    root = pathlib.Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".json")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()

@@ -71,8 +71,8 @@ def write_random_checkpoint(folder: pathlib.Path, shape: str, tokenizer_dir: pat
     for key, tensor_shape in param_shapes(c).items():
         if key == "lm_head" and c.tie_word_embeddings:
             continue
-        names = [_TENSOR_NAMES[key]] if "{i}" not in _TENSOR_NAMES[key] else []
-        names += [_TENSOR_NAMES[key].format(i=i) for i in range(c.num_layers)] if not names else []
+        template = _TENSOR_NAMES[key]
+        names = [template.format(i=i) for i in range(c.num_layers)] if "{i}" in template else [template]
         for name in names:
             if key.endswith("norm"):
                 value = np.ones(tensor_shape, np.float32)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from attn_jax.cache_dir import cache_root
+from attn_jax.cache_dir import cache_root, source_hash
 from attn_jax.models.llama import LlamaConfig, assemble_params
 
 logger = logging.getLogger(__name__)
@@ -228,14 +228,13 @@ repeated short runs; the weights take their full dtype's size on disk."""
 
 def _weights_cache_file(path: pathlib.Path, dtype) -> pathlib.Path | None:
     """Where ``WEIGHTS_CACHE_ENV``'s folder keeps ``path``'s weights in ``dtype`` (named by the
-    file's path, size and mtime, the dtype and this loader's source), or None when unset."""
+    file's path, size and mtime, the dtype and attn_jax's sources), or None when unset."""
     folder = os.environ.get(WEIGHTS_CACHE_ENV)
     if not folder or not path.is_file():
         return None
     stat = path.resolve().stat()
-    source = pathlib.Path(__file__).read_bytes() + pathlib.Path(assemble_params.__code__.co_filename).read_bytes()
-    key = repr((str(path.resolve()), stat.st_size, stat.st_mtime_ns, np.dtype(dtype).name))
-    digest = hashlib.sha256(key.encode() + source).hexdigest()[:32]
+    key = repr((str(path.resolve()), stat.st_size, stat.st_mtime_ns, np.dtype(dtype).name, source_hash()))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
     return pathlib.Path(folder) / f"{digest}.pkl"
 
 

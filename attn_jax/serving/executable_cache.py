@@ -19,7 +19,6 @@ starts a new fingerprint folder); deleting it is always safe.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -30,23 +29,14 @@ import tempfile
 import jax
 import jaxlib
 
+from attn_jax.cache_dir import source_hash
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["ExecutableCache", "source_hash"]
+__all__ = ["ExecutableCache"]
 
 _TRACE_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_rank_promotion")
 """jax options whose values change what a trace produces."""
-
-
-@functools.cache
-def source_hash() -> str:
-    """SHA-256 of every ``.py`` and ``.json`` file of the attn_jax package (paths and bytes)."""
-    root = pathlib.Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".json")):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 def _avals(tree) -> str:

@@ -149,10 +149,14 @@ def _write_guide_rows(table, index, rows):
     return flat.reshape(table.shape)
 
 
+STATIC_STEP_ARGS = (4, 5, 6)
+"""The jitted step's static arguments (layout, steps, sampled): ``_step_args``' positions, which
+``ShardedStep.jit`` declares static too."""
+
+
 def _dynamic(step_args: tuple) -> tuple:
-    """The step's arguments without its static ones (layout, steps, sampled): what a
-    compiled program takes."""
-    return (*step_args[:4], step_args[7])
+    """The step's arguments without its static ones: what a compiled program takes."""
+    return tuple(a for i, a in enumerate(step_args) if i not in STATIC_STEP_ARGS)
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
@@ -208,7 +212,7 @@ class ModelRunner:
         if self._sharded is None:
             self.params = jax.device_put(params)
             self.kv_caches = model.init_kv_caches(num_blocks)
-            self._jit_step = jax.jit(self._device_step, donate_argnums=(1, 2), static_argnums=(4, 5, 6))
+            self._jit_step = jax.jit(self._device_step, donate_argnums=(1, 2), static_argnums=STATIC_STEP_ARGS)
             self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)
             self._token_counts = jnp.zeros((self.max_rows, vocab), jnp.int32)
             self._guide_masks = jnp.zeros((self.max_rows, mask_words(vocab)), jnp.int32)
@@ -587,18 +591,21 @@ class ModelRunner:
         at a time (padding dropped), by one program compiled once (``compile_guide_writes``)."""
         g = GUIDE_ROWS_PER_WRITE
         for start in range(0, len(rows), g):
-            index = np.full(g, NO_INDEX, np.int32)
-            values = np.zeros((g, self._guide_masks.shape[-1]), np.int32)
-            chunk = zip(rows[start : start + g], masks[start : start + g], strict=True)
-            for i, ((shard, slot), mask) in enumerate(chunk):
-                index[i], values[i] = shard * self.max_rows + slot, mask
+            index, values = self._guide_write_inputs(rows[start : start + g], masks[start : start + g])
             self._guide_masks = self._jit_write_guides(self._guide_masks, index, values)
+
+    def _guide_write_inputs(self, rows, masks) -> tuple[np.ndarray, np.ndarray]:
+        """One write's (i32[G] flat row index, i32[G, W] masks), padded to
+        ``GUIDE_ROWS_PER_WRITE`` rows with indices that write nothing."""
+        index = np.full(GUIDE_ROWS_PER_WRITE, NO_INDEX, np.int32)
+        values = np.zeros((GUIDE_ROWS_PER_WRITE, self._guide_masks.shape[-1]), np.int32)
+        for i, ((shard, slot), mask) in enumerate(zip(rows, masks, strict=True)):
+            index[i], values[i] = shard * self.max_rows + slot, mask
+        return index, values
 
     def compile_guide_writes(self) -> None:
         """Compiles ``write_guide_rows``' program (the warm-up's), writing nothing."""
-        index = np.full(GUIDE_ROWS_PER_WRITE, NO_INDEX, np.int32)
-        values = np.zeros((GUIDE_ROWS_PER_WRITE, self._guide_masks.shape[-1]), np.int32)
-        self._jit_write_guides.lower(self._guide_masks, index, values).compile()
+        self._jit_write_guides.lower(self._guide_masks, *self._guide_write_inputs([], [])).compile()
 
     # ------------------------------------------------------------------ scratch pages (warm-up)
 

@@ -73,7 +73,8 @@ class SamplingParams:
     ``json_schema`` (None: off; structured outputs, ``structured_output.py``): a JSON Schema as
     JSON text the output must match (OpenAI's ``json_object`` is ``{"type": "object"}``); the
     engine masks each step's logits with the grammar's allowed tokens, ends the request with
-    "stop" when the grammar is complete, and runs calls holding it one step at a time.
+    "stop" when the grammar is complete, and gives it one step of each call (its next mask
+    needs its last token).
     """
 
     max_new_tokens: int = 16

@@ -23,7 +23,7 @@ cannot fill its tokens with whitespace that JSON allows.
 Example::
 
     grammar = compile_json_schema('{"type": "object"}')       # ValueError names a bad schema
-    guide = Guide(GuideTokenizer.of(tokenizer, vocab_size).tokenizer, grammar)
+    guide = Guide(GuideTokenizer(tokenizer, vocab_size), grammar)
     guide.mask                                                 # i32[ceil(V / 32)]: the first token's
     finished = guide.advance(token)                            # True: the grammar is complete
 """
