@@ -7,7 +7,10 @@ Each process gets ``ATTN_STACK_COORDINATOR`` / ``_NUM_PROCESSES`` / ``_PROCESS_I
 (``attn_jax.distributed.initialize_from_env`` reads them) and its own devices:
 ``CUDA_VISIBLE_DEVICES`` set to its slice of the host's GPUs, and on a CPU-only host
 ``--devices-per-process`` forced host devices. Process 0's output is shown; the others'
-only when they fail (or with ``--all-output``). The exit code is the first nonzero one.
+only when they fail (or with ``--all-output``): they write to temporary files, never to a
+pipe read after process 0 ends (a pipe fills, its writer blocks, and process 0 waits for it
+in a collective or at shutdown: a hang). When one process fails the others are stopped
+(they would wait for it); the exit code is the first nonzero one.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
 
 from attn_jax.distributed import COORDINATOR, NUM_PROCESSES, PROCESS_ID
@@ -54,27 +59,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     port = _free_port()
-    procs = []
+    procs, logs = [], []
     for rank in range(args.num_processes):
         env = process_env(
             dict(os.environ), process_id=rank, num_processes=args.num_processes, port=port,
             devices=args.devices_per_process,
         )  # fmt: skip
-        quiet = rank > 0 and not args.all_output
-        procs.append(
-            subprocess.Popen(
-                command,
-                env=env,
-                text=True,
-                stdout=subprocess.PIPE if quiet else None,
-                stderr=subprocess.STDOUT if quiet else None,
-            )  # fmt: skip
-        )
+        log = tempfile.TemporaryFile("w+") if rank > 0 and not args.all_output else None
+        logs.append(log)
+        procs.append(subprocess.Popen(command, env=env, text=True, stdout=log, stderr=subprocess.STDOUT if log else None))
+    while None in (codes := [p.poll() for p in procs]):
+        if any(codes):  # one failed: stop the rest (they would wait for it)
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+        time.sleep(0.1)
     code = 0
-    for rank, proc in enumerate(procs):
-        out, _ = proc.communicate()
-        if proc.returncode and out:
-            sys.stderr.write(f"--- process {rank} (exit code {proc.returncode}) ---\n{out}")
+    for rank, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        if log is not None:
+            log.seek(0)
+            if proc.returncode:
+                sys.stderr.write(f"--- process {rank} (exit code {proc.returncode}) ---\n{log.read()}")
+            log.close()
         code = code or proc.returncode
     return code
 

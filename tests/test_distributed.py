@@ -90,3 +90,20 @@ def test_generate_on_two_processes_gives_one_process_tokens():
     one = tiny_random_engine()
     expected = one.generate([one.encode(p) for p in prompts], SamplingParams(max_new_tokens=6))
     assert [r["token_ids"] for r in two["results"]] == [c.output_ids for c in expected]
+
+
+def test_launch_neither_blocks_on_a_quiet_process_output_nor_waits_for_a_failed_one(tmp_path):
+    """Process 1 writes more than a pipe holds before process 0 may finish (process 0 waits
+    for its mark): the launcher must not leave that output in an unread pipe. Then a process
+    that fails stops the others, which would wait for it forever."""
+    mark = tmp_path / "mark"
+    chatty = (f"import os, pathlib, time\nif os.environ['{PROCESS_ID}'] == '1':\n    print('x' * 1_000_000)\n"
+              f"    pathlib.Path({str(mark)!r}).touch()\nelse:\n    deadline = time.time() + 60\n"
+              f"    while not pathlib.Path({str(mark)!r}).exists():\n        assert time.time() < deadline\n"
+              f"        time.sleep(0.05)\n")  # fmt: skip
+    launch = [sys.executable, "-m", "attn_jax.launch", "-n", "2", "--", sys.executable, "-c"]
+    proc = subprocess.run([*launch, chatty], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    failing = f"import os, time\nif os.environ['{PROCESS_ID}'] == '1':\n    raise SystemExit(3)\ntime.sleep(300)\n"
+    proc = subprocess.run([*launch, failing], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--- process 1 (exit code 3) ---" in proc.stderr, proc.stderr[-2000:]
