@@ -2,7 +2,7 @@
 
 The batch: ``--requests`` requests of one new token each over a shared ``--prefix-len``
 prefix and ``--suffix-len`` tokens of their own (S1 mid-decode: 64 x (2048 + 128)), with
-SmolLM2-135M's attention (9 query / 3 KV heads, head 64, page 16, bf16). Every call goes
+SmolLM2-135M's attention (9 query / 3 KV heads, head 64, page 16, bf16 or --dtype). Every call goes
 through the public ``Attention`` layer (PALLAS_GPU) with host-built metadata, as the engine
 runs it, so a call's events are the k/v write and the attention kernels alone. Device time
 per call from one CUPTI trace (``cupti_timing``): each attention kernel's, the kernels' sum
@@ -13,14 +13,23 @@ and the span.
 - the builder's metadata with the prefix part's blocks (pages per tile, KV splits, stages)
   and the suffix part's (the builder's, the batch's, other tiles and warps) swept together,
   their q-blocks rebuilt for them (the prefix part's splits are what the suffix part's
-  kernel folds in).
+  kernel folds in) (``--grid full``, the default);
+- ``--grid rows``: the prefix part's q-block rows alone (16, 32 and 64: 4, 8 and 16 tokens
+  of the head group padded to 4), each split as the builder splits it, on the builder's
+  suffix blocks: what issue 49 turned on (float32 dots are FMA loops, whose work grows
+  with the rows; the builder used 64 there, and now 16).
+
+``--dtype float32`` runs the layer (activations and cache) in float32.
 
     python benchmarks/cascade_blocks.py --out /tmp/cascade_blocks.json
+    python benchmarks/cascade_blocks.py --dtype float32 --grid rows --requests 16 --prefix-len 1024 \\
+        --suffix-len 96 --out /tmp/cascade_rows_f32.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import itertools
@@ -37,6 +46,8 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=2048)
     parser.add_argument("--suffix-len", type=int, default=128)
     parser.add_argument("--calls", type=int, default=30, help="timed calls per configuration (medians reported)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--grid", default="full", choices=["full", "rows"], help="what to sweep (the docstring)")
     add_output_args(parser, "cascade_blocks_{device}.json")
     args = parser.parse_args()
 
@@ -45,18 +56,19 @@ def main() -> None:
     from cupti_timing import summarize, trace_calls  # benchmarks/, the script's folder
 
     from attn_jax import Attention
-    from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes
+    from attn_jax.ops.ragged_paged_attention.config import H100_NUM_SMS, GpuBlockSizes
     from attn_jax.registry import AttentionBackendEnum
     from attn_jax.testing.workloads import make_ragged_batch
 
     device = jax.devices()[0].device_kind
     args.device = device.lower().replace(" ", "_")
     n = args.requests
+    dtype = jnp.dtype(args.dtype)
     batch = make_ragged_batch(
-        0, [1] * n, [args.prefix_len + args.suffix_len] * n, **SHAPE, dtype=jnp.bfloat16, shuffle_blocks=False
+        0, [1] * n, [args.prefix_len + args.suffix_len] * n, **SHAPE, dtype=dtype, shuffle_blocks=False
     ).with_shared_prefix(args.prefix_len)
     layer = Attention(SHAPE["num_q_heads"], SHAPE["head_size"], SHAPE["head_size"] ** -0.5, SHAPE["num_kv_heads"],
-                      block_size=SHAPE["block_size"], dtype=jnp.bfloat16,
+                      block_size=SHAPE["block_size"], dtype=dtype,
                       attn_backend=AttentionBackendEnum.PALLAS_GPU)  # fmt: skip
     md = batch.common_metadata()
     q, k, v = (x.reshape(x.shape[0], -1) for x in (batch.q, batch.k, batch.v))
@@ -82,6 +94,16 @@ def main() -> None:
     suffix_grid = [cascade_md.cascade_suffix_block_sizes, cascade_md.block_sizes] + [
         GpuBlockSizes(block_q=4, pages_per_tile=ppt, num_warps=warps) for ppt, warps in ((1, 4), (2, 8))
     ]
+    if args.grid == "rows":  # the prefix part's rows, split as the builder splits them (cascade_block_sizes)
+        prefix_bs = cascade_md.cascade_block_sizes
+        pages = cascade_md.block_tables.shape[1]
+        tiles = pages * SHAPE["block_size"] // prefix_bs.tile(SHAPE["block_size"])
+        prefix_grid = []
+        for block_q in (4, 8, 16):  # 16, 32, 64 rows: the head group of 3 padded to 4
+            programs = -(-cascade_md.slot_mapping.shape[0] // block_q) * SHAPE["num_kv_heads"]
+            splits = max(1, min(2 * H100_NUM_SMS // programs, tiles // 2))
+            prefix_grid.append(dataclasses.replace(prefix_bs, block_q=block_q, num_kv_splits=splits))
+        suffix_grid = [cascade_md.cascade_suffix_block_sizes]
     for prefix_bs, suffix_bs in itertools.product(prefix_grid, suffix_grid):
         swept_md = layer.metadata_builder.with_cascade_blocks(cascade_md, prefix_bs, suffix_bs)
         calls[f"prefix {prefix_bs} | suffix {suffix_bs}"] = functools.partial(run, layer_step, q, k, v, swept_md)
@@ -105,7 +127,8 @@ def main() -> None:
                 "requests": n,
                 "prefix_len": args.prefix_len,
                 "suffix_len": args.suffix_len,
-                "dtype": "bfloat16",
+                "dtype": args.dtype,
+                "grid": args.grid,
             },
             "builder_prefix_block_sizes": str(cascade_md.cascade_block_sizes),
             "builder_suffix_block_sizes": str(cascade_md.cascade_suffix_block_sizes),

@@ -8,7 +8,10 @@ defaults; bfloat16 on an accelerator, float32 on the CPU). Modes:
 - ``on``: prefix caching on, cascade attention off;
 - ``on+cascade``: prefix caching on, cascade attention chosen by the builder (its own
   thresholds: >= 256 shared tokens over >= 8 requests; ``--cascade-min-prefix`` /
-  ``--cascade-min-requests`` lower them);
+  ``--cascade-min-requests`` lower them; PALLAS_GPU weighs float32 layers' dot work too);
+- ``on+cascade-forced`` (not in the default modes): the same with the thresholds alone
+  deciding (``CascadeConfig(performance_model=False)``): cascade where the builder's model
+  declines it, to measure what it declined;
 - ``no-sharing off`` / ``no-sharing on``: the same shapes with every prompt unique, caching
   off and on (what caching costs where nothing is shared; target: no slowdown).
 
@@ -33,6 +36,7 @@ measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import platform
@@ -40,7 +44,8 @@ import time
 
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
-MODES = ("off", "on", "on+cascade", "no-sharing off", "no-sharing on")  # run in this order (S1 first)
+MODES = ("off", "on", "on+cascade", "on+cascade-forced", "no-sharing off", "no-sharing on")  # run in this order
+DEFAULT_MODES = ("off", "on", "on+cascade", "no-sharing off", "no-sharing on")  # S1's
 
 
 def _model(name: str, dtype):
@@ -121,6 +126,15 @@ def _measure(engine, prompts: list[list[int]], params) -> dict:
         "ttft_mean_ms": 1e3 * float(times.mean()),
         "ttft_max_ms": 1e3 * float(times.max()),
         "decode_step_ms_median": 1e3 * float(np.median([s.seconds / s.num_steps for s in decode])) if decode else None,
+        # the decode calls with and without cascade apart (a builder may take it for some steps only)
+        **{
+            f"decode_step_ms_median_{name}": 1e3 * float(np.median([s.seconds / s.num_steps for s in part]))
+            if part else None
+            for name, part in (
+                ("cascade", [s for s in decode if s.cascade_prefix_len > 0]),
+                ("plain", [s for s in decode if not s.cascade_prefix_len]),
+            )
+        },
         "decode_calls": len(decode),
         "generated_tokens": generated,
         "tokens_per_s": generated / wall,
@@ -175,7 +189,7 @@ def _print_row(mode: str, r: dict) -> None:
     step = "n/a" if r["decode_step_ms_median"] is None else f"{r['decode_step_ms_median']:.3f}"
     agree = r.get("greedy_token_agreement_with_off")
     print(
-        f"{mode:15s} {r['prompt_tokens_computed']:9d} {r['prefix_cache_hit_tokens']:9d} {r['cascade_calls']:4d} "
+        f"{mode:17s} {r['prompt_tokens_computed']:9d} {r['prefix_cache_hit_tokens']:9d} {r['cascade_calls']:4d} "
         f"{r['ttft_p50_ms']:10.1f} {r['ttft_p99_ms']:10.1f} {step:>9s} {r['tokens_per_s']:10.1f} "
         f"{r['wall_s']:7.2f} {r['calls_that_compiled']:3d} {'' if agree is None else f'{agree:.3f}':>6s}",
         flush=True,
@@ -183,7 +197,7 @@ def _print_row(mode: str, r: dict) -> None:
 
 
 HEADER = (
-    f"{'mode':15s} {'computed':>9s} {'hits':>9s} {'casc':>4s} {'TTFT p50':>10s} {'TTFT p99':>10s} "
+    f"{'mode':17s} {'computed':>9s} {'hits':>9s} {'casc':>4s} {'TTFT p50':>10s} {'TTFT p99':>10s} "
     f"{'step ms':>9s} {'tokens/s':>10s} {'wall s':>7s} {'cmp':>3s} {'agree':>6s}"
 )
 
@@ -206,6 +220,7 @@ def run(args, path) -> dict:
     # Every request at its longest, with no sharing, plus the warm-up's cached pages' worth.
     num_blocks = args.requests * pages + pages
     cascade = CascadeConfig(min_prefix_len=args.cascade_min_prefix, min_requests=args.cascade_min_requests)
+    forced = dataclasses.replace(cascade, performance_model=False)
     buckets = _buckets(args, pages)
     result = {
         "workload": {
@@ -257,8 +272,8 @@ def run(args, path) -> dict:
     print(HEADER, flush=True)
     for seed, mode in enumerate(modes):
         shared = not mode.startswith("no-sharing")
-        engine = engine_for(caching=mode.endswith("on") or mode == "on+cascade")
-        engine.cascade_attention = cascade if mode == "on+cascade" else False
+        engine = engine_for(caching=mode.endswith("on") or mode.startswith("on+cascade"))
+        engine.cascade_attention = {"on+cascade": cascade, "on+cascade-forced": forced}.get(mode, False)
         t = time.perf_counter()
         try:
             _measure(engine, _prompts(args, config.vocab_size, seed=100 + seed, shared=shared), sampling)  # warm-up
@@ -270,7 +285,7 @@ def run(args, path) -> dict:
                 runs.append(_measure(engine, prompts, sampling))
         except Exception as e:  # a mode that fails is recorded; the others still run
             message = f"{type(e).__name__}: {str(e)[:2000]}"
-            print(f"{mode:15s} FAILED: {message}", flush=True)
+            print(f"{mode:17s} FAILED: {message}", flush=True)
             result["results"][mode] = {"error": message}
             engines.clear()  # the engine may be in any state: the next mode makes another
             write_json(path, result)
@@ -278,9 +293,14 @@ def run(args, path) -> dict:
         r = min(runs, key=lambda x: x["wall_s"])
         if args.profile_calls:
             prompts = _prompts(args, config.vocab_size, seed=1 if shared else 2, shared=shared)
-            r["decode_profile"] = profile = _profile_decode(engine, prompts, sampling, args.profile_calls)
-            per_step = profile.get("per_step_us", {})
-            print(f"  {mode} decode step, us by kernel category: {per_step}", flush=True)
+            try:
+                r["decode_profile"] = profile = _profile_decode(engine, prompts, sampling, args.profile_calls)
+                per_step = profile.get("per_step_us", {})
+                print(f"  {mode} decode step, us by kernel category: {per_step}", flush=True)
+            except Exception as e:  # a profiler that fails (no CUPTI, say) leaves the timings standing
+                r["decode_profile_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+                print(f"  {mode} decode profile FAILED: {r['decode_profile_error']}", flush=True)
+                engines.clear()  # the profiled run may have stopped mid-way: the next mode makes another engine
         r["warmup_s"] = warmup
         r["wall_s_runs"] = [x["wall_s"] for x in runs]
         outputs = r.pop("output_ids")
@@ -306,6 +326,7 @@ def _summary(results: dict) -> None:
     lines = [
         ("prompt tokens computed on / off", ratio("on", "off", "prompt_tokens_computed")),
         ("decode step on+cascade / on", ratio("on+cascade", "on", "decode_step_ms_median")),
+        ("decode step on+cascade-forced / on", ratio("on+cascade-forced", "on", "decode_step_ms_median")),
         ("wall off / on+cascade (speed-up)", ratio("off", "on+cascade", "wall_s")),
         ("no-sharing wall on / off (slowdown)", ratio("no-sharing on", "no-sharing off", "wall_s")),
     ]
@@ -329,7 +350,10 @@ def main() -> None:
     parser.add_argument("--cascade-min-prefix", type=int, default=None, help="default: the builder's (256)")
     parser.add_argument("--cascade-min-requests", type=int, default=None, help="default: the builder's (8)")
     parser.add_argument("--repeats", type=int, default=1, help="measured runs per mode (the fastest is reported)")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, metavar="MODE", help=str(MODES))
+    parser.add_argument(
+        "--modes", nargs="+", default=list(DEFAULT_MODES), choices=MODES, metavar="MODE",
+        help=f"of {MODES}; default {DEFAULT_MODES}",
+    )  # fmt: skip
     parser.add_argument(
         "--profile-calls", type=int, default=0,
         help="also trace this many decode-only calls per mode (CUPTI: per-kernel-category time per step; GPU)",

@@ -333,11 +333,16 @@ class AttentionMetadataBuilder[M](abc.ABC):
         *,
         min_prefix_len: int | None = None,
         min_requests: int | None = None,
+        seq_lens: np.ndarray | None = None,
+        performance_model: bool = True,
     ) -> bool:
         """Whether cascade attention pays for a batch whose requests share
         ``common_prefix_len`` tokens (vLLM's heuristic; ``query_lens`` i32[R]).
         ``min_prefix_len`` / ``min_requests`` replace a builder's own thresholds (tests,
-        benchmarks); a builder without cascade attention says False."""
+        benchmarks); ``seq_lens`` i32[R] (each request's keys in the step, optional) serves a
+        builder whose rule weighs the work of both paths, and ``performance_model=False``
+        leaves such a rule out (the thresholds alone decide: benchmarks, correctness tests).
+        A builder without cascade attention says False."""
         return False
 
     @classmethod

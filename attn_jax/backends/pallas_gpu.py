@@ -39,11 +39,14 @@ from attn_jax.ops.ragged_paged_attention.config import (
     GpuBlockChoice,
     GpuBlockSizes,
     MgpuBlockSizes,
+    FMA_DOT_ROWS,
     decode_part_block_sizes,
+    fma_dots,
     gpu_batch_mode,
     gpu_block_choice,
     mgpu_block_sizes,
     mgpu_prefill_available,
+    next_pow2,
 )
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
 from attn_jax.platforms import Platform, current_platform
@@ -293,9 +296,20 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
     part of the jit key: a prefill bucket compiles once more. In that one launch a mixed
     batch's decodes run on the bucket's decode blocks (``decode_part_block_sizes``) beside the
     other rows' q-blocks, so they stream their KV as a decode batch does.
+
+    Cascade attention (``use_cascade_attention``): the XLA builder's thresholds, and for
+    float32 layers, whose dots run on FMA units (``config.fma_dots``), a performance model as
+    well (``cascade_fma_model``): there the kernel's time is its dots' work, not the bytes
+    cascade saves, and the prefix part's q-blocks keep a decode block's rows (``FMA_DOT_ROWS``).
     """
 
     reads_live_pages_only = True  # the kernels loop over each request's own KV length
+
+    CASCADE_FMA_MAX_RATIO = 0.75
+    """Float32 layers (FMA dots) take cascade attention only where ``cascade_fma_model`` puts
+    its two launches at most this fraction of the plain launch: the model counts dot work
+    alone, so the margin pays for the second launch and the suffix part's fold of the prefix
+    part's splits (a guess, not a measurement: ``benchmarks/cascade_dtype_check.sh`` measures)."""
 
     def __init__(self, kv_cache_spec, device_kind: str | None = None, mgpu_prefill: bool | None = None) -> None:
         super().__init__(kv_cache_spec)
@@ -354,8 +368,17 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         the q-blocks times the KV heads do not fill twice the SMs and each split keeps at
         least 2 tiles: a decode batch's prefix part is a few q-blocks over a long range. (At
         S1's decode step on an H100, 2 tiles a split beat 4 by 1.7 us a layer, the suffix
-        part's fold of twice the splits included: BENCHMARKS.md.)"""
+        part's fold of twice the splits included: BENCHMARKS.md.) Where the dots run on FMA
+        units (float32, ``config.fma_dots``) the q-blocks hold at most ``FMA_DOT_ROWS`` rows
+        (a decode block's), so a program's dots are the plain decode path's, and the KV range
+        splits over the more programs that makes: the mixed blocks' 64 rows (16 tokens x a
+        head group padded to 4) made the float32 prefix part a few programs of 64 x 64 x 64
+        FMA dots each (issue 49)."""
         bs = self.block_choice(num_reqs=1, pages_per_req=pages_per_req, mode="mixed").block_sizes
+        if self.fma_dots:  # a decode block's rows: the mixed blocks' 64 make FMA dots 4x the work a program
+            spec = self.kv_cache_spec
+            group = next_pow2((spec.num_q_heads or spec.num_kv_heads) // spec.num_kv_heads)
+            bs = dataclasses.replace(bs, block_q=min(bs.block_q, max(FMA_DOT_ROWS // group, 1)))
         if bs.num_kv_splits != 1:
             return bs
         programs = -(-num_tokens // bs.block_q) * self.kv_cache_spec.num_kv_heads
@@ -375,6 +398,92 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
             block_sizes, pages_per_tile=max(32 // page_size, 1), keys_per_tile=32 if page_size > 32 else None,
             num_warps=4, num_kv_splits=1,
         )  # fmt: skip
+
+    @property
+    def fma_dots(self) -> bool:
+        """Whether this builder's layers' Triton dots run on FMA units (``config.fma_dots``: float32)."""
+        return fma_dots(self.kv_cache_spec.dtype, query_quant=self.kv_cache_spec.query_quant)
+
+    @classmethod
+    def cascade_summary(cls) -> str:
+        return (
+            f"{super().cascade_summary()}; for float32 layers (FMA dots) only where the builder's model of the "
+            f"kernels' dot work puts cascade at <= {cls.CASCADE_FMA_MAX_RATIO} of the plain launch"
+        )
+
+    def use_cascade_attention(
+        self, common_prefix_len, query_lens, num_query_heads, num_kv_heads, use_alibi, use_sliding_window, num_sms,
+        *, min_prefix_len=None, min_requests=None, seq_lens=None, performance_model=True,
+    ) -> bool:  # fmt: skip
+        """The XLA builder's tests (thresholds, no ALiBi / window / chunks); then, for float32
+        layers (``fma_dots``) and unless ``performance_model`` is False, cascade only where
+        ``cascade_fma_model`` puts it at most ``CASCADE_FMA_MAX_RATIO`` of the plain path.
+
+        Why the rule depends on the dtype: 16-bit (and FP8) dots run on tensor cores, so a
+        decode batch's attention is bound by the KV bytes it reads, and reading the shared
+        prefix once instead of once per request is the saving (S1 on an H100: attention
+        kernels 2,099 -> 505 us a step, BENCHMARKS.md); vLLM's thresholds decide there.
+        Float32 dots are FMA loops, so a program's time is its rows times its keys: the plain
+        path already spreads each request's prefix over its KV splits, and cascade's saving
+        is the plain path's padded rows (a decode q-block's 16 rows hold one token's head
+        group) against a second launch after the first (issue 49: at 16 x (1024 + 32) tokens
+        the old 64-row prefix part made the decode step 4.4x slower)."""
+        base = super().use_cascade_attention(
+            common_prefix_len, query_lens, num_query_heads, num_kv_heads, use_alibi, use_sliding_window, num_sms,
+            min_prefix_len=min_prefix_len, min_requests=min_requests,
+        )  # fmt: skip
+        if not base or not performance_model or not self.fma_dots:
+            return base
+        cascade, plain = self.cascade_fma_model(common_prefix_len, query_lens, seq_lens=seq_lens, num_sms=num_sms)
+        return cascade <= self.CASCADE_FMA_MAX_RATIO * plain
+
+    def cascade_fma_model(self, common_prefix_len: int, query_lens, *, seq_lens=None, num_sms: int = 0):
+        """(cascade, plain): modelled times of a batch's attention launches where the dots run
+        on FMA units (float32), in rows x keys: a program's time is the rows of its q-block
+        times the keys it reads (FMA dots compute every row, padding included), a launch's
+        is its longest program's times its waves (``2 * num_sms`` programs at a time; 0:
+        ``H100_NUM_SMS``), with the blocks this builder would choose:
+
+        - plain: one launch on the batch's blocks (``block_choice``), each request's q-blocks
+          x KV-head programs x KV splits, each over ceil(longest context / splits) keys;
+        - cascade: the prefix part (``cascade_block_sizes``: ceil(tokens / block_q) q-blocks
+          over ceil(prefix / splits) keys each), then the suffix part
+          (``cascade_suffix_block_sizes``: each request's q-blocks over the keys after the
+          prefix, unsplit).
+
+        ``query_lens`` i32[R]; ``seq_lens`` i32[R] each request's keys in the step (its cached
+        context and its new tokens; None: the prefix and the new tokens only, the shortest
+        suffix there can be). Pages per request are the longest context's (the engine's
+        bucket may be wider, which changes the plain path's splits a little).
+
+        Example (S1 scaled to 16 x (1024 + 32) tokens, SmolLM2's heads, float32, as the
+        engine asks at its first decode step)::
+
+            builder.cascade_fma_model(1024, np.ones(16), seq_lens=np.full(16, 1057))  # (2576, 4240)
+        """
+        spec = self.kv_cache_spec
+        sms = num_sms or H100_NUM_SMS
+        group = (spec.num_q_heads or spec.num_kv_heads) // spec.num_kv_heads
+        q_lens = np.asarray(query_lens, np.int64)
+        lens = common_prefix_len + q_lens if seq_lens is None else np.asarray(seq_lens, np.int64)
+        longest = max(int(lens.max(initial=0)), common_prefix_len + 1)
+        pages = -(-longest // spec.block_size)
+        mode = gpu_batch_mode(q_lens)
+        plain = self.block_choice(num_reqs=len(q_lens), pages_per_req=pages, mode=mode).block_sizes
+        prefix = self.cascade_block_sizes(num_tokens=max(int(q_lens.sum()), 1), pages_per_req=pages)
+        suffix = self.cascade_suffix_block_sizes(plain, mode)
+
+        def launch(bs: GpuBlockSizes, q_blocks: int, keys: int) -> int:
+            programs = q_blocks * -(-spec.num_kv_heads // bs.kv_heads_per_program) * bs.num_kv_splits
+            return -(-programs // (2 * sms)) * bs.rows(group) * -(-keys // bs.num_kv_splits)
+
+        def q_blocks(bs: GpuBlockSizes) -> int:
+            return int((-(-q_lens // bs.block_q)).sum())
+
+        tokens = max(int(q_lens.sum()), 1)
+        cascade = launch(prefix, -(-tokens // prefix.block_q), common_prefix_len)
+        cascade += launch(suffix, q_blocks(suffix), longest - common_prefix_len)
+        return cascade, launch(plain, q_blocks(plain), longest)
 
     def advance_decode(self, metadata, steps, active):
         """The XLA builder's move, plus each real q-block's first position and KV length

@@ -116,14 +116,16 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
 
     def use_cascade_attention(
         self, common_prefix_len, query_lens, num_query_heads, num_kv_heads, use_alibi, use_sliding_window, num_sms,
-        *, min_prefix_len=None, min_requests=None,
+        *, min_prefix_len=None, min_requests=None, seq_lens=None, performance_model=True,
     ) -> bool:  # fmt: skip
         """vLLM's first tests: a shared prefix of at least ``CASCADE_MIN_PREFIX`` tokens over
         at least ``CASCADE_MIN_REQUESTS`` requests (or the thresholds given), no ALiBi, no
         sliding window, no chunked attention, and a builder whose kernel returns LSE. (vLLM
         then weighs cascade against flash-decoding's split-KV for decode batches; here
         cascade's saving, the prefix read once instead of once per request, is taken
-        whenever these hold.)"""
+        whenever these hold. ``seq_lens`` and ``performance_model`` are for builders with a
+        model of their kernels' work, PALLAS_GPU's for float32; this rule has none.)"""
+        del seq_lens, performance_model
         min_prefix_len = self.CASCADE_MIN_PREFIX if min_prefix_len is None else min_prefix_len
         min_requests = self.CASCADE_MIN_REQUESTS if min_requests is None else min_requests
         return (

@@ -61,11 +61,14 @@ class AttentionGroup:
         )
 
     def cascade_prefix_len(
-        self, common_prefix_len: int, query_lens, *, min_prefix_len: int | None = None, min_requests: int | None = None
-    ) -> int:
+        self, common_prefix_len: int, query_lens, *, min_prefix_len: int | None = None, min_requests: int | None = None,
+        seq_lens=None, performance_model: bool = True,
+    ) -> int:  # fmt: skip
         """``common_prefix_len`` (tokens every request of the step shares, whole pages, before
         all its query tokens) when the builder's ``use_cascade_attention`` says cascade pays
-        for the step's ``query_lens`` i32[R], else 0. The thresholds replace the builder's."""
+        for the step's ``query_lens`` i32[R] (and ``seq_lens`` i32[R], each request's keys in
+        the step, when known), else 0. The thresholds replace the builder's;
+        ``performance_model=False`` leaves out a builder's model of the two paths' work."""
         if common_prefix_len <= 0:
             return 0
         builder = self.metadata_builder
@@ -75,6 +78,7 @@ class AttentionGroup:
             common_prefix_len, np.asarray(query_lens), getattr(spec, "num_q_heads", None) or num_kv_heads,
             num_kv_heads, self.use_alibi, getattr(spec, "sliding_window", None) is not None, 0,
             min_prefix_len=min_prefix_len, min_requests=min_requests,
+            seq_lens=None if seq_lens is None else np.asarray(seq_lens), performance_model=performance_model,
         )  # fmt: skip
         return int(common_prefix_len) if use else 0
 

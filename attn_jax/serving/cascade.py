@@ -13,7 +13,7 @@ vLLM V1's scheme, in two parts:
   token: its k/v are read, never written, by the step) and aligned down to the page size.
 
 The attention group's builder then decides (``use_cascade_attention``, thresholds in
-``CascadeConfig``) and the metadata carries the length as data (an i32[] leaf): a new length
+``CascadeConfig``; PALLAS_GPU weighs float32 layers' dot work too) and the metadata carries the length as data (an i32[] leaf): a new length
 never recompiles the step, while cascade on / off is part of the metadata's structure, so a
 bucket compiles at most twice.
 
@@ -42,11 +42,16 @@ class CascadeConfig:
         (``XLAMetadataBuilder.CASCADE_MIN_PREFIX``, 256).
       min_requests: fewest requests in the step; None: the builder's own
         (``CASCADE_MIN_REQUESTS``, 8).
+      performance_model: let a builder with a model of both paths' work decline cascade
+        where the model says it does not pay (PALLAS_GPU's for float32 layers, whose dots run
+        on FMA units: ``PallasGPUMetadataBuilder.use_cascade_attention``); False: the
+        thresholds alone decide (benchmarks measuring cascade where the model declines it).
     """
 
     enabled: bool = True
     min_prefix_len: int | None = None
     min_requests: int | None = None
+    performance_model: bool = True
 
     def __post_init__(self) -> None:
         for name in ("min_prefix_len", "min_requests"):

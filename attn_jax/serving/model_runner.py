@@ -301,7 +301,8 @@ class ModelRunner:
         requests' ``num_common_blocks`` shared pages (``cascade.num_common_prefix_blocks``;
         None: none counted):
         ``cascade.common_prefix_len`` of the shard's batch, kept when the attention group's
-        builder says cascade pays (``CascadeConfig``'s thresholds). Every shard's metadata has
+        builder says cascade pays (``CascadeConfig``'s thresholds; a builder may weigh the
+        requests' lengths too, PALLAS_GPU's for float32). Every shard's metadata has
         one structure, so cascade attention runs only when every shard takes it; and only in
         calls of decodes only: cascade is a metadata structure of its own, so allowing it in
         prefill and mixed calls would double their programs, for steps whose time is mostly
@@ -311,11 +312,16 @@ class ModelRunner:
             return [0] * len(batches)
         if any(n != 1 for b in batches for n in b.num_new):
             return [0] * len(batches)
-        thresholds = dict(min_prefix_len=config.min_prefix_len, min_requests=config.min_requests)
+        thresholds = dict(
+            min_prefix_len=config.min_prefix_len, min_requests=config.min_requests,
+            performance_model=config.performance_model,
+        )  # fmt: skip
         lens = []
         for batch, blocks in zip(batches, num_common_blocks, strict=True):
-            prefix = common_prefix_len(blocks, self.block_size, [r.num_computed for r in batch.requests])
-            lens.append(self.attention_group.cascade_prefix_len(prefix, batch.num_new, **thresholds))
+            computed = [r.num_computed for r in batch.requests]
+            prefix = common_prefix_len(blocks, self.block_size, computed)
+            seq_lens = [c + n for c, n in zip(computed, batch.num_new, strict=True)]
+            lens.append(self.attention_group.cascade_prefix_len(prefix, batch.num_new, seq_lens=seq_lens, **thresholds))
         return lens if all(lens) else [0] * len(batches)
 
     def _host_inputs(

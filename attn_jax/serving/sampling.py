@@ -10,14 +10,15 @@ runner's program without this function); one where any row samples computes, exa
 for every row:
 
 - the argmax (greedy rows, temperature 0);
-- the tempered logits sorted once (most likely first; as vLLM's GPU sampler sorts them),
-  the row's top-k / top-p set masked in sorted order (no filter: every token), and a
-  categorical draw over it.
+- for sampled rows, the top-k and top-p thresholds of the tempered logits without a sort
+  (a sort of the vocabulary was most of a decode step's device time: BENCHMARKS.md): each an exact bisection over the values' ordered 32-bit keys (32 masked
+  reductions), the kept set every token at or above them, and a categorical (Gumbel-max)
+  draw over it. Ties at the k-th value all stay (a sort would keep some of them).
 
 The same program gives every row's log-probabilities (OpenAI's ``logprobs``; vLLM's
 default "raw" mode): the chosen token's and the ``MAX_LOGPROBS`` most likely tokens', from
-the model's logits before temperature and filters, out of the sort it already made (a
-greedy row's order is its logits'; a sampled row's tempered order is the same).
+the model's logits before temperature and filters (``top_logprobs``: block maxima, then two
+small top-k's).
 
 Each row draws with its own key, ``fold_in(PRNGKey(seed), index)`` where ``index`` is the
 number of tokens the request has generated so far, so a seeded request gives the same

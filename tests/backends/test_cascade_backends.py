@@ -53,21 +53,97 @@ def test_builder_chooses_cascade_and_the_layer_matches_the_oracle(backend, prefi
 
 
 def test_pallas_gpu_cascade_blocks_of_a_decode_batch():
-    """The prefix part of 64 decodes over 2048 shared tokens is 4 q-blocks: its KV range is
-    split until the programs fill the GPU (a prefill batch's many q-blocks are not split); the
-    suffix part of a decode batch reads 32-key tiles with 4 warps (a mixed batch's keeps the
-    batch's blocks)."""
-    builder = Attention(9, 64, 0.125, 3, attn_backend=ABE.PALLAS_GPU, block_size=16).metadata_builder
+    """The prefix part of 64 decodes over 2048 shared tokens is 4 q-blocks in bfloat16: its KV
+    range is split until the programs fill the GPU (a prefill batch's many q-blocks are not
+    split); the suffix part of a decode batch reads 32-key tiles with 4 warps (a mixed batch's
+    keeps the batch's blocks). In float32 (FMA dots) the prefix part's q-blocks keep a decode
+    block's 16 rows: 16 q-blocks, split fewer ways."""
+    builder = Attention(9, 64, 0.125, 3, attn_backend=ABE.PALLAS_GPU, block_size=16,
+                        dtype=jnp.bfloat16).metadata_builder  # fmt: skip
     decode = builder.cascade_block_sizes(num_tokens=64, pages_per_req=144)
     assert decode.block_q == 16 and decode.num_kv_splits == 18  # 4 q-blocks x 3 heads; 36 tiles of 64 keys / 2
     prefill = builder.cascade_block_sizes(num_tokens=4096, pages_per_req=144)
     assert prefill.num_kv_splits == 1
+    f32 = Attention(9, 64, 0.125, 3, attn_backend=ABE.PALLAS_GPU, block_size=16, dtype=jnp.float32).metadata_builder
+    decode = f32.cascade_block_sizes(num_tokens=64, pages_per_req=144)
+    assert decode.rows(3) == 16 and decode.num_kv_splits == 5  # 16 q-blocks x 3 heads = 48 programs: 264 // 48
+    fp8 = Attention(9, 64, 0.125, 3, attn_backend=ABE.PALLAS_GPU, block_size=16, dtype=jnp.float32,
+                    kv_cache_dtype="fp8", query_quant=True).metadata_builder  # fmt: skip
+    assert fp8.cascade_block_sizes(num_tokens=64, pages_per_req=144).block_q == 16  # e4m3 dots: tensor cores
     batch = GpuBlockSizes(block_q=4, pages_per_tile=4, num_kv_splits=2, num_warps=8)
     suffix = builder.cascade_suffix_block_sizes(batch, "decode")
     assert (suffix.block_q, suffix.tile(16), suffix.num_warps, suffix.num_kv_splits) == (4, 32, 4, 1)
     assert builder.cascade_suffix_block_sizes(batch, "mixed") == batch
     wide_pages = Attention(9, 64, 0.125, 3, attn_backend=ABE.PALLAS_GPU, block_size=128).metadata_builder
     assert wide_pages.cascade_suffix_block_sizes(batch, "decode").tile(128) == 32  # part of a page
+
+
+def _s1_builder(dtype, **kwargs):
+    """PALLAS_GPU's builder for SmolLM2-135M's attention (9 / 3 heads, head 64, page 16) on an H100."""
+    builder = Attention(9, 64, 0.125, 3, attn_backend=ABE.PALLAS_GPU, block_size=16, dtype=dtype,
+                        **kwargs).metadata_builder  # fmt: skip
+    builder.device_kind = "NVIDIA H100 80GB HBM3"
+    return builder
+
+
+def _decides(builder, prefix, num_reqs, seq_len, **kwargs):
+    return builder.use_cascade_attention(
+        prefix, np.ones(num_reqs, np.int32), 9, 3, False, False, 132, seq_lens=np.full(num_reqs, seq_len), **kwargs
+    )
+
+
+def test_pallas_gpu_cascade_rule_weighs_float32_dot_work():
+    """Issue 49: S1 scaled to 16 x (1024 shared + 32 own) tokens, 128 new. bfloat16 (tensor
+    cores; the saving is the prefix's bytes): the thresholds decide, cascade throughout. float32
+    (FMA dots; a program's time is rows x keys): cascade while the model puts its two launches
+    at <= 0.75 of the plain one (the first decode steps: 2,576 against 4,240), not once the
+    suffix has grown (4,384 against 4,736 at the end); at S1's own 64 x (2048 + 64) always."""
+    bf16, f32 = _s1_builder(jnp.bfloat16), _s1_builder(jnp.float32)
+    assert not bf16.fma_dots and f32.fma_dots
+    for seq_len in (1057, 1120, 1184):
+        assert _decides(bf16, 1024, 16, seq_len)
+    assert f32.cascade_fma_model(1024, np.ones(16), seq_lens=np.full(16, 1057)) == (2576, 4240)
+    # plain: 16 requests x 3 heads x 4 splits in one wave, 16 rows over 265 keys; cascade: the
+    # prefix part's 4 q-blocks x 3 heads x 8 splits over 128 keys, then the suffix's 16 rows over 33
+    assert _decides(f32, 1024, 16, 1057)
+    assert not _decides(f32, 1024, 16, 1184)
+    assert f32.cascade_fma_model(1024, np.ones(16), seq_lens=np.full(16, 1184)) == (4384, 4736)
+    assert _decides(f32, 1024, 16, 1184, performance_model=False)  # the thresholds alone
+    assert not _decides(f32, 128, 16, 1184, performance_model=False)  # ... still hold
+    for seq_len in (2113, 2240):  # S1: 64 x (2048 + 64), 128 new: the prefix dominates
+        assert _decides(f32, 2048, 64, seq_len)
+    # FP8 attention quantises a float32 model's query to e4m3: tensor-core dots, thresholds only
+    fp8 = _s1_builder(jnp.float32, kv_cache_dtype="fp8", query_quant=True)
+    assert not fp8.fma_dots and _decides(fp8, 1024, 16, 1184)
+    # without seq_lens the suffix is the new tokens alone
+    assert f32.use_cascade_attention(1024, np.ones(16, np.int32), 9, 3, False, False, 0)
+    assert "float32 layers (FMA dots)" in f32.cascade_summary()
+
+
+def test_the_float32_prefix_part_lowers_to_decode_sized_fma_dots():
+    """What issue 49's float32 cascade ran, lowered for an abstract H100 from the CPU: the
+    prefix part's dots were 64 x 64 x 64 at IEEE precision (FMA loops: no float32 MMA), 4x
+    the rows of the plain decode path's; now they are the plain path's 16 rows. bfloat16
+    keeps its 64-row MMA tiles."""
+    from tests.ops.triton_lowering import export_for_h100
+
+    n, prefix = 16, 1024
+    shapes = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        batch = make_ragged_batch(0, [1] * n, [prefix + 64] * n, num_q_heads=9, num_kv_heads=3, head_size=64,
+                                  block_size=16, dtype=dtype, shuffle_blocks=False).with_shared_prefix(prefix)  # fmt: skip
+        layer = Attention(9, 64, 0.125, 3, block_size=16, dtype=dtype, attn_backend=ABE.PALLAS_GPU)
+        layer.impl.interpret = False
+        md = layer.metadata_builder.build(prefix, batch.common_metadata())
+        q, k, v = (x.reshape(n, -1) for x in (batch.q, batch.k, batch.v))
+        _, modules = export_for_h100(lambda q, k, v, c, md=md, layer=layer: layer(q, k, v, c, md), q, k, v,
+                                     jnp.asarray(batch.kv_cache))  # fmt: skip
+        kernels = [m for m in modules if "ragged_paged_attention_gpu" in m]
+        assert len(kernels) == 2  # the prefix part, then the suffix part
+        shapes[dtype] = {line.split(": tensor<")[1].split("x")[0] for line in kernels[0].splitlines() if "tt.dot" in line}
+        if dtype == jnp.float32:
+            assert all("inputPrecision" not in line for line in kernels[0].splitlines() if "tt.dot" in line)  # IEEE
+    assert shapes == {jnp.float32: {"16"}, jnp.bfloat16: {"64"}}
 
 
 def test_pallas_tpu_cascade_matches_its_own_non_cascade_output_in_tpu_interpreter():

@@ -108,6 +108,25 @@ def test_the_builder_decides_with_its_thresholds_or_the_given_ones():
         CascadeConfig.of("yes")
 
 
+def test_the_runner_gives_the_builder_each_requests_keys_and_the_model_switch():
+    """PALLAS_GPU's float32 rule weighs each request's keys (the runner passes the step's
+    ``seq_lens``); ``CascadeConfig(performance_model=False)`` leaves its model out."""
+    from attn_jax.registry import AttentionBackendEnum
+
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=576, intermediate_size=64, num_layers=1, num_heads=9, num_kv_heads=3,
+        head_dim=64, eos_token_ids=(1,), max_position_embeddings=2048,
+    )  # fmt: skip
+    model = LlamaModel(config, block_size=PAGE, attn_backend=AttentionBackendEnum.PALLAS_GPU.get_class())
+    group = model.attention_group
+    group.metadata_builder.device_kind = "NVIDIA H100 80GB HBM3"
+    sixteen = np.ones(16, np.int32)
+    assert group.cascade_prefix_len(1024, sixteen, seq_lens=np.full(16, 1057)) == 1024
+    assert group.cascade_prefix_len(1024, sixteen, seq_lens=np.full(16, 1184)) == 0  # issue 49's later steps
+    assert group.cascade_prefix_len(1024, sixteen, seq_lens=np.full(16, 1184), performance_model=False) == 1024
+    assert CascadeConfig().performance_model and not CascadeConfig(performance_model=False).performance_model
+
+
 # ---------------------------------------------------------------- through the engine
 
 
@@ -171,8 +190,9 @@ def test_prefix_caching_switches_only_while_idle(cascade_engine, uncached_tokens
 @pytest.mark.gpu
 def test_cascade_compiled_on_a_gpu_gives_the_uncached_tokens():
     """PALLAS_GPU compiled: 8 requests sharing 1024 tokens, cascade by the builder's own
-    thresholds (its prefix part's KV range split 4 ways in the decodes), the same greedy
-    tokens as with caching off."""
+    rule (its thresholds; float32, so its model of the dot work too, which takes cascade at
+    this shape: the prefix part's 16-row q-blocks, its KV range split 8 ways in the decodes),
+    the same greedy tokens as with caching off."""
     import jax
 
     if jax.default_backend() != "gpu":

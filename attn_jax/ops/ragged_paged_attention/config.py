@@ -260,6 +260,22 @@ def kv_heads_to_pack(head_size: int, num_kv_heads: int) -> int:
     return max(1, min(num_kv_heads, MAX_PACKED_WIDTH // head_size))
 
 
+FMA_DOT_ROWS = 16
+"""The most query rows (``GpuBlockSizes.rows``) PALLAS_GPU's builder gives a q-block of cascade
+attention's prefix part where the Triton kernel's dots run on FMA units (``fma_dots``): the
+rows of a decode block, whose FMA dots the plain path runs. At 64 rows a float32 prefix part
+made S1 scaled to 16 x (1024 + 32) tokens 4.4x slower on an H100 (issue 49)."""
+
+
+def fma_dots(q_dtype, *, query_quant: bool = False) -> bool:
+    """Whether the Triton kernel's dots for ``q_dtype`` queries run on FMA units instead of
+    tensor cores: float32 dots take ``Precision.HIGHEST`` (no TF32), which lowers to ``tt.dot``
+    at IEEE precision, a loop of scalar FMAs over K holding each thread's operand rows in
+    registers (no float32 MMA); its time grows with the rows of a q-block. 16-bit dots take
+    MMA / wgmma, and so do FP8 attention's (``query_quant``: e4m3 operands) whatever ``q_dtype``."""
+    return np.dtype(q_dtype) == np.float32 and not query_quant
+
+
 def gpu_block_choice(
     *,
     num_reqs: int,
