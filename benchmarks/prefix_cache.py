@@ -129,7 +129,8 @@ def _measure(engine, prompts: list[list[int]], params) -> dict:
         # the decode calls with and without cascade apart (a builder may take it for some steps only)
         **{
             f"decode_step_ms_median_{name}": 1e3 * float(np.median([s.seconds / s.num_steps for s in part]))
-            if part else None
+            if part
+            else None
             for name, part in (
                 ("cascade", [s for s in decode if s.cascade_prefix_len > 0]),
                 ("plain", [s for s in decode if not s.cascade_prefix_len]),

@@ -35,11 +35,11 @@ from attn_jax.backends.xla import XLAAttentionBackend, XLAMetadataBuilder
 from attn_jax.ops.ragged_paged_attention import pallas_mosaic_gpu, pallas_triton
 from attn_jax.ops.ragged_paged_attention.cascade import prefix_part_lens, shifted_block_tables
 from attn_jax.ops.ragged_paged_attention.config import (
+    FMA_DOT_ROWS,
     H100_NUM_SMS,
     GpuBlockChoice,
     GpuBlockSizes,
     MgpuBlockSizes,
-    FMA_DOT_ROWS,
     decode_part_block_sizes,
     fma_dots,
     gpu_batch_mode,

@@ -13,9 +13,9 @@ vLLM V1's scheme, in two parts:
   token: its k/v are read, never written, by the step) and aligned down to the page size.
 
 The attention group's builder then decides (``use_cascade_attention``, thresholds in
-``CascadeConfig``; PALLAS_GPU weighs float32 layers' dot work too) and the metadata carries the length as data (an i32[] leaf): a new length
-never recompiles the step, while cascade on / off is part of the metadata's structure, so a
-bucket compiles at most twice.
+``CascadeConfig``; PALLAS_GPU weighs float32 layers' dot work too) and the metadata carries
+the length as data (an i32[] leaf): a new length never recompiles the step, while cascade
+on / off is part of the metadata's structure, so a bucket compiles at most twice.
 
 Example::
 

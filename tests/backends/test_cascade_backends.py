@@ -130,8 +130,9 @@ def test_the_float32_prefix_part_lowers_to_decode_sized_fma_dots():
     n, prefix = 16, 1024
     shapes = {}
     for dtype in (jnp.float32, jnp.bfloat16):
-        batch = make_ragged_batch(0, [1] * n, [prefix + 64] * n, num_q_heads=9, num_kv_heads=3, head_size=64,
-                                  block_size=16, dtype=dtype, shuffle_blocks=False).with_shared_prefix(prefix)  # fmt: skip
+        shape = dict(num_q_heads=9, num_kv_heads=3, head_size=64, block_size=16)
+        batch = make_ragged_batch(0, [1] * n, [prefix + 64] * n, **shape, dtype=dtype, shuffle_blocks=False)
+        batch = batch.with_shared_prefix(prefix)
         layer = Attention(9, 64, 0.125, 3, block_size=16, dtype=dtype, attn_backend=ABE.PALLAS_GPU)
         layer.impl.interpret = False
         md = layer.metadata_builder.build(prefix, batch.common_metadata())
@@ -140,9 +141,10 @@ def test_the_float32_prefix_part_lowers_to_decode_sized_fma_dots():
                                      jnp.asarray(batch.kv_cache))  # fmt: skip
         kernels = [m for m in modules if "ragged_paged_attention_gpu" in m]
         assert len(kernels) == 2  # the prefix part, then the suffix part
-        shapes[dtype] = {line.split(": tensor<")[1].split("x")[0] for line in kernels[0].splitlines() if "tt.dot" in line}
+        dots = [line for line in kernels[0].splitlines() if "tt.dot" in line]
+        shapes[dtype] = {line.split(": tensor<")[1].split("x")[0] for line in dots}  # the rows of q
         if dtype == jnp.float32:
-            assert all("inputPrecision" not in line for line in kernels[0].splitlines() if "tt.dot" in line)  # IEEE
+            assert all("inputPrecision" not in line for line in dots)  # IEEE: FMA loops
     assert shapes == {jnp.float32: {"16"}, jnp.bfloat16: {"64"}}
 
 
