@@ -20,9 +20,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cascade_dtype_check}
-PY=${PYTHON:-python3}
-BUDGET=${BUDGET:-230}  # seconds for every run together
 mkdir -p "$OUT"
+PY=
+for candidate in ${PYTHON:-} python3 python python3.12; do  # the first interpreter with jax
+  if command -v "$candidate" >/dev/null && "$candidate" -c "import jax" 2>/dev/null; then PY=$candidate; break; fi
+done
+if [ -z "$PY" ]; then echo "no python with jax found (set PYTHON)" | tee "$OUT/runs.txt"; exit 1; fi
+BUDGET=${BUDGET:-230}  # seconds for every run together
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 {
