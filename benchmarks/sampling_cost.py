@@ -1,14 +1,15 @@
-"""The sampler's device time per step beside an argmax (``serving/sampling.py``): one
-program for every mix of sampling values, sort-free (bisections for the top-k / top-p
-thresholds, block maxima for the top log-probabilities).
+"""The sampler's device time per step beside an argmax (``serving/sampling.py``: one
+program for every mix of sampling values, which sorts the tempered logits of every row).
 
     python benchmarks/sampling_cost.py --rows 1 64 256 --vocab 49152
 
-Beside it, what it replaced: the sampler that sorted the tempered logits of every row each
-step (as vLLM's GPU sampler does), and ``lax.top_k`` for a greedy row's top
-``MAX_LOGPROBS``. Prints the median of each (CUDA-synchronised wall clock over 50 calls
-after a warm-up, so a call's dispatch is in every figure: the argmax's is mostly that) and
-each program's compile time, and writes JSON with ``--out``.
+Beside it, a sort-free alternative measured and not taken (``bisection_sampler``: exact
+top-k / top-p thresholds by bisection over the values' ordered keys, 64 masked reductions;
+slower than the sort on an H200, BENCHMARKS.md), and the top ``MAX_LOGPROBS`` of each row by
+``sampling.top_logprobs`` (block maxima) against ``lax.top_k``. Prints the median of each
+(CUDA-synchronised wall clock over 50 calls after a warm-up, so a call's dispatch is in
+every figure: the argmax's is mostly that) and each program's compile time, and writes JSON
+with ``--out``.
 """
 
 from __future__ import annotations
@@ -25,20 +26,43 @@ from results_io import add_output_args, output_path, write_json  # benchmarks/, 
 from attn_jax.serving.sampling import MAX_LOGPROBS, sample_tokens, top_logprobs
 
 
-def sorting_sampler(logits, temperature, top_p, top_k, seeds, counters):
-    """The sampler before 2026-11-28 (for comparison): the tempered logits sorted, the
-    top-k / top-p set masked in sorted order, a categorical draw over it."""
+def _ordered(x):
+    """u32 keys in the order of the f32 values ``x``."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _largest_key(holds, lo, hi):
+    """Per row the largest u32 key in [lo, hi] where the monotone ``holds`` is true (32 halvings)."""
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2 + ((hi - lo) & 1)
+        ok = holds(mid) & (mid > lo)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, jnp.where(mid > lo, mid - 1, lo))
+
+    return jax.lax.fori_loop(0, 32, halve, (lo, hi))[0]
+
+
+def bisection_sampler(logits, temperature, top_p, top_k, seeds, counters):
+    """``sample_tokens``' draw without a sort: the k-th value and the nucleus's edge found by
+    bisection, the kept set every token at or above them, a categorical draw over it."""
+    v = logits.shape[-1]
     sampled = temperature > 0
     scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
-    vocab = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
-    negated, order = jax.lax.sort((-scaled, vocab), dimension=1, num_keys=1)
-    keep = jnp.where(top_k[:, None] > 0, vocab < top_k[:, None], True)
-    probs = jax.nn.softmax(jnp.where(keep, -negated, -jnp.inf), axis=-1)
-    keep &= (jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]) | (vocab == 0)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counters)
-    choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, -negated, -jnp.inf))
-    drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-    return jnp.where(sampled, drawn, jnp.argmax(logits, axis=-1)), order[:, :MAX_LOGPROBS]
+    keys = _ordered(scaled)
+    k = jnp.where((top_k > 0) & (top_k < v), top_k, v)
+    kth = _largest_key(lambda t: (keys >= t[:, None]).sum(axis=-1) >= k, keys.min(axis=-1), keys.max(axis=-1))
+    probs = jax.nn.softmax(jnp.where(keys >= kth[:, None], scaled, -jnp.inf), axis=-1)
+
+    def mass_above(t):
+        return jnp.where(keys > t[:, None], probs, 0.0).sum(axis=-1) >= top_p
+
+    edge = _largest_key(mass_above, kth - 1, keys.max(axis=-1))
+    keep = keys > jnp.where(mass_above(kth - 1), edge, kth - 1)[:, None]
+    rng = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counters)
+    drawn = jax.vmap(jax.random.categorical)(rng, jnp.where(keep, scaled, -jnp.inf))
+    return jnp.where(sampled, drawn, jnp.argmax(logits, axis=-1))
 
 
 def compile_s(fn, *args) -> float:
@@ -67,15 +91,11 @@ def main() -> None:
     programs = {
         "argmax": jax.jit(lambda x: jnp.argmax(x, axis=-1)),
         "sample_tokens": jax.jit(sample_tokens),
-        "sorting_sampler": jax.jit(sorting_sampler),
-        "argmax_top_logprobs": jax.jit(
-            lambda x: (jnp.argmax(x, axis=-1), top_logprobs(x, jax.nn.logsumexp(x, axis=-1, keepdims=True)))
-        ),
-        "argmax_lax_top_k": jax.jit(
-            lambda x: (jnp.argmax(x, axis=-1), jax.lax.top_k(x, MAX_LOGPROBS), jax.nn.logsumexp(x, axis=-1))
-        ),
+        "bisection_sampler": jax.jit(bisection_sampler),
+        "top_logprobs": jax.jit(top_logprobs),
+        "lax_top_k": jax.jit(lambda x: jax.lax.top_k(x, MAX_LOGPROBS)),
     }
-    samplers = ("sample_tokens", "sorting_sampler")
+    samplers = ("sample_tokens", "bisection_sampler")
     rows = []
     for n in args.rows:
         logits = jnp.asarray(rng.standard_normal((n, args.vocab), np.float32) * 3)

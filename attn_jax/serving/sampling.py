@@ -10,15 +10,14 @@ runner's program without this function); one where any row samples computes, exa
 for every row:
 
 - the argmax (greedy rows, temperature 0);
-- for sampled rows, the top-k and top-p thresholds of the tempered logits without a sort
-  (a sort of the vocabulary was most of a decode step's device time: BENCHMARKS.md): each an exact bisection over the values' ordered 32-bit keys (32 masked
-  reductions), the kept set every token at or above them, and a categorical (Gumbel-max)
-  draw over it. Ties at the k-th value all stay (a sort would keep some of them).
+- the tempered logits sorted once (most likely first; as vLLM's GPU sampler sorts them),
+  the row's top-k / top-p set masked in sorted order (no filter: every token), and a
+  categorical draw over it.
 
 The same program gives every row's log-probabilities (OpenAI's ``logprobs``; vLLM's
 default "raw" mode): the chosen token's and the ``MAX_LOGPROBS`` most likely tokens', from
-the model's logits before temperature and filters (``top_logprobs``: block maxima, then two
-small top-k's).
+the model's logits before temperature and filters, out of the sort it already made (a
+greedy row's order is its logits'; a sampled row's tempered order is the same).
 
 Each row draws with its own key, ``fold_in(PRNGKey(seed), index)`` where ``index`` is the
 number of tokens the request has generated so far, so a seeded request gives the same
@@ -69,45 +68,6 @@ def apply_penalties(logits, counts, presence, frequency, repetition):
     return logits - presence[:, None] * (generated > 0).astype(logits.dtype)
 
 
-def _ordered(x):
-    """u32 keys in the order of the f32 values ``x`` (IEEE bits, the negatives' flipped)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
-
-
-def _largest_key(holds, lo, hi):
-    """Per row, the largest u32 key ``t`` in [lo, hi] for which ``holds(t)`` (bool[N]) is
-    true, where ``holds`` is true at ``lo`` and monotone (true, then false, as ``t``
-    grows): an exact bisection of 32 halvings (a loop of known trip count: on a GPU it
-    reads no predicate back to the host)."""
-
-    def halve(_, bounds):
-        lo, hi = bounds
-        mid = lo + (hi - lo) // 2 + ((hi - lo) & 1)  # ceil of the midpoint, without overflow
-        ok = holds(mid) & (mid > lo)
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, jnp.where(mid > lo, mid - 1, lo))
-
-    return jax.lax.fori_loop(0, 32, halve, (lo, hi))[0]
-
-
-def top_logprobs(logits, log_z, block: int = 128):
-    """The L = min(``MAX_LOGPROBS``, V) most likely tokens of each row, most likely first,
-    and their log-probabilities (f32[N, V] logits, f32[N, 1] their log-sum-exp), without a
-    sort of the vocabulary: the top L tokens lie in the L blocks of ``block`` tokens with
-    the largest maxima, so two small top-k's (over the block maxima, then over those L
-    blocks' tokens) find them exactly. Returns (i32[N, L], f32[N, L])."""
-    n, v = logits.shape
-    count = min(MAX_LOGPROBS, v)
-    blocks = -(-v // block)
-    padded = jnp.pad(logits, [(0, 0), (0, blocks * block - v)], constant_values=-jnp.inf)
-    tiles = padded.reshape(n, blocks, block)
-    _, best = jax.lax.top_k(tiles.max(axis=-1), min(count, blocks))  # i32[N, L]
-    candidates = jnp.take_along_axis(tiles, best[:, :, None], axis=1).reshape(n, -1)
-    values, at = jax.lax.top_k(candidates, count)
-    ids = best[jnp.arange(n)[:, None], at // block] * block + at % block
-    return ids.astype(jnp.int32), values - log_z
-
-
 def sample_tokens(logits, temperature, top_p, top_k, seeds, counters):
     """Next token per row and its log-probabilities (traceable; one program whatever the
     values).
@@ -118,37 +78,50 @@ def sample_tokens(logits, temperature, top_p, top_k, seeds, counters):
       temperature: f32[N]; 0 = greedy (argmax) for that row.
       top_p: f32[N] in (0, 1]; keeps the smallest set of most likely tokens whose
         probability reaches top_p (Hugging Face's rule: the most likely token always stays).
-      top_k: i32[N]; 0 = off, else keeps the k most likely tokens (every token tied with
-        the k-th stays).
+      top_k: i32[N]; 0 = off, else keeps the k most likely tokens.
       seeds: u32[N]; counters: i32[N] (tokens generated so far).
 
     Returns (i32[N] tokens, f32[N] each token's log-probability, i32[N, L] the L =
     min(``MAX_LOGPROBS``, V) most likely tokens, f32[N, L] their log-probabilities).
     """
-    n, v = logits.shape
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = temperature > 0
     scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
-    keys = _ordered(scaled)
-    lowest, highest = keys.min(axis=-1), keys.max(axis=-1)
-    k = jnp.where((top_k > 0) & (top_k < v), top_k, v)
-    kth = _largest_key(lambda t: (keys >= t[:, None]).sum(axis=-1) >= k, lowest, highest)
-    probs = jax.nn.softmax(jnp.where(keys >= kth[:, None], scaled, -jnp.inf), axis=-1)
-
-    def mass_above(t):  # bool[N]: the kept probability strictly above key t reaches top_p
-        return jnp.where(keys > t[:, None], probs, 0.0).sum(axis=-1) >= top_p
-
-    # The nucleus: keys above the largest t whose mass above reaches top_p (from kth - 1:
-    # everything kept above it, whose mass reaches top_p <= 1 unless rounding says not).
-    below = _largest_key(mass_above, kth - 1, highest)
-    keep = keys > jnp.where(mass_above(kth - 1), below, kth - 1)[:, None]
-    rng = jax.vmap(lambda seed, counter: jax.random.fold_in(jax.random.PRNGKey(seed), counter))(seeds, counters)
-    drawn = jax.vmap(jax.random.categorical)(rng, jnp.where(keep, scaled, -jnp.inf)).astype(jnp.int32)
+    vocab = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
+    negated, order = jax.lax.sort((-scaled, vocab), dimension=1, num_keys=1)  # most likely first
+    values = -negated  # f32[N, V]
+    rank = vocab  # position in the sorted order
+    keep = jnp.where(top_k[:, None] > 0, rank < top_k[:, None], True)
+    probs = jax.nn.softmax(jnp.where(keep, values, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # probability of the more likely tokens
+    keep &= (before < top_p[:, None]) | (rank == 0)
+    keys = jax.vmap(lambda seed, counter: jax.random.fold_in(jax.random.PRNGKey(seed), counter))(seeds, counters)
+    choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, values, -jnp.inf))
+    drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
     tokens = jnp.where(sampled, drawn, greedy)
     log_z = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    top_ids, top_values = top_logprobs(logits, log_z)
+    top_ids = order[:, : min(MAX_LOGPROBS, logits.shape[-1])]
+    top_logprobs = jnp.take_along_axis(logits, top_ids, axis=-1) - log_z
     logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_z[:, 0]
-    return tokens, logprobs, top_ids, top_values
+    return tokens, logprobs, top_ids, top_logprobs
+
+
+def top_logprobs(logprobs, block: int = 128):
+    """The L = min(``MAX_LOGPROBS``, V) largest of each row of ``logprobs`` f32[T, V], most
+    likely first, without a top-k over the vocabulary: the top L lie in the L blocks of
+    ``block`` tokens with the largest maxima, so two small top-k's (over the block maxima,
+    then over those blocks' tokens) find them exactly (H200, 256 rows of 49,152: 0.25 ms
+    against ``lax.top_k``'s 1.28, BENCHMARKS.md). Returns (i32[T, L] ids, f32[T, L])."""
+    n, v = logprobs.shape
+    count = min(MAX_LOGPROBS, v)
+    blocks = -(-v // block)
+    padded = jnp.pad(logprobs, [(0, 0), (0, blocks * block - v)], constant_values=-jnp.inf)
+    tiles = padded.reshape(n, blocks, block)
+    _, best = jax.lax.top_k(tiles.max(axis=-1), min(count, blocks))  # i32[T, L] block indices
+    candidates = jnp.take_along_axis(tiles, best[:, :, None], axis=1).reshape(n, -1)
+    values, at = jax.lax.top_k(candidates, count)
+    ids = jnp.take_along_axis(best, at // block, axis=1) * block + at % block
+    return ids.astype(jnp.int32), values
 
 
 def prompt_logprobs(logits, targets):
@@ -164,9 +137,9 @@ def prompt_logprobs(logits, targets):
     most likely tokens, most likely first, f32[T, L] their log-probabilities).
     """
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    top, ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
+    ids, top = top_logprobs(logprobs)
     chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
-    return chosen, ids.astype(jnp.int32), top
+    return chosen, ids, top
 
 
 def apply_guides(logits, masks, rows):
