@@ -10,13 +10,15 @@ Each process gets ``ATTN_STACK_COORDINATOR`` / ``_NUM_PROCESSES`` / ``_PROCESS_I
 only when they fail (or with ``--all-output``): they write to temporary files, never to a
 pipe read after process 0 ends (a pipe fills, its writer blocks, and process 0 waits for it
 in a collective or at shutdown: a hang). When one process fails the others are stopped
-(they would wait for it); the exit code is the first nonzero one.
+(they would wait for it), and a SIGTERM or SIGINT to the launcher goes to every process;
+the exit code is the first nonzero one.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -60,6 +62,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     port = _free_port()
     procs, logs = [], []
+
+    def forward(signum, _frame):  # the launcher stopped (a scheduler's timeout, Ctrl-C): so are they
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forward)
     for rank in range(args.num_processes):
         env = process_env(
             dict(os.environ), process_id=rank, num_processes=args.num_processes, port=port,
@@ -67,7 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )  # fmt: skip
         log = tempfile.TemporaryFile("w+") if rank > 0 and not args.all_output else None
         logs.append(log)
-        procs.append(subprocess.Popen(command, env=env, text=True, stdout=log, stderr=subprocess.STDOUT if log else None))
+        procs.append(
+            subprocess.Popen(command, env=env, text=True, stdout=log, stderr=subprocess.STDOUT if log else None)
+        )
     while None in (codes := [p.poll() for p in procs]):
         if any(codes):  # one failed: stop the rest (they would wait for it)
             for p in procs:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -107,3 +109,30 @@ def test_launch_neither_blocks_on_a_quiet_process_output_nor_waits_for_a_failed_
     failing = f"import os, time\nif os.environ['{PROCESS_ID}'] == '1':\n    raise SystemExit(3)\ntime.sleep(300)\n"
     proc = subprocess.run([*launch, failing], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "--- process 1 (exit code 3) ---" in proc.stderr, proc.stderr[-2000:]
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` runs (a zombie, exited and not yet reaped, does not)."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_launch_passes_sigterm_on_to_its_processes(tmp_path):
+    """A scheduler's timeout stops the launcher: its processes must not outlive it (they would
+    hold their devices)."""
+    pids = tmp_path / "pids"
+    sleeper = f"import os, time\nwith open({str(pids)!r}, 'a') as f:\n    print(os.getpid(), file=f)\ntime.sleep(300)\n"
+    command = [sys.executable, "-m", "attn_jax.launch", "-n", "2", "--", sys.executable, "-c", sleeper]
+    launcher = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not pids.exists() or len(pids.read_text().split()) < 2:
+        assert time.time() < deadline and launcher.poll() is None
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=60) != 0
+    deadline = time.time() + 30
+    while any(_alive(pid) for pid in map(int, pids.read_text().split())):
+        assert time.time() < deadline, "a process outlived its launcher"
+        time.sleep(0.05)
