@@ -96,8 +96,9 @@ def test_pallas_gpu_cascade_rule_weighs_float32_dot_work():
     """Issue 49: S1 scaled to 16 x (1024 shared + 32 own) tokens, 128 new. bfloat16 (tensor
     cores; the saving is the prefix's bytes): the thresholds decide, cascade throughout. float32
     (FMA dots; a program's time is rows x keys): cascade while the model puts its two launches
-    at <= 0.75 of the plain one (the first decode steps: 2,576 against 4,240), not once the
-    suffix has grown (4,384 against 4,736 at the end); at S1's own 64 x (2048 + 64) always."""
+    at most the plain one (2,576 against 4,240 at the first decode step, 4,384 against 4,736
+    at the end), not once the requests' own tokens outgrow the prefix (16 x (1024 + 476):
+    9,120 against 4,800); at S1's own 64 x (2048 + 64) always."""
     bf16, f32 = _s1_builder(jnp.bfloat16), _s1_builder(jnp.float32)
     assert not bf16.fma_dots and f32.fma_dots
     for seq_len in (1057, 1120, 1184):
@@ -105,11 +106,12 @@ def test_pallas_gpu_cascade_rule_weighs_float32_dot_work():
     assert f32.cascade_fma_model(1024, np.ones(16), seq_lens=np.full(16, 1057)) == (2576, 4240)
     # plain: 16 requests x 3 heads x 4 splits in one wave, 16 rows over 265 keys; cascade: the
     # prefix part's 4 q-blocks x 3 heads x 8 splits over 128 keys, then the suffix's 16 rows over 33
-    assert _decides(f32, 1024, 16, 1057)
-    assert not _decides(f32, 1024, 16, 1184)
+    assert _decides(f32, 1024, 16, 1057) and _decides(f32, 1024, 16, 1184)
     assert f32.cascade_fma_model(1024, np.ones(16), seq_lens=np.full(16, 1184)) == (4384, 4736)
-    assert _decides(f32, 1024, 16, 1184, performance_model=False)  # the thresholds alone
-    assert not _decides(f32, 128, 16, 1184, performance_model=False)  # ... still hold
+    assert f32.cascade_fma_model(1024, np.ones(16), seq_lens=np.full(16, 1500)) == (9120, 4800)
+    assert not _decides(f32, 1024, 16, 1500)
+    assert _decides(f32, 1024, 16, 1500, performance_model=False)  # the thresholds alone
+    assert not _decides(f32, 128, 16, 1500, performance_model=False)  # ... still hold
     for seq_len in (2113, 2240):  # S1: 64 x (2048 + 64), 128 new: the prefix dominates
         assert _decides(f32, 2048, 64, seq_len)
     # FP8 attention quantises a float32 model's query to e4m3: tensor-core dots, thresholds only
