@@ -312,6 +312,14 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
     in 6 of 16 decode calls, 0.993x the plain step; cascade in every call (the model's ratio
     0.61 -> 0.93 over the run) 0.926x: no margin is needed there."""
 
+    CASCADE_MIN_SAVED_BYTES = 16 << 20
+    """Tensor-core layers (16-bit, FP8) take cascade attention only where reading the shared
+    prefix once saves at least this many KV bytes per layer over reading it once per
+    request: cascade's second launch and merge cost a few microseconds a layer, about what
+    16 MiB take at an H200's bandwidth. Measured (H200, bfloat16, SmolLM2 shape): at 16 x
+    (1024 + 32) tokens (11.3 MiB saved) cascade made the decode step 1.12x slower; S1's
+    64 x (2048 + 64) (94.5 MiB) ran its attention 4x faster (H100; BENCHMARKS.md)."""
+
     def __init__(self, kv_cache_spec, device_kind: str | None = None, mgpu_prefill: bool | None = None) -> None:
         super().__init__(kv_cache_spec)
         if device_kind is None:
@@ -409,21 +417,23 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
     def cascade_summary(cls) -> str:
         return (
             f"{super().cascade_summary()}; for float32 layers (FMA dots) only where the builder's model of the "
-            f"kernels' dot work puts cascade at <= {cls.CASCADE_FMA_MAX_RATIO} of the plain launch"
+            f"kernels' dot work puts cascade at <= {cls.CASCADE_FMA_MAX_RATIO} of the plain launch, for the others "
+            f"only where it reads >= {cls.CASCADE_MIN_SAVED_BYTES >> 20} MiB of KV less per layer"
         )
 
     def use_cascade_attention(
         self, common_prefix_len, query_lens, num_query_heads, num_kv_heads, use_alibi, use_sliding_window, num_sms,
         *, min_prefix_len=None, min_requests=None, seq_lens=None, performance_model=True,
     ) -> bool:  # fmt: skip
-        """The XLA builder's tests (thresholds, no ALiBi / window / chunks); then, for float32
-        layers (``fma_dots``) and unless ``performance_model`` is False, cascade only where
-        ``cascade_fma_model`` puts it at most ``CASCADE_FMA_MAX_RATIO`` of the plain path.
+        """The XLA builder's tests (thresholds, no ALiBi / window / chunks); then, unless
+        ``performance_model`` is False: for float32 layers (``fma_dots``) cascade only where
+        ``cascade_fma_model`` puts it at most ``CASCADE_FMA_MAX_RATIO`` of the plain path, for
+        the others only where it saves ``CASCADE_MIN_SAVED_BYTES`` a layer.
 
         Why the rule depends on the dtype: 16-bit (and FP8) dots run on tensor cores, so a
         decode batch's attention is bound by the KV bytes it reads, and reading the shared
         prefix once instead of once per request is the saving (S1 on an H100: attention
-        kernels 2,099 -> 505 us a step, BENCHMARKS.md); vLLM's thresholds decide there.
+        kernels 2,099 -> 505 us a step, BENCHMARKS.md), against a second launch a layer.
         Float32 dots are FMA loops, so a program's time is its rows times its keys: the plain
         path already spreads each request's prefix over its KV splits, and cascade's saving
         is the plain path's padded rows (a decode q-block's 16 rows hold one token's head
@@ -433,10 +443,19 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
             common_prefix_len, query_lens, num_query_heads, num_kv_heads, use_alibi, use_sliding_window, num_sms,
             min_prefix_len=min_prefix_len, min_requests=min_requests,
         )  # fmt: skip
-        if not base or not performance_model or not self.fma_dots:
+        if not base or not performance_model:
             return base
+        if not self.fma_dots:
+            return self.cascade_saved_bytes(common_prefix_len, len(query_lens)) >= self.CASCADE_MIN_SAVED_BYTES
         cascade, plain = self.cascade_fma_model(common_prefix_len, query_lens, seq_lens=seq_lens, num_sms=num_sms)
         return cascade <= self.CASCADE_FMA_MAX_RATIO * plain
+
+    def cascade_saved_bytes(self, common_prefix_len: int, num_reqs: int) -> int:
+        """KV bytes per layer cascade does not read: the shared prefix's keys and values once
+        instead of once per request."""
+        spec = self.kv_cache_spec
+        itemsize = np.dtype(spec.cache_dtype or spec.dtype).itemsize
+        return (num_reqs - 1) * int(common_prefix_len) * 2 * spec.num_kv_heads * spec.head_size * itemsize
 
     def cascade_fma_model(self, common_prefix_len: int, query_lens, *, seq_lens=None, num_sms: int = 0):
         """(cascade, plain): modelled times of a batch's attention launches where the dots run

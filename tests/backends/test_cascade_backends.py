@@ -94,15 +94,19 @@ def _decides(builder, prefix, num_reqs, seq_len, **kwargs):
 
 def test_pallas_gpu_cascade_rule_weighs_float32_dot_work():
     """Issue 49: S1 scaled to 16 x (1024 shared + 32 own) tokens, 128 new. bfloat16 (tensor
-    cores; the saving is the prefix's bytes): the thresholds decide, cascade throughout. float32
+    cores; the saving is the prefix's bytes): 15 x 1024 tokens of 768 bytes a layer (11.25 MiB)
+    are under ``CASCADE_MIN_SAVED_BYTES`` (measured on an H200: cascade 1.12x slower), S1's own
+    64 x 2048 (94.5 MiB) over it; FP8 caches save half as many bytes. float32
     (FMA dots; a program's time is rows x keys): cascade while the model puts its two launches
     at most the plain one (2,576 against 4,240 at the first decode step, 4,384 against 4,736
     at the end), not once the requests' own tokens outgrow the prefix (16 x (1024 + 476):
     9,120 against 4,800); at S1's own 64 x (2048 + 64) always."""
     bf16, f32 = _s1_builder(jnp.bfloat16), _s1_builder(jnp.float32)
     assert not bf16.fma_dots and f32.fma_dots
-    for seq_len in (1057, 1120, 1184):
-        assert _decides(bf16, 1024, 16, seq_len)
+    assert bf16.cascade_saved_bytes(1024, 16) == 15 * 1024 * 768
+    for seq_len in (1057, 1184):
+        assert not _decides(bf16, 1024, 16, seq_len) and _decides(bf16, 1024, 16, seq_len, performance_model=False)
+    assert _decides(bf16, 2048, 64, 2113)
     assert f32.cascade_fma_model(1024, np.ones(16), seq_lens=np.full(16, 1057)) == (2576, 4240)
     # plain: 16 requests x 3 heads x 4 splits in one wave, 16 rows over 265 keys; cascade: the
     # prefix part's 4 q-blocks x 3 heads x 8 splits over 128 keys, then the suffix's 16 rows over 33
@@ -114,9 +118,10 @@ def test_pallas_gpu_cascade_rule_weighs_float32_dot_work():
     assert not _decides(f32, 128, 16, 1500, performance_model=False)  # ... still hold
     for seq_len in (2113, 2240):  # S1: 64 x (2048 + 64), 128 new: the prefix dominates
         assert _decides(f32, 2048, 64, seq_len)
-    # FP8 attention quantises a float32 model's query to e4m3: tensor-core dots, thresholds only
+    # FP8 attention quantises a float32 model's query to e4m3: tensor-core dots, the bytes rule
     fp8 = _s1_builder(jnp.float32, kv_cache_dtype="fp8", query_quant=True)
-    assert not fp8.fma_dots and _decides(fp8, 1024, 16, 1184)
+    assert not fp8.fma_dots and fp8.cascade_saved_bytes(2048, 64) == 63 * 2048 * 384
+    assert not _decides(fp8, 1024, 16, 1184) and _decides(fp8, 2048, 64, 2113)
     # without seq_lens the suffix is the new tokens alone
     assert f32.use_cascade_attention(1024, np.ones(16, np.int32), 9, 3, False, False, 0)
     assert "float32 layers (FMA dots)" in f32.cascade_summary()

@@ -122,8 +122,8 @@ def test_the_runner_gives_the_builder_each_requests_keys_and_the_model_switch():
     group.metadata_builder.device_kind = "NVIDIA H100 80GB HBM3"
     sixteen = np.ones(16, np.int32)
     assert group.cascade_prefix_len(1024, sixteen, seq_lens=np.full(16, 1057)) == 1024
-    assert group.cascade_prefix_len(1024, sixteen, seq_lens=np.full(16, 1184)) == 0  # issue 49's later steps
-    assert group.cascade_prefix_len(1024, sixteen, seq_lens=np.full(16, 1184), performance_model=False) == 1024
+    assert group.cascade_prefix_len(1024, sixteen, seq_lens=np.full(16, 1500)) == 0  # own tokens outgrow the prefix
+    assert group.cascade_prefix_len(1024, sixteen, seq_lens=np.full(16, 1500), performance_model=False) == 1024
     assert CascadeConfig().performance_model and not CascadeConfig(performance_model=False).performance_model
 
 
