@@ -136,3 +136,28 @@ def test_launch_passes_sigterm_on_to_its_processes(tmp_path):
     while any(_alive(pid) for pid in map(int, pids.read_text().split())):
         assert time.time() < deadline, "a process outlived its launcher"
         time.sleep(0.05)
+
+
+def test_processes_that_call_from_different_lines_compile_the_same_program(tmp_path):
+    """Two processes lower one function through one helper called from different lines (as
+    the CLI runs the same command from one line in process 0, which prints, and another in
+    the others): the programs, source locations included, must be the same text, which a
+    GPU's compiler needs to trade autotuning results between processes."""
+    program = (
+        "import pathlib, jax, jax.numpy as jnp\n"
+        "from attn_jax.distributed import initialize_from_env\n"
+        "initialize_from_env()\n"
+        "f = jax.jit(lambda x: x * 2)\n"
+        "def lowered():\n"
+        "    return f.lower(jnp.ones(4)).as_text(debug_info=True)\n"
+        "if jax.process_index() == 0:\n"
+        "    text = lowered()\n"
+        "else:\n"
+        "    text = lowered()  # another line: another call stack\n"
+        f"pathlib.Path({str(tmp_path)!r}, str(jax.process_index())).write_text(text)\n"
+    )
+    launch = [sys.executable, "-m", "attn_jax.launch", "-n", "2", "--", sys.executable, "-c", program]
+    proc = subprocess.run(launch, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = ((tmp_path / str(i)).read_text() for i in range(2))
+    assert "loc(" in first and first == second
