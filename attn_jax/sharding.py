@@ -284,9 +284,9 @@ class ShardedStep:
 
         The only collective beside the model's own (one ``psum`` per split attention and
         MLP, one all-gather of a split LM head's logits) gathers the data shards' sampled
-        tokens (and a sampled call's log-probabilities), once per call: the result is
-        replicated, so every process of a multi-process run reads all of them. The rows'
-        state stays on its shard (split over "data")."""
+        tokens (and a sampled call's log-probabilities, prompt ones included), once per call:
+        the result is replicated, so every process of a multi-process run reads all of them.
+        The rows' state stays on its shard (split over "data")."""
         mesh, cache_spec = self.mesh, self.cache_spec
 
         def step(params, caches, rows, packed, layout, num_steps, sampled, page_delta):
@@ -305,7 +305,7 @@ class ShardedStep:
                 mesh=mesh,
                 in_specs=(self.param_specs(params), [cache_spec] * len(caches), P(DATA), P(DATA), P(DATA)),
                 out_specs=(
-                    P(), P(DATA), [cache_spec] * len(caches), P(DATA), (P(), P(), P()) if sampled else None,
+                    P(), P(DATA), [cache_spec] * len(caches), P(DATA), P() if sampled else None,
                 ),
                 check_vma=False,
             )  # fmt: skip

@@ -81,6 +81,12 @@ def tiny() -> dict:
         engine = small_engine(model, params, mesh=mesh, num_scheduler_steps=4)
         out[f"{data}x{model_axis}_multistep"] = [c.output_ids for c in engine.generate(prompts, sp)]
         out[f"{data}x{model_axis}_multistep_calls"] = sorted({s.num_steps for s in engine.stats})
+    # Prompt and sampled log-probabilities on the mesh (the 40-token prompt in two chunks) and on one device.
+    scored = SamplingParams(max_new_tokens=2, ignore_eos=True, logprobs=2, prompt_logprobs=3)
+    for name, scoring in (("single", small_engine(LlamaModel(config), params)), ("mesh", engine)):
+        out[f"logprobs_{name}"] = [
+            [c.output_ids, c.logprobs, c.prompt_logprobs] for c in scoring.generate(prompts[:3], scored)
+        ]
     return out
 
 

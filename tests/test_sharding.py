@@ -54,6 +54,19 @@ def test_multi_step_decoding_on_a_mesh_matches_one_device(sharded):
     assert tiny["2x2_multistep"] == tiny["single"]
 
 
+def test_log_probabilities_on_a_mesh_match_one_device(sharded):
+    """Sampled and prompt log-probabilities (``logprobs``, ``prompt_logprobs``; a prompt in
+    two chunks) gathered from the data shards of a 2 x 2 mesh: one device's, to float32
+    rounding (the model axis sums attention and MLP partials in another order)."""
+    single, mesh = sharded["tiny"]["logprobs_single"], sharded["tiny"]["logprobs_mesh"]
+    assert len(single) == len(mesh) == 3
+    for (ids, lps, prompt), (mesh_ids, mesh_lps, mesh_prompt) in zip(single, mesh, strict=True):
+        assert ids == mesh_ids and prompt[0] is None and mesh_prompt[0] is None and len(prompt) == len(mesh_prompt)
+        for (value, top), (mesh_value, mesh_top) in zip(lps + prompt[1:], mesh_lps + mesh_prompt[1:], strict=True):
+            assert abs(value - mesh_value) < 1e-4 and [t for t, _ in top] == [t for t, _ in mesh_top]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(top, mesh_top, strict=True)) < 1e-4
+
+
 def test_data_shards_agree_for_every_backend(sharded):
     """One request (the other shards idle) and uneven requests, on 2 and 4 data shards:
     the shards build one static structure and the tokens equal one device's on XLA (the

@@ -612,10 +612,6 @@ class Engine:
                 f"new tokens, block_size={self.block_size}) but the cache holds {self.num_blocks}: "
                 "lower max_new_tokens or give the engine more num_blocks"
             )
-        if params.prompt_logprobs is not None and not self.runner.supports_prompt_logprobs:
-            raise ValueError(
-                f"prompt_logprobs={params.prompt_logprobs} is not supported on a mesh yet (one device only)"
-            )
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={params.stop!r} needs text: this engine has no tokenizer")
         grammar = None
@@ -891,7 +887,7 @@ class Engine:
                     start = request.num_computed
                     count = min(n, len(request.prompt_ids) - 1 - start)
                     if count > 0:
-                        prompt.append((request, first_row, start, count))
+                        prompt.append((shard, request, first_row, start, count))
                 first_row += n
                 request.num_computed += _computed_tokens(n, k)
                 request.num_pending += k
@@ -958,9 +954,8 @@ class Engine:
 
     def _record_prompt_logprobs(self, chunks, arrays) -> None:
         """Keeps each chunk's prompt log-probabilities in its request's state (a recomputed
-        request writes the same positions again)."""
-        chosen, ids, top = arrays
-        for request, first_row, start, count in chunks:
+        request writes the same positions again); ``arrays`` have a leading data axis."""
+        for shard, request, first_row, start, count in chunks:
             if request.status is RequestStatus.FINISHED:
                 continue
             state = self._requests[request.request_id]
@@ -968,6 +963,7 @@ class Engine:
                 state.prompt_logprobs = [None] * len(request.prompt_ids)
             n = request.params.prompt_logprobs
             rows = slice(first_row, first_row + count)
+            chosen, ids, top = (a[shard] for a in arrays)
             values, alt_ids, alt_values = chosen[rows].tolist(), ids[rows, :n].tolist(), top[rows, :n].tolist()
             for j in range(count):
                 state.prompt_logprobs[start + j + 1] = (values[j], tuple(zip(alt_ids[j], alt_values[j], strict=True)))

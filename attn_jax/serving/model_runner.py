@@ -250,12 +250,6 @@ class ModelRunner:
         return jax.device_put(delta[0]) if self._sharded is None else self._sharded.put_per_shard(delta)
 
     @property
-    def supports_prompt_logprobs(self) -> bool:
-        """Whether calls may compute prompt log-probabilities (one device's step; the sharded
-        step gathers only the sampled tokens' log-probabilities)."""
-        return self._sharded is None
-
-    @property
     def supports_decode_advance(self) -> bool:
         """Whether a call may run several decode steps (the group's metadata advances)."""
         return self.attention_group.supports_decode_advance
@@ -433,10 +427,6 @@ class ModelRunner:
         if prompt:
             page_bucket = self.buckets.blocks_per_request_buckets[-1]
         buckets = (token_bucket, req_bucket, page_bucket)
-        if prompt and self._sharded is not None:
-            raise NotImplementedError(
-                "prompt_logprobs on a mesh: the sharded step gathers sampled log-probabilities only"
-            )
         inputs = [
             self._host_inputs(b, rows, buckets, step_query_lens, s, p, prompt)
             for b, s, p in zip(batches, steps, prefix_lens, strict=True)
@@ -670,9 +660,11 @@ class ModelRunner:
 
     @staticmethod
     def read_prompt_logprobs(prompt_logprobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A call's prompt log-probabilities on the host (one device's): f32[T] each token row's
-        next prompt token's, i32[T, L] the likeliest tokens, f32[T, L] theirs."""
-        return tuple(np.asarray(x) for x in prompt_logprobs)
+        """A call's prompt log-probabilities on the host, each with a leading data axis:
+        f32[data, T] each token row's next prompt token's, i32[data, T, L] the likeliest
+        tokens, f32[data, T, L] theirs."""
+        chosen, ids, top = (np.asarray(x) for x in prompt_logprobs)
+        return (chosen[None], ids[None], top[None]) if chosen.ndim == 1 else (chosen, ids, top)
 
     def _device_step(
         self, params, kv_caches, rows, packed, layout: PackedLayout, num_steps: int, sampled: bool,

@@ -185,7 +185,7 @@ def candidate_calls(engine) -> tuple[dict, int]:
                         priority = (False, prepared.sampled, not decode_only, common is not None)
                         calls.setdefault(prepared.key, (priority, prepared))
             # With prompt log-probabilities: every token row's logits (one step, sampled, the widest table).
-            if not decode_only and runner.supports_prompt_logprobs:
+            if not decode_only:
                 batch = _dummy_batch(lens, capacity, block_size, SamplingParams(temperature=0.0, prompt_logprobs=0))
                 batches = [batch] * runner.num_shards
                 rows = {id(r): ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, lens, strict=True)}
