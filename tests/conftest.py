@@ -41,6 +41,16 @@ if _OWN_SHARED:
 os.environ.setdefault("ATTN_STACK_GGUF_WEIGHTS_CACHE", os.path.join(os.environ[SHARED_ENV], "gguf-weights"))
 
 
+def pytest_configure(config):
+    """Each xdist worker gets its share of the cores for torch's (OpenMP) intra-op threads: two
+    workers of two threads on 2 cores spin in OpenMP's barriers while the other worker holds a
+    core (test_engine.py's greedy transformers reference: 3 s alone, 75 s beside one busy
+    process, 8 s there on one thread). Set by the session's controller before it starts the
+    workers, which and whose subprocesses inherit it; a value the caller set is kept."""
+    workers = getattr(config.option, "numprocesses", None) or 1  # None in a worker: the controller set it
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // workers)))
+
+
 def pytest_unconfigure(config):
     if not hasattr(config, "workerinput"):  # the session's controller made them
         if _OWN_CACHE:
