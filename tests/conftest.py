@@ -204,26 +204,32 @@ def _smollm2_weights_read_once():
         yield
 
 
-# The files whose runs take a minute or more on the 2-core CI machine, longest first (seconds
-# summed over their tests, 2026-11-28): collected first, and run in collection order (pyproject's
-# `--no-loadscope-reorder`: xdist would otherwise order files by their number of tests), so
-# `--dist loadfile` starts them first and the other worker fills in with short files instead
-# of one worker finishing a long one alone at the end.
+# The files whose runs take about a minute or more on the 2-core CI machine, longest first (seconds
+# summed over their tests at -n 2, 2026-11-28): collected first, and run in collection order
+# (pyproject's `--no-loadscope-reorder`: xdist would otherwise order files by their number of
+# tests), so `--dist loadfile` starts them first and the other worker fills in with short files
+# instead of one worker finishing a long one alone at the end. Two out of turn: test_sharding.py
+# starts the other worker (its subprocess needs nothing of test_engine.py's, whose first test
+# converts the session's transformers SmolLM2, which test_notebooks.py's pytorch_bridge would
+# otherwise wait for), and test_notebooks.py follows it, so the serving notebook finds the step
+# programs of test_engine.py's limits compiled instead of compiling them beside it.
 LONG_FILES = (
-    "tests/serving/test_engine.py",  # 151 s
-    "tests/test_notebooks.py",  # 112
-    "tests/server/test_serve_smollm2.py",  # 103
-    "tests/serving/test_warmup.py",  # 100
-    "tests/test_sharding.py",  # 93, one subprocess
-    "tests/serving/test_cli_generate.py",  # 88
-    "tests/models/test_deepseek.py",  # 68
-    "tests/ops/test_pallas_triton.py",  # 65
-    "tests/server/test_serve_load_tiny.py",  # 60
-    "tests/ops/test_pallas_mosaic_tpu.py",  # 55
-    "tests/models/test_hf_checkpoint.py",  # 54
-    "tests/test_benchmark_scripts.py",  # 53
-    "tests/server/test_serve_tiny.py",  # 53
-    "tests/test_distributed.py",  # 42
+    "tests/serving/test_engine.py",  # 168 s
+    "tests/test_sharding.py",  # 89, one subprocess
+    "tests/test_notebooks.py",  # 114
+    "tests/serving/test_warmup.py",  # 99
+    "tests/server/test_serve_smollm2.py",  # 90
+    "tests/ops/test_pallas_triton.py",  # 88
+    "tests/server/test_serve_load_tiny.py",  # 76
+    "tests/models/test_deepseek.py",  # 70
+    "tests/ops/test_pallas_mosaic_tpu.py",  # 66
+    "tests/test_benchmark_scripts.py",  # 63
+    "tests/server/test_serve_tiny.py",  # 59
+    "tests/models/test_hf_checkpoint.py",  # 58
+    "tests/ops/test_fp8_attention.py",  # about 55
+    "tests/serving/test_cli_generate.py",  # 46
+    "tests/serving/test_multistep_decode.py",  # about 45
+    "tests/test_distributed.py",  # 35
 )
 
 
