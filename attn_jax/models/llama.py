@@ -522,7 +522,7 @@ class LlamaModel:
 
         act = jax.nn.silu if c.hidden_act == "silu" else functools.partial(jax.nn.gelu, approximate=True)
 
-        def layer(h, w, norms, qk_norms, attn, cos_sin, cache):
+        def layer(h, w, norms, qk_norms, attn, cos_sin, cache, attn_metadata):
             x = norm(h, norms[0])
             qkv = jnp.einsum("th,hkgd->tkgd", x, w["wqkv"], precision=_HIGHEST)  # f[T, Hkv, G + 2, D]
             if c.qkv_bias:
@@ -550,13 +550,17 @@ class LlamaModel:
                 mlp = norm(mlp, norms[3])
             return h + mlp, cache
 
+        # Traced and lowered once for all the layers of a window (``attn``, static: one object per
+        # window), not once per layer; XLA inlines the calls, so the program is the same (SmolLM2 on
+        # a CPU: an engine's first two step programs 12.5 -> 8 s, from the compilation cache 5.2 -> 3.1 s).
+        layer = jax.jit(layer, static_argnums=4)
         h, new_caches = x, []
         layer_norms = jnp.asarray(params["layer_norms"])
         qk_norms = jnp.asarray(params["qk_norms"]) if c.qk_norm else [None] * c.num_layers
         for i, (w, cache) in enumerate(zip(params["layers"], kv_caches, strict=True)):
             window = self.layer_windows[i]
             cos_sin = rope if window is None else local_rope
-            h, cache = layer(h, w, layer_norms[i], qk_norms[i], self.layer_attns[i], cos_sin, cache)
+            h, cache = layer(h, w, layer_norms[i], qk_norms[i], self.layer_attns[i], cos_sin, cache, attn_metadata)
             new_caches.append(cache)
         h = norm(h[logits_rows], params["final_norm"])  # f[N, H]
         head = params.get("lm_head")
