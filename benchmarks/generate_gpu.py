@@ -7,7 +7,8 @@ then one measured run), tokens/s, the decode step's median time, host time per s
 the decode step's floor: the weights' bytes over the measured device copy bandwidth.
 With ``--peers`` (and torch + transformers importable) the same run also times
 transformers' ``generate`` on the same architecture, shapes and dtype: eager, and with
-its static cache and ``torch.compile`` (the same-run peer).
+its static cache and ``torch.compile`` (the same-run peer). With ``--logprobs N`` every
+request also asks for its tokens' top-N log-probabilities (their cost in a greedy batch).
 
     python benchmarks/generate_gpu.py --dtype bfloat16 --peers --write
     python benchmarks/generate_gpu.py --model llama3-8b-8l --batch 1 16
@@ -64,7 +65,7 @@ def run_engine(config, params, batch: int, args, backend, mesh=None, num_schedul
         num_scheduler_steps=num_scheduler_steps, enable_prefix_caching=not args.no_prefix_caching,
     )  # fmt: skip
     prompts = prompts_for(config, batch, args.prompt_len)
-    sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, logprobs=getattr(args, "logprobs", None))
     t = time.perf_counter()
     engine.generate(prompts, sp)
     warmup = time.perf_counter() - t
@@ -78,6 +79,7 @@ def run_engine(config, params, batch: int, args, backend, mesh=None, num_schedul
     tokens = sum(len(r.output_ids) for r in results)
     return {
         "batch": batch,
+        "logprobs": sp.logprobs,
         "backend": model.attn_backend.get_name(),
         "generated_tokens": tokens,
         "seconds": wall,
@@ -148,6 +150,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--peers", action="store_true", help="also time transformers (needs torch + transformers)")
+    parser.add_argument("--logprobs", type=int, default=None, metavar="N", help="every request asks for top-N logprobs")
     parser.add_argument("--peer-batch", type=int, nargs="+", default=None, help="batches for peers (default: --batch)")
     add_engine_args(parser, prompt_len=128, kv_cache_gib=4)
     add_output_args(parser, "generate_gpu.json")

@@ -60,7 +60,7 @@ from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
 from attn_jax.models.base import ServingModel
 from attn_jax.serving.cascade import CascadeConfig, common_prefix_len
 from attn_jax.serving.executable_cache import ExecutableCache
-from attn_jax.serving.sampling import PROMPT_SEEN, apply_guides, apply_penalties, prompt_logprobs, sample_tokens
+from attn_jax.serving.sampling import PROMPT_SEEN, apply_guides, apply_penalties, sample_tokens, token_logprobs
 from attn_jax.serving.scheduler import Request, ScheduledBatch, wants_prompt_logprobs
 from attn_jax.serving.step_inputs import PackedLayout, leaf_offsets, pack, repack, unpack
 from attn_jax.serving.structured_output import mask_words
@@ -73,9 +73,9 @@ class DispatchedCall:
     """A jitted call that has been enqueued; its tokens may not be computed yet."""
 
     tokens: jax.Array  # i32[K, R_max] (or [data, K, R_max]): each step's and request row's sampled token
-    # A sampled call's log-probabilities (``sampling.sample_tokens``), each with tokens' leading
-    # axes: (f32[.., K, R_max] the token's, i32[.., K, R_max, L] the likeliest tokens, f32[..] theirs);
-    # None for a greedy call.
+    # The tokens' log-probabilities (``sampling.token_logprobs``), each with tokens' leading axes:
+    # (f32[.., K, R_max] the token's, i32[.., K, R_max, L] the likeliest tokens, f32[..] theirs);
+    # None when no request of the call asks for them (every program computes them; only these are read).
     logprobs: tuple[jax.Array, jax.Array, jax.Array] | None
     num_steps: int  # K
     token_bucket: int  # the padded token count
@@ -120,9 +120,9 @@ class PreparedCall:
     num_steps: int  # K
     token_bucket: int
     cascade_prefix_len: int  # the largest shard's; 0: no cascade attention
-    # A row samples (temperature > 0), wants log-probabilities or has penalties: the program that sorts
-    # (``sampling.py``) and keeps the token counts. (Always sorting would halve the programs but costs
-    # 0.9-1.6 ms a call at 64-256 rows on an H100: ``benchmarks/sampling_cost.py``.)
+    # A row samples (temperature > 0) or has penalties: the program that sorts (``sampling.py``) and
+    # keeps the token counts. (Always sorting would halve the programs but costs 0.9-1.6 ms a call at
+    # 64-256 rows on an H100: ``benchmarks/sampling_cost.py``.) Log-probabilities do not need it.
     sampled: bool = False
     # A decode call the next one may continue, one ``DecodeBatch`` per data shard; None: other calls.
     decode: tuple[DecodeBatch, ...] | None = None
@@ -132,6 +132,8 @@ class PreparedCall:
     # row's next prompt token (``prompt_targets``, so the layout, and the key, differ) and the program
     # computes every token row's logits (always a sampled program).
     prompt_logprobs: bool = False
+    # A request asks for its tokens' log-probabilities: the call copies them to the host (not a key).
+    logprobs: bool = False
 
     @property
     def key(self) -> tuple:
@@ -436,11 +438,12 @@ class ModelRunner:
         sampled = (
             prompt
             or any(bool((x["sampling"]["temperature"] > 0).any()) for x in inputs)
-            or any(r.params.logprobs is not None or r.params.has_penalties for b in batches for r in b.requests)
+            or any(r.params.has_penalties for b in batches for r in b.requests)
         )
+        logprobs = any(r.params.logprobs is not None for b in batches for r in b.requests)
         return PreparedCall(
             packed, num_steps, token_bucket, max(prefix_lens), sampled, None if prompt else decode,
-            prompt_logprobs=prompt,
+            prompt_logprobs=prompt, logprobs=logprobs,
         )  # fmt: skip
 
     def _decode_batch(
@@ -560,6 +563,8 @@ class ModelRunner:
         prompt_logprobs = None
         if prepared.prompt_logprobs:
             logprobs, prompt_logprobs = logprobs[:3], logprobs[3:]
+        if not prepared.logprobs:
+            logprobs = None
         self._decode_chain = None if prepared.decode is None else (prepared, next_packed)
         self._last_tokens, self._token_counts, self._guide_masks = rows
         end = time.perf_counter()
@@ -653,7 +658,7 @@ class ModelRunner:
 
     @staticmethod
     def read_logprobs(logprobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A sampled call's log-probabilities on the host, each with a leading data axis:
+        """A call's log-probabilities on the host, each with a leading data axis:
         f32[data, K, R_max], i32[data, K, R_max, L], f32[data, K, R_max, L]."""
         chosen, ids, top = (np.asarray(x) for x in logprobs)
         return (chosen[None], ids[None], top[None]) if chosen.ndim == 2 else (chosen, ids, top)
@@ -682,9 +687,9 @@ class ModelRunner:
         a greedy call has no row with penalties and hands the counts back untouched
         (donated: no copy).
         Returns (i32[num_steps, R_max] sampled tokens, ``rows`` after the call, caches, i32[n]
-        packed inputs, the tokens' log-probabilities: ``sample_tokens``' three arrays with a
-        [num_steps, R_max] lead, or None when not ``sampled``; inputs with ``prompt_targets``
-        (one step, sampled) add ``prompt_logprobs``' three, per token row); the packed
+        packed inputs, the tokens' log-probabilities: ``token_logprobs``' three arrays with a
+        [num_steps, R_max] lead (greedy or sampled); inputs with ``prompt_targets``
+        (one step, sampled) add ``token_logprobs``' three of the prompt, per token row); the packed
         inputs are a one-step call's one token on, which the
         next call reuses when it is the same decode batch a token later (``continue_decode``);
         for other calls ``packed`` itself. ``page_delta`` i32[2, 2 * R_max]: (buffer index,
@@ -728,17 +733,17 @@ class ModelRunner:
             else:
                 every = jnp.arange(targets.shape[0], dtype=jnp.int32)
                 logits, kv_caches = self.model.step(params, kv_caches, token_ids, positions, md, every)
-                prompt_out = prompt_logprobs(logits, targets)
+                prompt_out = token_logprobs(logits, targets)
                 logits = logits[x["logits_rows"]]
+            raw = apply_guides(logits, guide_masks, s["guides"])  # what the log-probabilities are of
             if not sampled:
-                logits = apply_guides(logits, guide_masks, s["guides"])
-                return pad(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None, kv_caches, counts
-            presence, frequency, repetition = s["penalties"]
-            logits = apply_penalties(logits, counts, presence, frequency, repetition)
-            logits = apply_guides(logits, guide_masks, s["guides"])
-            out = sample_tokens(logits, s["temperature"], s["top_p"], s["top_k"], s["seeds"], counters)
-            counts = counts.at[jnp.arange(num_rows), out[0]].add(active.astype(jnp.int32))
-            return pad(out[0]), tuple(pad(a) for a in out[1:]), kv_caches, counts
+                tokens = jnp.argmax(raw, axis=-1).astype(jnp.int32)
+            else:
+                presence, frequency, repetition = s["penalties"]
+                logits = apply_penalties(raw, counts, presence, frequency, repetition)
+                tokens = sample_tokens(logits, s["temperature"], s["top_p"], s["top_k"], s["seeds"], counters)
+                counts = counts.at[jnp.arange(num_rows), tokens].add(active.astype(jnp.int32))
+            return pad(tokens), tuple(pad(a) for a in token_logprobs(raw, tokens)), kv_caches, counts
 
         def store(counts):
             """The device's counts with these rows' written back to their slots."""
@@ -761,7 +766,7 @@ class ModelRunner:
         tokens, logprobs, kv_caches, counts = forward(
             kv_caches, token_ids, x["positions"], md, s["counters"], counts, limits > 0, x.get("prompt_targets")
         )
-        first = None if logprobs is None else tuple(a[None] for a in logprobs)
+        first = tuple(a[None] for a in logprobs)
         if prompt_out is not None:
             first = (*first, *prompt_out)
         if num_steps == 1:
@@ -788,6 +793,5 @@ class ModelRunner:
         (kv_caches, last, counts), (later, later_logprobs) = jax.lax.scan(
             decode, (kv_caches, tokens, counts), jnp.arange(1, num_steps)
         )
-        if first is not None:
-            first = tuple(jnp.concatenate([a, b]) for a, b in zip(first, later_logprobs, strict=True))
+        first = tuple(jnp.concatenate([a, b]) for a, b in zip(first, later_logprobs, strict=True))
         return jnp.concatenate([tokens[None], later]), (last, store(counts), guide_masks), kv_caches, packed, first

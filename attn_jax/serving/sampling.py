@@ -14,20 +14,23 @@ for every row:
   the row's top-k / top-p set masked in sorted order (no filter: every token), and a
   categorical draw over it.
 
-The same program gives every row's log-probabilities (OpenAI's ``logprobs``; vLLM's
-default "raw" mode): the chosen token's and the ``MAX_LOGPROBS`` most likely tokens', from
-the model's logits before temperature and filters, out of the sort it already made (a
-greedy row's order is its logits'; a sampled row's tempered order is the same).
+Every step program, greedy or sampled, also gives each row's log-probabilities (OpenAI's
+``logprobs``; ``token_logprobs``): the chosen token's and the ``MAX_LOGPROBS`` most likely
+tokens', from the float32 log-softmax of the logits after the row's output grammar
+(``apply_guides``) and before its penalties, temperature and filters: vLLM v1's default
+"raw" mode (its model runner applies the grammar bitmask before the sampler). The top
+``MAX_LOGPROBS`` come from block maxima (``top_logprobs``), not from a sort, so a greedy
+batch that asks for them stays a greedy program (an argmax, no sort).
 
 Each row draws with its own key, ``fold_in(PRNGKey(seed), index)`` where ``index`` is the
 number of tokens the request has generated so far, so a seeded request gives the same
 tokens whatever else shares its batches.
 
 Penalties (``apply_penalties``; vLLM's and OpenAI's semantics) change a row's logits before
-all of the above, so a greedy row's argmax is the penalized logits' and its log-probabilities
-are the penalized logits' (before temperature and filters); a row without penalties gets its
-logits back bit for bit. They read each row's token counts, which the model runner keeps on
-the device (``ModelRunner``: one i32[V] row per request slot, updated inside the step).
+the draw (a greedy row's argmax is the penalized logits'; its log-probabilities stay the
+raw ones); a row without penalties gets its logits back bit for bit. They read each row's
+token counts, which the model runner keeps on the device (``ModelRunner``: one i32[V] row
+per request slot, updated inside the step).
 """
 
 from __future__ import annotations
@@ -69,20 +72,17 @@ def apply_penalties(logits, counts, presence, frequency, repetition):
 
 
 def sample_tokens(logits, temperature, top_p, top_k, seeds, counters):
-    """Next token per row and its log-probabilities (traceable; one program whatever the
-    values).
+    """Next token per row (traceable; one program whatever the values).
 
     Args:
-      logits: f32[N, V] (after ``apply_penalties`` for rows with penalties: the
-        log-probabilities are then the penalized logits').
+      logits: f32[N, V] (after ``apply_penalties`` and ``apply_guides``).
       temperature: f32[N]; 0 = greedy (argmax) for that row.
       top_p: f32[N] in (0, 1]; keeps the smallest set of most likely tokens whose
         probability reaches top_p (Hugging Face's rule: the most likely token always stays).
       top_k: i32[N]; 0 = off, else keeps the k most likely tokens.
       seeds: u32[N]; counters: i32[N] (tokens generated so far).
 
-    Returns (i32[N] tokens, f32[N] each token's log-probability, i32[N, L] the L =
-    min(``MAX_LOGPROBS``, V) most likely tokens, f32[N, L] their log-probabilities).
+    Returns i32[N] tokens.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = temperature > 0
@@ -98,12 +98,7 @@ def sample_tokens(logits, temperature, top_p, top_k, seeds, counters):
     keys = jax.vmap(lambda seed, counter: jax.random.fold_in(jax.random.PRNGKey(seed), counter))(seeds, counters)
     choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, values, -jnp.inf))
     drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-    tokens = jnp.where(sampled, drawn, greedy)
-    log_z = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    top_ids = order[:, : min(MAX_LOGPROBS, logits.shape[-1])]
-    top_logprobs = jnp.take_along_axis(logits, top_ids, axis=-1) - log_z
-    logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_z[:, 0]
-    return tokens, logprobs, top_ids, top_logprobs
+    return jnp.where(sampled, drawn, greedy)
 
 
 def top_logprobs(logprobs, block: int = 128):
@@ -124,21 +119,22 @@ def top_logprobs(logprobs, block: int = 128):
     return ids.astype(jnp.int32), values
 
 
-def prompt_logprobs(logits, targets):
-    """Each row's log-probability of ``targets`` and of its ``MAX_LOGPROBS`` most likely
-    tokens, from the float32 log-softmax of ``logits`` (no penalties, no temperature: vLLM's
-    prompt logprobs). Traceable.
+def token_logprobs(logits, tokens):
+    """Each row's log-probability of ``tokens`` and of its ``MAX_LOGPROBS`` most likely
+    tokens, from the float32 log-softmax of ``logits`` (traceable). A step's sampled tokens
+    (the raw logits: see the module docstring) and a prefill's prompt tokens (vLLM's prompt
+    logprobs: each token row's next prompt token) both go through it.
 
     Args:
-      logits: f[T, V], the model's at every token row of a prefill.
-      targets: i32[T], each row's next prompt token (the one whose log-probability is wanted).
+      logits: f[T, V].
+      tokens: i32[T], the token whose log-probability each row wants.
 
-    Returns (f32[T] the targets' log-probabilities, i32[T, L] the L = min(``MAX_LOGPROBS``, V)
+    Returns (f32[T] the tokens' log-probabilities, i32[T, L] the L = min(``MAX_LOGPROBS``, V)
     most likely tokens, most likely first, f32[T, L] their log-probabilities).
     """
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     ids, top = top_logprobs(logprobs)
-    chosen = jnp.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return chosen, ids, top
 
 

@@ -53,7 +53,7 @@ def _finished(engine):
 def test_logprobs_equal_transformers_log_softmax(engine, hf_smollm2):
     """Each token's log-probability and its 5 likeliest alternatives, greedy and sampled (raw:
     before temperature), equal transformers' float32 log-softmax over the same tokens to 2e-3;
-    asking for them changes no token and compiles nothing beyond the sampled program."""
+    asking for them changes no token."""
     import torch
 
     model, _ = hf_smollm2

@@ -101,3 +101,23 @@ def test_a_repetition_penalty_takes_no_prefix_cache_hits(reference):
     assert reference.prefix_cache_stats.hits == hits  # the prompt recomputed, so its tokens are counted
     _greedy(reference, prompt, presence_penalty=1.0)
     assert reference.prefix_cache_stats.hits > hits  # presence counts the output only: the prompt may come cached
+
+
+def test_logprobs_are_the_raw_distribution_and_keep_greedy_calls_greedy():
+    """Log-probabilities are vLLM's raw ones, before penalties: a penalized request's first
+    token's top alternatives equal a plain request's (the same context) though its token
+    differs; and a greedy request that asks for them runs the greedy program (no sort)."""
+    engine = _engine()
+    asked, prompt = dict(max_new_tokens=4, ignore_eos=True, logprobs=5), list(range(60, 90))
+    plain, penalized = (
+        engine.generate([prompt], SamplingParams(**asked, **penalties))[0]
+        for penalties in ({}, dict(repetition_penalty=3.0))
+    )
+    assert plain.output_ids[0] in prompt and penalized.output_ids[0] not in prompt
+    (plain_lp, plain_top), (penalized_lp, penalized_top) = plain.logprobs[0], penalized.logprobs[0]
+    assert [i for i, _ in plain_top] == [i for i, _ in penalized_top]
+    assert [v for _, v in plain_top] == pytest.approx([v for _, v in penalized_top], abs=1e-6)
+    assert plain_lp == pytest.approx(plain_top[0][1], abs=1e-6) and penalized_lp < plain_lp
+    greedy_only = _engine()
+    greedy_only.generate([REPEATS, PROMPTS[1]], SamplingParams(**asked))
+    assert greedy_only.runner.dispatched_keys and not any(sampled for *_, sampled in greedy_only.runner.dispatched_keys)

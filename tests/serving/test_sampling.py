@@ -34,7 +34,7 @@ def test_draws_stay_in_the_oracles_kept_set_with_its_probabilities(vocab):
     t, p, k = (np.array([r[i] for r in rows], dt) for i, dt in enumerate((np.float32, np.float32, np.int32)))
     step = jax.jit(jax.vmap(sample_tokens, in_axes=(None, None, None, None, None, 0)))
     counters = jnp.arange(draws, dtype=jnp.int32)[:, None].repeat(n, 1)
-    tokens = np.asarray(step(logits, t, p, k, np.arange(n, dtype=np.uint32), counters)[0])  # i32[draws, n]
+    tokens = np.asarray(step(logits, t, p, k, np.arange(n, dtype=np.uint32), counters))  # i32[draws, n]
     for row, (temperature, top_p, top_k) in enumerate(rows):
         kept, probs = _kept(logits[row], temperature, top_p, top_k)
         assert kept[tokens[:, row]].all(), row

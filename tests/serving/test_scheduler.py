@@ -178,7 +178,7 @@ def _sample(logits, temperature, top_p=1.0, top_k=0, seed=0, counter=0):
     return np.asarray(
         jax.jit(sample_tokens)(
             jnp.asarray(logits, jnp.float32), t, p, k, jnp.full(n, seed, jnp.uint32), jnp.full(n, counter, jnp.int32)
-        )[0]
+        )
     )
 
 
@@ -197,7 +197,7 @@ def test_one_sampling_program_serves_every_mix_of_values():
     for temps, top_p, top_k in mixes:
         picked = np.asarray(
             step(logits, np.float32(temps), np.float32(top_p), np.int32(top_k), np.arange(6, dtype=np.uint32),
-                 np.zeros(6, np.int32))[0]
+                 np.zeros(6, np.int32))
         )  # fmt: skip
         for row, (t, p, k) in enumerate(zip(temps, top_p, top_k, strict=True)):
             rank = int(np.flatnonzero(order[row] == picked[row])[0])
