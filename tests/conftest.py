@@ -101,12 +101,26 @@ def _gguf_parsed_once():
     while transformers converts the embedded GGUF: its tokenizer, configuration and weights
     each parse the file again, and its weight-name mapping builds the same name map once per
     module (397 times). The session's conversion: 46 -> 30 s on the CI machine, the same
-    tensors and vocabulary."""
+    tensors and vocabulary. The embedded file's reader is attn_jax's own (``gguf_loader``
+    keeps its one parse for the process): the worker whose engine read the file first does not
+    parse it again for transformers (about 4 s)."""
     import gguf
 
+    from attn_jax.models import gguf_loader
+    from attn_jax.models.smollm2 import gguf_path
+
+    embedded = gguf_path().resolve()
+    shared = gguf_loader._reader(embedded)  # parsed here (by the real class) unless this process already did
+    memoised = _memoised(gguf.GGUFReader)
+
+    def reader(path, *args, **kwargs):
+        if not args and not kwargs and pathlib.Path(path).resolve() == embedded:
+            return shared
+        return memoised(path, *args, **kwargs)
+
     with pytest.MonkeyPatch.context() as patch:
-        for name in ("GGUFReader", "get_tensor_name_map"):
-            patch.setattr(gguf, name, _memoised(getattr(gguf, name)))
+        patch.setattr(gguf, "GGUFReader", reader)
+        patch.setattr(gguf, "get_tensor_name_map", _memoised(gguf.get_tensor_name_map))
         yield
 
 
