@@ -204,6 +204,31 @@ def smollm2_layout() -> dict:
     }
 
 
+def per_shard_uploads() -> dict:
+    """``ShardedStep.put_per_shard`` on a data 2 x model 2 mesh: each data shard's row, given
+    as a list of rows or as their stack, lands on that shard's devices (both model devices of
+    a row hold it), and a row count other than the data axis's is refused."""
+    from attn_jax.sharding import ShardedStep
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=8)  # fmt: skip
+    mesh = make_mesh(4, model_parallel=2)
+    step = ShardedStep(LlamaModel(config, **local_model_kwargs(config, mesh)), mesh)
+    rows = [np.arange(6, dtype=np.int32).reshape(2, 3) + 10 * i for i in range(2)]
+    out = {}
+    for name, x in (("list", rows), ("array", np.stack(rows))):
+        placed = step.put_per_shard(x)
+        out[name] = bool((np.asarray(placed) == np.stack(rows)).all()) and all(
+            (np.asarray(s.data) == rows[s.index[0].start or 0][None]).all() for s in placed.addressable_shards
+        ) and len(placed.addressable_shards) == 4 and placed.sharding.spec[0] == "data"  # fmt: skip
+    try:
+        step.put_per_shard(rows[:1])
+        out["refused"] = False
+    except ValueError:
+        out["refused"] = True
+    return out
+
+
 def main() -> None:
     handler = Collect()
     logging.getLogger("attn_jax").addHandler(handler)
@@ -213,6 +238,7 @@ def main() -> None:
         "replicated": replicated_kv_heads(),
         "four": meshes_of_four(),
         "smollm2": smollm2_layout(),
+        "uploads": per_shard_uploads(),
     }
     result["warnings"] = handler.messages
     print("RESULT " + json.dumps(result))

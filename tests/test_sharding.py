@@ -129,6 +129,12 @@ def test_replicated_kv_heads_are_logged(sharded):
     )
 
 
+def test_per_shard_inputs_reach_their_own_shards(sharded):
+    """The packed inputs and page deltas go up as each data shard's row straight to its
+    devices (no stacked ``device_put``, issue 48): list and stacked forms alike."""
+    assert sharded["uploads"] == {"list": True, "array": True, "refused": True}
+
+
 def test_bad_device_counts():
     n = len(jax.devices())
     with pytest.raises(ValueError, match=rf"devices=0 must be a positive integer \(this host has {n}\)"):
