@@ -921,7 +921,7 @@ class Engine:
             return []
         call = step.call
         waited = call.ready_at is None and not call.tokens.is_ready()  # so its end is seen exactly
-        tokens = self.runner.read_tokens(call.tokens)
+        tokens = self.runner.read_tokens(call.tokens).tolist()  # [data][K][R_max]: indexed per token below
         now = time.perf_counter()
         end = now if call.ready_at is None else call.ready_at
         begin = min(max(step.step_start, self._last_end), end)
@@ -933,7 +933,11 @@ class Engine:
         self.stats.replace(step.stats_index, stats)
         self.totals = self.totals.add(stats)
         events = []
-        logprobs = None if call.logprobs is None else self.runner.read_logprobs(call.logprobs)
+        logprobs = None
+        if call.logprobs is not None:  # Python lists once a call (indexing NumPy per token costs more)
+            n = max((r.params.logprobs or 0 for _, _, _, r in step.sampled), default=0)
+            chosen, ids, top = self.runner.read_logprobs(call.logprobs)
+            logprobs = chosen.tolist(), ids[..., :n].tolist(), top[..., :n].tolist()
         if step.prompt:
             self._record_prompt_logprobs(step.prompt, self.runner.read_prompt_logprobs(call.prompt_logprobs))
         for shard, k, row, request in step.sampled:
@@ -943,11 +947,11 @@ class Engine:
             state = self._requests[request.request_id]
             scores = None
             if logprobs is not None and request.params.logprobs is not None:
-                chosen, ids, top = (a[shard, k, row] for a in logprobs)
-                n = request.params.logprobs
-                scores = (float(chosen), tuple(zip(ids[:n].tolist(), top[:n].tolist(), strict=True)))
+                n, (chosen, ids, top) = request.params.logprobs, logprobs
+                alternatives = zip(ids[shard][k][row][:n], top[shard][k][row][:n], strict=True)
+                scores = (chosen[shard][k][row], tuple(alternatives))
             try:
-                events.append(self._append_token(state, int(tokens[shard, k, row]), now, scores))
+                events.append(self._append_token(state, tokens[shard][k][row], now, scores))
             except Exception as e:  # e.g. the tokenizer fails on this request alone
                 events.append(self._fail(state, e))
         return events
