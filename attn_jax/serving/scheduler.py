@@ -341,7 +341,7 @@ class Scheduler:
         num_new: list[int] = []
         preempted: list[Request] = []
         for request in list(self.running):
-            if request not in self.running:  # preempted by an older request this step
+            if request.status is not RequestStatus.RUNNING:  # preempted by an older request this step
                 continue
             n = min(request.num_tokens - request.num_computed, budget)
             if n <= 0 or request.num_generated >= request.params.max_new_tokens:
@@ -426,12 +426,13 @@ class Scheduler:
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:
         """Marks ``request`` (running or waiting) finished and frees its pages (its full
         computed blocks stay in the prefix cache, evictable)."""
+        running = request.status is RequestStatus.RUNNING  # a running request is in self.running
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.error = error
         self._release_slots(request)
         self.kv_cache_manager.free(request)
-        if request in self.running:
+        if running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
