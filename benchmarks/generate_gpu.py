@@ -54,7 +54,9 @@ def prompts_for(config, batch: int, prompt_len: int) -> list[list[int]]:
     return [rng.integers(3, config.vocab_size, prompt_len).tolist() for _ in range(batch)]
 
 
-def run_engine(config, params, batch: int, args, backend, mesh=None, num_scheduler_steps: int = 1) -> dict:
+def run_engine(
+    config, params, batch: int, args, backend, mesh=None, num_scheduler_steps: int = 1, logprobs: int | None = None
+) -> dict:
     """The engine's tokens/s on ``prompts_for(config, batch)`` (``mesh``: sharded), with
     ``num_scheduler_steps`` decode steps per call."""
     local = {} if mesh is None else local_model_kwargs(config, mesh)
@@ -65,7 +67,7 @@ def run_engine(config, params, batch: int, args, backend, mesh=None, num_schedul
         num_scheduler_steps=num_scheduler_steps, enable_prefix_caching=not args.no_prefix_caching,
     )  # fmt: skip
     prompts = prompts_for(config, batch, args.prompt_len)
-    sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, logprobs=getattr(args, "logprobs", None))
+    sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, logprobs=logprobs)
     t = time.perf_counter()
     engine.generate(prompts, sp)
     warmup = time.perf_counter() - t
@@ -167,7 +169,7 @@ def main() -> None:
         floor_ms = 1e3 * weight_bytes(params) / bandwidth
         runs = []
         for batch, k in itertools.product(args.batch, args.num_scheduler_steps):
-            r = run_engine(config, params, batch, args, backend, num_scheduler_steps=k)
+            r = run_engine(config, params, batch, args, backend, num_scheduler_steps=k, logprobs=args.logprobs)
             runs.append(r)
             print(
                 f"{name} batch {batch:3d} [{r['backend']}, {k} steps/call]: {r['tokens_per_s']:9.1f} tokens/s "
