@@ -129,7 +129,8 @@ def device_only_step_ms(engine, steps: int) -> dict[str, float]:
 
     jit_step, (params, caches, last, *rest) = record_step_call(engine, functools.partial(_step_and_sync, engine))
     runner = engine.runner
-    caches, last = engine.kv_caches, (runner._last_tokens, runner._token_counts)  # the recorded ones were donated
+    # The recorded caches and rows' state were donated: the engine's current ones.
+    caches, last = engine.kv_caches, (runner._last_tokens, runner._token_counts, runner._guide_masks)
     out = {}
     for variant in ("chained_tokens", "copy_to_host_async", "read_previous"):
         tokens, last, caches = jit_step(params, caches, last, *rest)[:3]  # then the step's other outputs
@@ -145,7 +146,7 @@ def device_only_step_ms(engine, steps: int) -> dict[str, float]:
             previous = tokens
         jax.block_until_ready(tokens)
         out[variant] = 1e3 * (time.perf_counter() - t) / (steps * engine.num_scheduler_steps)  # per decode step
-    runner._last_tokens, runner._token_counts = last
+    runner._last_tokens, runner._token_counts, runner._guide_masks = last
     engine.kv_caches = caches
     return out
 
