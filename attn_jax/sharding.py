@@ -259,7 +259,7 @@ class ShardedStep:
         spec[self.page_axis] = DATA
         spec[self.head_axis] = MODEL if attn else None
         self.cache_spec = P(*spec)
-        self._rows = NamedSharding(mesh, P(DATA))  # per-shard inputs: a leading "data" axis
+        self._rows = NamedSharding(mesh, P(DATA))  # per-shard arrays: a leading "data" axis
 
     def param_specs(self, params) -> dict:
         specs = {k: P() for k in params if k != "layers"}
@@ -286,8 +286,7 @@ class ShardedStep:
     def zeros_per_shard(self, *shape: int) -> jax.Array:
         """i32[data, *shape] zeros, a slice per data shard (the engine's last sampled tokens and
         token counts: each data shard holds and reads its own)."""
-        rows = NamedSharding(self.mesh, P(DATA))
-        return jax.jit(lambda: jax.numpy.zeros((self.data_size, *shape), jax.numpy.int32), out_shardings=rows)()
+        return jax.jit(lambda: jnp.zeros((self.data_size, *shape), jnp.int32), out_shardings=self._rows)()
 
     def jit(self, device_step):
         """``device_step(params, caches, rows, packed, layout, num_steps, sampled, page_delta)``
