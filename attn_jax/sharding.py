@@ -199,20 +199,6 @@ def local_model_kwargs(config, mesh: Mesh, warn: bool = True) -> dict:
     )
 
 
-def _all_gather_packed(arrays) -> list[jax.Array]:
-    """``arrays`` (32-bit, one leading shape, any trailing axes) gathered over the data axis
-    by one all-gather: bitcast to int32, concatenated on a last axis, gathered, split back."""
-    lead = arrays[0].shape
-    flat = [jax.lax.bitcast_convert_type(a, jnp.int32).reshape(*lead, -1) for a in arrays]
-    gathered = jax.lax.all_gather(jnp.concatenate(flat, axis=-1), DATA)
-    out, at = [], 0
-    for a, f in zip(arrays, flat, strict=True):
-        part = gathered[..., at : at + f.shape[-1]].reshape(gathered.shape[0], *a.shape)
-        out.append(jax.lax.bitcast_convert_type(part, a.dtype))
-        at += f.shape[-1]
-    return out
-
-
 class ShardedStep:
     """Runs an engine's device step under ``shard_map`` on ``mesh``.
 
@@ -293,29 +279,29 @@ class ShardedStep:
         (one shard's arrays; ``rows`` a pytree of per-row state, each leaf with a leading data
         axis here, as ``packed`` and ``page_delta`` have; layout, num_steps and sampled
         static; it returns sampled tokens, the rows' state, caches, the next call's inputs
-        and the tokens' log-probabilities) jitted over the mesh, caches and rows'
+        and the tokens' scores, ``sampling.pack_scores``) jitted over the mesh, caches and rows'
         state donated. The next call's inputs stay on their shards (i32[data, n]): a decode
         call continued from them uploads only its page delta, as on one device.
 
         The only collective beside the model's own (one ``psum`` per split attention and
-        MLP, one all-gather of a split LM head's logits) gathers the data shards' sampled
-        tokens (and their log-probabilities, a prefill's prompt ones included), once per call:
+        MLP, one all-gather of a split LM head's logits) gathers the data shards' scores (the
+        sampled tokens with their log-probabilities), once per call (a prefill's prompt scores,
+        when a request asks for them, a second):
         the result is replicated, so every process of a multi-process run reads all of them.
         The rows' state stays on its shard (split over "data")."""
         mesh, cache_spec = self.mesh, self.cache_spec
 
         def step(params, caches, rows, packed, layout, num_steps, sampled, page_delta):
             def body(params, caches, rows, packed, page_delta):
-                tokens, rows, caches, next_packed, logprobs = device_step(
+                _, rows, caches, next_packed, scores = device_step(
                     params, caches, jax.tree.map(lambda a: a[0], rows), packed[0], layout, num_steps, sampled,
                     page_delta[0],
                 )  # fmt: skip
-                prompt = logprobs[3:]  # a prefill's prompt log-probabilities, per token row: none or three
-                tokens, *logprobs = _all_gather_packed((tokens, *logprobs[:3]))
-                if prompt:
-                    logprobs += _all_gather_packed(prompt)
+                # The tokens travel in their scores (``pack_scores``' column 0): one all-gather; a
+                # prefill's prompt scores, when asked, a second.
+                scores = tuple(jax.lax.all_gather(a, DATA) for a in scores)
                 rows = jax.tree.map(lambda a: a[None], rows)
-                return tokens, rows, caches, next_packed[None], tuple(logprobs)
+                return scores[0][..., 0], rows, caches, next_packed[None], scores
 
             fn = jax.shard_map(
                 body,

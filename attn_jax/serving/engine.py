@@ -36,10 +36,11 @@ its last; tokens after EOS are dropped; tokens reach the caller K at a time.
 
 Structured outputs (``SamplingParams.json_schema``, ``serving/structured_output.py``): a
 guided request's next-token mask depends on its last token, so it takes one step of a
-call (the unguided requests beside it keep their multi-step calls), and a call is
-dispatched only once the guided requests' last tokens have been read back, their grammars
-advanced and their mask rows written on the device: while guided requests run, the
-pipeline is synchronous (the host schedules while the device waits), once per call.
+call (the unguided requests beside it keep their multi-step calls) and sits out the call
+dispatched while that token is pending (nobody waits for it: the pipeline stays
+asynchronous); it joins the one after, once its token has been read back, its grammar
+advanced and its mask row written on the device. So a guided request gets a token every
+other call; alone, its calls run synchronously.
 
 Long-running: a request leaves every engine structure once its final event has been
 returned (``completion(id)`` and ``get_request(id)`` then read a bounded record of the
@@ -849,10 +850,6 @@ class Engine:
         start = time.perf_counter()
         events = [self._report_abort(state) for state in self._aborted]
         self._aborted.clear()
-        flight = self._in_flight
-        if flight is not None and any(r.guide_slot >= 0 for _, _, _, r in flight.sampled):
-            events += self._resolve(flight)  # a guided request's next mask needs its last token
-            self._in_flight = None
         scheduled = self._schedule(events)
         if scheduled is None:
             events += self._resolve(self._in_flight)
@@ -883,7 +880,7 @@ class Engine:
         for shard, (batch, counts) in enumerate(zip(batches, steps, strict=True)):
             first_row = 0
             for row, (request, n, k) in enumerate(zip(batch.requests, batch.num_new, counts, strict=True)):
-                if call.prompt_logprobs is not None and request.params.prompt_logprobs is not None:
+                if call.prompt_scores is not None and request.params.prompt_logprobs is not None:
                     start = request.num_computed
                     count = min(n, len(request.prompt_ids) - 1 - start)
                     if count > 0:
@@ -921,7 +918,13 @@ class Engine:
             return []
         call = step.call
         waited = call.ready_at is None and not call.tokens.is_ready()  # so its end is seen exactly
-        tokens = self.runner.read_tokens(call.tokens).tolist()  # [data][K][R_max]: indexed per token below
+        logprobs = None
+        if call.scores is None:
+            tokens = self.runner.read_tokens(call.tokens).tolist()  # [data][K][R_max]: indexed per token below
+        else:  # Python lists once a call (indexing NumPy per token costs more)
+            n = max((r.params.logprobs or 0 for _, _, _, r in step.sampled), default=0)
+            tokens, chosen, ids, top = self.runner.read_scores(call.scores, 2)
+            tokens, logprobs = tokens.tolist(), (chosen.tolist(), ids[..., :n].tolist(), top[..., :n].tolist())
         now = time.perf_counter()
         end = now if call.ready_at is None else call.ready_at
         begin = min(max(step.step_start, self._last_end), end)
@@ -933,13 +936,8 @@ class Engine:
         self.stats.replace(step.stats_index, stats)
         self.totals = self.totals.add(stats)
         events = []
-        logprobs = None
-        if call.logprobs is not None:  # Python lists once a call (indexing NumPy per token costs more)
-            n = max((r.params.logprobs or 0 for _, _, _, r in step.sampled), default=0)
-            chosen, ids, top = self.runner.read_logprobs(call.logprobs)
-            logprobs = chosen.tolist(), ids[..., :n].tolist(), top[..., :n].tolist()
         if step.prompt:
-            self._record_prompt_logprobs(step.prompt, self.runner.read_prompt_logprobs(call.prompt_logprobs))
+            self._record_prompt_logprobs(step.prompt, self.runner.read_scores(call.prompt_scores, 1)[1:])
         for shard, k, row, request in step.sampled:
             if request.status is RequestStatus.FINISHED:
                 continue  # stopped (EOS), aborted or failed after this call was dispatched

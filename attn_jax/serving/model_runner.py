@@ -60,7 +60,9 @@ from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
 from attn_jax.models.base import ServingModel
 from attn_jax.serving.cascade import CascadeConfig, common_prefix_len
 from attn_jax.serving.executable_cache import ExecutableCache
-from attn_jax.serving.sampling import PROMPT_SEEN, apply_guides, apply_penalties, sample_tokens, token_logprobs
+from attn_jax.serving.sampling import (
+    PROMPT_SEEN, apply_guides, apply_penalties, pack_scores, sample_tokens, token_logprobs, unpack_scores,
+)
 from attn_jax.serving.scheduler import Request, ScheduledBatch, wants_prompt_logprobs
 from attn_jax.serving.step_inputs import PackedLayout, leaf_offsets, pack, repack, unpack
 from attn_jax.serving.structured_output import mask_words
@@ -73,10 +75,9 @@ class DispatchedCall:
     """A jitted call that has been enqueued; its tokens may not be computed yet."""
 
     tokens: jax.Array  # i32[K, R_max] (or [data, K, R_max]): each step's and request row's sampled token
-    # The tokens' log-probabilities (``sampling.token_logprobs``), each with tokens' leading axes:
-    # (f32[.., K, R_max] the token's, i32[.., K, R_max, L] the likeliest tokens, f32[..] theirs);
-    # None when no request of the call asks for them (every program computes them; only these are read).
-    logprobs: tuple[jax.Array, jax.Array, jax.Array] | None
+    # The tokens with their log-probabilities, ``sampling.pack_scores``' i32[.., K, R_max, 2 + 2L]; None
+    # when no request of the call asks for them (every program computes them; only these are copied).
+    scores: jax.Array | None
     num_steps: int  # K
     token_bucket: int  # the padded token count
     compiled: bool  # the call traced and compiled a new bucket
@@ -85,9 +86,9 @@ class DispatchedCall:
     ready_at: float | None  # dispatch_end if the tokens were computed by then (a runtime that ran it
     # inside the call), else None: known when they are read back
     cascade_prefix_len: int = 0  # tokens cascade attention read once for the batch (the largest shard's); 0: off
-    # A call with prompt log-probabilities (``PreparedCall.prompt_logprobs``): per token row, (f32[T] the
-    # next prompt token's log-probability, i32[T, L] the likeliest tokens, f32[T, L] theirs); else None.
-    prompt_logprobs: tuple[jax.Array, jax.Array, jax.Array] | None = None
+    # A call with prompt log-probabilities (``PreparedCall.prompt_logprobs``): ``pack_scores`` of each
+    # token row's next prompt token, i32[.., T, 2 + 2L]; else None.
+    prompt_scores: jax.Array | None = None
 
 
 NO_INDEX = np.iinfo(np.int32).max
@@ -562,23 +563,22 @@ class ModelRunner:
         start = time.perf_counter()
         loaded = self._loaded.get(prepared.key) if self._loaded else None
         outputs = self._jit_step(*args) if loaded is None else loaded(*_dynamic(args))
-        tokens, rows, self.kv_caches, next_packed, logprobs = outputs
-        prompt_logprobs = None
-        if prepared.prompt_logprobs:
-            logprobs, prompt_logprobs = logprobs[:3], logprobs[3:]
+        tokens, rows, self.kv_caches, next_packed, (scores, *prompt) = outputs
+        prompt_scores = prompt[0] if prompt else None
         if not prepared.logprobs:
-            logprobs = None
+            scores = None
         self._decode_chain = None if prepared.decode is None else (prepared, next_packed)
         self._last_tokens, self._token_counts, self._guide_masks = rows
         end = time.perf_counter()
         self.dispatched_keys.add(prepared.key)
         ready = end if tokens.is_ready() else None
-        for x in (tokens, *(logprobs or ()), *(prompt_logprobs or ())):
-            x.copy_to_host_async()
+        for x in (tokens if scores is None else scores, prompt_scores):  # scores hold the tokens too
+            if x is not None:
+                x.copy_to_host_async()
         return DispatchedCall(
-            tokens, logprobs, prepared.num_steps, prepared.token_bucket, self.num_compilations > compilations, start,
+            tokens, scores, prepared.num_steps, prepared.token_bucket, self.num_compilations > compilations, start,
             end, ready,
-            prepared.cascade_prefix_len, prompt_logprobs,
+            prepared.cascade_prefix_len, prompt_scores,
         )  # fmt: skip
 
     def execute(
@@ -660,19 +660,14 @@ class ModelRunner:
         return out[None] if out.ndim == 2 else out
 
     @staticmethod
-    def read_logprobs(logprobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A call's log-probabilities on the host, each with a leading data axis:
-        f32[data, K, R_max], i32[data, K, R_max, L], f32[data, K, R_max, L]."""
-        chosen, ids, top = (np.asarray(x) for x in logprobs)
-        return (chosen[None], ids[None], top[None]) if chosen.ndim == 2 else (chosen, ids, top)
-
-    @staticmethod
-    def read_prompt_logprobs(prompt_logprobs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A call's prompt log-probabilities on the host, each with a leading data axis:
-        f32[data, T] each token row's next prompt token's, i32[data, T, L] the likeliest
-        tokens, f32[data, T, L] theirs."""
-        chosen, ids, top = (np.asarray(x) for x in prompt_logprobs)
-        return (chosen[None], ids[None], top[None]) if chosen.ndim == 1 else (chosen, ids, top)
+    def read_scores(scores: jax.Array, ndim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """A call's ``DispatchedCall.scores`` (``ndim`` 2, each step's and row's) or
+        ``prompt_scores`` (``ndim`` 1, each token row's) on the host (waits for the call), as
+        ``unpack_scores``' four arrays, each with a leading data axis: i32[data, ...] the
+        tokens, f32[data, ...] their log-probabilities, i32[data, ..., L] the likeliest tokens,
+        f32[data, ..., L] theirs."""
+        out = np.asarray(scores)
+        return unpack_scores(out[None] if out.ndim == ndim + 1 else out)
 
     def _device_step(
         self, params, kv_caches, rows, packed, layout: PackedLayout, num_steps: int, sampled: bool,
@@ -690,10 +685,10 @@ class ModelRunner:
         a greedy call has no row with penalties and hands the counts back untouched
         (donated: no copy).
         Returns (i32[num_steps, R_max] sampled tokens, ``rows`` after the call, caches, i32[n]
-        packed inputs, the tokens' log-probabilities: ``token_logprobs``' three arrays with a
-        [num_steps, R_max] lead (greedy or sampled); inputs with ``prompt_targets``
-        (one step, sampled) add ``token_logprobs``' three of the prompt, per token row); the packed
-        inputs are a one-step call's one token on, which the
+        packed inputs, scores: a tuple of the tokens with their log-probabilities,
+        ``pack_scores``' i32[num_steps, R_max, 2 + 2L] (greedy or sampled), and with
+        ``prompt_targets`` (one step, sampled) the prompt's, i32[T, 2 + 2L] per token row); the
+        packed inputs are a one-step call's one token on, which the
         next call reuses when it is the same decode batch a token later (``continue_decode``);
         for other calls ``packed`` itself. ``page_delta`` i32[2, 2 * R_max]: (buffer index,
         value) pairs written into ``packed`` first, the pages a continued call's requests
@@ -736,7 +731,7 @@ class ModelRunner:
             else:
                 every = jnp.arange(targets.shape[0], dtype=jnp.int32)
                 logits, kv_caches = self.model.step(params, kv_caches, token_ids, positions, md, every)
-                prompt_out = token_logprobs(logits, targets)
+                prompt_out = pack_scores(targets, *token_logprobs(logits, targets))
                 logits = logits[x["logits_rows"]]
             raw = apply_guides(logits, guide_masks, s["guides"])  # what the log-probabilities are of
             if not sampled:
@@ -746,7 +741,7 @@ class ModelRunner:
                 logits = apply_penalties(raw, counts, presence, frequency, repetition)
                 tokens = sample_tokens(logits, s["temperature"], s["top_p"], s["top_k"], s["seeds"], counters)
                 counts = counts.at[jnp.arange(num_rows), tokens].add(active.astype(jnp.int32))
-            return pad(tokens), tuple(pad(a) for a in token_logprobs(raw, tokens)), kv_caches, counts
+            return pad(tokens), pad(pack_scores(tokens, *token_logprobs(raw, tokens))), kv_caches, counts
 
         def store(counts):
             """The device's counts with these rows' written back to their slots."""
@@ -766,12 +761,11 @@ class ModelRunner:
             next_md = group.advance_decode(md, jnp.pad(steps, widths), jnp.pad(active, widths))
             return positions, next_md, s["counters"] + steps
 
-        tokens, logprobs, kv_caches, counts = forward(
+        tokens, scores, kv_caches, counts = forward(
             kv_caches, token_ids, x["positions"], md, s["counters"], counts, limits > 0, x.get("prompt_targets")
         )
-        first = tuple(a[None] for a in logprobs)
-        if prompt_out is not None:
-            first = (*first, *prompt_out)
+        scores = scores[None]
+        prompt = () if prompt_out is None else (prompt_out,)
         if num_steps == 1:
             next_packed = packed
             if self._chains_decodes:  # the next call's inputs, a token on
@@ -779,7 +773,7 @@ class ModelRunner:
                 positions, next_md, counters = moved(one, one > 0)
                 later = dict(x, positions=positions, md=next_md, sampling=dict(s, counters=counters))
                 next_packed = repack(packed, layout, x, later)
-            return tokens[None], (tokens, store(counts), guide_masks), kv_caches, next_packed, first
+            return tokens[None], (tokens, store(counts), guide_masks), kv_caches, next_packed, (scores, *prompt)
 
         def decode(carry, step):
             kv_caches, last, counts = carry
@@ -787,14 +781,15 @@ class ModelRunner:
             active = step < limits
             token_ids = last[jnp.minimum(token_rows, max_rows - 1)]
             positions, step_md, counters = moved(steps, active)
-            new, new_logprobs, kv_caches, counts = forward(
+            new, new_scores, kv_caches, counts = forward(
                 kv_caches, token_ids, positions, step_md, counters, counts, active
             )
             last = jnp.where(jnp.pad(active, (0, max_rows - num_rows)), new, last)
-            return (kv_caches, last, counts), (new, new_logprobs)
+            return (kv_caches, last, counts), (new, new_scores)
 
-        (kv_caches, last, counts), (later, later_logprobs) = jax.lax.scan(
+        (kv_caches, last, counts), (later, later_scores) = jax.lax.scan(
             decode, (kv_caches, tokens, counts), jnp.arange(1, num_steps)
         )
-        first = tuple(jnp.concatenate([a, b]) for a, b in zip(first, later_logprobs, strict=True))
-        return jnp.concatenate([tokens[None], later]), (last, store(counts), guide_masks), kv_caches, packed, first
+        scores = jnp.concatenate([scores, later_scores])
+        tokens = jnp.concatenate([tokens[None], later])
+        return tokens, (last, store(counts), guide_masks), kv_caches, packed, (scores, *prompt)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 MAX_LOGPROBS = 20
 """The most alternatives a request may ask log-probabilities of (OpenAI's ``top_logprobs``)."""
@@ -136,6 +137,23 @@ def token_logprobs(logits, tokens):
     ids, top = top_logprobs(logprobs)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     return chosen, ids, top
+
+
+def pack_scores(tokens, chosen, ids, top):
+    """``tokens`` i32[...] and ``token_logprobs``' three (f32[...], i32[..., L], f32[..., L])
+    as one i32[..., 2 + 2L] array (token, chosen's bits, ids, top's bits; traceable), so the
+    host reads a call's tokens and log-probabilities in one device-to-host copy and a mesh
+    gathers them in one collective. ``unpack_scores`` reads it back."""
+    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731
+    return jnp.concatenate([tokens[..., None], bits(chosen)[..., None], ids, bits(top)], axis=-1)
+
+
+def unpack_scores(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``pack_scores``' i32[..., 2 + 2L] on the host as its four arrays (views, no copy):
+    (i32[...] tokens, f32[...] their log-probabilities, i32[..., L] ids, f32[..., L] theirs)."""
+    count = (scores.shape[-1] - 2) // 2
+    ids = scores[..., 2 : 2 + count]
+    return scores[..., 0], scores[..., 1].view(np.float32), ids, scores[..., 2 + count :].view(np.float32)
 
 
 def apply_guides(logits, masks, rows):

@@ -346,6 +346,8 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed, budget)
             if n <= 0 or request.num_generated >= request.params.max_new_tokens:
                 continue  # nothing to compute, or its last token is pending and ends it
+            if request.guide_slot >= 0 and request.num_pending:
+                continue  # its next mask needs its pending token: it sits this call out, nobody waits
             if n == 1 and wants_prompt_logprobs(request):
                 continue  # a one-token chunk would need a decode-shaped program with every row's logits
             while not manager.allocate_slots(request, n):  # nothing taken when the pool cannot supply them

@@ -1,13 +1,15 @@
 """The sampler against a float64 NumPy oracle: the kept set of top-k / top-p (every drawn
 token in it, the draws following its renormalized probabilities); the top log-probabilities
-of a prompt's rows, exactly."""
+of a prompt's rows, exactly; the scores the host reads them in, bit for bit."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax.serving.sampling import MAX_LOGPROBS, sample_tokens, top_logprobs
+from attn_jax.serving.sampling import (
+    MAX_LOGPROBS, pack_scores, sample_tokens, token_logprobs, top_logprobs, unpack_scores,
+)
 
 
 def _kept(logits, temperature, top_p, top_k):
@@ -50,3 +52,19 @@ def test_top_logprobs_equal_the_sorted_log_softmax(vocab):
     want = np.argsort(-logits.astype(np.float64), axis=-1)[:, : min(MAX_LOGPROBS, vocab)]
     np.testing.assert_array_equal(np.asarray(ids), want)
     np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(logits, want, -1))
+
+
+def test_scores_unpack_to_the_tokens_and_log_probabilities_bit_for_bit():
+    logits = np.random.default_rng(0).normal(0, 3, (2, 3, 50)).astype(np.float32)
+    tokens = np.array([[0, 7, 49], [3, 3, 1]], np.int32)
+
+    def scores(logits, tokens):
+        rows = [token_logprobs(a, t) for a, t in zip(logits, tokens, strict=True)]
+        return pack_scores(tokens, *(jnp.stack(parts) for parts in zip(*rows, strict=True)))
+
+    got = unpack_scores(np.asarray(jax.jit(scores)(logits, tokens)))
+    want = [np.stack(parts) for parts in zip(*(token_logprobs(a, t) for a, t in zip(logits, tokens)), strict=True)]
+    np.testing.assert_array_equal(got[0], tokens)
+    for g, w in zip(got[1:], want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(g, w)

@@ -2,7 +2,8 @@
 ``serving/structured_output.py``): even a model of random weights writes JSON its schema
 accepts, greedy or seeded (a seeded guided request gives the same tokens alone or in a
 batch), an unguided request beside guided ones keeps its tokens bit for bit and its
-multi-step calls (a guided request takes one step of each), a guided
+multi-step calls (a guided request takes one step of every other one: no call waits for
+its token), a guided
 request short of tokens ends with "length", a grammar failure ends its request alone, and
 guided calls run only programs the warm-up compiles (no new step shape)."""
 
@@ -52,7 +53,11 @@ def test_guided_output_matches_the_schema_and_unguided_rows_keep_their_tokens(en
     got = engine.generate([PROMPT, PROMPT, "Hello"], params)
     # Beside guided requests (one step of each call), the unguided one kept its multi-step calls:
     # a 4-step call sampled 4 + 1 + 1 tokens.
-    assert any(s.num_steps == 4 and s.num_sampled == 6 for s in engine.stats[first:])
+    calls = engine.stats[first:]
+    assert any(s.num_steps == 4 and s.num_sampled == 6 for s in calls)
+    # ... and no call waited for a guided token's read-back: a guided request sits out the call
+    # dispatched while its token is pending, so no two 4-step calls in a row hold both.
+    assert not any(a.num_sampled == b.num_sampled == 6 for a, b in zip(calls, calls[1:]) if a.num_steps == 4)
     assert got[1].output_ids == alone.output_ids  # unguided beside guided rows: bit for bit
     assert got[2].output_ids == seeded_alone.output_ids  # seeded and guided: the same in any batch
     ok, color = json.loads(got[0].text), json.loads(got[2].text)
