@@ -30,6 +30,8 @@ def test_two_processes_serve_like_one():
     result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT "))
     assert result["processes"] == 2 and result["mesh"] == {"data": 2, "model": 1}
     assert result["tokens"] == generate()
+    # Offered 20 and 28 pages' bytes, both processes built 20 pages, with the same limits.
+    assert result["limits"][0] == result["limits"][1] and result["limits"][0][0] == 20
 
 
 def test_process_env_gives_each_process_its_rank_and_devices():

@@ -73,6 +73,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from attn_jax.metadata import MetadataBuckets
 from attn_jax.models.base import ServingModel
@@ -321,7 +322,10 @@ class Engine:
         config = model.config
         self.block_size = model.attention_group.block_size
         self.mesh = mesh  # None: one device
-        device = jax.local_devices()[0] if mesh is None else mesh.devices.flat[0]
+        # This process's device: sized from another process's, a device not addressable here
+        # reports no memory (CPU limits in that process alone: two processes built different
+        # programs and hung, issue 48).
+        device = jax.local_devices()[0] if mesh is None else mesh.local_devices[0]
         default_seqs, default_tokens = default_limits(device)
         max_num_seqs = default_seqs if max_num_seqs is None else max_num_seqs
         max_num_batched_tokens = default_tokens if max_num_batched_tokens is None else max_num_batched_tokens
@@ -349,6 +353,8 @@ class Engine:
             params_on_device=all(isinstance(x, jax.Array) for x in leaves),
         )  # fmt: skip
         affordable = self.kv_cache_plan.kv_cache_bytes // bytes_per_block
+        if jax.process_count() > 1:  # every process builds the same cache: the one all can afford
+            affordable = int(multihost_utils.process_allgather(np.int64(affordable)).min())
         self._kv_cache_capped = num_blocks is None and affordable > max_num_seqs * max_pages
         if num_blocks is None:  # what the budget holds, at most every slot at max_model_len
             num_blocks = max(min(max_num_seqs * max_pages, affordable), 1)

@@ -61,7 +61,13 @@ from attn_jax.models.base import ServingModel
 from attn_jax.serving.cascade import CascadeConfig, common_prefix_len
 from attn_jax.serving.executable_cache import ExecutableCache
 from attn_jax.serving.sampling import (
-    PROMPT_SEEN, apply_guides, apply_penalties, pack_scores, sample_tokens, token_logprobs, unpack_scores,
+    PROMPT_SEEN,
+    apply_guides,
+    apply_penalties,
+    pack_scores,
+    sample_tokens,
+    token_logprobs,
+    unpack_scores,
 )
 from attn_jax.serving.scheduler import Request, ScheduledBatch, wants_prompt_logprobs
 from attn_jax.serving.step_inputs import PackedLayout, leaf_offsets, pack, repack, unpack

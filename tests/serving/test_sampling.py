@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 
 from attn_jax.serving.sampling import (
-    MAX_LOGPROBS, pack_scores, sample_tokens, token_logprobs, top_logprobs, unpack_scores,
+    MAX_LOGPROBS,
+    pack_scores,
+    sample_tokens,
+    token_logprobs,
+    top_logprobs,
+    unpack_scores,
 )
 
 
@@ -57,13 +62,9 @@ def test_top_logprobs_equal_the_sorted_log_softmax(vocab):
 def test_scores_unpack_to_the_tokens_and_log_probabilities_bit_for_bit():
     logits = np.random.default_rng(0).normal(0, 3, (2, 3, 50)).astype(np.float32)
     tokens = np.array([[0, 7, 49], [3, 3, 1]], np.int32)
-
-    def scores(logits, tokens):
-        rows = [token_logprobs(a, t) for a, t in zip(logits, tokens, strict=True)]
-        return pack_scores(tokens, *(jnp.stack(parts) for parts in zip(*rows, strict=True)))
-
-    got = unpack_scores(np.asarray(jax.jit(scores)(logits, tokens)))
-    want = [np.stack(parts) for parts in zip(*(token_logprobs(a, t) for a, t in zip(logits, tokens)), strict=True)]
+    rows = [token_logprobs(a, t) for a, t in zip(logits, tokens, strict=True)]
+    want = [np.stack(parts) for parts in zip(*rows, strict=True)]  # (f32[2, 3], i32[2, 3, L], f32[2, 3, L])
+    got = unpack_scores(np.asarray(jax.jit(pack_scores)(tokens, *want)))
     np.testing.assert_array_equal(got[0], tokens)
     for g, w in zip(got[1:], want, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape

@@ -9,6 +9,7 @@ guided calls run only programs the warm-up compiles (no new step shape)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -57,7 +58,7 @@ def test_guided_output_matches_the_schema_and_unguided_rows_keep_their_tokens(en
     assert any(s.num_steps == 4 and s.num_sampled == 6 for s in calls)
     # ... and no call waited for a guided token's read-back: a guided request sits out the call
     # dispatched while its token is pending, so no two 4-step calls in a row hold both.
-    assert not any(a.num_sampled == b.num_sampled == 6 for a, b in zip(calls, calls[1:]) if a.num_steps == 4)
+    assert not any(a.num_sampled == b.num_sampled == 6 for a, b in itertools.pairwise(calls) if a.num_steps == 4)
     assert got[1].output_ids == alone.output_ids  # unguided beside guided rows: bit for bit
     assert got[2].output_ids == seeded_alone.output_ids  # seeded and guided: the same in any batch
     ok, color = json.loads(got[0].text), json.loads(got[2].text)
