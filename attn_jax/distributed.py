@@ -47,12 +47,13 @@ def initialize_from_env(environ: Mapping[str, str] = os.environ) -> bool:
     import jax
 
     _native_stdout_to_stderr()  # the runtime's own messages are not the program's output
-    # Every process must compile the same program, byte for byte: a GPU's compiler trades
-    # autotuning results between processes through the key-value store, by program, and a
-    # program's source locations hold its whole Python call stack, which differs wherever
-    # the processes do (the CLI runs process 0's command from another line). Two processes
-    # on 2 x H200 hung there, each waiting for the other's results (BENCHMARKS.md; this fix
-    # is not yet measured there). The innermost frame alone is the same in every process.
+    # Every process must compile the same programs, byte for byte: a GPU's compiler trades
+    # autotuning results between processes through the key-value store, by program, and
+    # waits for the others' (a process compiling another program waits for ever: the engine
+    # sizes itself from each process's own device for that reason, ``Engine``). A program's
+    # source locations hold its whole Python call stack, which differs wherever the
+    # processes do (the CLI runs process 0's command from another line); the innermost
+    # frame alone is the same in every process.
     jax.config.update("jax_include_full_tracebacks_in_locations", False)
     jax.distributed.initialize(
         coordinator_address=environ[COORDINATOR], num_processes=num_processes, process_id=process_id

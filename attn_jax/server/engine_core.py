@@ -182,10 +182,12 @@ class EngineCore:
             return
         report.compilations, self._compilations = total - (self._compilations or 0), total
         if report.compilations > 0:
+            shapes = list(getattr(self.engine, "recent_compilations", ()))[-report.compilations :]
             logger.warning(
                 "the engine compiled %d new step shape(s) while serving (every stream waited for it); "
-                "start without --no-warmup, or without --warmup-max-shapes",
+                "start without --no-warmup, or without --warmup-max-shapes. %s",
                 report.compilations,
+                " | ".join(shapes),
             )
 
     def _admit(self, request_id: str, spec: GenerationSpec, arrival: float, report: RoundReport) -> tuple:

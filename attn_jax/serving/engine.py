@@ -398,6 +398,8 @@ class Engine:
         self._in_flight: _InFlight | None = None
         self._last_end: float = 0.0  # when the last call's tokens were known computed
         self._pacer = DispatchPacer()
+        # ``PreparedCall.describe`` of the last calls that compiled a program (a server logs them).
+        self.recent_compilations: collections.deque[str] = collections.deque(maxlen=8)
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
         self._requests: dict[str, _RequestState] = {}  # live requests (waiting, running, or aborted unreported)
@@ -865,6 +867,8 @@ class Engine:
         call = self.runner.dispatch(prepared)
         if not call.compiled:
             self._pacer.observe_host(call.dispatch_end - start)
+        else:
+            self.recent_compilations.append(prepared.describe())
         dispatched = self._account(batches, steps, call, start)
         if self.async_scheduling:
             events += self._resolve(self._in_flight)

@@ -150,6 +150,16 @@ class PreparedCall:
         the largest token bucket)."""
         return (self.packed[0][1], self.num_steps, self.sampled)
 
+    def describe(self) -> str:
+        """The key in words (a log line's): the call's counts, then the packed inputs' tree
+        (the attention metadata's static fields: block sizes, the kernels' split) and leaves."""
+        layout = self.packed[0][1]
+        sampling = "sampled" if self.sampled else "greedy"
+        return (
+            f"{self.token_bucket} tokens, {self.num_steps} step(s), {sampling}, cascade prefix "
+            f"{self.cascade_prefix_len}, prompt logprobs {self.prompt_logprobs}; {layout.treedef}; {layout.leaves}"
+        )
+
 
 def _write_guide_rows(table, index, rows):
     """``table`` i32[(data,) R_max, W] with ``rows`` i32[G, W] written at ``index`` i32[G] (a

@@ -125,6 +125,8 @@ def test_no_compilation_after_warm_up(engine, expected):
     results = engine.generate(PROMPTS, greedy(NEW_TOKENS))
     assert engine.num_compilations == before
     assert results[0].output_ids == expected[PROMPTS[0]]
+    # The programs compiled in traffic said which they were (a server logs them).
+    assert engine.recent_compilations and all(" tokens, " in s and "step(s)" in s for s in engine.recent_compilations)
 
 
 def test_stops_at_eos_where_transformers_stops(engine, hf_smollm2):
