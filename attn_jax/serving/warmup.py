@@ -9,7 +9,9 @@ largest token bucket). Sampling values are per-row data
 stream for as long as it takes, so a server compiles them all first.
 
 The warm-up does not model each backend's rules. It enumerates batches that cover every
-bucket combination the engine's limits allow, crossed with the query-length patterns a
+bucket combination the engine's limits allow (each request bucket's fewest and most
+requests, and the most beside which a prefill still fits each token bucket: a mixed batch of
+a small bucket), crossed with the query-length patterns a
 backend could tell apart (decode-only; 1, 2, 4, ... and all requests prefilling; the
 longest prefill at 2, 3 and every power of two and one past it, and at the budget;
 contexts that fill the page bucket, with and without a prefix every request shares for
@@ -102,7 +104,13 @@ def query_len_patterns(buckets: MetadataBuckets, max_num_seqs: int, max_num_batc
         low_r = request_buckets[i - 1] if i else 0
         if low_r >= max_num_seqs:
             break
-        for n in sorted({low_r + 1, min(r, max_num_seqs)}):
+        # The bucket's fewest and most requests, and for each token bucket the most that leave
+        # room for a 2-token prefill beside decodes: a mixed batch (40 decodes and a 10-token
+        # chunk in a 64-token bucket) whose bucket's ends hold no mixed batch (1 request, or
+        # 64 that fill it with decodes) is still a key of its own.
+        counts = {low_r + 1, min(r, max_num_seqs)}
+        counts.update(min(r, max_num_seqs, min(t, max_num_batched_tokens) - 1) for t in token_buckets)
+        for n in sorted(c for c in counts if c > low_r):
             if n > max_num_batched_tokens:
                 continue
             decode = (1,) * n

@@ -16,8 +16,10 @@ import jax
 import numpy as np
 import pytest
 
+from attn_jax.registry import AttentionBackendEnum
 from attn_jax.serving import SamplingParams
-from attn_jax.serving.warmup import decode_step_counts, query_len_patterns
+from attn_jax.serving.model_runner import ModelRunner
+from attn_jax.serving.warmup import _dummy_batch, candidate_calls, decode_step_counts, query_len_patterns
 from attn_jax.testing.models import tiny_random_engine
 
 # 16-token steps, 1 / 2 requests, 4 pages of 16: few shapes, so the warm-up takes seconds on 2 cores.
@@ -195,3 +197,17 @@ def test_sharded_engine_warmup_compiles_everything():
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["shapes"] > 0 and out["compiles"] == 0 and out["traces"] == 0, out
     assert out["same"] and out["before_warmup_same"], out
+
+
+def test_the_warm_up_meets_a_mixed_batch_of_a_small_token_bucket():
+    """40 decodes and a 10-token chunk lie at neither end of the 64-request bucket (1 request,
+    or 64 decodes filling the 64-token bucket), and PALLAS_GPU keys a batch of decodes and a
+    prefill apart ("mixed" metadata): the warm-up must compile it (an 8-step server on an
+    H200 met it in traffic)."""
+    backend = AttentionBackendEnum.PALLAS_GPU.get_class()
+    engine = tiny_random_engine(attn_backend=backend, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=256)
+    lens = (10,) + (1,) * 40
+    batch = _dummy_batch(lens, 256, engine.block_size, SamplingParams(temperature=0.0))
+    rows = {id(r): ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, lens, strict=True)}
+    prepared = engine.runner.prepare([batch], rows, [[1] * len(lens)], 1)
+    assert prepared.token_bucket == 64 and prepared.key in candidate_calls(engine)[0]
