@@ -3,9 +3,13 @@
 An ``EngineCore`` owns an ``Engine`` alone, from one thread: the server's engine thread
 (``EngineLoop(engine, ...)``) or the main thread of an engine process of its own
 (``engine_process``). Each round it takes the commands queued since the last one, admits
-and aborts requests (prompts encoded, chat template applied and limits checked here, so a
-refusal names the field), steps the engine while any request is unfinished, matches stop
-strings on each request's new text only, and emits what happened as one picklable tuple:
+and aborts requests, steps the engine while any request is unfinished, matches stop
+strings on each request's new text only, and emits what happened as one picklable tuple.
+A submission's prompt is encoded (chat template applied) and its limits checked, so a
+refusal names the field, on a thread of its own as soon as it arrives (vLLM's API server
+tokenizes outside its engine loop too): the tokenizers' Rust encoder releases the GIL, so
+a long prompt never holds the steps of the requests already running; a submission is
+admitted, in arrival order, at the first round after its encoding is done.
 
 - ``("round", admitted, outputs, report)``: ``admitted`` is ``(request_id, prompt_tokens,
   refusal)`` per submission taken this round (``refusal`` None or ``(message, param,
@@ -28,10 +32,13 @@ the loop stops.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 
 from attn_jax.server.engine_probe import EngineCounts, read_counts
 from attn_jax.server.stop_strings import StopMatcher
@@ -120,6 +127,10 @@ class EngineCore:
         self._admitted: list[tuple] = []  # this round's admissions, not yet emitted
         self._compilations = getattr(engine, "num_compilations", None)  # the warm-up's are not counted
         self._token_texts: dict[int, str] = {}  # a token's text decoded alone (log-probabilities), once per id
+        # Submissions whose prompts are being encoded (``_prepare`` on ``_encoder``), in arrival order:
+        # (request_id, spec, arrival, future of (ids, params, echo text or None)).
+        self._preparing: collections.deque[tuple[str, GenerationSpec, float, Future]] = collections.deque()
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="attn-stack-encode")
 
     def run(self) -> None:
         """The loop; returns once it has emitted ``("closed", ...)``."""
@@ -131,6 +142,7 @@ class EngineCore:
         except Exception as e:  # an engine step failed as a whole: its state is unknown
             failure = f"the engine failed: {type(e).__name__}: {e}"
             logger.exception("the engine loop stopped")
+        self._encoder.shutdown(wait=False, cancel_futures=True)  # the loop fails submissions not admitted
         self._end_all(failure)
 
     def _emit_round(self, outputs: dict, report: RoundReport) -> None:
@@ -146,13 +158,13 @@ class EngineCore:
         commands = self._commands()
         outputs, report = {}, RoundReport()
         stopping = stepped = False
-        for command in commands:
-            if command[0] == "submit":
-                self._admitted.append(self._admit(*command[1:], report))
-            elif command[0] == "abort":
+        for command in commands:  # submissions went to the encoder as they came (``_take``)
+            if command[0] == "abort":
                 self._abort(command[1], outputs, report)
-            else:
+            elif command[0] == "stop":
                 stopping = True
+        while self._preparing and self._preparing[0][3].done():  # in arrival order
+            self._admitted.append(self._admit(*self._preparing.popleft(), report))
         if not stopping and self.engine.has_unfinished():
             events = self.engine.step()
             self._on_events(events, time.perf_counter(), outputs, report)
@@ -168,11 +180,22 @@ class EngineCore:
         before it runs dry) and takes everything that arrived by then, so an arrival joins the
         next call instead of the one after it."""
         if not self.engine.has_unfinished():
-            return self._receive(None)
-        commands = self._receive(0.0)
+            if self._preparing:  # idle but for an arrival being encoded: wait for it, not for a command
+                wait_for([self._preparing[0][3]])
+                return self._take(self._receive(0.0))
+            return self._take(self._receive(None))
+        commands = self._take(self._receive(0.0))
         deadline = time.perf_counter() + self.engine.dispatch_delay()
         while not any(c[0] == "stop" for c in commands) and (left := deadline - time.perf_counter()) > 0:
-            commands += self._receive(left)
+            commands += self._take(self._receive(left))
+        return commands
+
+    def _take(self, commands: list[tuple]) -> list[tuple]:
+        """Hands each submission among ``commands`` to the encoder at once; returns them all."""
+        for command in commands:
+            if command[0] == "submit":
+                request_id, spec, arrival = command[1:]
+                self._preparing.append((request_id, spec, arrival, self._encoder.submit(self._prepare, spec)))
         return commands
 
     def _count_compilations(self, report: RoundReport) -> None:
@@ -190,25 +213,27 @@ class EngineCore:
                 " | ".join(shapes),
             )
 
-    def _admit(self, request_id: str, spec: GenerationSpec, arrival: float, report: RoundReport) -> tuple:
+    def _admit(self, request_id: str, spec: GenerationSpec, arrival: float, prepared: Future, report) -> tuple:
+        """Admits an encoded submission (``prepared``: ``_prepare``'s future); returns its
+        ``(request_id, prompt_tokens, refusal)``."""
         try:
-            ids, params = self._prepare(spec)
+            ids, params, echo = prepared.result()
             self.engine.add_request(ids, params, request_id=request_id)
         except RequestError as e:
             return request_id, 0, (str(e), e.param, e.code)
         except (ValueError, TypeError) as e:  # the engine's own checks
             return request_id, 0, (str(e), spec.prompt_param, None)
         live = _Live(request_id, StopMatcher(spec.stop), arrival)
-        if spec.echo:
-            text = spec.prompt if isinstance(spec.prompt, str) else self._decode(ids)
-            live.echo, live.generates = (text, ids), spec.max_tokens != 0
+        if echo is not None:
+            live.echo, live.generates = (echo, ids), spec.max_tokens != 0
         self._live[request_id] = live
         report.prompt_tokens += len(ids)
         return request_id, len(ids), None
 
     def _prepare(self, spec: GenerationSpec):
-        """The prompt's token ids and the engine's ``SamplingParams``; RequestError naming
-        the field for a prompt that does not fit the context or the cache."""
+        """The prompt's token ids, the engine's ``SamplingParams`` and, with ``echo``, the
+        prompt's text; RequestError naming the field for a prompt that does not fit the
+        context or the cache (run on the encoder thread: it only reads the engine)."""
         from attn_jax.serving import SamplingParams
 
         engine, name = self.engine, spec.prompt_param
@@ -258,7 +283,8 @@ class EngineCore:
             presence_penalty=spec.presence_penalty, frequency_penalty=spec.frequency_penalty,
             repetition_penalty=spec.repetition_penalty, json_schema=spec.json_schema,
         )  # fmt: skip
-        return ids, params
+        echo = None if not spec.echo else spec.prompt if isinstance(spec.prompt, str) else self._decode(ids)
+        return ids, params, echo
 
     def _chat_ids(self, messages) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -270,6 +296,11 @@ class EngineCore:
         return [int(i) for i in ids]
 
     def _abort(self, request_id: str, outputs: dict, report: RoundReport) -> None:
+        for entry in self._preparing:
+            if entry[0] == request_id:  # still being encoded: never admitted (its client has gone)
+                self._preparing.remove(entry)
+                self._admitted.append((request_id, 0, ("the request was aborted", None, None)))
+                return
         live = self._live.get(request_id)
         if live is None:  # already finished (its last output is on its way) or never admitted
             return

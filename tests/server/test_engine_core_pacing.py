@@ -1,9 +1,12 @@
 """The engine core's round with a call in flight: it waits until ``Engine.dispatch_delay``
 has passed, taking the commands that arrive meanwhile, so an arrival joins the next call
-(not the one after it); idle, it waits for a command without a limit."""
+(not the one after it); idle, it waits for a command without a limit. A prompt being encoded
+holds no running request's steps."""
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 
 from attn_jax.models.llama import LlamaConfig, LlamaModel, init_params
@@ -53,3 +56,43 @@ def test_a_round_waits_for_the_dispatch_time_and_admits_what_arrived_meanwhile()
             assert error is None and reason in (None, "length")
             tokens[request_id] = tokens.get(request_id, 0) + sum(n for _, n, _ in pieces)
     assert tokens == {"a": 4, "b": 4} and messages[-1][0] == "closed"
+
+
+def test_a_prompt_being_encoded_does_not_hold_the_running_requests():
+    """A submission's prompt is encoded on the core's encoder thread: while "b"'s encoding
+    waits (a tokenizer on a long prompt), "a" keeps stepping; "b" is admitted once encoded."""
+    engine = Engine(LlamaModel(CONFIG, block_size=4), init_params(CONFIG, seed=0), max_num_seqs=4,
+                    max_num_batched_tokens=32, max_model_len=32)  # fmt: skip
+    gate = threading.Event()
+    engine.encode = lambda prompt, chat=False: (gate.wait(10), [3, 4, 5])[1]
+    steps_while_encoding, step = [], engine.step
+
+    def counting_step():
+        if not gate.is_set():
+            steps_while_encoding.append(engine.num_live_requests)
+        return step()
+
+    engine.step = counting_step
+    messages, sent = [], []
+
+    def receive(timeout):
+        now = time.perf_counter()
+        if not sent:
+            sent.append("a")
+            return [("submit", "a", dataclasses.replace(SPEC, max_tokens=8), now)]
+        if len(sent) == 1:
+            sent.append("b")
+            return [("submit", "b", GenerationSpec(prompt="a long prompt", max_tokens=2, ignore_eos=True), now)]
+        if len(steps_while_encoding) >= 3:
+            gate.set()
+        finished = {o[0] for m in messages for o in m[2] if o[2] is not None}
+        return [("stop",)] if finished == {"a", "b"} else []
+
+    EngineCore(engine, receive, messages.append).run()
+    assert len(steps_while_encoding) >= 3 and set(steps_while_encoding) == {1}  # "a" alone, stepping
+    tokens = {}
+    for message in messages:
+        for request_id, pieces, _, error in message[2]:
+            assert error is None
+            tokens[request_id] = tokens.get(request_id, 0) + sum(n for _, n, _ in pieces)
+    assert tokens == {"a": 8, "b": 2}
