@@ -132,6 +132,7 @@ def _check_nothing_left(engine: Engine, start: dict[str, int]) -> None:
     bounded = {"engine._finished": MAX_FINISHED, "engine.stats": STATS_WINDOW, "runner._exact_buckets": combinations}
     bounded["runner.dispatched_keys"] = engine.num_compilations  # one key per compiled step shape
     bounded["runner._table_slots"] = engine.num_compilations  # one per packed layout, at most one per program
+    bounded["engine.recent_compilations"] = engine.recent_compilations.maxlen  # the last few, for a server's log
     for i in range(len(engine.schedulers)):  # the prefix cache keeps freed pages, at most every page
         free, evictable = end.pop(f"allocator{i}._free"), end.pop(f"allocator{i}._evictable", 0)
         assert free + evictable == engine.num_blocks, f"allocator{i}: {free} free + {evictable} evictable"
