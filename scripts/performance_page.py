@@ -42,6 +42,7 @@ NOT_CURRENT = (
     "clamped",
     "_per_step",
     "traced",
+    "compiled_in_traffic",  # a program compiled inside the measured phase: not the steady state
 )
 
 
@@ -344,6 +345,8 @@ def server_section() -> list[str]:
     for date, path, data in _load("serve_load_*.json"):
         w, cl = data.get("workload"), data.get("closed_loop")
         if not isinstance(w, dict) or not isinstance(cl, dict) or data.get("error"):
+            continue
+        if w.get("logprobs") or w.get("json_schema_fraction"):  # the clients' fields' runs: BENCHMARKS.md
             continue
         key = (_device(data), w.get("model"), w.get("concurrency"), w.get("prompt_len"), w.get("max_tokens"))
         latest[key] = (date, path, data)
