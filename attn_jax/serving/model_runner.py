@@ -161,6 +161,13 @@ class PreparedCall:
         )
 
 
+def _on_host(x: jax.Array, ndim: int) -> np.ndarray:
+    """A call's output on the host (waits for it) with a leading data axis: one device's,
+    of rank ``ndim``, gets one of 1; a mesh's (gathered over "data") has it."""
+    out = np.asarray(x)
+    return out[None] if out.ndim == ndim else out
+
+
 def _write_guide_rows(table, index, rows):
     """``table`` i32[(data,) R_max, W] with ``rows`` i32[G, W] written at ``index`` i32[G] (a
     flat (shard, row) index: shard * R_max + row; out of bounds: dropped)."""
@@ -672,8 +679,7 @@ class ModelRunner:
     @staticmethod
     def read_tokens(tokens: jax.Array) -> np.ndarray:
         """A call's sampled tokens on the host, i32[data, K, R_max] (waits for the call)."""
-        out = np.asarray(tokens)
-        return out[None] if out.ndim == 2 else out
+        return _on_host(tokens, 2)
 
     @staticmethod
     def read_scores(scores: jax.Array, ndim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -682,8 +688,7 @@ class ModelRunner:
         ``unpack_scores``' four arrays, each with a leading data axis: i32[data, ...] the
         tokens, f32[data, ...] their log-probabilities, i32[data, ..., L] the likeliest tokens,
         f32[data, ..., L] theirs."""
-        out = np.asarray(scores)
-        return unpack_scores(out[None] if out.ndim == ndim + 1 else out)
+        return unpack_scores(_on_host(scores, ndim + 1))
 
     def _device_step(
         self, params, kv_caches, rows, packed, layout: PackedLayout, num_steps: int, sampled: bool,
