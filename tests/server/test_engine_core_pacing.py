@@ -21,6 +21,17 @@ SPEC = GenerationSpec(prompt=[3, 4, 5], max_tokens=4, ignore_eos=True)
 DELAY = 0.05  # seconds the engine says the next dispatch may wait
 
 
+def _tokens(messages: list[tuple]) -> dict[str, int]:
+    """Each request's tokens over the core's round messages, none of which may carry an error
+    or end a request other than by its length."""
+    tokens = {}
+    for message in messages:
+        for request_id, pieces, reason, error in message[2]:
+            assert error is None and reason in (None, "length")
+            tokens[request_id] = tokens.get(request_id, 0) + sum(n for _, n, _ in pieces)
+    return tokens
+
+
 def test_a_round_waits_for_the_dispatch_time_and_admits_what_arrived_meanwhile():
     engine = Engine(LlamaModel(CONFIG, block_size=4), init_params(CONFIG, seed=0), max_num_seqs=4,
                     max_num_batched_tokens=32, max_model_len=32)  # fmt: skip
@@ -50,12 +61,7 @@ def test_a_round_waits_for_the_dispatch_time_and_admits_what_arrived_meanwhile()
     EngineCore(engine, receive, messages.append).run()
     assert timeouts[:2] == [None, 0.0] and DELAY - 0.01 < timeouts[2] <= DELAY and 0 < timeouts[3] <= DELAY / 2
     assert live_at_step[b_before_step[0]] == 2  # the step right after "b" arrived had it queued
-    tokens = {}
-    for message in messages:
-        for request_id, pieces, reason, error in message[2]:
-            assert error is None and reason in (None, "length")
-            tokens[request_id] = tokens.get(request_id, 0) + sum(n for _, n, _ in pieces)
-    assert tokens == {"a": 4, "b": 4} and messages[-1][0] == "closed"
+    assert _tokens(messages) == {"a": 4, "b": 4} and messages[-1][0] == "closed"
 
 
 def test_a_prompt_being_encoded_does_not_hold_the_running_requests():
@@ -90,9 +96,4 @@ def test_a_prompt_being_encoded_does_not_hold_the_running_requests():
 
     EngineCore(engine, receive, messages.append).run()
     assert len(steps_while_encoding) >= 3 and set(steps_while_encoding) == {1}  # "a" alone, stepping
-    tokens = {}
-    for message in messages:
-        for request_id, pieces, _, error in message[2]:
-            assert error is None
-            tokens[request_id] = tokens.get(request_id, 0) + sum(n for _, n, _ in pieces)
-    assert tokens == {"a": 8, "b": 2}
+    assert _tokens(messages) == {"a": 8, "b": 2}
