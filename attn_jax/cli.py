@@ -527,14 +527,6 @@ def _port(text: str) -> int:
     return value
 
 
-CPU_WARMUP_MAX_SHAPES = 32
-"""``attn-stack serve``'s bound on the warm-up's step programs on a CPU, the likeliest first: the
-XLA backend's dense path keys its programs on the prefill group's shape and the block table's
-width (its cost grows with both), about 60 at serve's CPU limits, 3-5 s each on 2 cores. On a
-GPU or TPU every program compiles before the port opens (a few dozen: the step's shapes are
-fixed by the engine's limits)."""
-
-
 def _max_shapes(text: str) -> int | str:
     if text.strip().lower() == "all":
         return "all"
@@ -586,8 +578,8 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--warmup-max-shapes", type=_max_shapes, default=None, metavar="N|all",
-        help="compile at most N step programs before listening, the likeliest first (default: all of them on a "
-        f"GPU or TPU, a few dozen at the defaults; {CPU_WARMUP_MAX_SHAPES} on a CPU; sampling values never add one)",
+        help="compile at most N step programs before listening, the likeliest first (default: all of them, a few "
+        "dozen at the defaults, fixed by the engine's limits; sampling values never add one)",
     )  # fmt: skip
 
 
@@ -602,7 +594,6 @@ def _serve_engine(args: argparse.Namespace):
     """(In the engine process.) The engine ``attn-stack serve`` serves, warmed up; prints
     its progress and, last, what is served where. ValueError / OSError for a model or a
     flag it cannot take."""
-    import jax
 
     from attn_jax.selector import global_force_attn_backend_context_manager
     from attn_jax.server.model_source import build_engine, default_served_name
@@ -648,10 +639,7 @@ def _serve_engine(args: argparse.Namespace):
                         file=sys.stderr, flush=True,
                     )  # fmt: skip
 
-            max_shapes = args.warmup_max_shapes
-            if max_shapes is None:
-                max_shapes = CPU_WARMUP_MAX_SHAPES if jax.default_backend() == "cpu" else "all"
-            max_shapes = None if max_shapes == "all" else max_shapes
+            max_shapes = None if args.warmup_max_shapes in (None, "all") else args.warmup_max_shapes
             report = engine.warmup(max_shapes=max_shapes, progress=progress, executable_cache=executables)
             print(f"attn-stack serve: {report.summary()}", file=sys.stderr, flush=True)
     name = args.served_model_name or default_served_name(args.model)

@@ -75,6 +75,10 @@ class PallasTPUMetadataBuilder(XLAMetadataBuilder):
     pages of it) turns cascade attention on, with the XLA builder's thresholds.
     """
 
+    # The block sizes follow the table's width and its SMEM budget is checked per bucket, so the
+    # width stays bucketed (a fixed width, as tpu-inference has, was not tried on a TPU).
+    reads_live_pages_only = False
+
     def __init__(self, kv_cache_spec, device_kind: str | None = None) -> None:
         super().__init__(kv_cache_spec)
         if device_kind is None:

@@ -1,10 +1,10 @@
 """The XLA backend: pure jnp on every platform, every feature.
 
-Two paths: the reference op (``ops/ragged_paged_attention/reference.py``, the
-specification) and the dense per-request op (``dense.py``: each request's pages gathered
-once, the serving path on the CPU). ``build`` gives metadata for the reference, which
-works on traced metadata; ``build_for_jit`` runs on the host before ``jit`` and adds the
-dense op's static schedule, so the jitted step takes the fast path.
+Two ops: the chunked op (``ops/ragged_paged_attention/chunked.py``: fixed shapes, an
+online softmax over KV chunks up to the batch's longest context; the serving path on the
+CPU) for every batch, and the reference op (``reference.py``, the specification) for FP8
+attention, which only it computes. The metadata is the common metadata's arrays: nothing
+static but their shapes, so a jitted step compiles once per (tokens, requests, table width).
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ import numpy as np
 
 from attn_jax.backends.base import AttentionBackend, AttentionImpl, AttentionMetadataBuilder, validate_kv_cache_dims
 from attn_jax.metadata import CommonAttentionMetadata, make_local_attention_virtual_batches
-from attn_jax.ops.ragged_paged_attention import dense
+from attn_jax.ops.ragged_paged_attention import chunked, reference
 from attn_jax.ops.ragged_paged_attention.cascade import cascade_ragged_paged_attention
-from attn_jax.ops.ragged_paged_attention.config import next_pow2
-from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
 from attn_jax.ops.ragged_paged_attention.validate import is_concrete
 from attn_jax.types import AttentionType, validate_cache_dtype
 
@@ -42,18 +40,9 @@ class XLAAttentionMetadata:
     seq_lens: Array  # i32[R]
     block_tables: Array  # i32[R, pages_per_req]
     slot_mapping: Array  # i32[T]
-    # The dense path's schedule (``dense.dense_schedule``), set by ``build_for_jit``; with
-    # q_block None the impl runs the reference op.
-    prefill_reqs: Array | None = None  # i32[Rp]: requests with > 1 new token, padded with R
-    q_block: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     # Cascade attention (``build(common_prefix_len > 0, ...)``): tokens of the prefix every
     # request shares, whole pages; the impl then reads it once for the batch.
     cascade_prefix_len: Array | None = None  # i32[]
-
-
-FIXED_PREFILL_SCORES = 1 << 24
-"""Largest prefill-group score tensor (requests x tokens x keys x query heads, float32) for
-which ``build_for_jit`` pads the dense path's prefill group to the whole bucket."""
 
 
 class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
@@ -65,6 +54,7 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
     jitted step sees one shape per bucket.
     """
 
+    reads_live_pages_only = True  # the chunked op's KV loop stops at the batch's longest context
     supports_cascade = True
     """Whether ``build`` honours ``common_prefix_len`` (its impl has a kernel with LSE)."""
 
@@ -138,56 +128,12 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
             and self.kv_cache_spec.attention_chunk_size is None
         )
 
-    def build_for_jit(
-        self, common_attn_metadata: CommonAttentionMetadata, step_query_lens=None, common_prefix_len: int = 0
-    ) -> XLAAttentionMetadata:
-        """Metadata for the dense per-request path, built on the host before ``jit``.
-
-        Adds the dense op's prefill group (``prefill_reqs``, ``q_block``; static shapes) to
-        ``build``'s fields, sized from the step (``step_query_lens``, default this batch's
-        own query lengths) so every data shard of a step gets one structure:
-
-        - a small group (its score tensor, requests x tokens x keys x query heads, at most
-          ``FIXED_PREFILL_SCORES``) takes every request slot and the whole token bucket: one
-          shape per bucket, fewer compilations for some padding work;
-        - else the power of two >= the step's prefill count (at most the request slots) and
-          the power of two >= its longest prefill.
-
-        Needs concrete (NumPy) metadata, ValueError otherwise. Chunked local attention keeps
-        the reference path (``build``), and so does cascade attention (``common_prefix_len``
-        > 0: both of its parts run the reference op; the dense schedule is the whole batch's).
-        """
-        md = common_attn_metadata
-        built = self.build(common_prefix_len, md)
-        if self.kv_cache_spec.attention_chunk_size is not None or built.cascade_prefix_len is not None:
-            return built
-        if not is_concrete(md.query_start_loc_cpu):
-            raise ValueError(
-                "build_for_jit computes the dense path's schedule on the host: pass concrete "
-                "(NumPy) CommonAttentionMetadata, outside jax.jit"
-            )
-        qsl = np.asarray(md.query_start_loc_cpu)
-        step = np.diff(qsl) if step_query_lens is None else np.asarray(step_query_lens)
-        prefills = step[step > 1]
-        if prefills.size == 0:
-            return dataclasses.replace(built, prefill_reqs=np.zeros(0, np.int32), q_block=0)
-        num_reqs, (_, pages_per_req) = md.num_reqs, np.shape(md.block_table_tensor)
-        spec = self.kv_cache_spec
-        scores = num_reqs * md.num_tokens * pages_per_req * spec.block_size * (spec.num_q_heads or spec.num_kv_heads)
-        if scores <= FIXED_PREFILL_SCORES:
-            width, q_block = num_reqs, md.num_tokens
-        else:
-            width, q_block = min(next_pow2(prefills.size), num_reqs), next_pow2(int(prefills.max()))
-        prefill_reqs, q_block = dense.dense_schedule(qsl, num_reqs, q_block, num_slots=width)
-        return dataclasses.replace(built, prefill_reqs=prefill_reqs, q_block=q_block)
-
     @property
     def supports_decode_advance(self) -> bool:  # chunked local attention's virtual batches do not advance
         return self.kv_cache_spec.attention_chunk_size is None
 
     def advance_decode(self, metadata, steps, active):
-        """Moves ``seq_lens`` and ``slot_mapping`` (the base class says what it takes); the
-        dense path's prefill group is empty in a decode batch."""
+        """Moves ``seq_lens`` and ``slot_mapping`` (the base class says what it takes)."""
         seq_lens = metadata.seq_lens + steps
         num_reqs, num_tokens = seq_lens.shape[0], metadata.slot_mapping.shape[0]
         rows = jnp.arange(num_tokens)
@@ -230,9 +176,8 @@ class XLAMetadataBuilder(AttentionMetadataBuilder[XLAAttentionMetadata]):
 
 
 class XLAAttentionImpl(AttentionImpl[XLAAttentionMetadata]):
-    """Calls ``ragged_paged_attention`` with the layer's hyperparameters: the dense
-    per-request op when the metadata carries its schedule (``build_for_jit``), else the
-    reference."""
+    """Calls ``ragged_paged_attention`` with the layer's hyperparameters: the chunked op,
+    or the reference for FP8 attention."""
 
     def __init__(
         self,
@@ -265,22 +210,20 @@ class XLAAttentionImpl(AttentionImpl[XLAAttentionMetadata]):
 
     def forward(self, query, key, value, kv_cache, attn_metadata, k_scale=None, v_scale=None, q_scale=None):
         """``q_scale`` (FP8 attention, the layer's ``query_quant``): the reference op serves
-        every batch (the dense path has no FP8 dots)."""
+        every batch (the chunked op has no FP8 dots)."""
         if self.kv_sharing_target_layer_name is not None:
             key = value = None  # the target layer has written this cache already
         md = attn_metadata
-        fp8 = {} if q_scale is None else {"q_scale": q_scale}
+        op, fp8 = chunked.ragged_paged_attention, {}
+        if q_scale is not None:
+            op, fp8 = reference.ragged_paged_attention, {"q_scale": q_scale}
         if md.cascade_prefix_len is not None:
-            return self.cascade(query, key, value, kv_cache, md, ragged_paged_attention, k_scale, v_scale, **fp8)
-        op, schedule = ragged_paged_attention, dict(fp8)
-        if md.q_block is not None and q_scale is None:
-            op, schedule = dense.ragged_paged_attention, dict(prefill_reqs=md.prefill_reqs, q_block=md.q_block)
+            return self.cascade(query, key, value, kv_cache, md, op, k_scale, v_scale, **fp8)
         return op(
             query, key, value, kv_cache, md.query_start_loc, md.seq_lens, md.block_tables,
             md.slot_mapping, sm_scale=self.scale, causal=self.attn_type.is_causal,
             sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
-            alibi_slopes=self.alibi_slopes, sinks=self.sinks, k_scale=k_scale, v_scale=v_scale,
-            **schedule,
+            alibi_slopes=self.alibi_slopes, sinks=self.sinks, k_scale=k_scale, v_scale=v_scale, **fp8,
         )  # fmt: skip
 
     def cascade(self, query, key, value, kv_cache, md, op, k_scale, v_scale, **op_kwargs):

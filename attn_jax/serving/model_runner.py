@@ -568,7 +568,7 @@ class ModelRunner:
         so its first dispatch runs at once). Safe from several threads: XLA compiles outside
         the GIL, which is how ``warm_up`` compiles programs in parallel. With ``cache``: the
         program is loaded from it when stored there (no trace; the call then runs it), else
-        compiled and stored."""
+        compiled, stored and called as the loaded ones are."""
         args = self._step_args(prepared)
         if cache is not None:
             loaded = cache.load(prepared.key, _dynamic(args))
@@ -578,6 +578,9 @@ class ModelRunner:
         compiled = self._jit_step.lower(*args).compile()
         if cache is not None:
             cache.store(prepared.key, compiled)
+            # Called as the loaded ones are: jit would trace it again for arguments that a loaded
+            # program returned (their types compare unequal to a jitted program's, same as they print).
+            self._loaded[prepared.key] = compiled
 
     def dispatch(self, prepared: PreparedCall) -> DispatchedCall:
         """Enqueues a prepared call on the device; returns without waiting for it."""

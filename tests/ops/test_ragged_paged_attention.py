@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from attn_jax.kv_cache import write_to_kv_cache
-from attn_jax.ops.ragged_paged_attention import dense, pallas_mosaic_tpu, pallas_triton, reference
+from attn_jax.ops.ragged_paged_attention import chunked, pallas_mosaic_tpu, pallas_triton, reference
 from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
 from attn_jax.testing.workloads import make_ragged_batch
 from tests.ops.ragged_checks import (
@@ -248,7 +248,7 @@ def test_numpy_scalars_are_accepted_as_options():
     check(batch, options, use_jit=False)
 
 
-@pytest.mark.parametrize("module", ["reference", "dense", "pallas_triton", "pallas_mosaic_tpu"])
+@pytest.mark.parametrize("module", ["reference", "chunked", "pallas_triton", "pallas_mosaic_tpu"])
 @pytest.mark.parametrize(
     ("option", "message"),
     [
@@ -267,7 +267,7 @@ def test_every_implementation_refuses_bad_options_before_computing(module, optio
         cache = pallas_mosaic_tpu.from_reference_layout(cache)
     op = {
         "reference": reference,
-        "dense": dense,
+        "chunked": chunked,
         "pallas_triton": pallas_triton,
         "pallas_mosaic_tpu": pallas_mosaic_tpu,
     }[module]
