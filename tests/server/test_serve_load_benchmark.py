@@ -60,7 +60,8 @@ def test_summary_of_records(serve_load):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread CPU time comes from Linux's /proc")
 def test_cpu_marks_count_a_busy_thread_and_not_an_idle_one(serve_load):
-    """A thread spinning throughout shows about one core busy; the main thread, asleep, none."""
+    """A thread spinning throughout shows a core busy (a share of one when the suite's other
+    worker holds the CPU too: 0.41 was seen on 2 cores); the main thread, asleep, none."""
     import threading
     import time
 
@@ -86,7 +87,7 @@ def test_cpu_marks_count_a_busy_thread_and_not_an_idle_one(serve_load):
     worker.join()
     f = serve_load.cpu_fractions(before, after)
     assert set(f) == {"spin_process", "spin_thread", "idle_process", "idle_thread"}
-    assert 0.5 < f["spin_thread"] <= 1.1 and f["idle_thread"] < 0.1  # clock ticks: 10 ms
+    assert 0.2 < f["spin_thread"] <= 1.1 and f["idle_thread"] < 0.1  # clock ticks: 10 ms
     assert f["spin_process"] >= f["spin_thread"] - 0.05
     assert serve_load.thread_cpu_seconds(None) is None and serve_load.thread_cpu_seconds(2**31 - 1) is None
 
