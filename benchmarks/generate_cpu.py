@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct from the embedded GGUF, float32, 8 prompts x 64 new greedy tokens
 (EOS ignored by every contender, so each generates exactly 512 tokens):
 
-* ``engine``: ``attn_jax.serving.Engine`` (XLA backend's dense path), after one warm-up
+* ``engine``: ``attn_jax.serving.Engine`` (the XLA backend's chunked op), after one warm-up
   run of the same workload (compilation), with the compilations of the measured run;
 * ``hf_generate``: transformers' padded batched ``generate`` (left padding);
 * ``hf_generate_batch``: transformers' continuous-batching ``generate_batch`` (paged cache).

@@ -276,8 +276,8 @@ class AttentionMetadataBuilder[M](abc.ABC):
     """Whether the backend's kernels read only the pages a request's context covers, so a
     block table padded to the engine's longest context costs no device work: the serving
     engine then fixes the table's width at ``max_model_len``'s pages (one program for every
-    context length). False (the XLA dense path gathers the whole width): the engine buckets
-    the width by powers of two."""
+    context length). False (PALLAS_TPU, whose block sizes follow the width): the engine
+    buckets the width by powers of two."""
 
     def __init__(self, kv_cache_spec: AttentionSpec) -> None:
         self.kv_cache_spec = kv_cache_spec

@@ -43,7 +43,7 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 Q_TILE = 32
 """Query rows of a prefill tile (the token bucket's size when it is smaller)."""
-KV_CHUNK_TOKENS = 256
+KV_CHUNK_TOKENS = 64
 """Keys a loop step gathers per tile (whole pages; the block table's width when it is smaller)."""
 
 
@@ -106,12 +106,18 @@ def ragged_paged_attention(
     tables = jnp.clip(jnp.asarray(block_tables, jnp.int32), 0, num_blocks - 1)  # unused entries may hold anything
     tables = jnp.pad(tables, ((0, 0), (0, -width % chunk)))  # whole chunks; the padding is never visible
     query_lens = qsl[1:] - qsl[:-1]  # i32[R]
-    attend = functools.partial(
+    tiles = functools.partial(
         _attend_tiles, q, kv_cache, lens, tables, qsl, chunk=chunk, sm_scale=sm_scale, causal=causal,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         slopes=None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32),
         sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32), k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
+
+    def attend(reqs, rows, valid):  # a kind without rows (a decode-only batch's prefill tiles) costs nothing
+        shape = rows.shape
+        none = (jnp.full(shape, num_tokens), jnp.zeros((*shape, *q.shape[1:]), q.dtype),
+                jnp.full((*shape, num_q_heads), -jnp.inf, jnp.float32))  # fmt: skip
+        return jax.lax.cond(valid.any(), lambda: tiles(reqs, rows, valid), lambda: none)
 
     # Decode tiles: one row per request slot.
     reqs = jnp.arange(num_reqs, dtype=jnp.int32)
