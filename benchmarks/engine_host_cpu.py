@@ -3,13 +3,18 @@
 Runs the tiny random model (``attn_jax.testing.models.tiny_random_engine``) with ``--batch``
 requests at a time and times each ``Engine.step`` in the main thread's CPU time
 (``time.thread_time``, so other processes on a busy machine do not count), less the
-time inside the jitted call and inside reading the tokens back: what is left is the
+time inside the jitted call (reported apart) and inside reading the tokens back: what is left is the
 Python the engine core and the model runner run per step (scheduling, the packed step
 inputs, the attention metadata, accounting, detokenisation). The GPU step's host cost
 is the same code (``benchmarks/generate_gpu.py`` reports its ``host_ms_per_step``).
 
     python benchmarks/engine_host_cpu.py --runs 5 --tokens 300
     python benchmarks/engine_host_cpu.py --batch 64 --tokens 128
+    python benchmarks/engine_host_cpu.py --batch 64 --tokens 128 --devices 4 --model-parallel 1
+
+``--devices N`` shards the engine over N CPU devices (``--xla_force_host_platform_device_count``)
+as ``Engine.from_llama`` does, ``--model-parallel`` of them over the KV heads and the rest
+over requests: the host's cost per call against the device count (issue 48's "does not grow").
 
 Writes JSON only with ``--write`` (the committed file) or ``--out PATH``.
 """
@@ -25,53 +30,67 @@ import time
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
 
-def measure(runs: int, tokens: int, batch: int = 1) -> dict:
+def measure(runs: int, tokens: int, batch: int = 1, devices: int = 1, model_parallel: int | None = None) -> dict:
     """Median per-step host CPU ms of each run of ``batch`` requests of ``tokens`` new tokens
-    (the first and last 5 steps left out)."""
+    (the first and last 5 steps left out), on ``devices`` CPU devices."""
+    import os
+
+    if devices > 1:  # before jax starts its CPU backend
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+        ).strip()
     import jax
 
     from attn_jax.serving import SamplingParams
     from attn_jax.testing.models import tiny_random_engine
 
+    sharding = {} if devices == 1 else {"devices": devices, "model_parallel": model_parallel}
     engine = tiny_random_engine(max_num_seqs=batch, max_num_batched_tokens=max(64, 32 * batch),
-                                max_model_len=tokens + 64)  # fmt: skip
+                                max_model_len=tokens + 64, **sharding)  # fmt: skip
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     prompts = [list(range(100 + i, 132 + i)) for i in range(batch)]
     engine.generate(prompts, params)  # compiles the prefill and decode shapes
-    spent = {"device": 0.0}
+    spent = {"read": 0.0, "dispatch": 0.0}
     runner = engine.runner
     read, jitted = runner.read_tokens, runner._jit_step
 
-    def timed(fn):
+    def timed(fn, what):
         def wrapper(*args):
             start = time.thread_time()
             try:
                 return fn(*args)
             finally:
-                spent["device"] += time.thread_time() - start
+                spent[what] += time.thread_time() - start
 
         return wrapper
 
-    runner.read_tokens, runner._jit_step = timed(read), timed(jitted)
-    medians = []
+    runner.read_tokens, runner._jit_step = timed(read, "read"), timed(jitted, "dispatch")
+    medians, dispatch = [], []
     try:
         for _ in range(runs):
             for prompt in prompts:
                 engine.add_request(prompt, params)
-            per_step = []
+            per_step, per_dispatch = [], []
             while engine.has_unfinished():
-                spent["device"] = 0.0
+                spent["read"] = spent["dispatch"] = 0.0
                 start = time.thread_time()
                 engine.step()
-                per_step.append(time.thread_time() - start - spent["device"])
+                per_step.append(time.thread_time() - start - spent["read"] - spent["dispatch"])
+                per_dispatch.append(spent["dispatch"])
             medians.append(1e3 * statistics.median(per_step[5:-5]))
+            dispatch.append(1e3 * statistics.median(per_dispatch[5:-5]))
     finally:
         runner.read_tokens, runner._jit_step = read, jitted
     return {
         "host_ms_per_step_runs": medians,
         "host_ms_per_step_median": statistics.median(medians),
+        # The jitted call's own CPU time in the calling thread (argument handling, enqueueing the
+        # program on every device; on a CPU it may include some of the program's work).
+        "dispatch_ms_per_step_median": statistics.median(dispatch),
         "tokens_per_run": tokens,
         "batch": batch,
+        "devices": devices,
+        "mesh": None if engine.mesh is None else dict(engine.mesh.shape),
         "jax": jax.__version__,
     }
 
@@ -81,17 +100,26 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=300, help="new tokens per request")
     parser.add_argument("--batch", type=int, default=1, help="requests per run, all submitted at once")
+    parser.add_argument("--devices", type=int, default=1, help="CPU devices the engine is sharded over")
+    parser.add_argument("--model-parallel", type=int, default=None, help="of them over the KV heads (default: as serve)")
     add_output_args(parser, "engine_host_cpu.json")
     args = parser.parse_args()
-    if args.runs < 1 or args.tokens < 20 or args.batch < 1:
-        parser.error(f"--runs={args.runs} and --batch={args.batch} must be >= 1 and --tokens={args.tokens} >= 20")
-    result = measure(args.runs, args.tokens, args.batch) | {
+    if args.runs < 1 or args.tokens < 20 or args.batch < 1 or args.devices < 1:
+        parser.error(
+            f"--runs={args.runs}, --batch={args.batch} and --devices={args.devices} must be >= 1 and "
+            f"--tokens={args.tokens} >= 20"
+        )
+    result = measure(args.runs, args.tokens, args.batch, args.devices, args.model_parallel) | {
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     runs = ", ".join(f"{m:.3f}" for m in result["host_ms_per_step_runs"])
     median = result["host_ms_per_step_median"]
-    print(f"engine host CPU time per step, batch {args.batch}: median {median:.3f} ms (runs: {runs})")
+    mesh = f", mesh {result['mesh']}" if result["mesh"] else ""
+    print(
+        f"engine host CPU time per step, batch {args.batch}{mesh}: median {median:.3f} ms (runs: {runs}); "
+        f"the jitted call's {result['dispatch_ms_per_step_median']:.3f} ms"
+    )
     write_json(output_path(args), result)
 
 
