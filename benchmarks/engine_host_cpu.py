@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=300, help="new tokens per request")
     parser.add_argument("--batch", type=int, default=1, help="requests per run, all submitted at once")
     parser.add_argument("--devices", type=int, default=1, help="CPU devices the engine is sharded over")
-    parser.add_argument("--model-parallel", type=int, default=None, help="of them over the KV heads (default: as serve)")
+    parser.add_argument("--model-parallel", type=int, default=None, help="over the KV heads (default: as serve)")
     add_output_args(parser, "engine_host_cpu.json")
     args = parser.parse_args()
     if args.runs < 1 or args.tokens < 20 or args.batch < 1 or args.devices < 1:
