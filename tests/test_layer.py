@@ -12,7 +12,7 @@ from attn_jax.backends.pallas_tpu import PallasTPUAttentionBackend
 from attn_jax.backends.xla import XLAAttentionBackend
 from attn_jax.layer import Attention, CacheConfig, debug_checks_enabled, set_debug_checks
 from attn_jax.metadata import CommonAttentionMetadata, MetadataBuckets, build_common_attn_metadata
-from attn_jax.ops.ragged_paged_attention.chunked import ragged_paged_attention
+from attn_jax.ops.ragged_paged_attention.reference import ragged_paged_attention
 from attn_jax.testing.workloads import make_ragged_batch
 from tests.oracle import attention_oracle
 
@@ -47,7 +47,7 @@ def make_batch(rng, query_lens, seq_lens, buckets=BUCKETS):
     return md, q, k, v
 
 
-def run_op(layer, q, k, v, kv_cache, md, **options):
+def run_reference(layer, q, k, v, kv_cache, md, **options):
     t = q.shape[0]
     out, cache = ragged_paged_attention(
         q.reshape(t, NUM_HEADS, HEAD_SIZE), k.reshape(t, NUM_KV_HEADS, HEAD_SIZE),
@@ -90,7 +90,7 @@ def test_layer_matches_the_op_on_flat_and_head_shaped_inputs():
     layer = make_layer(logits_soft_cap=5.0, per_layer_sliding_window=6)
     md, q, k, v = make_batch(rng, [1, 5, 3], [9, 5, 12])
     cache = layer.init_kv_cache(NUM_BLOCKS, fill=np.nan)
-    expected, expected_cache = run_op(layer, q, k, v, cache, md, logits_soft_cap=5.0, sliding_window=6)
+    expected, expected_cache = run_reference(layer, q, k, v, cache, md, logits_soft_cap=5.0, sliding_window=6)
     out, new_cache = layer(q, k, v, cache, md)
     np.testing.assert_array_equal(out, expected)
     np.testing.assert_array_equal(new_cache, expected_cache)
@@ -223,7 +223,7 @@ def test_encoder_only_attends_both_ways():
     md, q, k, v = make_batch(rng, [3, 2], [3, 2])
     cache = layer.init_kv_cache(NUM_BLOCKS, fill=np.nan)
     out, _ = layer(q, k, v, cache, md)
-    expected, _ = run_op(layer, q, k, v, cache, md, causal=False)
+    expected, _ = run_reference(layer, q, k, v, cache, md, causal=False)
     np.testing.assert_array_equal(out, expected)
     causal, _ = make_layer()(q, k, v, cache, md)
     assert not np.allclose(out[:3], causal[:3])
