@@ -81,8 +81,8 @@ def ragged_paged_attention(
         alibi_slopes=alibi_slopes, sinks=sinks,
     )  # fmt: skip
     _, num_blocks, block_size, _, _ = kv_cache.shape
-    for name, value in (("q_tile", q_tile), ("kv_chunk_pages", kv_chunk_pages)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    for name, value in (("q_tile", q_tile), ("kv_chunk_pages", 1 if kv_chunk_pages is None else kv_chunk_pages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
     if is_concrete(query_start_loc, seq_lens, block_tables, slot_mapping):
         dynamic_validate_inputs(
@@ -107,7 +107,7 @@ def ragged_paged_attention(
     tables = jnp.pad(tables, ((0, 0), (0, -width % chunk)))  # whole chunks; the padding is never visible
     query_lens = qsl[1:] - qsl[:-1]  # i32[R]
     tiles = functools.partial(
-        _attend_tiles, q, kv_cache, lens, tables, qsl, chunk=chunk, sm_scale=sm_scale, causal=causal,
+        _attend_tiles, q, kv_cache, lens, tables, qsl, query_lens, chunk=chunk, sm_scale=sm_scale, causal=causal,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         slopes=None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32),
         sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32), k_scale=k_scale, v_scale=v_scale,
@@ -146,13 +146,13 @@ def ragged_paged_attention(
 
 
 def _attend_tiles(
-    q, kv_cache, lens, tables, first_rows, reqs, rows, valid, *,
+    q, kv_cache, lens, tables, qsl, query_lens, reqs, rows, valid, *,
     chunk, sm_scale, causal, sliding_window, logits_soft_cap, slopes, sinks, k_scale, v_scale,
 ):  # fmt: skip
-    """Attention of tiles: ``rows`` i32[G, Qt] (row T: none) of requests ``reqs`` i32[G],
-    ``valid`` bool[G, Qt] the real rows; ``first_rows`` i32[R + 1] is ``query_start_loc``.
-    Returns (rows, out f[G, Qt, Hq, D] in q's dtype, lse f32[G, Qt, Hq]); rows that see
-    nothing give 0 and -inf."""
+    """Attention of tiles: ``rows`` i32[G, Qt] (row T where not ``valid``) of requests
+    ``reqs`` i32[G], ``valid`` bool[G, Qt] the real rows; ``qsl`` i32[R + 1] and
+    ``query_lens`` i32[R] the batch's. Returns (rows, out f[G, Qt, Hq, D] in q's dtype,
+    lse f32[G, Qt, Hq]); rows that see nothing give 0 and -inf."""
     num_tokens, num_q_heads, head_size = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_q_heads // num_kv_heads
@@ -160,9 +160,8 @@ def _attend_tiles(
     chunk_len = chunk * block_size
 
     seq = lens[reqs]  # i32[G]
-    query_lens = first_rows[1:] - first_rows[:-1]
     # A row's position: a request's new tokens are its last query_len positions.
-    pos = jnp.where(valid, seq[:, None] - query_lens[reqs][:, None] + rows - first_rows[reqs][:, None], 0)  # i32[G, Qt]
+    pos = jnp.where(valid, seq[:, None] - query_lens[reqs][:, None] + rows - qsl[reqs][:, None], 0)  # i32[G, Qt]
     # The rows of a tile's kv head: its tokens' query heads of that head, token-major (the kernels' packing).
     qt = q[jnp.minimum(rows, num_tokens - 1)].astype(jnp.float32)  # f32[G, Qt, Hq, D]
     qt = qt.reshape(num_tiles, tile_rows, num_kv_heads, group, head_size).transpose(0, 2, 1, 3, 4)
@@ -222,7 +221,6 @@ def _attend_tiles(
     o = common.normalize(acc, denom[..., None])  # f32[G, Hkv, rows, D]
     o = o.reshape(num_tiles, num_kv_heads, tile_rows, group, head_size).transpose(0, 2, 1, 3, 4)
     lse = common.log_sum_exp(m, denom).reshape(num_tiles, num_kv_heads, tile_rows, group).transpose(0, 2, 1, 3)
-    rows = jnp.where(valid, rows, num_tokens)
     return (
         rows,
         o.reshape(num_tiles, tile_rows, num_q_heads, head_size).astype(q.dtype),
