@@ -282,12 +282,14 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
     tokens than requests, else "mixed", with the Mosaic GPU split (computed with jnp) when
     the bucket averages a whole Mosaic tile per request. Block sizes depend only on the
     bucket's shapes, the mode and the dtypes (``config.gpu_block_choice``: tuned entry or
-    heuristic, fitted to the device's shared memory), so a bucket compiles at most three
-    times.
+    heuristic, fitted to the device's shared memory). Host metadata of a prefill batch that
+    does not take the Mosaic GPU split is built as a mixed batch's (its decode part empty), so
+    a bucket compiles at most three times: decode, mixed, and prefill with the split.
 
     With ``mgpu_prefill`` (the argument, else on unless ``ATTN_STACK_MGPU_PREFILL=0``, see
     ``MGPU_PREFILL_ENV``) on Hopper GPUs (``config.mgpu_prefill_available``), host
-    metadata of a prefill batch (no decodes) gets the Mosaic GPU split (``mgpu_split``): the kernel then runs the long
+    metadata of a prefill batch (no decodes) in a bucket of at least ``MGPU_SPLIT_MIN_TILES`` Mosaic
+    tiles gets the Mosaic GPU split (``mgpu_split``): the kernel then runs the long
     requests in ``pallas_mosaic_gpu`` when the layer's configuration allows it
     (``pallas_mosaic_gpu.unsupported_reason``) and everything in the Triton kernel otherwise.
     Mixed batches stay on the Triton kernel alone: on the H100, DESIGN.md's M1 (4 chunks of
@@ -319,6 +321,12 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
     16 MiB take at an H200's bandwidth. Measured (H200, bfloat16, SmolLM2 shape): at 16 x
     (1024 + 32) tokens (11.3 MiB saved) cascade made the decode step 1.12x slower; S1's
     64 x (2048 + 64) (94.5 MiB) ran its attention 4x faster (H100; BENCHMARKS.md)."""
+
+    MGPU_SPLIT_MIN_TILES = 4
+    """Host metadata takes the Mosaic GPU split only for buckets of at least this many of its
+    q-tiles (512 tokens): a smaller bucket's prefill runs on the mixed batches' Triton launch,
+    where its attention is a few microseconds and a second launch would cost about what the
+    split saves (not measured), and its bucket compiles one program less (issue 46)."""
 
     def __init__(self, kv_cache_spec, device_kind: str | None = None, mgpu_prefill: bool | None = None) -> None:
         super().__init__(kv_cache_spec)
@@ -549,7 +557,7 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         if concrete:
             own = np.diff(np.asarray(base.query_start_loc))
             mode = gpu_batch_mode(own if step_query_lens is None else np.asarray(step_query_lens))
-            split_here = mode == "prefill"
+            split_here = mode == "prefill" and num_tokens >= self.MGPU_SPLIT_MIN_TILES * tile
         else:  # traced: only the bucket's shapes are known
             _warn_traced_once(self.device_kind)
             mode = "decode" if num_tokens <= num_reqs else "mixed"
@@ -559,6 +567,18 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         # A bucket holds at most one request per token: the engine pads requests to its slot
         # count, and the blocks are chosen for the requests the tokens can hold.
         num_reqs = min(num_reqs, max(num_tokens, 1))
+        split = {}
+        if split_here and self.mgpu_prefill:
+            bs = self.block_choice(num_reqs=num_reqs, pages_per_req=pages_per_req, mode=mode).block_sizes
+            mbs = mgpu_block_sizes(head_size=self.kv_cache_spec.head_size, device_kind=self.device_kind)
+            split = mgpu_split(
+                base.query_start_loc, base.seq_lens, num_tokens=num_tokens, block_q=bs.block_q, mgpu_bs=mbs,
+                step_query_lens=step_query_lens,
+            )  # fmt: skip
+        if mode == "prefill" and not split:
+            # Without the Mosaic GPU split a prefill batch runs the mixed batches' launch (its
+            # decode part empty): one program per bucket for both, not two (issue 46).
+            mode = "mixed"
         bs = self.block_choice(num_reqs=num_reqs, pages_per_req=pages_per_req, mode=mode).block_sizes
         decode_bs = None
         if mode == "mixed":
@@ -569,13 +589,6 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
             xp.asarray(base.query_start_loc), xp.asarray(base.seq_lens), num_tokens=num_tokens,
             block_q=bs.block_q, xp=xp,
         )  # fmt: skip
-        split = {}
-        if split_here and self.mgpu_prefill:
-            mbs = mgpu_block_sizes(head_size=self.kv_cache_spec.head_size, device_kind=self.device_kind)
-            split = mgpu_split(
-                base.query_start_loc, base.seq_lens, num_tokens=num_tokens, block_q=bs.block_q, mgpu_bs=mbs,
-                step_query_lens=step_query_lens,
-            )  # fmt: skip
         md = PallasGPUAttentionMetadata(
             query_start_loc=base.query_start_loc, seq_lens=base.seq_lens, block_tables=base.block_tables,
             slot_mapping=base.slot_mapping, schedule=schedule, block_sizes=bs, decode_block_sizes=decode_bs, **split,

@@ -99,15 +99,39 @@ def test_impl_rejects_other_metadata():
         impl.forward(None, None, None, None, object())
 
 
+def test_a_prefill_batch_without_the_mosaic_split_shares_the_mixed_program():
+    """A prefill batch that does not take the Mosaic GPU split (its bucket under
+    ``MGPU_SPLIT_MIN_TILES`` tiles, or no Hopper GPU) is built as a mixed batch, its decode
+    part empty: one compile key per bucket for both (issue 46). A larger bucket's long
+    prefill still takes the split, a key of its own."""
+    spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=np.dtype(jnp.bfloat16), num_q_heads=4)
+    tables = np.arange(32, dtype=np.int32).reshape(2, 16)
+    hopper = PallasGPUMetadataBuilder(spec, device_kind="NVIDIA H100 80GB HBM3", mgpu_prefill=True)
+    a100 = PallasGPUMetadataBuilder(spec, device_kind="NVIDIA A100-SXM4-80GB", mgpu_prefill=True)
+    tile_tokens = PallasGPUMetadataBuilder.MGPU_SPLIT_MIN_TILES * 128
+    for tokens, builder, split in [(256, hopper, False), (tile_tokens, hopper, True), (tile_tokens, a100, False)]:
+        buckets = MetadataBuckets((tokens,), (2,), (16,))
+        prefill = build_common_attn_metadata([200, 30], [200, 30], tables, block_size=16, buckets=buckets)
+        mixed = build_common_attn_metadata([200, 1], [200, 30], tables, block_size=16, buckets=buckets)
+        md_prefill, md_mixed = builder.build_for_jit(prefill), builder.build_for_jit(mixed)
+        assert (md_prefill.mgpu_schedule is not None) == split, (tokens, builder.device_kind)
+        same = jax.tree.structure(md_prefill) == jax.tree.structure(md_mixed)
+        assert same != split, (tokens, builder.device_kind)
+        if not split:
+            assert md_prefill.decode_block_sizes is not None
+            assert not (md_prefill.schedule[4, -2:] > 0).any(), "the decode part holds no block"
+
+
 @pytest.mark.parametrize("options", [dict(), dict(per_layer_sliding_window=5, logits_soft_cap=3.0, sinks=True)])
-def test_layer_matches_the_xla_layer_under_jit(options):
+@pytest.mark.parametrize("query_lens", [(1, 9, 1), (4, 9, 2)], ids=["mixed", "prefill"])
+def test_layer_matches_the_xla_layer_under_jit(options, query_lens):
     rng = np.random.default_rng(0)
     sinks = rng.normal(size=8).astype(np.float32) if options.pop("sinks", False) else None
     kwargs = dict(num_heads=8, head_size=32, scale=32**-0.5, num_kv_heads=2, block_size=16, dtype=jnp.float32)
     layers = [Attention(**kwargs, **options, sinks=sinks, attn_backend=b)
               for b in (PallasGPUAttentionBackend, XLAAttentionBackend)]  # fmt: skip
     assert layers[0].attn_backend is PallasGPUAttentionBackend
-    query_lens, seq_lens = np.array([1, 9, 1], np.int32), np.array([30, 12, 3], np.int32)
+    query_lens, seq_lens = np.array(query_lens, np.int32), np.array([30, 12, 3], np.int32)
     tables = rng.permutation(12).astype(np.int32).reshape(3, 4)
     md = build_common_attn_metadata(query_lens, seq_lens, tables, block_size=16)
     T = md.num_tokens
