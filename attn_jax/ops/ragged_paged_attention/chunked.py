@@ -33,11 +33,7 @@ import jax.numpy as jnp
 
 from attn_jax.kv_cache import dequantize_from_cache, write_to_kv_cache
 from attn_jax.ops.ragged_paged_attention import common
-from attn_jax.ops.ragged_paged_attention.validate import (
-    dynamic_validate_inputs,
-    is_concrete,
-    static_validate_inputs,
-)
+from attn_jax.ops.ragged_paged_attention.validate import validate_inputs
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -75,20 +71,14 @@ def ragged_paged_attention(
     kv_cache), or (out, kv_cache, lse f32[T, Hq]) with ``return_lse``; rows past the real
     tokens are 0 (lse -inf). ValueError for a ``q_tile`` or ``kv_chunk_pages`` below 1."""
     del interpret
-    static_validate_inputs(
-        q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
-        sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        alibi_slopes=alibi_slopes, sinks=sinks,
+    validate_inputs(
+        q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, sm_scale=sm_scale, causal=causal,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks,
     )  # fmt: skip
-    _, num_blocks, block_size, _, _ = kv_cache.shape
     for name, value in (("q_tile", q_tile), ("kv_chunk_pages", 1 if kv_chunk_pages is None else kv_chunk_pages)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
-    if is_concrete(query_start_loc, seq_lens, block_tables, slot_mapping):
-        dynamic_validate_inputs(
-            query_start_loc, seq_lens, block_tables, slot_mapping,
-            num_blocks=num_blocks, block_size=block_size, causal=causal,
-        )  # fmt: skip
+    _, num_blocks, block_size, _, _ = kv_cache.shape
     if k is not None:
         kv_cache = write_to_kv_cache(kv_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     num_tokens, num_q_heads, _ = q.shape

@@ -65,12 +65,7 @@ from attn_jax.ops.ragged_paged_attention.config import (
     min_kv_heads_per_block,
     tpu_block_sizes,
 )
-from attn_jax.ops.ragged_paged_attention.validate import (
-    check_query,
-    dynamic_validate_inputs,
-    is_concrete,
-    static_validate_inputs,
-)
+from attn_jax.ops.ragged_paged_attention.validate import check_query, validate_inputs
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 128, 192, 256)
 """64 shares a 128-lane row between K and V; 128 and 256 fill whole lane tiles; 80 and 96
@@ -665,17 +660,15 @@ def ragged_paged_attention(
     check_query(q)
     num_tokens, num_q_heads, head_size = q.shape
     check_tpu_cache_layout(kv_cache, num_kv_heads=None, head_size=head_size)
-    num_kv_heads = kv_cache.shape[1]
-    _validate_static(q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
-                     sm_scale, sliding_window, logits_soft_cap, alibi_slopes, sinks, q_scale)  # fmt: skip
-    num_blocks, _, page_size, _ = kv_cache.shape
+    num_blocks, num_kv_heads, page_size, _ = kv_cache.shape
+    ref_cache = jax.ShapeDtypeStruct((2, num_blocks, page_size, num_kv_heads, head_size), kv_cache.dtype)
+    validate_inputs(  # on the cache seen in the reference's terms (shape only)
+        q, k, v, ref_cache, query_start_loc, seq_lens, block_tables, slot_mapping, sm_scale=sm_scale, causal=causal,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks,
+        q_scale=q_scale,
+    )  # fmt: skip
     check_tpu_shapes(head_size=head_size, page_size=page_size, kv_dtype=kv_cache.dtype)
     num_reqs, pages_per_req = block_tables.shape
-    if is_concrete(query_start_loc, seq_lens, block_tables, slot_mapping):
-        dynamic_validate_inputs(
-            query_start_loc, seq_lens, block_tables, slot_mapping,
-            num_blocks=num_blocks, block_size=page_size, causal=causal,
-        )  # fmt: skip
     if num_tokens == 0:  # nothing to write or attend; a zero-sized grid would not lower
         empty = (jnp.zeros_like(q), kv_cache)
         return (*empty, jnp.zeros((0, num_q_heads), jnp.float32)) if return_lse else empty
@@ -731,19 +724,6 @@ def ragged_paged_attention(
         jnp.asarray(schedule, jnp.int32), alibi_slopes, sinks, scales, kv_new, interpret, vmem_limit_bytes,
     )  # fmt: skip
     return (out, kv_cache, lse) if return_lse else (out, kv_cache)
-
-
-def _validate_static(q, k, v, kv_cache, qsl, seq_lens, tables, slots, sm_scale, window, cap, alibi, sinks,
-                     q_scale=None):  # fmt: skip
-    """The reference's static checks, on the TPU cache seen in the reference's terms (shape only)."""
-    num_blocks, num_kv_heads, block_size, width = kv_cache.shape
-    if width % 2:
-        raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)}: the last axis holds [k, v], so it must be even")
-    ref_cache = jax.ShapeDtypeStruct((2, num_blocks, block_size, num_kv_heads, width // 2), kv_cache.dtype)
-    static_validate_inputs(
-        q, k, v, ref_cache, qsl, seq_lens, tables, slots, sm_scale=sm_scale, sliding_window=window,
-        logits_soft_cap=cap, alibi_slopes=alibi, sinks=sinks, q_scale=q_scale,
-    )  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnums=(0, 12, 13))

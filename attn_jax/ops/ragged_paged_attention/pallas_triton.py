@@ -45,18 +45,13 @@ from jax.experimental.pallas import triton as plgpu
 
 from attn_jax.kv_cache import write_to_kv_cache
 from attn_jax.metadata import searchsorted
-from attn_jax.ops.ragged_paged_attention import common, kv_write
+from attn_jax.ops.ragged_paged_attention import common, kv_write, validate
 from attn_jax.ops.ragged_paged_attention.config import (
     GpuBlockSizes,
     check_block_sizes,
     gpu_block_sizes,
     head_tile,
     next_pow2,
-)
-from attn_jax.ops.ragged_paged_attention.validate import (
-    dynamic_validate_inputs,
-    is_concrete,
-    static_validate_inputs,
 )
 
 SUPPORTED_HEAD_SIZES = tuple(range(8, 257, 8))
@@ -478,22 +473,17 @@ def validate_inputs(
     q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, *, sm_scale, causal,
     sliding_window, logits_soft_cap, alibi_slopes, sinks, block_sizes: GpuBlockSizes | None, q_scale=None,
 ) -> GpuBlockSizes:  # fmt: skip
-    """The op's static checks, its dynamic ones when the metadata is concrete, and the GPU
-    kernel's shape limits; returns ``block_sizes`` (or the defaults for these shapes) checked."""
-    static_validate_inputs(
-        q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
-        sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        alibi_slopes=alibi_slopes, sinks=sinks, q_scale=q_scale,
+    """The op's checks (``validate.validate_inputs``) and the GPU kernel's shape limits;
+    returns ``block_sizes`` (or the defaults for these shapes) checked."""
+    validate.validate_inputs(
+        q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, sm_scale=sm_scale, causal=causal,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks,
+        q_scale=q_scale,
     )  # fmt: skip
     num_tokens, num_q_heads, head_size = q.shape
-    _, num_blocks, page_size, num_kv_heads, _ = kv_cache.shape
+    _, _, page_size, num_kv_heads, _ = kv_cache.shape
     num_reqs, pages_per_req = block_tables.shape
     check_gpu_shapes(head_size=head_size, page_size=page_size)
-    if is_concrete(query_start_loc, seq_lens, block_tables, slot_mapping):
-        dynamic_validate_inputs(
-            query_start_loc, seq_lens, block_tables, slot_mapping,
-            num_blocks=num_blocks, block_size=page_size, causal=causal,
-        )  # fmt: skip
     group = num_q_heads // num_kv_heads
     if block_sizes is None:
         block_sizes = gpu_block_sizes(

@@ -13,11 +13,7 @@ import numpy as np
 
 from attn_jax.kv_cache import dequantize_from_cache, write_to_kv_cache
 from attn_jax.ops.ragged_paged_attention.common import FP8_P_SCALE, normalize, quantize_fp8
-from attn_jax.ops.ragged_paged_attention.validate import (
-    dynamic_validate_inputs,
-    is_concrete,
-    static_validate_inputs,
-)
+from attn_jax.ops.ragged_paged_attention.validate import validate_inputs
 
 # Elements of gathered k/v (per token chunk) the reference materialises at once.
 _GATHER_BUDGET = 1 << 24
@@ -75,17 +71,11 @@ def ragged_paged_attention(
             q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
             sm_scale=head_size**-0.5)
     """
-    static_validate_inputs(
-        q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
-        sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        alibi_slopes=alibi_slopes, sinks=sinks, q_scale=q_scale,
+    validate_inputs(
+        q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, sm_scale=sm_scale, causal=causal,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks,
+        q_scale=q_scale,
     )  # fmt: skip
-    _, num_blocks, block_size, _, _ = kv_cache.shape
-    if is_concrete(query_start_loc, seq_lens, block_tables, slot_mapping):
-        dynamic_validate_inputs(
-            query_start_loc, seq_lens, block_tables, slot_mapping,
-            num_blocks=num_blocks, block_size=block_size, causal=causal,
-        )  # fmt: skip
     if k is not None:
         kv_cache = write_to_kv_cache(kv_cache, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     out, lse = _attend(

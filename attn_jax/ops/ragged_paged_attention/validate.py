@@ -3,7 +3,8 @@
 ``static_validate_inputs`` looks only at shapes, dtypes and static options, so it runs
 at trace time. ``dynamic_validate_inputs`` looks at concrete index values (lengths,
 block ids, slot ids); callers run it only when the arrays are concrete (not inside
-``jit``), see ``is_concrete``. ``checkify_validate_inputs`` states the same dynamic
+``jit``), see ``is_concrete``; ``validate_inputs`` runs both, the prologue of every op.
+``checkify_validate_inputs`` states the same dynamic
 checks as ``jax.experimental.checkify`` checks on traced arrays: the layers' opt-in
 checked mode (``attn_jax.set_debug_checks``), never the default path.
 """
@@ -172,6 +173,31 @@ def dynamic_validate_inputs(
     check_pages_fit(lens, block_size, table.shape[1], "block_tables")
     check_block_ids(table, lens, block_size, num_blocks, "block_tables")
     check_slot_ids(slots, num_blocks * block_size)
+
+
+def validate_inputs(
+    q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping, *, sm_scale: float,
+    causal: bool = True, sliding_window: int | None = None, logits_soft_cap: float | None = None,
+    alibi_slopes=None, sinks=None, q_scale=None,
+) -> None:  # fmt: skip
+    """The ops' input checks: ``static_validate_inputs``, then ``dynamic_validate_inputs`` when
+    the metadata is concrete; raises ValueError / TypeError naming the bad value.
+
+    q f[T, Hq, D]; k, v f[T, Hkv, D] in q's dtype, or both None; kv_cache [2, P, S, Hkv, D] in
+    a cache dtype (only its shape and dtype are read); query_start_loc i32[R + 1], seq_lens
+    i32[R], block_tables i32[R, pages_per_req], slot_mapping i32[T].
+    """
+    static_validate_inputs(
+        q, k, v, kv_cache, query_start_loc, seq_lens, block_tables, slot_mapping,
+        sm_scale=sm_scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        alibi_slopes=alibi_slopes, sinks=sinks, q_scale=q_scale,
+    )  # fmt: skip
+    if is_concrete(query_start_loc, seq_lens, block_tables, slot_mapping):
+        _, num_blocks, block_size, _, _ = kv_cache.shape
+        dynamic_validate_inputs(
+            query_start_loc, seq_lens, block_tables, slot_mapping,
+            num_blocks=num_blocks, block_size=block_size, causal=causal,
+        )  # fmt: skip
 
 
 def _first(bad):
