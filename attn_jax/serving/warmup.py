@@ -18,8 +18,9 @@ contexts that fill the page bucket, with and without a prefix every request shar
 cascade attention), each multi-step decode count the engine can choose, greedy and sampled.
 ``ModelRunner.prepare`` computes each batch's compile key on the host (the same code
 traffic runs); each distinct key is compiled (by ``workers`` threads at once: XLA compiles
-outside the GIL, so a many-core host compiles that many programs in parallel) and then
-dispatched once with dummy inputs.
+outside the GIL, so a many-core host compiles that many programs in parallel; when warming
+all, from the moment the enumeration first meets it) and then dispatched once with dummy
+inputs.
 Every dummy request's block table points at one scratch page, which
 ``ModelRunner.preserving_page`` saves and restores, so no page a request can see (live,
 or cached for prefix reuse) is changed.
@@ -43,7 +44,7 @@ import jax
 from attn_jax.metadata import MetadataBuckets
 from attn_jax.ops.ragged_paged_attention.config import next_pow2
 from attn_jax.serving.executable_cache import ExecutableCache
-from attn_jax.serving.model_runner import ModelRunner
+from attn_jax.serving.model_runner import ModelRunner, PreparedCall
 from attn_jax.serving.scheduler import MIN_STEPS_CAP, Request, SamplingParams, ScheduledBatch
 
 __all__ = ["WarmupReport", "candidate_calls", "decode_step_counts", "default_workers", "query_len_patterns", "warm_up"]
@@ -151,21 +152,21 @@ def decode_step_counts(num_scheduler_steps: int, max_model_len: int, min_steps_c
 
 def _dummy_batch(query_lens: Sequence[int], capacity: int, block_size: int, params: SamplingParams) -> ScheduledBatch:
     """Requests with these query lengths whose contexts fill ``capacity`` tokens, every page
-    of every block table the scratch page."""
+    of every block table the scratch page (the requests share one prompt list and one block
+    list: they are only read)."""
+    prompt, blocks = [0] * capacity, [SCRATCH_PAGE] * -(-capacity // block_size)
     requests = []
     for i, q in enumerate(query_lens):
-        request = Request(f"warmup-{i}", [0] * capacity, params, seed=0)
+        request = Request(f"warmup-{i}", prompt, params, seed=0)
         request.num_computed = capacity - q
-        request.blocks = [SCRATCH_PAGE] * -(-capacity // block_size)
+        request.blocks = blocks
         requests.append(request)
     return ScheduledBatch(requests, list(query_lens), [])
 
 
-def candidate_calls(engine) -> tuple[dict, int]:
-    """The calls ``warm_up`` would compile for ``engine``, by ``PreparedCall.key``:
-    ``{key: (priority, PreparedCall)}`` (lower priority first), and the number of candidate
-    batches enumerated to find them. Host work only (tests check that a call's key is
-    among them)."""
+def _probes(engine) -> Iterator[tuple[tuple, PreparedCall]]:
+    """Each candidate batch's calls as ``(priority, PreparedCall)``, keys repeated as the
+    batches meet them (``candidate_calls`` keeps the first of each)."""
     runner: ModelRunner = engine.runner
     block_size, max_model_len = engine.block_size, engine.max_model_len
     page_buckets = [p for p in engine.buckets.blocks_per_request_buckets]
@@ -173,7 +174,6 @@ def candidate_calls(engine) -> tuple[dict, int]:
     step_counts = [1]
     if runner.supports_decode_advance:
         step_counts += decode_step_counts(engine.num_scheduler_steps, max_model_len, MIN_STEPS_CAP)
-    calls, num_probes = {}, 0  # key -> (priority, PreparedCall)
     for lens in query_len_patterns(engine.buckets, engine.max_num_seqs, engine.max_num_batched_tokens):
         decode_only = max(lens) == 1
         for p in page_buckets:
@@ -187,21 +187,32 @@ def candidate_calls(engine) -> tuple[dict, int]:
                 for common in (None, [min(p, max_pages)] * runner.num_shards):
                     steps = [[k] * len(lens)] * runner.num_shards
                     greedy = runner.prepare(batches, rows, steps, k, common)
-                    num_probes += 1
                     # The same inputs run the sampled program too (greedy rows are exact there): its compile key.
                     for prepared in (greedy, dataclasses.replace(greedy, sampled=True)):
-                        priority = (False, prepared.sampled, not decode_only, common is not None)
-                        calls.setdefault(prepared.key, (priority, prepared))
+                        yield (False, prepared.sampled, not decode_only, common is not None), prepared
             # With prompt log-probabilities: every token row's logits (one step, sampled, the widest table).
             if not decode_only:
                 batch = _dummy_batch(lens, capacity, block_size, SamplingParams(temperature=0.0, prompt_logprobs=0))
                 batches = [batch] * runner.num_shards
                 rows = {id(r): ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, lens, strict=True)}
-                prepared = runner.prepare(batches, rows, [[1] * len(lens)] * runner.num_shards, 1)
-                num_probes += 1
-                calls.setdefault(prepared.key, ((True, True, True, False), prepared))
+                yield (True, True, True, False), runner.prepare(batches, rows, [[1] * len(lens)] * runner.num_shards, 1)
             if capacity >= max_model_len:
                 break
+
+
+def candidate_calls(engine, on_new: Callable[[PreparedCall], None] | None = None) -> tuple[dict, int]:
+    """The calls ``warm_up`` would compile for ``engine``, by ``PreparedCall.key``:
+    ``{key: (priority, PreparedCall)}`` (lower priority first), and the number of candidate
+    batches enumerated to find them (a greedy call and its sampled twin are one batch).
+    Host work only (tests check that a call's key is among them). ``on_new(prepared)`` is
+    called for each key as it is first met (``warm_up`` starts compiling it then)."""
+    calls, num_probes = {}, 0  # key -> (priority, PreparedCall)
+    for priority, prepared in _probes(engine):
+        num_probes += not prepared.sampled or prepared.prompt_logprobs
+        if prepared.key not in calls:
+            calls[prepared.key] = (priority, prepared)
+            if on_new is not None:
+                on_new(prepared)
     return calls, num_probes
 
 
@@ -235,20 +246,30 @@ def warm_up(
         raise ValueError(f"workers={workers!r} must be an int >= 1")
     start = time.perf_counter()
     runner: ModelRunner = engine.runner
-    calls, num_probes = candidate_calls(engine)
-    ordered = [prepared for _, prepared in sorted(calls.values(), key=lambda x: x[0])]
-    chosen = ordered if max_shapes is None else ordered[:max_shapes]
     compilations = runner.num_compilations
-    pending = [prepared for prepared in chosen if prepared.key not in runner.dispatched_keys]
     runner.compile_guide_writes()  # structured outputs' mask writes: one program, not a step shape
     cache = None
     if executable_cache is not None and jax.process_count() == 1:
         cache = ExecutableCache(executable_cache, runner)
     with ThreadPoolExecutor(workers) as pool:
-        for i, future in enumerate(as_completed([pool.submit(runner.compile, p, cache) for p in pending])):
+        futures = []
+
+        def submit(prepared: PreparedCall) -> None:
+            if prepared.key not in runner.dispatched_keys:
+                futures.append(pool.submit(runner.compile, prepared, cache))
+
+        # Warming all: each program compiles (or loads) as soon as the enumeration meets it, beside
+        # the rest of the enumeration (host work under the GIL, about 10 s at serve's GPU defaults).
+        calls, num_probes = candidate_calls(engine, on_new=submit if max_shapes is None else None)
+        ordered = [prepared for _, prepared in sorted(calls.values(), key=lambda x: x[0])]
+        chosen = ordered if max_shapes is None else ordered[:max_shapes]
+        if max_shapes is not None:
+            for prepared in chosen:
+                submit(prepared)
+        for i, future in enumerate(as_completed(futures)):
             future.result()
             if progress is not None:
-                progress(i + 1, len(pending))
+                progress(i + 1, len(futures))
     with runner.preserving_page(SCRATCH_PAGE):  # each program run once (dispatch-side caches filled)
         for prepared in chosen:
             if prepared.key not in runner.dispatched_keys:
