@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -91,10 +92,36 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def start_once(model_dir: pathlib.Path, cache_dir: pathlib.Path, port: int, extra: list[str], timeout_s: float) -> dict:
+_COMPILE_LOG = re.compile(
+    r"Finished (tracing|jaxpr to MLIR module conversion|XLA compilation of) (\S+) .*?in ([0-9.]+) sec"
+)
+"""The phases JAX logs per compiled function under ``JAX_LOG_COMPILES=1``."""
+
+
+def compile_log_totals(lines: list[str]) -> dict:
+    """Seconds and counts of ``_device_step``'s logged compile phases (tracing, lowering to
+    MLIR, XLA's compilation), summed over every program: what a cold start's threads did."""
+    names = {"tracing": "trace", "jaxpr to MLIR module conversion": "lower", "XLA compilation of": "xla"}
+    totals = {}
+    for line in lines:
+        match = _COMPILE_LOG.search(line)
+        if match and "_device_step" in match.group(2):
+            phase = totals.setdefault(names[match.group(1)], {"seconds": 0.0, "count": 0})
+            phase["seconds"] += float(match.group(3))
+            phase["count"] += 1
+    return totals
+
+
+def start_once(
+    model_dir: pathlib.Path, cache_dir: pathlib.Path, port: int, extra: list[str], timeout_s: float,
+    log_compiles: bool = False,
+) -> dict:  # fmt: skip
     """One ``attn-stack serve`` from the command to ``/health`` (then SIGTERM): its seconds and
-    the lines it printed about the warm-up and the KV cache."""
+    the lines it printed about the warm-up and the KV cache (with ``log_compiles``, also the
+    step programs' summed compile phases, ``compile_log_totals``)."""
     env = {**os.environ, "ATTN_STACK_CACHE_DIR": str(cache_dir)}
+    if log_compiles:
+        env["JAX_LOG_COMPILES"] = "1"
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # serve's own cache folder, under cache_dir
     command = [sys.executable, "-m", "attn_jax", "serve", "--model", str(model_dir), "--port", str(port), *extra]
     log = tempfile.TemporaryFile("w+")
@@ -117,7 +144,10 @@ def start_once(model_dir: pathlib.Path, cache_dir: pathlib.Path, port: int, extr
     log.seek(0)
     lines = log.read().splitlines()
     wanted = [line for line in lines if "warmed up" in line or "KV cache" in line or "Error" in line]
-    return {"seconds_to_health": seconds, "exit_code": process.returncode, "lines": wanted, "tail": lines[-5:]}
+    run = {"seconds_to_health": seconds, "exit_code": process.returncode, "lines": wanted, "tail": lines[-5:]}
+    if log_compiles:
+        run["compile_phases"] = compile_log_totals(lines)
+    return run
 
 
 def main() -> None:
@@ -129,6 +159,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2, help="starts over one cache: the first cold, then warm")
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--timeout-s", type=float, default=900.0, help="give up on a start after this long")
+    parser.add_argument(
+        "--log-compiles", action="store_true",
+        help="JAX_LOG_COMPILES=1 for the server: each run also sums its step programs' tracing, lowering and XLA time",
+    )  # fmt: skip
     parser.add_argument("serve_args", nargs="*", help="more `attn-stack serve` arguments (after --)")
     add_output_args(parser, "serve_cold_start.json")
     args = parser.parse_args()
@@ -142,7 +176,9 @@ def main() -> None:
             write_random_checkpoint(model_dir, args.random_shape, args.tokenizer_dir)
         runs = []
         for i in range(args.runs):
-            run = start_once(model_dir, scratch / "cache", args.port, args.serve_args, args.timeout_s)
+            run = start_once(
+                model_dir, scratch / "cache", args.port, args.serve_args, args.timeout_s, args.log_compiles
+            )
             run["cache"] = "empty" if i == 0 else "warm"
             runs.append(run)
             print(json.dumps(run), flush=True)

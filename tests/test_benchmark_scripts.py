@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -102,3 +103,30 @@ def test_paged_stream_ceiling_lowers_for_cuda_on_the_cpu():
     result = _run(ROOT / "benchmarks" / "paged_stream_ceiling.py", "--lower", "--configs", "1:1,2:3")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.count("lowered (True)") == 2, result.stdout
+
+
+def test_cold_start_sums_the_step_programs_logged_compile_phases():
+    """``serve_cold_start.py --log-compiles``: each phase JAX logs for ``_device_step``
+    (tracing, lowering, XLA) summed over the programs; other functions are left out."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the script imports results_io from its folder
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "serve_cold_start_under_test", ROOT / "benchmarks" / "serve_cold_start.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    lines = [
+        "WARNING:jax._src.pjit:Finished tracing _device_step for jit in 1.5 sec",
+        "WARNING:jax._src.interpreters.pxla:Finished jaxpr to MLIR module conversion jit(_device_step) in 0.25 sec",
+        "WARNING:jax._src.interpreters.pxla:Finished XLA compilation of jit(_device_step) in 4.0 sec",
+        "WARNING:jax._src.interpreters.pxla:Finished XLA compilation of jit(_device_step) in 2.5 sec",
+        "WARNING:jax._src.interpreters.pxla:Finished XLA compilation of jit(write_kv) in 9.0 sec",
+        "attn-stack serve: warmed up 2 step shapes",
+    ]
+    assert module.compile_log_totals(lines) == {
+        "trace": {"seconds": 1.5, "count": 1},
+        "lower": {"seconds": 0.25, "count": 1},
+        "xla": {"seconds": 6.5, "count": 2},
+    }
