@@ -348,11 +348,12 @@ def server_section() -> list[str]:
             continue
         if w.get("logprobs") or w.get("json_schema_fraction"):  # the clients' fields' runs: BENCHMARKS.md
             continue
-        key = (_device(data), w.get("model"), w.get("concurrency"), w.get("prompt_len"), w.get("max_tokens"))
+        steps = w.get("num_scheduler_steps") or 1
+        key = (_device(data), w.get("model"), w.get("concurrency"), w.get("prompt_len"), w.get("max_tokens"), steps)
         latest[key] = (date, path, data)
     rows = []
     for key in sorted(latest, key=lambda k: tuple(str(x) for x in k)):
-        dev, model, conc, plen, ntok = key
+        dev, model, conc, plen, ntok, steps = key
         date, path, data = latest[key]
         cl, off = data["closed_loop"], data.get("offline") or {}
         pois = data.get("poisson") or {}
@@ -361,7 +362,7 @@ def server_section() -> list[str]:
             [
                 model,
                 str(conc),
-                f"{plen} + {ntok}",
+                f"{plen} + {ntok}" + (f", {steps} steps/call" if steps > 1 else ""),
                 _f(cl.get("output_tokens_per_s"), 0),
                 _f(off.get("tokens_per_s"), 0),
                 _f(ratio, 2),
