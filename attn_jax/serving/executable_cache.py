@@ -8,7 +8,9 @@ its compile key: jax and jaxlib versions, the devices, ``XLA_FLAGS``, the jax op
 change a trace, a hash of every attn_jax source file, the model's class and configuration,
 the attention backend, and the shape, dtype and sharding of every input the step takes),
 and a file per compile key (``PreparedCall.key``) holding ``serialize_executable``'s
-payload. A loaded program is checked against the call's inputs (tree and avals) before it
+payload, and the warm-up's list of calls per set of engine limits (``store_list``: a warm
+start prepares one dummy call per program instead of enumerating thousands of batches). A
+loaded program is checked against the call's inputs (tree and avals) before it
 is used; anything that does not match, or fails to load, is compiled as before.
 
 Used by ``Engine.warmup(executable_cache=...)`` (``attn-stack serve`` points it at
@@ -20,6 +22,7 @@ starts a new fingerprint folder); deleting it is always safe.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import pathlib
@@ -101,6 +104,26 @@ class ExecutableCache:
             return None
         self.num_loaded += 1
         return compiled
+
+    def load_list(self, name: str) -> list | None:
+        """The JSON list ``store_list`` wrote under ``name`` (the warm-up's calls), else None."""
+        try:
+            return json.loads((self.folder / f"{name}.json").read_text())
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # damaged: the caller enumerates again
+            logger.warning("executable cache: the list %s could not be read (%s: %s)", name, type(e).__name__, e)
+            return None
+
+    def store_list(self, name: str, value: list) -> None:
+        """Writes ``value`` (JSON) under ``name``, atomically; a failure is logged, never raised."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.folder, delete=False) as f:
+                json.dump(value, f)
+            os.replace(f.name, self.folder / f"{name}.json")
+        except Exception as e:
+            logger.warning("executable cache: could not write the list %s (%s: %s)", name, type(e).__name__, e)
 
     def store(self, key: tuple, compiled) -> None:
         """Writes ``compiled`` for ``key`` (atomically: a reader never sees half a file); a

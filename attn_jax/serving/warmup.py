@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -66,13 +67,15 @@ class WarmupReport:
     num_skipped: int = 0  # shapes past ``max_shapes``, left to compile when traffic meets them
     workers: int = 1  # threads that compiled at once
     num_loaded: int = 0  # programs loaded from the executable cache (neither traced nor compiled)
+    listed: bool = False  # the calls came from the executable cache's list, not an enumeration
 
     def summary(self) -> str:
         skipped = f"; {self.num_skipped} rarer shapes skipped (max_shapes)" if self.num_skipped else ""
         loaded = f", {self.num_loaded} loaded from the executable cache" if self.num_loaded else ""
+        found = "the executable cache's call list" if self.listed else f"{self.num_probes} candidate batches"
         return (
             f"warmed up {self.num_shapes} step shapes ({self.num_compilations} compiled by {self.workers} "
-            f"thread(s){loaded}, from {self.num_probes} candidate batches) in {self.seconds:.1f} s{skipped}"
+            f"thread(s){loaded}, from {found}) in {self.seconds:.1f} s{skipped}"
         )
 
 
@@ -164,9 +167,33 @@ def _dummy_batch(query_lens: Sequence[int], capacity: int, block_size: int, para
     return ScheduledBatch(requests, list(query_lens), [])
 
 
-def _probes(engine) -> Iterator[tuple[tuple, PreparedCall]]:
-    """Each candidate batch's calls as ``(priority, PreparedCall)``, keys repeated as the
-    batches meet them (``candidate_calls`` keeps the first of each)."""
+def _rows(batch: ScheduledBatch) -> dict[int, tuple]:
+    """Each dummy request's ``request_row`` by ``id``."""
+    return {id(r): ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, batch.num_new, strict=True)}
+
+
+def _call(runner: ModelRunner, batch: ScheduledBatch, rows: dict, num_steps: int, common_pages: int | None):
+    """``runner.prepare`` of ``batch`` on every data shard, ``num_steps`` steps, with each
+    shard's ``common_pages`` shared pages for cascade attention (None: none)."""
+    common = None if common_pages is None else [common_pages] * runner.num_shards
+    steps = [[num_steps] * len(batch.requests)] * runner.num_shards
+    return runner.prepare([batch] * runner.num_shards, rows, steps, num_steps, common)
+
+
+def _recipe_call(engine, recipe: list, sampled: bool) -> PreparedCall:
+    """The call a ``_probes`` recipe (query lengths, capacity, steps, common pages, prompt
+    log-probabilities) makes, greedy or its sampled twin."""
+    lens, capacity, num_steps, common_pages, prompt_logprobs = recipe
+    params = SamplingParams(temperature=0.0, prompt_logprobs=0 if prompt_logprobs else None)
+    batch = _dummy_batch(lens, capacity, engine.block_size, params)
+    prepared = _call(engine.runner, batch, _rows(batch), num_steps, common_pages)
+    return dataclasses.replace(prepared, sampled=True) if sampled else prepared
+
+
+def _probes(engine) -> Iterator[tuple[tuple, list, PreparedCall]]:
+    """Each candidate batch's calls as ``(priority, recipe, PreparedCall)`` (``_recipe_call``
+    makes the same call from the recipe), keys repeated as the batches meet them
+    (``candidate_calls`` keeps the first of each)."""
     runner: ModelRunner = engine.runner
     block_size, max_model_len = engine.block_size, engine.max_model_len
     page_buckets = [p for p in engine.buckets.blocks_per_request_buckets]
@@ -181,23 +208,34 @@ def _probes(engine) -> Iterator[tuple[tuple, PreparedCall]]:
             if max(lens) > capacity:
                 continue
             batch = _dummy_batch(lens, capacity, block_size, SamplingParams(temperature=0.0))
-            batches = [batch] * runner.num_shards
-            rows = {id(r): ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, lens, strict=True)}
+            rows = _rows(batch)
             for k in step_counts if decode_only else [1]:
-                for common in (None, [min(p, max_pages)] * runner.num_shards):
-                    steps = [[k] * len(lens)] * runner.num_shards
-                    greedy = runner.prepare(batches, rows, steps, k, common)
+                for common in (None, min(p, max_pages)):
+                    greedy = _call(runner, batch, rows, k, common)
+                    recipe = [list(lens), capacity, k, common, False]
                     # The same inputs run the sampled program too (greedy rows are exact there): its compile key.
                     for prepared in (greedy, dataclasses.replace(greedy, sampled=True)):
-                        yield (False, prepared.sampled, not decode_only, common is not None), prepared
+                        yield (False, prepared.sampled, not decode_only, common is not None), recipe, prepared
             # With prompt log-probabilities: every token row's logits (one step, sampled, the widest table).
             if not decode_only:
-                batch = _dummy_batch(lens, capacity, block_size, SamplingParams(temperature=0.0, prompt_logprobs=0))
-                batches = [batch] * runner.num_shards
-                rows = {id(r): ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, lens, strict=True)}
-                yield (True, True, True, False), runner.prepare(batches, rows, [[1] * len(lens)] * runner.num_shards, 1)
+                recipe = [list(lens), capacity, 1, None, True]
+                yield (True, True, True, False), recipe, _recipe_call(engine, recipe, False)
             if capacity >= max_model_len:
                 break
+
+
+def _enumerate(engine, on_new: Callable[[PreparedCall], None] | None = None) -> tuple[dict, int]:
+    """``{key: (priority, recipe, PreparedCall)}`` of every candidate call, and the number of
+    candidate batches (a greedy call and its sampled twin are one); ``on_new`` as in
+    ``candidate_calls``."""
+    calls, num_probes = {}, 0
+    for priority, recipe, prepared in _probes(engine):
+        num_probes += not prepared.sampled or prepared.prompt_logprobs
+        if prepared.key not in calls:
+            calls[prepared.key] = (priority, recipe, prepared)
+            if on_new is not None:
+                on_new(prepared)
+    return calls, num_probes
 
 
 def candidate_calls(engine, on_new: Callable[[PreparedCall], None] | None = None) -> tuple[dict, int]:
@@ -206,14 +244,22 @@ def candidate_calls(engine, on_new: Callable[[PreparedCall], None] | None = None
     batches enumerated to find them (a greedy call and its sampled twin are one batch).
     Host work only (tests check that a call's key is among them). ``on_new(prepared)`` is
     called for each key as it is first met (``warm_up`` starts compiling it then)."""
-    calls, num_probes = {}, 0  # key -> (priority, PreparedCall)
-    for priority, prepared in _probes(engine):
-        num_probes += not prepared.sampled or prepared.prompt_logprobs
-        if prepared.key not in calls:
-            calls[prepared.key] = (priority, prepared)
-            if on_new is not None:
-                on_new(prepared)
-    return calls, num_probes
+    calls, num_probes = _enumerate(engine, on_new)
+    return {key: (priority, prepared) for key, (priority, _, prepared) in calls.items()}, num_probes
+
+
+def _list_name(engine) -> str:
+    """The name the executable cache keeps this engine's call list under: its limits, buckets,
+    mesh shape and cascade settings, and the ``ATTN_STACK_*`` settings a builder may read (the
+    cache's fingerprint covers the model, devices and sources)."""
+    runner = engine.runner
+    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith("ATTN_STACK_"))
+    parts = (
+        engine.max_num_seqs, engine.max_num_batched_tokens, engine.max_model_len, engine.block_size,
+        engine.num_scheduler_steps, engine.buckets, runner.num_shards, runner.supports_decode_advance,
+        runner.cascade, settings,
+    )  # fmt: skip
+    return "warmup-calls-" + hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
 def warm_up(
@@ -258,10 +304,25 @@ def warm_up(
             if prepared.key not in runner.dispatched_keys:
                 futures.append(pool.submit(runner.compile, prepared, cache))
 
-        # Warming all: each program compiles (or loads) as soon as the enumeration meets it, beside
-        # the rest of the enumeration (host work under the GIL, about 10 s at serve's GPU defaults).
-        calls, num_probes = candidate_calls(engine, on_new=submit if max_shapes is None else None)
-        ordered = [prepared for _, prepared in sorted(calls.values(), key=lambda x: x[0])]
+        listed = None if cache is None else cache.load_list(_list_name(engine))
+        if listed is not None:  # the call list a full enumeration stored: one call per program
+            calls = {}
+            for priority, recipe, sampled in listed:
+                prepared = _recipe_call(engine, recipe, sampled)
+                calls.setdefault(prepared.key, (tuple(priority), recipe, prepared))
+            num_probes = len(listed)
+            if max_shapes is None:
+                for _, _, prepared in calls.values():
+                    submit(prepared)
+        else:
+            # Warming all: each program compiles (or loads) as soon as the enumeration meets it,
+            # beside the rest of the enumeration (host work under the GIL, about 10 s at serve's
+            # GPU defaults).
+            calls, num_probes = _enumerate(engine, on_new=submit if max_shapes is None else None)
+            if cache is not None:
+                stored = [[list(priority), recipe, prepared.sampled] for priority, recipe, prepared in calls.values()]
+                cache.store_list(_list_name(engine), stored)
+        ordered = [prepared for _, _, prepared in sorted(calls.values(), key=lambda x: x[0])]
         chosen = ordered if max_shapes is None else ordered[:max_shapes]
         if max_shapes is not None:
             for prepared in chosen:
@@ -277,5 +338,5 @@ def warm_up(
     seconds = time.perf_counter() - start
     return WarmupReport(
         len(chosen), num_probes, runner.num_compilations - compilations, seconds, len(ordered) - len(chosen), workers,
-        0 if cache is None else cache.num_loaded,
+        0 if cache is None else cache.num_loaded, listed is not None,
     )  # fmt: skip

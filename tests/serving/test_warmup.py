@@ -126,9 +126,12 @@ def test_a_new_engine_loads_every_program_from_the_executable_cache(warmed, exec
         got = traffic(loaded)
     assert again.num_loaded == report.num_shapes and again.num_compilations == loaded.num_compilations == 0
     assert "loaded from the executable cache" in again.summary()
+    # The call list the first warm-up stored: one dummy call per program, the enumeration's keys.
+    assert again.listed and again.num_probes == again.num_shapes and "call list" in again.summary()
+    assert loaded.runner.dispatched_keys == set(candidate_calls(loaded)[0])
     assert compiles == [] and [c.output_ids for c in got] == [c.output_ids for c in traffic(engine)]
     (folder,) = executables.iterdir()  # one fingerprint: the same model, devices and sources
-    damaged = sorted(folder.iterdir())[0]
+    damaged = sorted(folder.glob("*.pkl"))[0]
     damaged.write_bytes(b"not a program")
     third = tiny_random_engine(**LIMITS).warmup(executable_cache=executables)
     assert (third.num_loaded, third.num_compilations) == (report.num_shapes - 1, 1)
