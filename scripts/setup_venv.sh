@@ -22,7 +22,9 @@ want=$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -d' ' -
 # cannot be installed.
 install() {
   if "$venv/bin/python" -m uv --version > /dev/null 2>&1; then
-    "$venv/bin/python" -m uv pip install --python "$venv/bin/python" -q "$@" >&2
+    # --compile-bytecode as pip does: without .pyc files every new process (the suite starts
+    # many) compiles jax's and torch's sources again on import.
+    "$venv/bin/python" -m uv pip install --python "$venv/bin/python" -q --compile-bytecode "$@" >&2
   else
     "$venv/bin/python" -m pip install -q --disable-pip-version-check "$@" >&2
   fi
