@@ -18,8 +18,8 @@ spec="."
 stamp="$venv/.installed-${extra:-base}"
 want=$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -d' ' -f1)
 # Installs with uv (parallel downloads: the test extra, torch's CUDA wheels included, in
-# about 40 s against about 3 minutes with pip on the 2-core CI machine), or with pip where uv
-# cannot be installed.
+# about a minute against about 3 minutes with pip on the 2-core CI machine), or with pip where
+# uv cannot be installed.
 install() {
   if "$venv/bin/python" -m uv --version > /dev/null 2>&1; then
     # --compile-bytecode as pip does: without .pyc files every new process (the suite starts

@@ -116,27 +116,28 @@ class ExecutableCache:
             return None
 
     def store_list(self, name: str, value: list) -> None:
-        """Writes ``value`` (JSON) under ``name``, atomically; a failure is logged, never raised."""
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=self.folder, delete=False) as f:
-                json.dump(value, f)
-            os.replace(f.name, self.folder / f"{name}.json")
-        except Exception as e:
-            logger.warning("executable cache: could not write the list %s (%s: %s)", name, type(e).__name__, e)
+        """Writes ``value`` (JSON) under ``name``, as ``_write`` does."""
+        self._write(self.folder / f"{name}.json", lambda: json.dumps(value).encode())
 
     def store(self, key: tuple, compiled) -> None:
         """Writes ``compiled`` for ``key`` (atomically: a reader never sees half a file); a
         failure to write is logged, never raised."""
         from jax.experimental.serialize_executable import serialize
 
-        path = self._path(key)
+        if self._write(self._path(key), lambda: pickle.dumps(serialize(compiled))):
+            self.num_stored += 1
+
+    @staticmethod
+    def _write(path: pathlib.Path, blob) -> bool:
+        """Writes the bytes ``blob()`` returns to ``path`` atomically (a reader never sees half
+        a file); a failure, serialising included, is logged and returns False, never raises."""
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            blob = pickle.dumps(serialize(compiled))
+            data = blob()
             with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
-                f.write(blob)
+                f.write(data)
             os.replace(f.name, path)
-            self.num_stored += 1
+            return True
         except Exception as e:
             logger.warning("executable cache: could not write %s (%s: %s)", path, type(e).__name__, e)
+            return False

@@ -190,6 +190,13 @@ def _recipe_call(engine, recipe: list, sampled: bool) -> PreparedCall:
     return dataclasses.replace(prepared, sampled=True) if sampled else prepared
 
 
+def _priority(recipe: list, sampled: bool) -> tuple:
+    """A call's place in the warm-up's order (lower first): greedy before sampled, decode
+    batches before prefills, without cascade before with, prompt log-probabilities last."""
+    lens, _, _, common_pages, prompt_logprobs = recipe
+    return (prompt_logprobs, sampled, max(lens) > 1, common_pages is not None)
+
+
 def _probes(engine) -> Iterator[tuple[tuple, list, PreparedCall]]:
     """Each candidate batch's calls as ``(priority, recipe, PreparedCall)`` (``_recipe_call``
     makes the same call from the recipe), keys repeated as the batches meet them
@@ -215,11 +222,12 @@ def _probes(engine) -> Iterator[tuple[tuple, list, PreparedCall]]:
                     recipe = [list(lens), capacity, k, common, False]
                     # The same inputs run the sampled program too (greedy rows are exact there): its compile key.
                     for prepared in (greedy, dataclasses.replace(greedy, sampled=True)):
-                        yield (False, prepared.sampled, not decode_only, common is not None), recipe, prepared
+                        yield _priority(recipe, prepared.sampled), recipe, prepared
             # With prompt log-probabilities: every token row's logits (one step, sampled, the widest table).
             if not decode_only:
                 recipe = [list(lens), capacity, 1, None, True]
-                yield (True, True, True, False), recipe, _recipe_call(engine, recipe, False)
+                prepared = _recipe_call(engine, recipe, False)
+                yield _priority(recipe, prepared.sampled), recipe, prepared
             if capacity >= max_model_len:
                 break
 
@@ -307,9 +315,9 @@ def warm_up(
         listed = None if cache is None else cache.load_list(_list_name(engine))
         if listed is not None:  # the call list a full enumeration stored: one call per program
             calls = {}
-            for priority, recipe, sampled in listed:
+            for recipe, sampled in listed:
                 prepared = _recipe_call(engine, recipe, sampled)
-                calls.setdefault(prepared.key, (tuple(priority), recipe, prepared))
+                calls.setdefault(prepared.key, (_priority(recipe, prepared.sampled), recipe, prepared))
             num_probes = len(listed)
             if max_shapes is None:
                 for _, _, prepared in calls.values():
@@ -320,8 +328,8 @@ def warm_up(
             # GPU defaults).
             calls, num_probes = _enumerate(engine, on_new=submit if max_shapes is None else None)
             if cache is not None:
-                stored = [[list(priority), recipe, prepared.sampled] for priority, recipe, prepared in calls.values()]
-                cache.store_list(_list_name(engine), stored)
+                listing = [[recipe, prepared.sampled] for _, recipe, prepared in calls.values()]
+                cache.store_list(_list_name(engine), listing)
         ordered = [prepared for _, _, prepared in sorted(calls.values(), key=lambda x: x[0])]
         chosen = ordered if max_shapes is None else ordered[:max_shapes]
         if max_shapes is not None:
