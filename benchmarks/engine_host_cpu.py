@@ -1,4 +1,4 @@
-"""The engine's own host time per step on the CPU, one step per call, at batch 1 or more.
+"""The engine's own host time per call on the CPU, one step per call or several, at batch 1 or more.
 
 Runs the tiny random model (``attn_jax.testing.models.tiny_random_engine``) with ``--batch``
 requests at a time and times each ``Engine.step`` in the main thread's CPU time
@@ -11,6 +11,7 @@ is the same code (``benchmarks/generate_gpu.py`` reports its ``host_ms_per_step`
     python benchmarks/engine_host_cpu.py --runs 5 --tokens 300
     python benchmarks/engine_host_cpu.py --batch 64 --tokens 128
     python benchmarks/engine_host_cpu.py --batch 64 --tokens 128 --devices 4 --model-parallel 1
+    python benchmarks/engine_host_cpu.py --batch 64 --tokens 128 --devices 2 --num-scheduler-steps 8
 
 ``--devices N`` shards the engine over N CPU devices (``--xla_force_host_platform_device_count``)
 as ``Engine.from_llama`` does, ``--model-parallel`` of them over the KV heads and the rest
@@ -30,9 +31,13 @@ import time
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
 
-def measure(runs: int, tokens: int, batch: int = 1, devices: int = 1, model_parallel: int | None = None) -> dict:
-    """Median per-step host CPU ms of each run of ``batch`` requests of ``tokens`` new tokens
-    (the first and last 5 steps left out), on ``devices`` CPU devices."""
+def measure(
+    runs: int, tokens: int, batch: int = 1, devices: int = 1, model_parallel: int | None = None,
+    num_scheduler_steps: int = 1,
+) -> dict:  # fmt: skip
+    """Median host CPU ms per ``Engine.step`` (one call of up to ``num_scheduler_steps``
+    steps) of each run of ``batch`` requests of ``tokens`` new tokens (the first and last 5
+    calls left out, or 2 with several steps per call), on ``devices`` CPU devices."""
     import os
 
     if devices > 1:  # before jax starts its CPU backend
@@ -46,7 +51,8 @@ def measure(runs: int, tokens: int, batch: int = 1, devices: int = 1, model_para
 
     sharding = {} if devices == 1 else {"devices": devices, "model_parallel": model_parallel}
     engine = tiny_random_engine(max_num_seqs=batch, max_num_batched_tokens=max(64, 32 * batch),
-                                max_model_len=tokens + 64, **sharding)  # fmt: skip
+                                max_model_len=tokens + 64, num_scheduler_steps=num_scheduler_steps,
+                                **sharding)  # fmt: skip
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     prompts = [list(range(100 + i, 132 + i)) for i in range(batch)]
     engine.generate(prompts, params)  # compiles the prefill and decode shapes
@@ -77,8 +83,9 @@ def measure(runs: int, tokens: int, batch: int = 1, devices: int = 1, model_para
                 engine.step()
                 per_step.append(time.thread_time() - start - spent["read"] - spent["dispatch"])
                 per_dispatch.append(spent["dispatch"])
-            medians.append(1e3 * statistics.median(per_step[5:-5]))
-            dispatch.append(1e3 * statistics.median(per_dispatch[5:-5]))
+            edge = 5 if num_scheduler_steps == 1 else 2
+            medians.append(1e3 * statistics.median(per_step[edge:-edge]))
+            dispatch.append(1e3 * statistics.median(per_dispatch[edge:-edge]))
     finally:
         runner.read_tokens, runner._jit_step = read, jitted
     return {
@@ -89,6 +96,7 @@ def measure(runs: int, tokens: int, batch: int = 1, devices: int = 1, model_para
         "dispatch_ms_per_step_median": statistics.median(dispatch),
         "tokens_per_run": tokens,
         "batch": batch,
+        "num_scheduler_steps": num_scheduler_steps,
         "devices": devices,
         "mesh": None if engine.mesh is None else dict(engine.mesh.shape),
         "jax": jax.__version__,
@@ -102,6 +110,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="requests per run, all submitted at once")
     parser.add_argument("--devices", type=int, default=1, help="CPU devices the engine is sharded over")
     parser.add_argument("--model-parallel", type=int, default=None, help="over the KV heads (default: as serve)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per call")
     add_output_args(parser, "engine_host_cpu.json")
     args = parser.parse_args()
     if args.runs < 1 or args.tokens < 20 or args.batch < 1 or args.devices < 1:
@@ -109,7 +118,9 @@ def main() -> None:
             f"--runs={args.runs}, --batch={args.batch} and --devices={args.devices} must be >= 1 and "
             f"--tokens={args.tokens} >= 20"
         )
-    result = measure(args.runs, args.tokens, args.batch, args.devices, args.model_parallel) | {
+    result = measure(
+        args.runs, args.tokens, args.batch, args.devices, args.model_parallel, args.num_scheduler_steps
+    ) | {
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
@@ -117,7 +128,8 @@ def main() -> None:
     median = result["host_ms_per_step_median"]
     mesh = f", mesh {result['mesh']}" if result["mesh"] else ""
     print(
-        f"engine host CPU time per step, batch {args.batch}{mesh}: median {median:.3f} ms (runs: {runs}); "
+        f"engine host CPU time per call of {args.num_scheduler_steps} step(s), batch {args.batch}{mesh}: median "
+        f"{median:.3f} ms (runs: {runs}); "
         f"the jitted call's {result['dispatch_ms_per_step_median']:.3f} ms"
     )
     write_json(output_path(args), result)

@@ -79,7 +79,9 @@ def tiny() -> dict:
         out[f"{data}x{model_axis}_attn_sharded"] = model.attn_sharded
         out[f"{data}x{model_axis}_head_sharded"] = model.head_sharded
         engine = small_engine(model, params, mesh=mesh, num_scheduler_steps=4)
+        continued = record_continued(engine)
         out[f"{data}x{model_axis}_multistep"] = [c.output_ids for c in engine.generate(prompts, sp)]
+        out[f"{data}x{model_axis}_multistep_continued"] = sum(c is not None and c.num_steps == 4 for c in continued)
         out[f"{data}x{model_axis}_multistep_calls"] = sorted({s.num_steps for s in engine.stats})
     # Prompt and sampled log-probabilities on the mesh (the 40-token prompt in two chunks) and on one device.
     scored = SamplingParams(max_new_tokens=2, ignore_eos=True, logprobs=2, prompt_logprobs=3)

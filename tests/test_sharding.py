@@ -48,9 +48,11 @@ def test_tensor_parallel_heads_match_one_device(sharded):
 
 
 def test_multi_step_decoding_on_a_mesh_matches_one_device(sharded):
-    """Four decode steps per call on a 2 x 2 mesh: the same tokens as one device, one step at a time."""
+    """Four decode steps per call on a 2 x 2 mesh: the same tokens as one device, one step at a
+    time; the later calls continue the last one's inputs on the mesh (the persistent batch)."""
     tiny = sharded["tiny"]
     assert tiny["2x2_multistep_calls"] == [1, 4]  # prefill calls of one step, decode calls of four
+    assert tiny["2x2_multistep_continued"] >= 1
     assert tiny["2x2_multistep"] == tiny["single"]
 
 

@@ -106,12 +106,13 @@ GUIDE_ROWS_PER_WRITE = 8
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DecodeBatch:
-    """A one-step call of decodes only whose input tokens are all the previous call's
-    outputs in their own rows (the persistent batch): the next call continues it when it
-    holds the same requests in the same rows, each a token on (``ModelRunner.continue_decode``)."""
+    """A call of decodes only (one step or several) whose input tokens are all the previous
+    call's outputs in their own rows (the persistent batch): the next call continues it when
+    it holds the same requests in the same rows with the same steps, each as many tokens on
+    as it took steps (``ModelRunner.continue_decode``)."""
 
     request_ids: list[int]  # id() of each row's request
-    ones: list[int]  # [1] * rows: each request's new tokens and samples
+    steps: list[int]  # each request's steps in the call (one new token each)
     pages: np.ndarray  # i32[rows]: each request's pages when dispatched
     prefix_len: int  # the call's cascade prefix (tokens; 0: none)
     # Where the block table (offset, width) and the slot mapping (offset) lie in the packed buffer;
@@ -478,21 +479,20 @@ class ModelRunner:
     ) -> tuple[DecodeBatch, ...] | None:
         """The call as a ``DecodeBatch`` per data shard, or None when the next call cannot
         continue it (see ``prepare``)."""
-        if num_steps != 1 or not self._chains_decodes or not any(b.requests for b in batches):
+        if not self._chains_decodes or not any(b.requests for b in batches):
             return None
         table = self._table_slot(layout) if max(prefix_lens) == 0 else None
         decodes = []
         for batch, shard_steps, prefix_len in zip(batches, steps, prefix_lens, strict=True):
             reqs = batch.requests
-            ones = [1] * len(reqs)
-            if batch.num_new != ones or shard_steps != ones:
+            if batch.num_new != [1] * len(reqs) or (num_steps == 1 and shard_steps != batch.num_new):
                 return None
             for i, r in enumerate(reqs):
                 known, src, _ = rows[id(r)]
                 if known or src != i:
                     return None
             pages = np.fromiter(map(len, (r.blocks for r in reqs)), np.int32, len(reqs))
-            decodes.append(DecodeBatch([id(r) for r in reqs], ones, pages, prefix_len, table))
+            decodes.append(DecodeBatch([id(r) for r in reqs], list(shard_steps), pages, prefix_len, table))
         return tuple(decodes)
 
     def _table_slot(self, layout: PackedLayout) -> tuple[int, int, int] | None:
@@ -515,21 +515,24 @@ class ModelRunner:
     ) -> PreparedCall | None:  # fmt: skip
         """The next call built from the last one on the device (vLLM's persistent batch), or
         None: when the last call was a ``DecodeBatch`` and this one is the same requests in
-        the same rows, each one token on, with the same sampling values and cascade prefix,
-        its inputs are the ones the last call computed (positions, metadata and sampling
-        counters moved on by ``advance_decode``) with only the pages a request gained
-        written in (``page_delta``: its block table entry, and its new token's slot, the
-        page's first, which ``advance_decode`` computed from the table before): no
-        per-request host work, no upload but those pages.
-        A batch-1 decode step's host metadata and upload were most of its host time."""
-        if self._decode_chain is None or num_steps != 1 or len(batches) != self.num_shards:
+        the same rows, each as many tokens on as it took steps, with the same steps, sampling
+        values and cascade prefix, its inputs are the ones the last call computed (positions,
+        metadata and sampling counters moved on by ``advance_decode``) with only the page a
+        request gained written in (``page_delta``: its block table entry, and, when the
+        call's first token opens it, that token's slot, the page's first, which
+        ``advance_decode`` computed from the table before): no per-request host work, no
+        upload but those pages. A batch-1 decode step's host metadata and upload were most
+        of its host time; a mesh's multi-step call stacked every shard's inputs."""
+        if self._decode_chain is None or len(batches) != self.num_shards:
             return None
         previous, next_packed = self._decode_chain
+        if num_steps != previous.num_steps:
+            return None
         prefix_lens = self.cascade_prefix_lens(batches, num_common_blocks)
         decodes, delta = [], None
         for shard, (decode, batch, shard_steps) in enumerate(zip(previous.decode, batches, steps, strict=True)):
             reqs = batch.requests
-            if batch.num_new != decode.ones or shard_steps != decode.ones:
+            if batch.num_new != [1] * len(reqs) or shard_steps != decode.steps:
                 return None
             if [id(r) for r in reqs] != decode.request_ids or prefix_lens[shard] != decode.prefix_len:
                 return None
@@ -545,7 +548,11 @@ class ModelRunner:
                 if delta is None:
                     delta = np.full((self.num_shards, 2, 2 * self.max_rows), NO_INDEX, np.int32)
                 delta[shard, :, : grown.size] = offset + grown * width + decode.pages[grown], new_pages
-                delta[shard, :, grown.size : 2 * grown.size] = slots + grown, new_pages * self.block_size
+                # The first token's slot where it opens the page; a later step's is computed in the call.
+                opens = np.fromiter((reqs[i].num_computed for i in grown.tolist()), np.int32, grown.size)
+                opens = opens == decode.pages[grown] * self.block_size
+                first_slots = np.where(opens, slots + grown, NO_INDEX)
+                delta[shard, :, grown.size : 2 * grown.size] = first_slots, new_pages * self.block_size
             decodes.append(dataclasses.replace(decode, pages=pages))
         return dataclasses.replace(
             previous, packed=[(next_packed, previous.packed[0][1])], decode=tuple(decodes), page_delta=delta
@@ -712,11 +719,11 @@ class ModelRunner:
         packed inputs, scores: a tuple of the tokens with their log-probabilities,
         ``pack_scores``' i32[num_steps, R_max, 2 + 2L] (greedy or sampled), and with
         ``prompt_targets`` (one step, sampled) the prompt's, i32[T, 2 + 2L] per token row); the
-        packed inputs are a one-step call's one token on, which the
-        next call reuses when it is the same decode batch a token later (``continue_decode``);
-        for other calls ``packed`` itself. ``page_delta`` i32[2, 2 * R_max]: (buffer index,
-        value) pairs written into ``packed`` first, the pages a continued call's requests
-        gained (index ``NO_INDEX``: none)."""
+        packed inputs are the call's moved on by each request's steps (with an attention group
+        that advances its metadata, else ``packed`` itself), which the next call reuses when it
+        is the same decode batch that many tokens later (``continue_decode``). ``page_delta``
+        i32[2, 2 * R_max]: (buffer index, value) pairs written into ``packed`` first, the pages
+        a continued call's requests gained (index ``NO_INDEX``: none)."""
         self.num_compilations += 1
         last_tokens, all_counts, guide_masks = rows
         if page_delta is not None:
@@ -790,13 +797,12 @@ class ModelRunner:
         )
         scores = scores[None]
         prompt = () if prompt_out is None else (prompt_out,)
+        next_packed = packed
+        if self._chains_decodes:  # the next call's inputs, each request as many tokens on as it took steps
+            positions, next_md, counters = moved(limits, limits > 0)
+            later = dict(x, positions=positions, md=next_md, sampling=dict(s, counters=counters))
+            next_packed = repack(packed, layout, x, later)
         if num_steps == 1:
-            next_packed = packed
-            if self._chains_decodes:  # the next call's inputs, a token on
-                one = jnp.minimum(limits, 1)
-                positions, next_md, counters = moved(one, one > 0)
-                later = dict(x, positions=positions, md=next_md, sampling=dict(s, counters=counters))
-                next_packed = repack(packed, layout, x, later)
             return tokens[None], (tokens, store(counts), guide_masks), kv_caches, next_packed, (scores, *prompt)
 
         def decode(carry, step):
@@ -816,4 +822,4 @@ class ModelRunner:
         )
         scores = jnp.concatenate([scores, later_scores])
         tokens = jnp.concatenate([tokens[None], later])
-        return tokens, (last, store(counts), guide_masks), kv_caches, packed, (scores, *prompt)
+        return tokens, (last, store(counts), guide_masks), kv_caches, next_packed, (scores, *prompt)

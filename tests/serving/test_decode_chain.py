@@ -1,9 +1,11 @@
-"""One-step decode calls that continue the last call (``ModelRunner.prepare``): the inputs
-the last call computed on the device equal what the host would build, and the engine's
-tokens do not change when the chain is taken, through page crossings, a late arrival, an
-abort and seeded sampling."""
+"""Decode calls that continue the last call (``ModelRunner.continue_decode``), of one step
+or several: the inputs the last call computed on the device equal what the host would
+build, and the engine's tokens do not change when the chain is taken, through page
+crossings, a late arrival, an abort and seeded sampling."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -26,9 +28,16 @@ SAMPLING = [
 ]
 
 
-def _engine(backend: str) -> Engine:
+LONGER = [dataclasses.replace(sp, max_new_tokens=25) for sp in SAMPLING[:2]]
+"""Two requests decoding long enough for several multi-step calls of the same batch."""
+
+
+def _engine(backend: str, num_scheduler_steps: int = 1) -> Engine:
     model = LlamaModel(CONFIG, block_size=8, attn_backend=AttentionBackendEnum[backend].get_class())
-    return Engine(model, PARAMS, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=48)
+    return Engine(
+        model, PARAMS, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=48,
+        num_scheduler_steps=num_scheduler_steps,
+    )  # fmt: skip
 
 
 def _run(engine: Engine) -> list[list[int]]:
@@ -84,7 +93,25 @@ def test_tokens_are_the_same_with_and_without_the_chain(backend, tokens_without_
     assert [len(t) for t in with_chain] == [11, 11, 16]  # the first aborted before its last (14th) token
 
 
-def test_the_device_built_inputs_equal_the_host_built_ones(monkeypatch):
+def test_multi_step_calls_continue_with_the_same_tokens(monkeypatch):
+    """Calls of four decode steps continue the last one too (each request four tokens on),
+    across page crossings, with the tokens of calls built on the host."""
+
+    def run():
+        return [c.output_ids for c in _engine("XLA", num_scheduler_steps=4).generate(PROMPTS[:2], LONGER)]
+
+    with monkeypatch.context() as mp:
+        mp.setattr(ModelRunner, "continue_decode", lambda self, *args, **kwargs: None)
+        want = run()
+    results = _spy(monkeypatch)
+    got = run()
+    multi = [r for r in results if r is not None and r.num_steps == 4]
+    assert len(multi) >= 3 and any(r.page_delta is not None for r in multi)
+    assert got == want
+
+
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_the_device_built_inputs_equal_the_host_built_ones(num_scheduler_steps, monkeypatch):
     """Each time the chain is taken, the buffer the last call computed, with the gained pages
     written in, equals the host's own build of the same call, padding included (the XLA
     backend's metadata has no order to differ in)."""
@@ -107,5 +134,6 @@ def test_the_device_built_inputs_equal_the_host_built_ones(monkeypatch):
         return continued
 
     monkeypatch.setattr(ModelRunner, "continue_decode", checked)
-    _run(_engine("XLA"))
-    assert len(compared) >= 10 and any(compared)
+    engine = _engine("XLA", num_scheduler_steps)
+    _run(engine) if num_scheduler_steps == 1 else engine.generate(PROMPTS[:2], LONGER)
+    assert len(compared) >= (10 if num_scheduler_steps == 1 else 3) and any(compared)
