@@ -12,7 +12,9 @@ new tokens on one token axis, their keys and values written into a paged cache p
 layer, attention by the layer's backend. The layers are unrolled over per-layer weights
 (q/k/v and gate/up each fused into one matmul, ``fuse_params``) and per-layer caches (a
 list): on the CPU, ``jax.lax.scan`` over stacked weights copies every layer's weights
-out of the stack each step and runs about twice as slow.
+out of the stack each step and runs about twice as slow; on a GPU XLA runs the scan's
+iterations from the host, so a call returns only when its device work is enqueued
+(``benchmarks/scan_layers.py``).
 
 Example::
 
