@@ -1,10 +1,13 @@
 """Host cost of a streamed token's text: microseconds per token at a given output length.
 
 Compares re-decoding the whole output for every token (the engine before
-``serving/detokenizer.py``) with ``IncrementalDetokenizer`` through the ``tokenizers``
-``DecodeStream`` (the GGUF tokenizer's path) and through its trailing-id window (any
-tokenizer with ``decode``). The target (issue 22): the incremental cost is flat from
-token 10 to token 4,000. Runs on the CPU with the embedded SmolLM2's tokenizer.
+``serving/detokenizer.py``) with ``IncrementalDetokenizer`` through its byte table (the
+GGUF tokenizer's path: byte-level BPE), the ``tokenizers`` ``DecodeStream`` alone (the path
+of other ``tokenizers`` backends, without the stop-string handling) and the detokenizer's
+trailing-id window (any tokenizer with ``decode``). Then the byte table and ``DecodeStream``
+again with ``--requests`` streams interleaved token by token, as an engine step feeds its
+requests' detokenizers (each stream the text from its own offset). The target (issue 22):
+the incremental cost is flat from token 10 to token 4,000. Runs on the CPU with the embedded SmolLM2's tokenizer.
 
     python benchmarks/detokenize.py [--tokens 4000] [--write]
 """
@@ -47,6 +50,7 @@ def _per_token_us(step, ids: list[int], at: list[int], repeat: int = 50) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4000, help="output length (default: 4000)")
+    parser.add_argument("--requests", type=int, default=256, help="streams interleaved (default: 256)")
     add_output_args(parser, "detokenize_cpu.json")
     args = parser.parse_args()
 
@@ -68,12 +72,32 @@ def main() -> None:
             text = new
 
     results["full_redecode"] = _per_token_us(full, ids, at)
-    for name, tok in (("decode_stream", tokenizer), ("window", _DecodeOnly(tokenizer))):
+    from tokenizers.decoders import DecodeStream
+
+    stream, backend = DecodeStream(skip_special_tokens=True), tokenizer.backend_tokenizer
+    results["decode_stream"] = _per_token_us(lambda i: stream.step(backend, ids[i]), ids, at)
+    for name, tok in (("byte_table", tokenizer), ("window", _DecodeOnly(tokenizer))):
         detok = IncrementalDetokenizer(tok)
         results[name] = _per_token_us(lambda i, d=detok: d.add(ids[i]), ids, at)
     for name, row in results.items():
         print(f"{name:>14}: " + ", ".join(f"token {a}: {us:.1f} us" for a, us in row.items()))
-    write_json(output_path(args), {"tokens": len(ids), "us_per_token_at": results})
+    interleaved = {}
+    streams = [ids[r % 200 :][:128] for r in range(args.requests)]
+    for name in ("byte_table", "decode_stream"):
+        detoks = [IncrementalDetokenizer(tokenizer) for _ in streams]
+        if name == "decode_stream":
+            for d in detoks:  # the library's stream in place of the table
+                d._bytes, d._stream = None, DecodeStream(skip_special_tokens=True)
+        start = time.perf_counter()
+        for k in range(128):
+            for d, s in zip(detoks, streams, strict=True):
+                d.add(s[k])
+        interleaved[name] = 1e6 * (time.perf_counter() - start) / (128 * len(streams))
+        print(f"{name:>14}: {interleaved[name]:.2f} us a token, {args.requests} streams interleaved")
+    write_json(
+        output_path(args),
+        {"tokens": len(ids), "us_per_token_at": results, f"us_per_token_{args.requests}_streams": interleaved},
+    )
 
 
 if __name__ == "__main__":

@@ -3,9 +3,15 @@
 Decoding a request's whole output again for every token costs O(n) per token (O(n^2)
 per request). ``IncrementalDetokenizer`` decodes only what is new:
 
-- with a ``tokenizers`` backend (``tokenizer.backend_tokenizer``, as the GGUF tokenizer
-  and transformers' fast tokenizers have, when its ``decode`` adds no clean-up): the
-  library's streaming ``DecodeStream``;
+- with a byte-level BPE ``tokenizers`` backend (GPT-2's ``ByteLevel`` decoder, every added
+  token special, as SmolLM2's): each token's bytes from a table built once
+  per tokenizer, appended to the request's undecoded bytes, which are emitted once they
+  decode to whole characters. No call into the library per token: with 256 requests'
+  streams interleaved, as an engine step feeds them, fewer microseconds than ``DecodeStream``
+  a token on the project's CPU (``benchmarks/detokenize.py``: 0.8-1.1 against 1.4-1.7);
+- with another ``tokenizers`` backend (``tokenizer.backend_tokenizer``, as the GGUF
+  tokenizer and transformers' fast tokenizers have, when its ``decode`` adds no clean-up):
+  the library's streaming ``DecodeStream``;
 - else a window of trailing ids (vLLM's prefix / read offsets): decode the ids since the
   last emitted chunk's start, with and without the new ones, and emit the difference
   once it does not end in an incomplete character (U+FFFD). The window spans the last
@@ -29,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 _REPLACEMENT = "\ufffd"  # what a decoder gives for an incomplete UTF-8 sequence
@@ -46,6 +53,48 @@ def _stream_backend(tokenizer):
     except ImportError:
         return None
     return backend if isinstance(backend, Tokenizer) else None
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's ``bytes_to_unicode`` inverted: each character a byte-level vocabulary spells a
+    byte with, mapped to that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_TABLES: dict[int, tuple[object, list[bytes | None] | None]] = {}  # id(backend) -> (backend, table)
+
+
+def _byte_table(backend) -> list[bytes | None] | None:
+    """Each token id's bytes (None: a special token, skipped) when ``backend`` decodes as
+    byte-level BPE does (its decoder GPT-2's ``ByteLevel``, every added token special, every
+    token spelled in the byte alphabet); else None. Built once per tokenizer object."""
+    cached = _BYTE_TABLES.get(id(backend))
+    if cached is not None and cached[0] is backend:
+        return cached[1]
+    spec = json.loads(backend.to_str())
+    table = None
+    if (spec.get("decoder") or {}).get("type") == "ByteLevel" and all(t["special"] for t in spec["added_tokens"]):
+        alphabet, special = _byte_level_alphabet(), {t["id"] for t in spec["added_tokens"]}
+        table = []
+        for i in range(backend.get_vocab_size(with_added_tokens=True)):
+            token = backend.id_to_token(i)
+            if i in special or token is None:
+                table.append(None)
+            elif all(c in alphabet for c in token):
+                table.append(bytes(alphabet[c] for c in token))
+            else:  # a token outside the byte alphabet: the library's own decoder decides
+                table = None
+                break
+    _BYTE_TABLES[id(backend)] = (backend, table)
+    return table
 
 
 class IncrementalDetokenizer:
@@ -66,7 +115,10 @@ class IncrementalDetokenizer:
         self._num_tokens = 0
         self.stopped_by: str | None = None  # the stop string that ended the text
         self._backend = _stream_backend(tokenizer)
-        if self._backend is not None:
+        self._bytes = None if self._backend is None else _byte_table(self._backend)
+        if self._bytes is not None:
+            self._pending = b""  # bytes of the tokens since the last whole character
+        elif self._backend is not None:
             from tokenizers.decoders import DecodeStream
 
             self._stream = DecodeStream(skip_special_tokens=True)
@@ -81,6 +133,17 @@ class IncrementalDetokenizer:
 
     def _decode_new(self, token_id: int) -> str:
         """The text ``token_id`` completes ("" while a character is incomplete)."""
+        if self._bytes is not None:
+            piece = self._bytes[token_id] if 0 <= token_id < len(self._bytes) else None
+            if not piece:
+                return ""
+            pending = self._pending + piece
+            text = pending.decode("utf-8", "replace")
+            if text.endswith(_REPLACEMENT):  # an incomplete character (or invalid bytes) at the end: wait
+                self._pending = pending
+                return ""
+            self._pending = b""
+            return text
         if self._backend is not None:
             return self._stream.step(self._backend, int(token_id)) or ""
         self._ids.append(int(token_id))

@@ -1,13 +1,15 @@
 """Incremental detokenisation equals decoding the whole output (the GGUF tokenizer through
-``DecodeStream``, and the trailing-window path), reads a bounded window per token, and
-stops at stop strings found across token boundaries."""
+its byte table, which emits what ``DecodeStream`` does, and the trailing-window path), reads
+a bounded window per token, and stops at stop strings found across token boundaries."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from attn_jax.serving.detokenizer import IncrementalDetokenizer
+from attn_jax.serving.detokenizer import IncrementalDetokenizer, _byte_table
 
 TEXTS = [
     "Hello, wörld! 你好，世界 🎉🎉 naïve café — ok <|im_end|> then more",
@@ -99,3 +101,26 @@ def test_text_without_a_stop_string_is_all_returned(gguf_tokenizer):
     ids = gguf_tokenizer.encode(TEXTS[0])
     chunks, stopped = _run(IncrementalDetokenizer(gguf_tokenizer, stop=("zzz", "never here")), ids)
     assert not stopped and "".join(chunks) == gguf_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ids=st.lists(st.one_of(st.integers(0, 16), st.integers(0, 49151)), max_size=40))
+def test_the_byte_table_emits_what_decode_stream_emits_token_by_token(gguf_tokenizer, ids):
+    """A byte-level tokenizer's table path (special tokens, split and invalid UTF-8 among the
+    random ids) emits DecodeStream's text at every token, and the whole equals ``decode``."""
+    from tokenizers.decoders import DecodeStream
+
+    backend = gguf_tokenizer.backend_tokenizer
+    detok, stream = IncrementalDetokenizer(gguf_tokenizer), DecodeStream(skip_special_tokens=True)
+    assert detok._bytes is not None and len(detok._bytes) == gguf_tokenizer.vocab_size == 49152
+    assert [detok._decode_new(i) for i in ids] == [stream.step(backend, i) or "" for i in ids]
+    detok = IncrementalDetokenizer(gguf_tokenizer)
+    assert "".join(_run(detok, ids)[0]) == gguf_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_tokenizer_that_is_not_byte_level_streams_through_decode_stream():
+    from tokenizers import Tokenizer, decoders, models
+
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "##b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tokenizer.decoder = decoders.WordPiece()
+    assert _byte_table(tokenizer) is None
