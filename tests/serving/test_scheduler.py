@@ -264,3 +264,25 @@ def test_penalties_match_a_float64_oracle_and_leave_rows_without_them_exact():
     want = _penalized_oracle(logits, generated, in_prompt, presence, frequency, repetition)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
     np.testing.assert_array_equal(got[0], logits[0])  # penalties off: the logits bit for bit
+
+
+def test_a_request_waits_a_step_for_the_blocks_a_running_request_completes():
+    """A new request whose next block a running request's chunk completes in this step sits
+    the step out (the requests behind it are admitted) and takes the block from the cache in
+    the next; the running decodes beside it take no pages while their tokens fit."""
+    s = Scheduler(BlockAllocator(32), 4, max_num_seqs=4, max_num_batched_tokens=8, enable_prefix_caching=True)
+    first = _request("a", 12)  # three blocks, computed in two chunks of 8 and 4
+    s.add(first)
+    _run_step(s, s.schedule())  # tokens 0-7: blocks 0 and 1
+    twin = Request("b", [*first.prompt_ids, 50, 51, 52, 53], SamplingParams(max_new_tokens=4), seed=0)
+    other = _request("c", 2)
+    s.add(twin)
+    s.add(other)
+    batch = s.schedule()  # a's last 4 tokens complete block 2, which b's prompt needs after its hits 0 and 1
+    assert [r.request_id for r in batch.requests] == ["a", "c"] and batch.num_new == [4, 2]
+    _run_step(s, batch)
+    pages = list(other.blocks)
+    batch = s.schedule()
+    assert [r.request_id for r in batch.requests] == ["a", "c", "b"]
+    assert batch.num_cached_tokens == 12 == twin.num_cached_tokens  # blocks 0, 1 and 2
+    assert other.blocks == pages  # c's next token fits in its page
