@@ -35,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 
@@ -69,16 +70,11 @@ def _byte_level_alphabet() -> dict[str, int]:
     return chars
 
 
-_BYTE_TABLES: dict[int, tuple[object, list[bytes | None] | None]] = {}  # id(backend) -> (backend, table)
-
-
+@functools.lru_cache(maxsize=4)  # by the tokenizer object (hashed by identity); a few tables kept
 def _byte_table(backend) -> list[bytes | None] | None:
     """Each token id's bytes (None: a special token, skipped) when ``backend`` decodes as
     byte-level BPE does (its decoder GPT-2's ``ByteLevel``, every added token special, every
     token spelled in the byte alphabet); else None. Built once per tokenizer object."""
-    cached = _BYTE_TABLES.get(id(backend))
-    if cached is not None and cached[0] is backend:
-        return cached[1]
     spec = json.loads(backend.to_str())
     table = None
     if (spec.get("decoder") or {}).get("type") == "ByteLevel" and all(t["special"] for t in spec["added_tokens"]):
@@ -93,7 +89,6 @@ def _byte_table(backend) -> list[bytes | None] | None:
             else:  # a token outside the byte alphabet: the library's own decoder decides
                 table = None
                 break
-    _BYTE_TABLES[id(backend)] = (backend, table)
     return table
 
 

@@ -172,6 +172,8 @@ class KVCacheManager:
             self.allocator.touch(computed_blocks)
             request.blocks += computed_blocks
             self._num_cached[id(request)] = max(self._num_cached.get(id(request), 0), len(computed_blocks))
+        elif not new:  # the tokens fit in the request's pages
+            return True
         elif not self.allocator.can_allocate(new):
             return False
         if new:

@@ -485,7 +485,8 @@ class ModelRunner:
         decodes = []
         for batch, shard_steps, prefix_len in zip(batches, steps, prefix_lens, strict=True):
             reqs = batch.requests
-            if batch.num_new != [1] * len(reqs) or (num_steps == 1 and shard_steps != batch.num_new):
+            ones = [1] * len(reqs)
+            if batch.num_new != ones or (num_steps == 1 and shard_steps != ones):
                 return None
             for i, r in enumerate(reqs):
                 known, src, _ = rows[id(r)]

@@ -336,7 +336,6 @@ class Scheduler:
         manager = self.kv_cache_manager
         for request in self.running:  # blocks filled by the dispatched steps join the prefix cache
             manager.cache_blocks(request)
-        page_tokens = manager.block_size
         budget = self.max_num_batched_tokens
         scheduled: list[Request] = []
         num_new: list[int] = []
@@ -351,9 +350,7 @@ class Scheduler:
                 continue  # its next mask needs its pending token: it sits this call out, nobody waits
             if n == 1 and wants_prompt_logprobs(request):
                 continue  # a one-token chunk would need a decode-shaped program with every row's logits
-            # Tokens that fit in the request's pages take none (a decode's, mostly): no call.
-            fits = request.num_computed + n <= len(request.blocks) * page_tokens
-            while not fits and not manager.allocate_slots(request, n):  # nothing taken when the pool cannot
+            while not manager.allocate_slots(request, n):  # nothing taken when the pool cannot supply them
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
@@ -368,16 +365,9 @@ class Scheduler:
                 break
 
         num_queried = num_cached = 0
-        num_running = len(scheduled)
-        pending: set[bytes] | None = None  # blocks this step completes: built only when a waiting request may take one
-
-        def completed() -> set[bytes]:
-            nonlocal pending
-            if pending is None:
-                running = zip(scheduled[:num_running], num_new[:num_running], strict=True)
-                pending = {h for r, n in running for h in manager.blocks_completed(r, n)}
-            return pending
-
+        pending = set()  # the blocks this step completes, which a waiting request may take next step
+        if self.waiting:
+            pending = {h for r, n in zip(scheduled, num_new, strict=True) for h in manager.blocks_completed(r, n)}
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
@@ -386,7 +376,7 @@ class Scheduler:
             hits, num_hit = manager.get_computed_blocks(request)
             if self._counts_every_token(request):
                 hits, num_hit = [], 0
-            elif manager.next_block_pending(request, len(hits), completed()):
+            elif manager.next_block_pending(request, len(hits), pending):
                 continue  # its next block is computed in this step: it takes it from the cache in the next
             n = min(request.num_tokens - num_hit, budget)
             if n == 1 and wants_prompt_logprobs(request):
@@ -403,7 +393,7 @@ class Scheduler:
                 break
             self.waiting.remove(request)
             request.num_computed = request.num_cached_tokens = num_hit
-            completed().update(manager.blocks_completed(request, n))
+            pending.update(manager.blocks_completed(request, n))
             manager.record_admission(request, num_hit)
             if manager.enable_caching:
                 num_queried += request.num_tokens
