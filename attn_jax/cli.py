@@ -138,10 +138,27 @@ def _mesh_kwargs(args: argparse.Namespace) -> dict:
     return dict(devices=args.devices, model_parallel=args.model_parallel)
 
 
+MODEL_DTYPE_CHOICES = ("auto", *(str(d) for d in ACTIVATION_DTYPES))
+"""``--dtype`` of ``generate`` and ``serve`` (``model_source.resolve_dtype``)."""
+
+
+def _model_dtype(args: argparse.Namespace) -> tuple[str, str]:
+    """``(dtype, why)`` for ``--dtype`` and ``--model`` on this process's platform."""
+    from attn_jax.platforms import current_platform
+    from attn_jax.server.model_source import resolve_dtype
+
+    return resolve_dtype(args.dtype, args.model, current_platform().kind)
+
+
 def _add_engine_args(parser: argparse.ArgumentParser, *, num_scheduler_steps: int) -> None:
     """The engine's flags, shared by ``generate`` and ``serve`` (which differ only in the
     default number of decode steps per device call)."""
     parser.add_argument("--backend", default=None, help="force an attention backend, e.g. XLA (default: selected)")
+    parser.add_argument(
+        "--dtype", default="auto", choices=MODEL_DTYPE_CHOICES,
+        help="weights and activations (default: auto: float32 on a CPU; on a GPU or TPU the checkpoint's float16 "
+        "or bfloat16, else bfloat16)",
+    )  # fmt: skip
     parser.add_argument(
         "--devices", type=int, default=1,
         help="devices to shard over (requests over a data axis, heads over a model axis); default 1",
@@ -413,7 +430,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                     max_model_len=args.max_model_len, seed=args.seed, num_scheduler_steps=args.num_scheduler_steps,
                     enable_prefix_caching=not args.no_prefix_caching,
                 )  # fmt: skip
-                engine = build_engine(args.model, progress=on_load, **_mesh_kwargs(args), **engine_kwargs)
+                dtype, dtype_why = _model_dtype(args)
+                engine = build_engine(
+                    args.model, dtype=dtype, progress=on_load, **_mesh_kwargs(args), **engine_kwargs
+                )  # fmt: skip
                 mla = getattr(engine.model.config, "kv_lora_rank", None)  # DeepSeek: the latent row's width
                 report = explain_attn_backend_selection(
                     engine.model.config.head_dim if mla is None else mla + engine.model.config.qk_rope_head_dim,
@@ -462,6 +482,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             "model": engine.model.config.name,
             "backend": backend,
             "backend_reason": why,
+            "dtype": dtype,
             "devices": args.devices,
             "max_model_len": engine.max_model_len,
             "results": [
@@ -478,7 +499,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         }
         print(json.dumps(out, indent=2))
         return 0
-    print(f"model: {engine.model.config.name} ({engine.model.config.num_layers} layers), devices: {args.devices}")
+    config = engine.model.config
+    print(f"model: {config.name} ({config.num_layers} layers, {dtype}: {dtype_why}), devices: {args.devices}")
     if engine.mesh is not None:
         print(describe_mesh(engine.mesh, engine.model.config))
     print(f"attention backend: {backend} ({why})")
@@ -612,9 +634,11 @@ def _serve_engine(args: argparse.Namespace):
             file=sys.stderr, flush=True,
         )  # fmt: skip
     force = global_force_attn_backend_context_manager(forced) if forced is not None else contextlib.nullcontext()
+    dtype, dtype_why = _model_dtype(args)
+    print(f"attn-stack serve: weights and activations in {dtype} ({dtype_why})", file=sys.stderr, flush=True)
     with force:
         engine = build_engine(
-            args.model, **_mesh_kwargs(args), max_num_seqs=args.max_num_seqs,
+            args.model, dtype=dtype, **_mesh_kwargs(args), max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
             seed=args.seed, num_scheduler_steps=args.num_scheduler_steps,
             enable_prefix_caching=not args.no_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,

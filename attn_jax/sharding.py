@@ -274,7 +274,7 @@ class ShardedStep:
         token counts: each data shard holds and reads its own)."""
         return jax.jit(lambda: jnp.zeros((self.data_size, *shape), jnp.int32), out_shardings=self._rows)()
 
-    def jit(self, device_step):
+    def jit(self, device_step, compiler_options: dict | None = None):
         """``device_step(params, caches, rows, packed, layout, num_steps, sampled, page_delta)``
         (one shard's arrays; ``rows`` a pytree of per-row state, each leaf with a leading data
         axis here, as ``packed`` and ``page_delta`` have; layout, num_steps and sampled
@@ -288,7 +288,8 @@ class ShardedStep:
         sampled tokens with their log-probabilities), once per call (a prefill's prompt scores,
         when a request asks for them, a second):
         the result is replicated, so every process of a multi-process run reads all of them.
-        The rows' state stays on its shard (split over "data")."""
+        The rows' state stays on its shard (split over "data"). ``compiler_options``: XLA's,
+        as ``jax.jit`` takes them."""
         mesh, cache_spec = self.mesh, self.cache_spec
 
         def step(params, caches, rows, packed, layout, num_steps, sampled, page_delta):
@@ -314,7 +315,7 @@ class ShardedStep:
             )  # fmt: skip
             return fn(params, caches, rows, packed, page_delta)
 
-        return jax.jit(step, donate_argnums=(1, 2), static_argnums=(4, 5, 6))
+        return jax.jit(step, donate_argnums=(1, 2), static_argnums=(4, 5, 6), compiler_options=compiler_options)
 
     def put_per_shard(self, x) -> jax.Array:
         """``x`` (the same in every process) split over "data": an array with a leading "data"

@@ -4,7 +4,8 @@ For each (max_num_seqs, max_num_batched_tokens) given (default: the platform's d
 and 64 x 2048), ``Engine.warmup(max_shapes=0)`` counts the programs without compiling any;
 ``--warmup`` then compiles every one at the platform's defaults, as ``attn-stack serve``
 does before it listens, ``--workers`` threads at once (with ``--compilation-cache DIR``:
-through JAX's persistent cache, so a second run times a warm start). Model: a shape of random weights (``--model``).
+through JAX's persistent cache, so a second run times a warm start; with ``--executable-cache DIR``
+as well, as ``attn-stack serve`` compiles). Model: a shape of random weights (``--model``).
 
     python benchmarks/engine_programs.py --limits 256x2048 64x2048 --warmup --out /tmp/p.json
 """
@@ -40,6 +41,9 @@ def main() -> None:
     parser.add_argument("--warmup", action="store_true", help="compile every program at the platform's defaults")
     parser.add_argument("--workers", type=int, default=None, help="compile threads (default: Engine.warmup's)")
     parser.add_argument("--compilation-cache", default=None, metavar="DIR", help="JAX's persistent cache folder")
+    parser.add_argument(
+        "--executable-cache", default=None, metavar="DIR", help="the warm-up's executable cache (as serve keeps one)"
+    )
     add_output_args(parser, "engine_programs_{model}.json")
     args = parser.parse_args()
     if args.compilation_cache:
@@ -75,7 +79,7 @@ def main() -> None:
             if done % 5 == 0 or done == total:
                 print(f"compiled {done} of {total} programs in {time.perf_counter() - start:.1f} s", flush=True)
 
-        report = engine.warmup(progress=progress, workers=args.workers)
+        report = engine.warmup(progress=progress, workers=args.workers, executable_cache=args.executable_cache)
         warmup = {
             "summary": report.summary(), "programs": report.num_shapes, "seconds": report.seconds,
             "workers": report.workers,
@@ -84,7 +88,7 @@ def main() -> None:
     result = {
         "model": args.model, "dtype": args.dtype, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "compilation_cache":
-        args.compilation_cache, "counts": counts, "warmup": warmup,
+        args.compilation_cache, "executable_cache": args.executable_cache, "counts": counts, "warmup": warmup,
     }  # fmt: skip
     write_json(output_path(args), result)
 

@@ -220,3 +220,48 @@ def test_serve_warmup_flags(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", "--warmup-max-shapes", bad])
         assert "--warmup-max-shapes" in capsys.readouterr().err
+
+
+def test_dtype_flag_resolves_auto_per_platform_and_checkpoint(tmp_path):
+    """``--dtype auto``: float32 on a CPU; on an accelerator a checkpoint's stored 16-bit
+    dtype, else bfloat16; other values as given, a bad one named with the valid ones."""
+    import json
+
+    from attn_jax.server.model_source import resolve_dtype
+    from attn_jax.testing.models import TINY_RANDOM
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).dtype == parser.parse_args(["generate"]).dtype == "auto"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--dtype", "float64"])
+    folders = {}
+    for stored in ("float16", "bfloat16", "float32", None):
+        folder = tmp_path / str(stored)
+        folder.mkdir()
+        config = {"model_type": "llama"} if stored is None else {"model_type": "llama", "torch_dtype": stored}
+        (folder / "config.json").write_text(json.dumps(config))
+        folders[stored] = str(folder)
+    (tmp_path / "v5").mkdir()
+    (tmp_path / "v5" / "config.json").write_text(json.dumps({"dtype": "float16"}))  # transformers 5's key
+    for model in (*folders.values(), None, TINY_RANDOM):
+        assert resolve_dtype("auto", model, "cpu")[0] == "float32"
+        assert resolve_dtype("float16", model, "gpu") == ("float16", "--dtype")
+    assert resolve_dtype("auto", folders["float16"], "gpu") == ("float16", "--dtype auto: the checkpoint's float16")
+    assert resolve_dtype("auto", str(tmp_path / "v5"), "tpu")[0] == "float16"
+    assert resolve_dtype("auto", folders["bfloat16"], "tpu")[0] == "bfloat16"
+    for model in (folders["float32"], folders[None], None, TINY_RANDOM):
+        assert resolve_dtype("auto", model, "gpu") == ("bfloat16", "--dtype auto on a GPU")
+    with pytest.raises(ValueError, match=r"dtype='int8' is not supported; supported: \['auto', 'float32', 'bf"):
+        resolve_dtype("int8", None, "gpu")
+
+
+def test_an_engine_built_in_bfloat16_holds_bfloat16_weights():
+    """``build_engine(dtype=...)``: the model computes in it and every floating weight is
+    converted to it (tiny-random's are drawn in float32)."""
+    from attn_jax.server.model_source import build_engine
+    from attn_jax.testing.models import TINY_RANDOM
+
+    engine = build_engine(TINY_RANDOM, dtype="bfloat16", max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+    assert engine.model.dtype == jnp.bfloat16
+    dtypes = {str(x.dtype) for x in jax.tree.leaves(engine.runner.params)}
+    assert dtypes == {"bfloat16"}, dtypes

@@ -416,6 +416,15 @@ def deepseek_config(
         raise ModelLoadError(f"config.json: {e}") from e
 
 
+def stored_dtype(path: str | os.PathLike) -> str | None:
+    """The dtype a checkpoint folder's weights are stored in, from config.json's ``dtype``
+    (transformers 5) or ``torch_dtype``; None when it names none. ``ModelLoadError`` for a
+    missing or unreadable config.json."""
+    config = _read_json(_folder(path) / "config.json")
+    value = config.get("dtype", config.get("torch_dtype"))
+    return value if isinstance(value, str) else None
+
+
 def read_hf_config(path: str | os.PathLike) -> LlamaConfig | DeepSeekConfig:
     """The ``LlamaConfig`` (``DeepSeekConfig`` for ``DEEPSEEK_MODEL_TYPES``) of a checkpoint
     folder (``config.json``, plus the EOS ids of ``generation_config.json``). Raises

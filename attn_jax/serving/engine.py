@@ -73,6 +73,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -515,9 +516,11 @@ class Engine:
         devices: int | None = None,
         model_parallel: int | None = None,
         progress: Callable[[str, int, int], None] | None = None,
+        dtype="float32",
         **engine_kwargs,
     ) -> Engine:
-        """An engine on a Llama GGUF (default: the embedded SmolLM2-135M-Instruct).
+        """An engine on a Llama GGUF (default: the embedded SmolLM2-135M-Instruct), its weights
+        dequantised to ``dtype`` (float32, bfloat16 or float16: the activations' too).
 
         ``devices`` N > 1 builds ``make_mesh(N, model_parallel=..., num_kv_heads=...)`` (give
         ``mesh`` or ``devices``, not both). ``progress(stage, done, total)`` is called while the
@@ -529,7 +532,8 @@ class Engine:
         from attn_jax.models.smollm2 import gguf_path
 
         path = gguf_path() if path is None else path
-        config, params = load_gguf(path, progress=None if progress is None else lambda d, t: progress("weights", d, t))
+        on_weights = None if progress is None else lambda d, t: progress("weights", d, t)
+        config, params = load_gguf(path, dtype=jnp.dtype(dtype), progress=on_weights)
         if progress is not None:
             progress("tokenizer", 0, 1)
         tokenizer = load_tokenizer(path)
@@ -537,7 +541,7 @@ class Engine:
             progress("tokenizer", 1, 1)
         return cls.from_llama(
             config, params, tokenizer, attn_backend=attn_backend, block_size=block_size, mesh=mesh, devices=devices,
-            model_parallel=model_parallel, **engine_kwargs,
+            model_parallel=model_parallel, dtype=dtype, **engine_kwargs,
         )  # fmt: skip
 
     @classmethod
@@ -552,12 +556,15 @@ class Engine:
         mesh=None,
         devices: int | None = None,
         model_parallel: int | None = None,
+        dtype="float32",
         **engine_kwargs,
     ) -> Engine:
         """An engine on a Llama-family ``config`` and its weights (``fuse_params``' layout),
         sharded over ``mesh``, or over ``make_mesh(N, model_parallel=..., num_kv_heads=...)``
         for ``devices`` N > 1 (give ``mesh`` or ``devices``, not both; KV heads copied where
-        the model axis exceeds them, ``sharding.shard_model``). ValueError for bad devices."""
+        the model axis exceeds them, ``sharding.shard_model``). ``dtype``: the weights' and
+        activations' (floating weights of another dtype are converted to it). ValueError for
+        bad devices."""
         if mesh is not None and devices is not None:
             raise ValueError("give mesh or devices, not both")
         if devices is not None:
@@ -566,10 +573,12 @@ class Engine:
             mesh = make_mesh(devices, model_parallel=model_parallel, num_kv_heads=config.num_kv_heads)
         elif model_parallel not in (None, 1):
             raise ValueError(f"model_parallel={model_parallel!r} needs devices > 1 (devices={devices!r})")
+        dtype = jnp.dtype(dtype)
+        params = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
         local = {}
         if mesh is not None:
             config, params, local = shard_model(config, params, mesh)
-        model = LlamaModel(config, block_size=block_size, attn_backend=attn_backend, **local)
+        model = LlamaModel(config, block_size=block_size, attn_backend=attn_backend, dtype=dtype, **local)
         return cls(model, params, tokenizer, mesh=mesh, **engine_kwargs)
 
     # ------------------------------------------------------------------ requests

@@ -127,9 +127,10 @@ def tiny_random_config(vocab_size: int = 49152) -> LlamaConfig:
 
 
 def tiny_random_engine(
-    seed: int = 0, *, attn_backend=None, block_size: int = 16, devices: int | None = None, **engine_kwargs
-):
-    """An ``Engine`` on ``tiny_random_config`` with float32 weights from ``init_params(seed)``
+    seed: int = 0, *, attn_backend=None, block_size: int = 16, devices: int | None = None, dtype="float32",
+    **engine_kwargs,
+):  # fmt: skip
+    """An ``Engine`` on ``tiny_random_config`` with ``dtype`` weights from ``init_params(seed)``
     and the embedded SmolLM2's tokenizer and chat template: the same tokens in every
     process for the same ``seed`` and engine arguments (tests compare a server's output
     with an engine of their own). ``devices`` > 1: sharded as ``Engine.from_llama`` shards
@@ -143,5 +144,5 @@ def tiny_random_engine(
     config = tiny_random_config(tokenizer.vocab_size)
     return Engine.from_llama(
         config, init_params(config, seed=seed), tokenizer, attn_backend=attn_backend, block_size=block_size,
-        devices=devices, **engine_kwargs,
+        devices=devices, dtype=dtype, **engine_kwargs,
     )  # fmt: skip

@@ -215,3 +215,15 @@ def test_the_warm_up_meets_a_mixed_batch_of_a_small_token_bucket():
     rows = {id(r): ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, lens, strict=True)}
     prepared = engine.runner.prepare([batch], rows, [[1] * len(lens)], 1)
     assert prepared.token_bucket == 64 and prepared.key in candidate_calls(engine)[0]
+
+
+def test_step_programs_compile_with_cublas_dots_on_cuda_only(monkeypatch):
+    """On CUDA the step programs turn XLA's Triton GEMM fusions off (cuBLAS dots); elsewhere,
+    or when ``XLA_FLAGS`` names the flag, XLA's defaults stand."""
+    from attn_jax.serving.model_runner import step_compiler_options
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    assert step_compiler_options("cuda") == {"xla_gpu_enable_triton_gemm": False}
+    assert step_compiler_options("cpu") is None and step_compiler_options("tpu") is None
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    assert step_compiler_options("cuda") is None
