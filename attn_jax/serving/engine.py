@@ -907,13 +907,17 @@ class Engine:
                     if count > 0:
                         prompt.append((shard, request, first_row, start, count))
                 first_row += n
-                request.num_computed += _computed_tokens(n, k)
+                computed = _computed_tokens(n, k)
+                request.num_computed += computed
                 request.num_pending += k
-                sampled += [(shard, step, row, request) for step in range(k)]
+                if k == 1:
+                    sampled.append((shard, 0, row, request))
+                elif k:
+                    sampled += [(shard, step, row, request) for step in range(k)]
                 if n > 1:
                     num_prefill += n
                 else:
-                    num_decode += _computed_tokens(n, k)
+                    num_decode += computed
         stats = StepStats(
             num_requests=sum(len(b.requests) for b in batches),
             num_prefill_tokens=num_prefill,

@@ -219,6 +219,17 @@ class KVCacheManager:
             self.allocator.cache_block(request.blocks[i], request.block_hashes[i])
         self._num_cached[id(request)] = num_full
 
+    def cache_full_blocks(self, requests: Sequence[Request]) -> None:
+        """``cache_blocks`` of each of ``requests`` whose computed tokens fill a block past
+        its cached ones (the scheduler's pass over its running requests every step: most
+        decodes complete no block, and skipping them before the call is what keeps it cheap)."""
+        if not self.enable_caching:
+            return
+        size, cached = self.block_size, self._num_cached
+        for request in requests:
+            if request.num_computed >= (cached.get(id(request), 0) + 1) * size:
+                self.cache_blocks(request)
+
     def free(self, request: Request) -> None:
         """Caches the request's full computed blocks, then drops its references to its
         pages (tail first, so its tail is evicted before its head) and empties its table."""

@@ -334,8 +334,7 @@ class Scheduler:
         request whose next uncached block is one this step computes for another request
         waits a step and takes it from the cache (skipped, not blocking those behind it)."""
         manager = self.kv_cache_manager
-        for request in self.running:  # blocks filled by the dispatched steps join the prefix cache
-            manager.cache_blocks(request)
+        manager.cache_full_blocks(self.running)  # blocks filled by the dispatched steps join the prefix cache
         budget = self.max_num_batched_tokens
         scheduled: list[Request] = []
         num_new: list[int] = []
