@@ -155,7 +155,7 @@ class Completion:
     prompt_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]] | None, ...] | None = None
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class _RequestState:
     """The core's view of one live request."""
 

@@ -164,7 +164,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class Request:
     """One generation request and its progress."""
 
