@@ -4,6 +4,7 @@ against stock transformers on the same file, and clear errors for bad model file
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -172,3 +173,13 @@ def test_builtin_config_equals_the_ggufs(smollm2):
     from attn_jax.models.smollm2 import smollm2_135m_config
 
     assert smollm2_135m_config() == smollm2[0]
+
+
+def test_gguf_weights_in_bfloat16_are_the_float32_ones_rounded(smollm2, smollm2_gguf):
+    """``load_gguf(dtype=bfloat16)`` (``--dtype auto`` on an accelerator): every weight equals
+    the float32 load rounded to bfloat16."""
+    _, params = smollm2
+    _, half = load_gguf(smollm2_gguf, dtype=jnp.bfloat16)
+    pairs = list(zip(jax.tree.leaves(params), jax.tree.leaves(half), strict=True))
+    for want, got in pairs:
+        assert got.dtype == jnp.bfloat16 and np.array_equal(np.asarray(got), np.asarray(want).astype(jnp.bfloat16))
