@@ -117,8 +117,8 @@ def start_once(
     log_compiles: bool = False,
 ) -> dict:  # fmt: skip
     """One ``attn-stack serve`` from the command to ``/health`` (then SIGTERM): its seconds and
-    the lines it printed about the warm-up and the KV cache (with ``log_compiles``, also the
-    step programs' summed compile phases, ``compile_log_totals``)."""
+    the lines it printed about the model's dtype, the warm-up and the KV cache (with
+    ``log_compiles``, also the step programs' summed compile phases, ``compile_log_totals``)."""
     env = {**os.environ, "ATTN_STACK_CACHE_DIR": str(cache_dir)}
     if log_compiles:
         env["JAX_LOG_COMPILES"] = "1"
@@ -143,7 +143,8 @@ def start_once(
             process.wait()
     log.seek(0)
     lines = log.read().splitlines()
-    wanted = [line for line in lines if "warmed up" in line or "KV cache" in line or "Error" in line]
+    marks = ("weights and activations in", "warmed up", "KV cache", "Error")
+    wanted = [line for line in lines if any(mark in line for mark in marks)]
     run = {"seconds_to_health": seconds, "exit_code": process.returncode, "lines": wanted, "tail": lines[-5:]}
     if log_compiles:
         run["compile_phases"] = compile_log_totals(lines)
