@@ -227,3 +227,16 @@ def test_step_programs_compile_with_cublas_dots_on_cuda_only(monkeypatch):
     assert step_compiler_options("cpu") is None and step_compiler_options("tpu") is None
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
     assert step_compiler_options("cuda") is None
+
+
+@pytest.mark.gpu
+def test_a_compiled_step_on_cuda_runs_its_dots_on_cublas(monkeypatch):
+    """The step program XLA compiles on CUDA has no Triton GEMM fusion: its matmuls are
+    cuBLAS calls (``step_compiler_options``)."""
+    if jax.default_backend() != "gpu" or jax.devices()[0].platform != "cuda":
+        pytest.skip("needs an NVIDIA GPU")
+    monkeypatch.delenv("XLA_FLAGS", raising=False)  # read when the runner is built
+    engine = tiny_random_engine(**LIMITS)
+    _, prepared = min(candidate_calls(engine)[0].values(), key=lambda x: x[0])
+    text = engine.runner._jit_step.lower(*engine.runner._step_args(prepared)).compile().as_text()
+    assert "__triton_gemm" not in text and "__cublas" in text
