@@ -574,7 +574,11 @@ class Engine:
         elif model_parallel not in (None, 1):
             raise ValueError(f"model_parallel={model_parallel!r} needs devices > 1 (devices={devices!r})")
         dtype = jnp.dtype(dtype)
-        params = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+
+        def convert(a):  # floating weights of another dtype only: those already in it are not copied
+            return a.astype(dtype) if a.dtype != dtype and jnp.issubdtype(a.dtype, jnp.floating) else a
+
+        params = jax.tree.map(convert, params)
         local = {}
         if mesh is not None:
             config, params, local = shard_model(config, params, mesh)
