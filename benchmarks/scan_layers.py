@@ -1,7 +1,16 @@
-"""Whether a ``lax.scan`` over stacked layers would pay on a GPU (issue 46): compile time,
-the jitted call's host dispatch and the step, for 30 SmolLM2-shaped layers unrolled
-(per-layer weights and KV pools, as ``LlamaModel`` runs them) against one scan over stacked
-weights and one KV pool whose rows are offset per layer.
+"""Whether a ``lax.scan`` over stacked layers, or fewer arguments a call, would pay on a GPU
+(issue 46): compile time, the jitted call's host dispatch and the step, for 30 SmolLM2-shaped
+layers in four arrangements (``--mode``):
+
+- ``unrolled``: per-layer weights and KV pools, as ``LlamaModel`` runs them (5 weight and 1
+  pool leaves a layer);
+- ``stacked``: the same unrolled layers, each weight kind one stacked array indexed by the
+  layer's static number (5 weight leaves in all), per-layer pools;
+- ``one_pool``: stacked weights and one KV pool whose rows are offset per layer, unrolled;
+- ``scan``: stacked weights and one pool, one ``lax.scan`` over the layers.
+
+``stacked`` and ``one_pool`` ask whether XLA reads a layer's slice of a stacked weight in
+place or copies it first (the step time says), and what the arguments cost (the dispatch).
 
 Each layer is the model's without attention's arithmetic: RMSNorm, the fused q/k/v matmul,
 a Pallas k/v write into the pool in place (``input_output_aliases``), a gather that reads
@@ -14,7 +23,7 @@ each call. ``--mode`` runs one arrangement per process, so XLA flags can differ 
 
     python benchmarks/scan_layers.py --mode unrolled --tokens 1 64 256 --out /tmp/unrolled.json
     XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true python benchmarks/scan_layers.py --mode scan
-    python benchmarks/scan_layers.py --mode scan --layers 2 --pages 8 --tokens 4   # CPU (interpreted)
+    python benchmarks/scan_layers.py --mode one_pool --layers 2 --pages 8 --tokens 4   # CPU (interpreted)
 """
 
 from __future__ import annotations
@@ -73,6 +82,14 @@ def layer(h, w, pool, slots):
     return h + (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]) @ w["w_down"], pool
 
 
+def layer_weights(layers, i: int):
+    """Layer ``i``'s weights: its own dict from a list of layers, or its static slice of each
+    stacked array."""
+    import jax
+
+    return layers[i] if isinstance(layers, list) else jax.tree.map(lambda a: a[i], layers)
+
+
 def run(args) -> dict:
     import jax
     import jax.numpy as jnp
@@ -81,6 +98,7 @@ def run(args) -> dict:
     rng = np.random.default_rng(0)
     pool_rows = args.pages * PAGE
     scan = args.mode == "scan"
+    one_pool = args.mode in ("one_pool", "scan")
 
     def weight(*shape):
         if len(shape) == 1:
@@ -97,7 +115,7 @@ def run(args) -> dict:
         )  # fmt: skip
         for _ in range(args.layers)
     ]
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers) if scan else layers
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers) if args.mode != "unrolled" else layers
     params = dict(embed=weight(VOCAB, HIDDEN), layers=stacked)
 
     def forward(params, pools, tokens, slots):
@@ -110,10 +128,14 @@ def run(args) -> dict:
                 return (h, pool, offset + pool_rows), None
 
             (h, pools, _), _ = jax.lax.scan(body, (h, pools, jnp.int32(0)), params["layers"])
+        elif one_pool:
+            for i in range(args.layers):
+                w = layer_weights(params["layers"], i)
+                h, pools = layer(h, w, pools, jnp.where(slots >= 0, slots + i * pool_rows, -1))
         else:
             written = []
-            for w, pool in zip(params["layers"], pools, strict=True):
-                h, pool = layer(h, w, pool, slots)
+            for i, pool in enumerate(pools):
+                h, pool = layer(h, layer_weights(params["layers"], i), pool, slots)
                 written.append(pool)
             pools = written
         logits = jnp.dot(h, params["embed"].T, preferred_element_type=jnp.float32)
@@ -130,7 +152,7 @@ def run(args) -> dict:
 
         return jax.jit(call, donate_argnums=1)
 
-    if scan:
+    if one_pool:
         pools = jnp.zeros((args.layers * pool_rows, ROW), jnp.bfloat16)
     else:
         pools = [jnp.zeros((pool_rows, ROW), jnp.bfloat16) for _ in range(args.layers)]
@@ -171,7 +193,7 @@ def run(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=("unrolled", "scan"), default="unrolled")
+    parser.add_argument("--mode", choices=("unrolled", "stacked", "one_pool", "scan"), default="unrolled")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256], help="tokens per step")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--pages", type=int, default=2048, help="KV pages per layer")
