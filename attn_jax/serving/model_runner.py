@@ -246,12 +246,12 @@ class ModelRunner:
         self.buckets = buckets
         self.max_rows = buckets.request_buckets[-1]  # the sampled-token buffer's length
         self._sharded = None if mesh is None else ShardedStep(model, mesh)
+        options = step_compiler_options((jax.devices() if mesh is None else mesh.devices.flat)[0].platform)
         self.num_shards = 1 if self._sharded is None else self._sharded.data_size
         vocab = model.config.vocab_size
         if self._sharded is None:
             self.params = jax.device_put(params)
             self.kv_caches = model.init_kv_caches(num_blocks)
-            options = step_compiler_options(jax.devices()[0].platform)
             self._jit_step = jax.jit(
                 self._device_step, donate_argnums=(1, 2), static_argnums=STATIC_STEP_ARGS, compiler_options=options
             )
@@ -262,7 +262,6 @@ class ModelRunner:
         else:
             self.params = self._sharded.put_params(params)
             self.kv_caches = self._sharded.init_kv_caches(num_blocks)
-            options = step_compiler_options(mesh.devices.flat[0].platform)
             self._jit_step = self._sharded.jit(self._device_step, options)
             self._last_tokens = self._sharded.zeros_per_shard(self.max_rows)
             self._token_counts = self._sharded.zeros_per_shard(self.max_rows, vocab)
