@@ -77,6 +77,13 @@ def detect_platform(devices: Sequence[Any] | None = None) -> Platform:
     return Platform(kind=kind, device_kind=devices[0].device_kind, num_devices=len(devices))
 
 
+def is_cuda(device: Any) -> bool:
+    """Whether ``device`` (a ``jax.Device``) is an NVIDIA GPU under CUDA. Its ``platform`` is
+    "gpu" under CUDA and ROCm alike, so its client's ``platform_version`` tells them apart, as
+    ``jax.Array.__cuda_array_interface__`` does."""
+    return _JAX_PLATFORM_TO_KIND.get(device.platform) == "gpu" and "cuda" in device.client.platform_version.lower()
+
+
 @functools.cache
 def current_platform() -> Platform:
     """``detect_platform()`` for this process, computed once (devices do not change)."""

@@ -83,7 +83,7 @@ def main() -> None:
     for name in args.programs:
         step_args = runner._step_args(by_name[name])
         t0 = time.perf_counter()
-        traced = runner._jit_step.trace(*step_args)
+        traced = runner.jit_for(by_name[name]).trace(*step_args)
         t1 = time.perf_counter()
         lowered = traced.lower()
         t2 = time.perf_counter()

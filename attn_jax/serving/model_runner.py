@@ -59,6 +59,7 @@ import numpy as np
 
 from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
 from attn_jax.models.base import ServingModel
+from attn_jax.platforms import is_cuda
 from attn_jax.serving.cascade import CascadeConfig, common_prefix_len
 from attn_jax.serving.executable_cache import ExecutableCache
 from attn_jax.serving.sampling import (
@@ -177,13 +178,21 @@ def _write_guide_rows(table, index, rows):
     return flat.reshape(table.shape)
 
 
-def step_compiler_options(platform: str) -> dict[str, bool] | None:
-    """XLA options the step programs compile with on ``platform`` (a ``jax.Device.platform``).
-    On CUDA their dots run on cuBLAS rather than as Triton GEMM fusions
-    (``xla_gpu_enable_triton_gemm=False``): XLA then autotunes no Triton tilings, so the
-    warm-up compiles a quarter faster, and the decode steps measured within 2 % (BENCHMARKS.md,
-    "cuBLAS dots"). An ``XLA_FLAGS`` that names the flag is left to decide. None: XLA's defaults."""
-    if platform != "cuda" or "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", ""):
+CUBLAS_MIN_TOKENS = 256
+"""Token buckets from which a CUDA step program's dots run on cuBLAS (``step_compiler_options``)."""
+
+
+def step_compiler_options(device, token_bucket: int) -> dict[str, bool] | None:
+    """XLA options a step program of ``token_bucket`` tokens compiles with on ``device``'s
+    platform (a ``jax.Device``); None: XLA's defaults. On CUDA (``platforms.is_cuda``), from
+    ``CUBLAS_MIN_TOKENS`` tokens, its dots run on cuBLAS rather than as Triton GEMM fusions
+    (``xla_gpu_enable_triton_gemm=False``): XLA then autotunes no Triton tilings, so they
+    compile a quarter faster, and batch-256 decode steps ran 9 % faster. Below, Triton's fused
+    GEMMs stay: cuBLAS made batch-1 steps 11 % slower and batch-64 one-step calls slower
+    (BENCHMARKS.md, "cuBLAS dots from 256 tokens"). An ``XLA_FLAGS`` that names the flag decides."""
+    if token_bucket < CUBLAS_MIN_TOKENS or not is_cuda(device):
+        return None
+    if "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", ""):
         return None
     return {"xla_gpu_enable_triton_gemm": False}
 
@@ -246,15 +255,16 @@ class ModelRunner:
         self.buckets = buckets
         self.max_rows = buckets.request_buckets[-1]  # the sampled-token buffer's length
         self._sharded = None if mesh is None else ShardedStep(model, mesh)
-        options = step_compiler_options((jax.devices() if mesh is None else mesh.devices.flat)[0].platform)
+        device = (jax.devices() if mesh is None else mesh.devices.flat)[0]
+        narrow, wide = (step_compiler_options(device, tokens) for tokens in (0, CUBLAS_MIN_TOKENS))
         self.num_shards = 1 if self._sharded is None else self._sharded.data_size
         vocab = model.config.vocab_size
         if self._sharded is None:
             self.params = jax.device_put(params)
             self.kv_caches = model.init_kv_caches(num_blocks)
-            self._jit_step = jax.jit(
-                self._device_step, donate_argnums=(1, 2), static_argnums=STATIC_STEP_ARGS, compiler_options=options
-            )
+            jit = functools.partial(jax.jit, self._device_step, donate_argnums=(1, 2), static_argnums=STATIC_STEP_ARGS)
+            self._jit_step = jit(compiler_options=narrow)
+            self._jit_step_wide = self._jit_step if wide == narrow else jit(compiler_options=wide)
             self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)
             self._token_counts = jnp.zeros((self.max_rows, vocab), jnp.int32)
             self._guide_masks = jnp.zeros((self.max_rows, mask_words(vocab)), jnp.int32)
@@ -262,7 +272,8 @@ class ModelRunner:
         else:
             self.params = self._sharded.put_params(params)
             self.kv_caches = self._sharded.init_kv_caches(num_blocks)
-            self._jit_step = self._sharded.jit(self._device_step, options)
+            self._jit_step = self._sharded.jit(self._device_step, narrow)
+            self._jit_step_wide = self._jit_step if wide == narrow else self._sharded.jit(self._device_step, wide)
             self._last_tokens = self._sharded.zeros_per_shard(self.max_rows)
             self._token_counts = self._sharded.zeros_per_shard(self.max_rows, vocab)
             self._guide_masks = self._sharded.zeros_per_shard(self.max_rows, mask_words(vocab))
@@ -574,6 +585,11 @@ class ModelRunner:
             previous, packed=[(next_packed, previous.packed[0][1])], decode=tuple(decodes), page_delta=delta
         )
 
+    def jit_for(self, prepared: PreparedCall):
+        """The jitted step that runs ``prepared``: its token bucket picks the compiler options
+        (``step_compiler_options``; one function where they are the same for every bucket)."""
+        return self._jit_step_wide if prepared.token_bucket >= CUBLAS_MIN_TOKENS else self._jit_step
+
     def _step_args(self, prepared: PreparedCall) -> tuple:
         """The jitted step's arguments for a prepared call (the sharded step's inputs stacked
         over data shards)."""
@@ -598,7 +614,7 @@ class ModelRunner:
             if loaded is not None:
                 self._loaded[prepared.key] = loaded
                 return
-        compiled = self._jit_step.lower(*args).compile()
+        compiled = self.jit_for(prepared).lower(*args).compile()
         if cache is not None:
             cache.store(prepared.key, compiled)
             # Called as the loaded ones are: jit would trace it again for arguments that a loaded
@@ -611,7 +627,7 @@ class ModelRunner:
         args = self._step_args(prepared)
         start = time.perf_counter()
         loaded = self._loaded.get(prepared.key) if self._loaded else None
-        outputs = self._jit_step(*args) if loaded is None else loaded(*_dynamic(args))
+        outputs = self.jit_for(prepared)(*args) if loaded is None else loaded(*_dynamic(args))
         tokens, rows, self.kv_caches, next_packed, (scores, *prompt) = outputs
         prompt_scores = prompt[0] if prompt else None
         if not prepared.logprobs:

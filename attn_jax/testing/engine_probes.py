@@ -16,18 +16,23 @@ def record_step_call(engine, run: Callable[[], object]) -> tuple[Callable, tuple
     the arguments of its last call (weights, caches, last tokens, packed inputs, layout,
     candidate count), to lower, compile or call again."""
     calls = []
-    target = engine.runner  # the engine's model runner holds the jitted step
-    jit_step = target._jit_step
+    target = engine.runner  # the engine's model runner holds the jitted steps (one per compiler options)
+    jit_steps = {name: getattr(target, name) for name in ("_jit_step", "_jit_step_wide")}
 
-    def recording(*args):
-        calls.append(args)
-        return jit_step(*args)
+    def recording(jit_step):
+        def record(*args):
+            calls.append((jit_step, args))
+            return jit_step(*args)
 
-    target._jit_step = recording
+        return record
+
+    for name, jit_step in jit_steps.items():
+        setattr(target, name, recording(jit_step))
     try:
         run()
     finally:
-        target._jit_step = jit_step
+        for name, jit_step in jit_steps.items():
+            setattr(target, name, jit_step)
     if not calls:
         raise ValueError("run() made the engine run no step")
-    return jit_step, calls[-1]
+    return calls[-1]

@@ -9,8 +9,10 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -217,26 +219,56 @@ def test_the_warm_up_meets_a_mixed_batch_of_a_small_token_bucket():
     assert prepared.token_bucket == 64 and prepared.key in candidate_calls(engine)[0]
 
 
+def _device(platform: str, version: str):
+    """A ``jax.Device`` stand-in: its ``platform`` and its client's ``platform_version``."""
+    return types.SimpleNamespace(platform=platform, client=types.SimpleNamespace(platform_version=version))
+
+
 def test_step_programs_compile_with_cublas_dots_on_cuda_only(monkeypatch):
-    """On CUDA the step programs turn XLA's Triton GEMM fusions off (cuBLAS dots); elsewhere,
-    or when ``XLA_FLAGS`` names the flag, XLA's defaults stand."""
+    """On CUDA the step programs of 256 tokens and more turn XLA's Triton GEMM fusions off
+    (cuBLAS dots); elsewhere, below, or when ``XLA_FLAGS`` names the flag, XLA's defaults
+    stand. A CUDA device's ``platform`` is "gpu", as a ROCm device's is: its client's platform
+    version tells them apart."""
     from attn_jax.serving.model_runner import step_compiler_options
 
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    assert step_compiler_options("cuda") == {"xla_gpu_enable_triton_gemm": False}
-    assert step_compiler_options("cpu") is None and step_compiler_options("tpu") is None
+    cuda, cublas = _device("gpu", "cuda 13000"), {"xla_gpu_enable_triton_gemm": False}
+    assert step_compiler_options(cuda, 256) == step_compiler_options(cuda, 2048) == cublas
+    assert step_compiler_options(cuda, 64) is None  # small steps keep Triton's fused GEMMs
+    assert step_compiler_options(_device("cuda", "cuda 12080"), 256) == cublas
+    assert step_compiler_options(_device("gpu", "rocm 60400"), 256) is None
+    assert step_compiler_options(_device("cpu", "<unknown>"), 256) is None
+    assert step_compiler_options(_device("tpu", "PJRT C API"), 256) is None
+    assert step_compiler_options(jax.devices("cpu")[0], 256) is None
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
-    assert step_compiler_options("cuda") is None
+    assert step_compiler_options(cuda, 256) is None
 
 
 @pytest.mark.gpu
 def test_a_compiled_step_on_cuda_runs_its_dots_on_cublas(monkeypatch):
-    """The step program XLA compiles on CUDA has no Triton GEMM fusion: its matmuls are
-    cuBLAS calls (``step_compiler_options``)."""
-    if jax.default_backend() != "gpu" or jax.devices()[0].platform != "cuda":
+    """A 256-token step program XLA compiles on CUDA has no Triton GEMM fusion: its matmuls
+    are cuBLAS calls (``step_compiler_options``); a 16-token one keeps them. SmolLM2's shape
+    in bf16: the tiny model's dots are small enough for XLA to emit them as reductions."""
+    from attn_jax.models.llama import LlamaModel
+    from attn_jax.platforms import is_cuda
+    from attn_jax.serving import Engine
+    from attn_jax.testing.models import MODEL_SHAPES, random_params
+
+    if not is_cuda(jax.devices()[0]):
         pytest.skip("needs an NVIDIA GPU")
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # read when the runner is built
-    engine = tiny_random_engine(**LIMITS)
-    _, prepared = min(candidate_calls(engine)[0].values(), key=lambda x: x[0])
-    text = engine.runner._jit_step.lower(*engine.runner._step_args(prepared)).compile().as_text()
-    assert "__triton_gemm" not in text and "__cublas" in text
+    config, dtype = MODEL_SHAPES["smollm2-135m"](), jax.numpy.bfloat16
+    limits = dict(LIMITS, max_num_seqs=256, max_num_batched_tokens=256)
+    engine = Engine(LlamaModel(config, block_size=16, dtype=dtype), random_params(config, dtype), **limits)
+    texts = {}
+    for _, prepared in candidate_calls(engine)[0].values():
+        if prepared.token_bucket in (16, 256) and prepared.token_bucket not in texts:
+            runner = engine.runner
+            texts[prepared.token_bucket] = (
+                runner.jit_for(prepared).lower(*runner._step_args(prepared)).compile().as_text()
+            )
+    # A Triton GEMM fusion's kind is __triton_gemm or (XLA of jax 0.11) __triton_nested_gemm_fusion.
+    triton = r'"kind":"__triton_(?:gemm|nested_gemm_fusion)"'
+    assert not re.findall(triton, texts[256])
+    assert texts[256].count('custom_call_target="__cublas') >= config.num_layers * 4  # q/k/v, o, gate/up, down
+    assert len(re.findall(triton, texts[16])) >= config.num_layers * 4
