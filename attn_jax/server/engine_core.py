@@ -95,7 +95,7 @@ class RoundReport:
     num_waiting: int = 0  # live requests without one
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class _Live:
     """The core's record of one admitted request."""
 
@@ -106,6 +106,11 @@ class _Live:
     last_token_at: float | None = None
     echo: tuple | None = None  # (prompt text, prompt ids) to send before the first token; None: no echo
     generates: bool = True  # False: max_tokens 0 with echo (the generated token is dropped)
+
+    @property
+    def plain(self) -> bool:
+        """Whether a token's text goes out as it comes: no stop strings, echo pending or dropped token."""
+        return self.echo is None and self.generates and not self.stop.stops
 
 
 class EngineCore:
@@ -147,9 +152,10 @@ class EngineCore:
 
     def _emit_round(self, outputs: dict, report: RoundReport) -> None:
         """Emits a round's message, the gauges' counts read at its end."""
-        report.counts = read_counts(self.engine)
-        report.num_started = sum(live.num_tokens > 0 for live in self._live.values())
-        report.num_waiting = len(self._live) - report.num_started
+        report.counts = counts = read_counts(self.engine)
+        if counts.num_running is None or counts.num_waiting is None:  # the gauges' fallback: a pass over the live
+            report.num_started = sum(live.num_tokens > 0 for live in self._live.values())
+            report.num_waiting = len(self._live) - report.num_started
         admitted, self._admitted = self._admitted, []
         self._emit(("round", admitted, list(outputs.values()), report))
 
@@ -315,36 +321,46 @@ class EngineCore:
 
     def _on_events(self, events, now: float, outputs: dict, report: RoundReport) -> None:
         """Turns the step's ``TokenEvent``s into each request's pieces (stop strings applied)
-        and the step's token latencies."""
-        first, gaps = report.time_to_first_token, report.inter_token_latency
+        and the step's token latencies. A token of a request without stop strings, echo or
+        log-probabilities that does not end it (most of them) takes a short path: a step
+        hands this loop every running request's token."""
+        first, gaps, live_of = report.time_to_first_token, report.inter_token_latency, self._live.get
         for event in events:
-            live = self._live.get(event.request_id)
+            request_id, token_id, text, finished, _, _, logprob, _, _ = event
+            live = live_of(request_id)
             if live is None:  # ended here already (a stop string, an abort)
                 continue
-            if event.token_id >= 0:
+            if token_id >= 0:
                 live.num_tokens += 1
                 if live.last_token_at is None:
                     first.append(now - live.arrival)
                 else:
                     gaps.append(now - live.last_token_at)
                 live.last_token_at = now
+                if not finished and logprob is None and live.plain:
+                    entry = outputs.get(request_id)
+                    if entry is None:
+                        outputs[request_id] = [request_id, [[text, 1, None]], None, None]
+                    else:
+                        entry[1].append([text, 1, None])
+                    continue
             if live.echo is not None:
                 self._add_echo(outputs, live, event.prompt_logprobs)
             if not live.generates:  # max_tokens 0: the prompt alone
-                if event.finished or event.token_id >= 0:
-                    if not event.finished:
-                        self._engine_abort(event.request_id)
-                    reason = "length" if event.token_id >= 0 else event.finish_reason
+                if finished or token_id >= 0:
+                    if not finished:
+                        self._engine_abort(request_id)
+                    reason = "length" if token_id >= 0 else event.finish_reason
                     self._finish(live, reason, event.error, outputs, report)
                 continue
-            text, stopped = live.stop.feed(event.text)
-            scores = None if event.logprob is None else self._token_scores(event)
-            self._add(outputs, live, text, int(event.token_id >= 0), scores)
+            text, stopped = live.stop.feed(text)
+            scores = None if logprob is None else self._token_scores(event)
+            self._add(outputs, live, text, int(token_id >= 0), scores)
             if stopped:
-                if not event.finished:
-                    self._engine_abort(event.request_id)
+                if not finished:
+                    self._engine_abort(request_id)
                 self._finish(live, "stop", None, outputs, report)
-            elif event.finished:
+            elif finished:
                 self._add(outputs, live, live.stop.flush(), 0)
                 self._finish(live, event.finish_reason, event.error, outputs, report)
 

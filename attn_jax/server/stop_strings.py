@@ -26,6 +26,7 @@ class StopMatcher:
             raise ValueError(f"stops={list(stops)!r} holds an empty string")
         self.stops = tuple(stops)
         self._longest = max(map(len, self.stops), default=0)
+        self._chars = frozenset("".join(self.stops))  # text without these neither completes nor starts one
         self._buf = ""  # the last (longest - 1) characters sent, then those held back
         self._sent = 0  # where the held-back part of _buf starts
         self.stopped = False
@@ -35,6 +36,11 @@ class StopMatcher:
         if self.stopped:
             return "", True
         if not self.stops:
+            return new, False
+        if self._sent == len(self._buf) and self._chars.isdisjoint(new):  # most tokens: nothing held back,
+            buf = self._buf + new  # and a match completing now, or a start held back, would hold a char of ``new``
+            self._buf = buf[max(len(buf) - (self._longest - 1), 0) :]
+            self._sent = len(self._buf)
             return new, False
         start = max(len(self._buf) - self._longest + 1, 0)  # a match not found before ends in ``new``
         buf = self._buf + new

@@ -42,6 +42,25 @@ def test_any_split_gives_the_text_before_the_first_stop_string_to_complete(piece
     assert (text, stopped) == _oracle("".join(pieces), stops)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(st.text(alphabet="abxy\n", max_size=4), max_size=12),
+    stops=st.lists(st.text(alphabet="ab\n", min_size=1, max_size=3), min_size=1, max_size=3),
+)
+def test_pieces_without_a_stop_strings_character_take_the_short_path_and_agree(pieces, stops):
+    """Pieces of characters no stop string holds (x, y) go out at once, nothing held back
+    (``StopMatcher``'s short path); mixed with the others, the text is still the oracle's."""
+    text, stopped, _ = _run(pieces, stops)
+    assert (text, stopped) == _oracle("".join(pieces), stops)
+
+
+def test_text_of_other_characters_goes_out_at_once_and_a_stop_string_across_it_still_matches():
+    _, stopped, sent = _run(["xy", "zz", "Paris.", "\n", "\nThe"], ["\n\n"])
+    assert sent == ["xy", "zz", "Paris.", "", ""] and stopped
+    _, stopped, sent = _run(["<e", "n", "d>", "more"], ["end>"])
+    assert sent == ["<", "", ""] and stopped
+
+
 def test_a_stop_string_split_over_pieces_is_held_back_then_dropped():
     _, stopped, sent = _run(["Paris.", "\n", "\nThe"], ["\n\n"])
     assert sent == ["Paris.", "", ""] and stopped
