@@ -43,6 +43,43 @@ def gpu_stream_events(profile) -> list[DeviceEvent]:
     return sorted(out, key=lambda e: e.start_ns)
 
 
+def device_timeline(events: Sequence[DeviceEvent], min_gap_us: float = 20.0) -> dict:
+    """How busy the device was over ``events`` (sorted by start; every stream, overlaps
+    counted once): the window from the first event's start to the last one's end, the time
+    some event ran, the idle share, and the idle gaps of at least ``min_gap_us`` (the device
+    waiting for the host between calls, where a CUDA graph's launch gaps inside a call are a
+    few microseconds) apart from the shorter ones."""
+    if not events:
+        raise ValueError("device_timeline needs at least one event; got none")
+    busy_ns, long_gaps, short_ns = 0.0, [], 0.0
+    begin, end = events[0].start_ns, events[0].start_ns + events[0].duration_ns
+    first = begin
+    for ev in events[1:]:
+        if ev.start_ns > end:  # the device idled from ``end`` to this event's start
+            busy_ns += end - begin
+            gap = ev.start_ns - end
+            if gap >= min_gap_us * 1e3:
+                long_gaps.append(gap / 1e3)
+            else:
+                short_ns += gap
+            begin = ev.start_ns
+        end = max(end, ev.start_ns + ev.duration_ns)
+    busy_ns += end - begin
+    window = end - first
+    return {
+        "events": len(events),
+        "window_ms": window / 1e6,
+        "busy_ms": busy_ns / 1e6,
+        "idle_share": 1.0 - busy_ns / window if window > 0 else 0.0,
+        "min_gap_us": min_gap_us,
+        "long_gaps": len(long_gaps),
+        "long_gaps_ms": sum(long_gaps) / 1e3,
+        "long_gap_us_p50": statistics.median(long_gaps) if long_gaps else None,
+        "long_gap_us_max": max(long_gaps) if long_gaps else None,
+        "short_gaps_ms": short_ns / 1e6,
+    }
+
+
 def group_calls(events: Sequence[DeviceEvent], expected: int, min_gap_ns: float) -> list[list[DeviceEvent]]:
     """``events`` (sorted by start) split where the device idled at least ``min_gap_ns``;
     raises RuntimeError unless that makes exactly ``expected`` groups."""

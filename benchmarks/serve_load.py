@@ -23,6 +23,10 @@ step shape, at most ``--warmup-rounds``):
   server's tokens/s to the offline engine's; how busy the engine's and the HTTP server's
   processes and main threads were (``server_cpu_fraction``, Linux), so a run says which
   side sets the pace;
+- with ``--trace``, the closed loop again under a ``jax.profiler`` (CUPTI) trace of the engine
+  process: how busy the device was over it and its idle share between steps
+  (``cupti_timing.device_timeline``); the trace slows the host, so that phase's tokens/s
+  are its own;
 - open loop: ``--poisson-requests`` requests arriving as a Poisson process at ``--rate``
   requests/s: the same latencies (TTFT p50 is the issue's target).
 
@@ -64,15 +68,18 @@ import concurrent.futures
 import dataclasses
 import datetime
 import functools
+import glob
 import json
 import multiprocessing
 import os
 import platform
 import random
+import shutil
 import signal
 import socket
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -239,13 +246,43 @@ def cpu_fractions(before: dict, after: dict) -> dict:
     return out
 
 
-def probe_answer(engine, message: tuple, core_thread: int | None = None) -> tuple:
-    """The answer to the coordinator's ``("mark",)`` or ``("summary", first_step)``; a mark
-    carries the engine process's CPU seconds and its core thread's (``core_thread``)."""
+def trace_answer(command: str, state: dict) -> dict:
+    """``"start"``: a ``jax.profiler`` trace of this process (CUPTI on a GPU) into a fresh
+    folder; ``"stop"``: its end, and the device's timeline over it
+    (``cupti_timing.device_timeline``: busy time, idle share, gaps between calls), or an
+    ``error`` where it holds no GPU event (a CPU run). ``state`` keeps the folder between the
+    two; the trace is deleted once summarised."""
+    import jax
+
+    if command == "start":
+        state["dir"] = tempfile.mkdtemp(prefix="serve-load-trace-")
+        jax.profiler.start_trace(state["dir"])
+        return {"tracing": True}
+    from cupti_timing import device_timeline, gpu_stream_events  # benchmarks/, the script's folder
+    from jax.profiler import ProfileData
+
+    jax.profiler.stop_trace()
+    folder = state.pop("dir")
+    try:
+        files = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+        events = gpu_stream_events(ProfileData.from_file(files[0])) if files else []
+        if not events:
+            return {"error": f"the trace holds no GPU stream event (device: {jax.devices()[0].device_kind})"}
+        return device_timeline(events)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def probe_answer(engine, message: tuple, core_thread: int | None = None, trace_state: dict | None = None) -> tuple:
+    """The answer to the coordinator's ``("mark",)``, ``("summary", first_step)`` or
+    ``("trace", "start" | "stop")`` (``trace_answer``, its folder kept in ``trace_state``); a
+    mark carries the engine process's CPU seconds and its core thread's (``core_thread``)."""
     if message[0] == "mark":
         marks = cpu_marks("engine", core_thread)
         mark = {"num_compilations": engine.num_compilations, "step": len(engine.stats), "time": time.monotonic()}
         return "mark", mark | marks
+    if message[0] == "trace":
+        return "trace", trace_answer(message[1], trace_state if trace_state is not None else {})
     return "summary", _step_summary(engine, message[1])
 
 
@@ -255,11 +292,12 @@ def engine_with_probe(opts: dict, probe) -> object:
     engine, offline = prepare_engine(opts)
     probe.send(("offline", offline))
     core_thread = threading.get_native_id()  # the engine process runs its core in the thread that built it
+    trace_state: dict = {}
 
     def answer() -> None:
         while True:
             try:
-                probe.send(probe_answer(engine, probe.recv(), core_thread))
+                probe.send(probe_answer(engine, probe.recv(), core_thread, trace_state))
             except (EOFError, OSError):
                 return
 
@@ -284,9 +322,10 @@ def serve_process(opts: dict, port: int, conn) -> None:
 
         if opts["engine_in_thread"]:
             served, offline = prepare_engine(opts)
+            trace_state: dict = {}
 
             def probe(message: tuple) -> tuple:
-                return probe_answer(served, message)
+                return probe_answer(served, message, trace_state=trace_state)
         else:
             here, there = multiprocessing.get_context("spawn").Pipe()
             served = EngineProcess(functools.partial(engine_with_probe, opts, there))
@@ -314,7 +353,7 @@ def serve_process(opts: dict, port: int, conn) -> None:
             if message[0] == "mark":  # the HTTP process's CPU beside the engine's: which one saturates
                 kind, answer = probe(message)
                 conn.send((kind, answer | cpu_marks("http", thread.native_id)))
-            elif message[0] == "summary":
+            elif message[0] in ("summary", "trace"):
                 conn.send(probe(message))
             else:
                 break
@@ -666,6 +705,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-max-shapes", type=int, default=None, help="Engine.warmup's max_shapes (default: all)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
+        "--trace", action="store_true",
+        help="after the closed loop, run it again under a jax.profiler (CUPTI) trace of the engine: the device's "
+        "busy time and idle share between steps under load (the trace slows the host: its tokens/s are its own)",
+    )  # fmt: skip
+    p.add_argument(
         "--no-compilation-cache", action="store_true",
         help="no persistent JAX compilation cache (attn-stack serve's default: on, under $ATTN_STACK_CACHE_DIR)",
     )  # fmt: skip
@@ -828,6 +872,20 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
     print(f"closed loop: {_fmt(result['closed_loop']['output_tokens_per_s'])} tokens/s", flush=True)
     _update_targets(result)
     save()
+    if args.trace and not over_budget("traced_closed_loop"):
+        mark = server.ask("mark")
+        server.ask("trace", "start")
+        prompts = prompts_for(vocab, n * k, args.prompt_len, seed + 3)
+        records, cpu = closed_loop(pool, procs, base_url, prompts, n, k, request)
+        timeline = server.ask("trace", "stop", timeout=600.0)
+        result["traced_closed_loop"] = measured(records, cpu, mark, concurrency=n) | {"device_timeline": timeline}
+        share = timeline.get("idle_share")
+        print(
+            f"traced closed loop: {_fmt(result['traced_closed_loop']['output_tokens_per_s'])} tokens/s, device idle "
+            + (f"{100 * share:.1f} % of the window" if share is not None else f"unknown ({timeline.get('error')})"),
+            flush=True,
+        )
+        save()
     if args.rate <= 0 or over_budget("poisson"):
         return
     warm_up(

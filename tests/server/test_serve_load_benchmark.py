@@ -35,6 +35,37 @@ def _record(start: float, chunks: list[float], tokens: int, error: str | None = 
                 finish_reason="length")  # fmt: skip
 
 
+def test_device_timeline_counts_overlaps_once_and_splits_gaps_by_length(serve_load):
+    from cupti_timing import DeviceEvent, device_timeline  # benchmarks/, on the path the fixture set
+
+    us = 1e3  # events in nanoseconds
+    events = [
+        DeviceEvent("a", 0 * us, 10 * us),
+        DeviceEvent("b", 5 * us, 10 * us),  # overlaps a: busy 0-15
+        DeviceEvent("c", 17 * us, 3 * us),  # a 2 us launch gap: busy 17-20
+        DeviceEvent("d", 120 * us, 30 * us),  # 100 us idle: the host between calls
+        DeviceEvent("e", 125 * us, 5 * us),  # inside d
+    ]
+    t = device_timeline(events, min_gap_us=20.0)
+    assert t["window_ms"] == pytest.approx(0.150) and t["busy_ms"] == pytest.approx(0.048)
+    assert t["idle_share"] == pytest.approx(1 - 48 / 150)
+    assert (t["long_gaps"], t["long_gaps_ms"], t["long_gap_us_max"]) == (1, pytest.approx(0.1), pytest.approx(100.0))
+    assert t["short_gaps_ms"] == pytest.approx(0.002)
+    with pytest.raises(ValueError, match="at least one event"):
+        device_timeline([])
+
+
+def test_a_trace_without_a_gpu_says_so(serve_load):
+    """``--trace``'s engine side on a CPU: the trace runs, is summarised and removed, and
+    the answer names the missing GPU events instead of figures."""
+    state = {}
+    assert serve_load.probe_answer(None, ("trace", "start"), trace_state=state) == ("trace", {"tracing": True})
+    folder = state["dir"]
+    kind, answer = serve_load.probe_answer(None, ("trace", "stop"), trace_state=state)
+    assert kind == "trace" and "no GPU stream event" in answer["error"]
+    assert state == {} and not os.path.exists(folder)
+
+
 def test_summary_of_records(serve_load):
     records = [
         _record(0.0, [0.010, 0.012, 0.015, 0.019], 4),
