@@ -12,6 +12,12 @@ is the same code (``benchmarks/generate_gpu.py`` reports its ``host_ms_per_step`
     python benchmarks/engine_host_cpu.py --batch 64 --tokens 128
     python benchmarks/engine_host_cpu.py --batch 64 --tokens 128 --devices 4 --model-parallel 1
     python benchmarks/engine_host_cpu.py --batch 64 --tokens 128 --devices 2 --num-scheduler-steps 8
+    python benchmarks/engine_host_cpu.py --batch 256 --tokens 64 --churn
+
+``--churn`` keeps ``--batch`` requests running as a server's closed loop does: each ends
+after its own number of tokens (spread over half to one and a half times ``--tokens``) and a
+new request of a fresh prompt takes its place, so most calls admit a prompt beside the
+running decodes instead of continuing the last call's batch on the device.
 
 ``--devices N`` shards the engine over N CPU devices (``--xla_force_host_platform_device_count``)
 as ``Engine.from_llama`` does, ``--model-parallel`` of them over the KV heads and the rest
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
+import random
 import statistics
 import time
 
@@ -33,11 +40,12 @@ from results_io import add_output_args, output_path, write_json  # benchmarks/, 
 
 def measure(
     runs: int, tokens: int, batch: int = 1, devices: int = 1, model_parallel: int | None = None,
-    num_scheduler_steps: int = 1,
+    num_scheduler_steps: int = 1, churn: bool = False,
 ) -> dict:  # fmt: skip
     """Median host CPU ms per ``Engine.step`` (one call of up to ``num_scheduler_steps``
     steps) of each run of ``batch`` requests of ``tokens`` new tokens (the first and last 5
-    calls left out, or 2 with several steps per call), on ``devices`` CPU devices."""
+    calls left out, or 2 with several steps per call), on ``devices`` CPU devices; with
+    ``churn``, of ``batch * 4`` requests that join as others end (``batch`` at a time)."""
     import os
 
     if devices > 1:  # before jax starts its CPU backend
@@ -74,14 +82,26 @@ def measure(
     runner.read_tokens, runner.jit_for = timed(read, "read"), lambda prepared: timed_steps[id(jit_for(prepared))]
     medians, dispatch = [], []
     try:
-        for _ in range(runs):
-            for prompt in prompts:
-                engine.add_request(prompt, params)
-            per_step, per_dispatch = [], []
+        for run in range(runs):
+            queued = [(p, params) for p in prompts]
+            if churn:  # each request its own length; the queue refills the batch as requests end
+                rng = random.Random(run)
+                queued = [
+                    ([rng.randrange(100, 1000) for _ in range(32)], SamplingParams(
+                        max_new_tokens=rng.randrange(tokens // 2, tokens * 3 // 2), ignore_eos=True))
+                    for _ in range(4 * batch)
+                ]  # fmt: skip
+            for prompt, sp in queued[:batch]:
+                engine.add_request(prompt, sp)
+            queued = queued[batch:]
+            per_step, per_dispatch, ended = [], [], 0
             while engine.has_unfinished():
+                for prompt, sp in queued[:ended]:
+                    engine.add_request(prompt, sp)
+                queued, ended = queued[ended:], 0
                 spent["read"] = spent["dispatch"] = 0.0
                 start = time.thread_time()
-                engine.step()
+                ended += sum(event.finished for event in engine.step())
                 per_step.append(time.thread_time() - start - spent["read"] - spent["dispatch"])
                 per_dispatch.append(spent["dispatch"])
             edge = 5 if num_scheduler_steps == 1 else 2
@@ -99,6 +119,7 @@ def measure(
         "tokens_per_run": tokens,
         "batch": batch,
         "num_scheduler_steps": num_scheduler_steps,
+        "churn": churn,
         "devices": devices,
         "mesh": None if engine.mesh is None else dict(engine.mesh.shape),
         "jax": jax.__version__,
@@ -113,6 +134,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1, help="CPU devices the engine is sharded over")
     parser.add_argument("--model-parallel", type=int, default=None, help="over the KV heads (default: as serve)")
     parser.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per call")
+    parser.add_argument("--churn", action="store_true", help="requests of spread lengths, replaced as they end")
     add_output_args(parser, "engine_host_cpu.json")
     args = parser.parse_args()
     if args.runs < 1 or args.tokens < 20 or args.batch < 1 or args.devices < 1:
@@ -121,7 +143,7 @@ def main() -> None:
             f"--tokens={args.tokens} >= 20"
         )
     result = measure(
-        args.runs, args.tokens, args.batch, args.devices, args.model_parallel, args.num_scheduler_steps
+        args.runs, args.tokens, args.batch, args.devices, args.model_parallel, args.num_scheduler_steps, args.churn
     ) | {
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -8,7 +8,9 @@ bucket up, then traces ``--steps`` decode steps and reads the trace back with
 - device: kernel time per category (matmul, attention, kv write, sampling, elementwise,
   other), the busy time against the span of the device's work (the gaps between kernels
   are launch overhead or waiting for the host), host-to-device and device-to-host copies;
-- host: ``StepStats`` (scheduling + metadata before the device call, and the whole step).
+- host: ``StepStats`` (scheduling + metadata before the device call, and the whole step);
+  with ``--overlap-work-ms``, whether the jitted call's dispatch overlaps Python work on
+  another thread (``dispatch_overlap_ms``).
 
     python benchmarks/engine_step_profile.py --batch 1 64 --dtype bfloat16
     python benchmarks/engine_step_profile.py --model llama3-8b-8l --batch 1 --out /tmp/x.json
@@ -27,6 +29,7 @@ import json
 import re
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -151,6 +154,52 @@ def device_only_step_ms(engine, steps: int) -> dict[str, float]:
     return out
 
 
+def _busy(seconds: float) -> None:
+    """Python bytecode for ``seconds`` (holding the GIL, as the engine's host work does)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def dispatch_overlap_ms(engine, steps: int, work_ms: float) -> dict[str, float]:
+    """Whether the jitted call's dispatch can overlap the host's Python work: the engine's
+    last call repeated ``steps`` times (caches and rows fed back), each beside
+    ``work_ms`` of Python busy work; per round, in ms: the call alone ("dispatch"), the
+    call then the work ("sequential"), and the call on a worker thread while this thread
+    works ("threaded"; at most the larger of the two where the call runs outside the GIL).
+    The device is synchronised before each variant; it must not be what limits (a round
+    under the device's step queues work on it: compare "dispatch" with the step)."""
+    jit_step, (params, caches, last, *rest) = record_step_call(engine, functools.partial(_step_and_sync, engine))
+    runner = engine.runner
+    caches, last = engine.kv_caches, (runner._last_tokens, runner._token_counts, runner._guide_masks)
+    state = {"caches": caches, "last": last}
+
+    def call() -> None:
+        tokens, state["last"], state["caches"] = jit_step(params, state["caches"], state["last"], *rest)[:3]
+        state["tokens"] = tokens
+
+    out = {}
+    with ThreadPoolExecutor(1) as worker:
+        for variant in ("dispatch", "sequential", "threaded"):
+            call()
+            jax.block_until_ready(state["tokens"])
+            t = time.perf_counter()
+            for _ in range(steps):
+                if variant == "threaded":
+                    future = worker.submit(call)
+                    _busy(work_ms / 1e3)
+                    future.result()
+                else:
+                    call()
+                    if variant == "sequential":
+                        _busy(work_ms / 1e3)
+            out[variant] = 1e3 * (time.perf_counter() - t) / steps
+            jax.block_until_ready(state["tokens"])
+    runner._last_tokens, runner._token_counts, runner._guide_masks = state["last"]
+    engine.kv_caches = state["caches"]
+    return out | {"work": work_ms}
+
+
 def write_step_hlo(engine, path: str) -> None:
     """The compiled HLO of the engine's next decode call (its fusions: what each kernel
     name in ``last_step_kernels`` computes)."""
@@ -194,6 +243,7 @@ def profile_batch(config, params, batch: int, args, backend, mesh=None, num_sche
     untraced = time.perf_counter() - t
     stats = engine.stats[first:]
     device_ms = device_only_step_ms(engine, args.steps)
+    overlap = [dispatch_overlap_ms(engine, args.steps, w) for w in getattr(args, "overlap_work_ms", ())]
     if getattr(args, "hlo_out", None):  # engine_step_profile.py's flag (scale_out.py has none)
         write_step_hlo(engine, f"{args.hlo_out}.batch{batch}.hlo.txt")
     return {
@@ -206,6 +256,7 @@ def profile_batch(config, params, batch: int, args, backend, mesh=None, num_sche
         "host_ms_median": 1e3 * float(np.median([s.host_seconds for s in stats])),
         "dispatch_ms_median": 1e3 * float(np.median([s.dispatch_seconds for s in stats])),
         "device_only_step_ms": device_ms,
+        "dispatch_overlap_ms": overlap,
         "compilations_while_profiled": engine.num_compilations - compiles,
         "device": device,
     }
@@ -217,6 +268,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup-steps", type=int, default=8)
+    parser.add_argument(
+        "--overlap-work-ms", type=float, nargs="*", default=[],
+        help="also time the jitted call beside this much Python work, in turn and on a worker thread",
+    )  # fmt: skip
     parser.add_argument("--hlo-out", default=None, help="write each batch's compiled step HLO to PREFIX.batchN.hlo.txt")
     add_engine_args(parser, prompt_len=128, kv_cache_gib=4)
     add_output_args(parser, "engine_step_profile_{model}.json")
@@ -237,6 +292,9 @@ def main() -> None:
             f"span {d.get('span_us_per_step', 0):.0f} us, gaps {d.get('gap_us_per_step', 0):.0f} us",
             flush=True,
         )
+        for o in r["dispatch_overlap_ms"]:
+            times = ", ".join(f"{k} {v:.3f}" for k, v in o.items() if k != "work")
+            print(f"  dispatch beside {o['work']} ms of Python: {times} ms per round")
         print(json.dumps(d, indent=1), flush=True)
     result = {
         "model": args.model,

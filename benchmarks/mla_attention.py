@@ -214,8 +214,10 @@ def prefill_rows(spec, ceilings, sweep: bool = False) -> list[dict]:
 def layer_row(spec, row, q, cache, table, w_uk, w_uv) -> None:
     """MLA-P1 through the public ``MLAAttention`` layer as a model calls it: the new latents
     written into the cache (donated; they are the ones it already holds, so the row's output
-    is comparable), ``kv_b_proj`` up-projecting them, the backend's attention; metadata built
-    on the host once (``metadata_builder.build``, as the engine builds it)."""
+    is comparable), ``kv_b_proj`` up-projecting them, the backend's attention, inside one
+    jitted call that also takes the output's rows, as a model's step program holds its
+    layers; metadata built on the host once (``metadata_builder.build``) and put on the
+    device once, as the engine's step uploads it once for every layer."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -229,16 +231,21 @@ def layer_row(spec, row, q, cache, table, w_uk, w_uv) -> None:
                          block_size=spec.block_size, dtype=jnp.bfloat16)  # fmt: skip
     buckets = MetadataBuckets((r * n,), (r,), (table.shape[1],))  # the workload's own sizes: no padding
     md = build_common_attn_metadata([n] * r, [n] * r, np.asarray(table), spec.block_size, buckets)
-    meta = layer.metadata_builder.build(0, md)
+    meta = jax.device_put(layer.metadata_builder.build(0, md))
     pad = md.num_tokens - r * n  # the bucket's padding rows
     latent = jnp.pad(cache[table].reshape(r * n, -1), ((0, pad), (0, 0)))
     kv_b_proj = jnp.concatenate([w_uk, w_uv], axis=-1).reshape(c, h * (nope + dv))
-    step = jax.jit(layer.__call__, donate_argnums=(3,))
+
+    @functools.partial(jax.jit, donate_argnums=(3,))
+    def step(q, kv_c, k_pe, cache, meta, kv_b_proj):
+        out, cache = layer(q, kv_c, k_pe, cache, meta, kv_b_proj)
+        return out[: r * n].reshape(r * n, h, dv), cache
+
     state = {"cache": jnp.array(cache)}
 
     def call(q, kv_c, k_pe):
         out, state["cache"] = step(q, kv_c, k_pe, state["cache"], meta, kv_b_proj)
-        return out[: r * n].reshape(r * n, h, dv)
+        return out
 
     q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
     row(f"MLAAttention layer ({layer.attn_backend.get_name()})", call, q, latent[:, :c], latent[:, c:])

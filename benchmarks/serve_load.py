@@ -154,7 +154,26 @@ def _step_summary(engine, first: int) -> dict:
     if not stats:
         return {"steps": 0}
     decode = [s for s in stats if not s.num_prefill_tokens]
+    kinds = {
+        "decode": decode,
+        "mixed": [s for s in stats if s.num_prefill_tokens and s.num_decode_tokens],
+        "prefill": [s for s in stats if s.num_prefill_tokens and not s.num_decode_tokens],
+    }
     return {
+        # Per kind of call: how many, their share of the busy time, steps, requests and prompt tokens.
+        "calls_by_kind": {
+            kind: {
+                "calls": len(calls),
+                "seconds": sum(s.seconds for s in calls),
+                "mean_ms": 1e3 * statistics.fmean(s.seconds for s in calls),
+                "mean_steps": statistics.fmean(s.num_steps for s in calls),
+                "mean_requests": statistics.fmean(s.num_requests for s in calls),
+                "mean_prefill_tokens": statistics.fmean(s.num_prefill_tokens for s in calls),
+                "mean_host_ms": 1e3 * statistics.fmean(s.host_seconds for s in calls),
+            }
+            for kind, calls in kinds.items()
+            if calls
+        },
         "steps": len(stats),
         "compiled_steps": sum(s.compiled for s in stats),
         "mean_requests_per_step": statistics.fmean(s.num_requests for s in stats),
@@ -273,22 +292,82 @@ def trace_answer(command: str, state: dict) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def probe_answer(engine, message: tuple, core_thread: int | None = None, trace_state: dict | None = None) -> tuple:
+class QueueSampler:
+    """Every ``interval_s``, from a thread of the engine's process: the engine's running and
+    waiting requests (``engine_probe.read_counts``, read racily: lengths only) and its call
+    count, so a phase's summary says whether requests queued inside the engine or before it."""
+
+    def __init__(self, engine, interval_s: float = 0.01) -> None:
+        self.engine, self.interval_s = engine, interval_s
+        self.samples: list[tuple[int, int, int]] = []  # (calls so far, running, waiting)
+        threading.Thread(target=self._run, name="serve-load-queues", daemon=True).start()
+
+    def _run(self) -> None:
+        from attn_jax.server.engine_probe import read_counts
+
+        while True:
+            counts = read_counts(self.engine)
+            self.samples.append((len(self.engine.stats), counts.num_running or 0, counts.num_waiting or 0))
+            time.sleep(self.interval_s)
+
+    def summary(self, first_step: int) -> dict:
+        """Mean and p90 of running and waiting requests over the samples from call ``first_step`` on."""
+        kept = [(r, w) for step, r, w in list(self.samples) if step >= first_step]
+        if not kept:
+            return {}
+        running, waiting = (sorted(x) for x in zip(*kept, strict=True))
+        p90 = int(0.9 * (len(kept) - 1))
+        return {
+            "samples": len(kept),
+            "running_mean": statistics.fmean(running), "running_p90": running[p90],
+            "waiting_mean": statistics.fmean(waiting), "waiting_p90": waiting[p90],
+        }  # fmt: skip
+
+
+def server_ttft_totals(base_url: str) -> tuple[float, float] | None:
+    """The server's time-to-first-token histogram so far (seconds, count), from its
+    ``/metrics``: arrival at the engine loop (the request parsed and checked) to the first
+    token, so against the clients' TTFT it says how long a request took to reach it."""
+    import re
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=30) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    name = "attn_stack_time_to_first_token_seconds"
+    totals = [
+        sum(float(v) for v in re.findall(rf"^{name}_{part}\{{[^}}]*\}} (\S+)$", text, re.M))
+        for part in ("sum", "count")
+    ]
+    return totals[0], totals[1]
+
+
+def probe_answer(engine, message: tuple, core_thread: int | None = None, state: dict | None = None) -> tuple:
     """The answer to the coordinator's ``("mark",)``, ``("summary", first_step)`` or
-    ``("trace", "start" | "stop")`` (``trace_answer``, its folder kept in ``trace_state``); a
+    ``("trace", "start" | "stop")`` (``trace_answer``); ``state`` is this process's probe state
+    (the trace's folder, the ``QueueSampler`` started by the first mark); a
     mark carries the engine process's CPU seconds and its core thread's (``core_thread``)."""
     if message[0] == "mark":
+        if state is not None and "queues" not in state:  # sampled from the first mark on
+            state["queues"] = QueueSampler(engine)
         marks = cpu_marks("engine", core_thread)
         mark = {"num_compilations": engine.num_compilations, "step": len(engine.stats), "time": time.monotonic()}
         return "mark", mark | marks
     if message[0] == "trace":
-        return "trace", trace_answer(message[1], trace_state if trace_state is not None else {})
-    return "summary", _step_summary(engine, message[1])
+        return "trace", trace_answer(message[1], state if state is not None else {})
+    summary = _step_summary(engine, message[1])
+    if state is not None and "queues" in state:
+        summary["queues"] = state["queues"].summary(message[1])
+    return "summary", summary
 
 
 def engine_with_probe(opts: dict, probe) -> object:
     """(The engine process's factory.) ``prepare_engine``; sends the offline figures on
     ``probe``, then answers probes there from a thread while the engine core serves."""
+    if opts["gil_switch_interval_ms"] is not None:  # the server process's setting, in this process too
+        sys.setswitchinterval(opts["gil_switch_interval_ms"] / 1e3)
     engine, offline = prepare_engine(opts)
     probe.send(("offline", offline))
     core_thread = threading.get_native_id()  # the engine process runs its core in the thread that built it
@@ -325,7 +404,7 @@ def serve_process(opts: dict, port: int, conn) -> None:
             trace_state: dict = {}
 
             def probe(message: tuple) -> tuple:
-                return probe_answer(served, message, trace_state=trace_state)
+                return probe_answer(served, message, state=trace_state)
         else:
             here, there = multiprocessing.get_context("spawn").Pipe()
             served = EngineProcess(functools.partial(engine_with_probe, opts, there))
@@ -375,6 +454,7 @@ class RequestRecord:
 
     start: float
     end: float = 0.0
+    headers: float | None = None  # the response's headers arrived (the server had taken the request)
     chunk_times: list = dataclasses.field(default_factory=list)  # arrivals of chunks with text
     completion_tokens: int = 0
     finish_reason: str | None = None
@@ -410,6 +490,7 @@ async def _one_request(client, prompt: list[int], request: dict) -> RequestRecor
             model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
             stream_options={"include_usage": True}, extra_body=extra, logprobs=request["logprobs"],
         )  # fmt: skip
+        record.headers = time.monotonic()
         async for chunk in stream:
             now = time.monotonic()
             if chunk.choices:
@@ -525,6 +606,8 @@ def summarize(records: list[dict], max_tokens: int, part: str | None = None) -> 
         "output_tokens_per_s": tokens / span if span > 0 else None,
         "requests_per_s": len(ok) / span if span > 0 else None,
         "ttft_ms": percentiles(ttft),
+        # to the response's headers, which the server sends once the engine loop has the request
+        "time_to_headers_ms": percentiles([r["headers"] - r["start"] for r in ok if r["headers"] is not None]),
         "itl_ms": percentiles(itl),
         "tpot_ms": percentiles(tpot),
         "e2e_ms": percentiles([r["end"] - r["start"] for r in ok]),
@@ -715,7 +798,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--gil-switch-interval-ms", type=float, default=None,
-        help="the server process's sys.setswitchinterval in ms (default: Python's 5 ms)",
+        help="sys.setswitchinterval of the server's and the engine's processes, in ms (default: Python's 5 ms)",
     )  # fmt: skip
     p.add_argument(
         "--engine-in-thread", action="store_true",
@@ -828,6 +911,10 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
         summary = summarize(records, args.max_tokens) | extra | {"client_cpu_fraction": cpu}
         end = server.ask("mark")
         summary["compilations_during"] = end["num_compilations"] - mark["num_compilations"]
+        ttft = server_ttft_totals(base_url)
+        if ttft is not None and mark.get("server_ttft") is not None and ttft[1] > mark["server_ttft"][1]:
+            seconds, count = (a - b for a, b in zip(ttft, mark["server_ttft"], strict=True))
+            summary["server_ttft_ms_mean"] = 1e3 * seconds / count  # the clients' is ttft_ms.mean
         # engine_thread: the engine core's thread; http_thread: uvicorn's event loop
         summary["server_cpu_fraction"] = cpu_fractions(mark, end)
         summary["engine_steps"] = server.ask("summary", mark["step"])
@@ -865,7 +952,7 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
             request,
         ),
     )  # fmt: skip
-    mark = server.ask("mark")
+    mark = server.ask("mark") | {"server_ttft": server_ttft_totals(base_url)}
     prompts = prompts_for(vocab, n * k, args.prompt_len, seed + 1)
     records, cpu = closed_loop(pool, procs, base_url, prompts, n, k, request)
     result["closed_loop"] = measured(records, cpu, mark, concurrency=n)
@@ -873,7 +960,7 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
     _update_targets(result)
     save()
     if args.trace and not over_budget("traced_closed_loop"):
-        mark = server.ask("mark")
+        mark = server.ask("mark") | {"server_ttft": server_ttft_totals(base_url)}
         server.ask("trace", "start")
         prompts = prompts_for(vocab, n * k, args.prompt_len, seed + 3)
         records, cpu = closed_loop(pool, procs, base_url, prompts, n, k, request)
@@ -895,7 +982,7 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
             args.rate, request, args.seed + 1 + i,
         ),
     )  # fmt: skip
-    mark = server.ask("mark")
+    mark = server.ask("mark") | {"server_ttft": server_ttft_totals(base_url)}
     prompts = prompts_for(vocab, args.poisson_requests, args.prompt_len, seed + 2)
     records, cpu = open_loop(pool, base_url, prompts, args.rate, request, args.seed)
     result["poisson"] = measured(records, cpu, mark, rate=args.rate)

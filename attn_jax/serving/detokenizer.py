@@ -180,9 +180,13 @@ class IncrementalDetokenizer:
         """The rest of the text once the request has ended (not by a stop string): the held
         back characters and any incomplete character at the end, so that the emitted text
         equals ``tokenizer.decode(output_ids, skip_special_tokens=True)`` (one full decode,
-        once per request). ``output_ids``: every token the request generated."""
+        once per request, unless the byte table decoded every byte already). ``output_ids``:
+        every token the request generated."""
         if self.stopped_by is not None:
             return ""
+        if self._bytes is not None and not self._pending:  # every byte decoded: the rest is the held text
+            rest, self._held = self._held, ""
+            return self._emit(rest)
         emitted = self.text
         full = self.tokenizer.decode(list(output_ids), skip_special_tokens=True)
         rest = full[len(emitted) :] if full.startswith(emitted) else self._held

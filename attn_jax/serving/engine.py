@@ -792,13 +792,13 @@ class Engine:
             return batches, steps, prepared
         rows_of_pending = {}
         if self._in_flight is not None:
-            rows_of_pending = {id(r): row for _, _, row, r in self._in_flight.sampled}
+            rows_of_pending = {r: row for _, _, row, r in self._in_flight.sampled}
         rows, failed = {}, False
         for batch, counts in zip(batches, steps, strict=True):
             for i in reversed(range(len(batch.requests))):
                 request = batch.requests[i]
                 try:
-                    rows[id(request)] = ModelRunner.request_row(request, batch.num_new[i], rows_of_pending)
+                    rows[request] = ModelRunner.request_row(request, batch.num_new[i], rows_of_pending)
                 except Exception as e:  # one bad request must not stop the others (its pages freed)
                     events.append(self._fail(self._requests[request.request_id], e))
                     del batch.requests[i], batch.num_new[i], counts[i]

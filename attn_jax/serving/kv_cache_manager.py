@@ -114,7 +114,7 @@ class KVCacheManager:
         self.block_size = validate_positive_int("block_size", block_size)
         self.enable_caching = bool(enable_caching)
         self.stats = PrefixCacheStats()
-        self._num_cached: dict[int, int] = {}  # id(request) -> its leading blocks with a hash in the pool
+        self._num_cached: dict[Request, int] = {}  # its leading blocks with a hash in the pool
 
     def _update_hashes(self, request: Request, num_tokens: int) -> None:
         """Extends ``request.block_hashes`` over the full blocks of its first ``num_tokens``
@@ -171,7 +171,7 @@ class KVCacheManager:
                 return False
             self.allocator.touch(computed_blocks)
             request.blocks += computed_blocks
-            self._num_cached[id(request)] = max(self._num_cached.get(id(request), 0), len(computed_blocks))
+            self._num_cached[request] = max(self._num_cached.get(request, 0), len(computed_blocks))
         elif not new:  # the tokens fit in the request's pages
             return True
         elif not self.allocator.can_allocate(new):
@@ -211,13 +211,13 @@ class KVCacheManager:
             return
         num_tokens = min(request.num_computed, len(request.prompt_ids) + len(request.output_ids))
         num_full = min(num_tokens // self.block_size, len(request.blocks))
-        start = self._num_cached.get(id(request), 0)
+        start = self._num_cached.get(request, 0)
         if num_full <= start:
             return
         self._update_hashes(request, num_full * self.block_size)
         for i in range(start, num_full):
             self.allocator.cache_block(request.blocks[i], request.block_hashes[i])
-        self._num_cached[id(request)] = num_full
+        self._num_cached[request] = num_full
 
     def cache_full_blocks(self, requests: Sequence[Request]) -> None:
         """``cache_blocks`` of each of ``requests`` whose computed tokens fill a block past
@@ -227,7 +227,7 @@ class KVCacheManager:
             return
         size, cached = self.block_size, self._num_cached
         for request in requests:
-            if request.num_computed >= (cached.get(id(request), 0) + 1) * size:
+            if request.num_computed >= (cached.get(request, 0) + 1) * size:
                 self.cache_blocks(request)
 
     def free(self, request: Request) -> None:
@@ -236,7 +236,7 @@ class KVCacheManager:
         self.cache_blocks(request)
         self.allocator.free(request.blocks)
         request.blocks = []
-        self._num_cached.pop(id(request), None)
+        self._num_cached.pop(request, None)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block when no page is in use (``BlockAllocator``'s)."""

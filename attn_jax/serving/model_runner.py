@@ -38,7 +38,7 @@ step of a call.
 Example::
 
     runner = ModelRunner(model, params, num_blocks=64, buckets=buckets, max_rows=8)
-    rows = {id(r): ModelRunner.request_row(r, n, {}) for r, n in zip(batch.requests, batch.num_new)}
+    rows = {r: ModelRunner.request_row(r, n, {}) for r, n in zip(batch.requests, batch.num_new)}
     call = runner.execute([batch], rows, [[1] * len(batch.requests)], num_steps=1)
     tokens = runner.read_tokens(call.tokens)          # i32[data, num_steps, R_max]
 """
@@ -113,7 +113,7 @@ class DecodeBatch:
     it holds the same requests in the same rows with the same steps, each as many tokens on
     as it took steps (``ModelRunner.continue_decode``)."""
 
-    request_ids: list[int]  # id() of each row's request
+    requests: list[Request]  # each row's request
     steps: list[int]  # each request's steps in the call (one new token each)
     pages: np.ndarray  # i32[rows]: each request's pages when dispatched
     prefix_len: int  # the call's cascade prefix (tokens; 0: none)
@@ -313,20 +313,20 @@ class ModelRunner:
     # ------------------------------------------------------------------ host inputs
 
     @staticmethod
-    def request_row(request: Request, num_new: int, rows_of_pending: dict[int, int]) -> tuple:
+    def request_row(request: Request, num_new: int, rows_of_pending: dict[Request, int]) -> tuple:
         """One request's part of the step: (known input token ids, the row of its pending
         token in the previous call's output or -1, (temperature, top_p, top_k, seed,
         tokens generated, presence, frequency and repetition penalties, its token-count
         slot or -1, 1 when that slot starts over, how many of the known ids the step counts
         as prompt tokens, and after them as generated ones, its guide mask's row or -1));
-        ``rows_of_pending`` maps ``id(request)`` to that row. Raises for a request whose values do not fit the step's
+        ``rows_of_pending`` maps a request to that row. Raises for a request whose values do not fit the step's
         arrays (a seed outside [0, 2**32), say), so the core can fail it alone."""
         known = request.known_ids(request.num_computed, request.num_computed + num_new)
         src = -1
         if len(known) < num_new:  # the last token is the previous step's, still on the device
-            if id(request) not in rows_of_pending:
+            src = rows_of_pending.get(request, -1)
+            if src < 0:
                 raise RuntimeError("its last token is pending but in no dispatched step")
-            src = rows_of_pending[id(request)]
         p = request.params
         for name, value, limit in (("seed", request.seed, SEED_LIMIT), ("top_k", p.top_k, 2**31)):
             if not 0 <= value < limit:
@@ -387,7 +387,7 @@ class ModelRunner:
         token_bucket, req_bucket, page_bucket = buckets
         reqs = batch.requests
         n = len(reqs)
-        known, src, values = zip(*(rows[id(r)] for r in reqs), strict=True) if n else ((), (), ())
+        known, src, values = zip(*(rows[r] for r in reqs), strict=True) if n else ((), (), ())
         query_lens = np.asarray(batch.num_new, np.int32)
         starts = np.fromiter((r.num_computed for r in reqs), np.int32, n)
         ends = np.cumsum(query_lens, dtype=np.int32)
@@ -452,7 +452,7 @@ class ModelRunner:
     ) -> PreparedCall:  # fmt: skip
         """Builds and packs every shard's inputs (one bucket for all) for one call of
         ``num_steps`` steps (``steps``: each request's steps in it; ``rows``: each request's
-        ``request_row`` by ``id``; ``num_common_blocks``: each shard's pages every running
+        ``request_row`` by request; ``num_common_blocks``: each shard's pages every running
         request holds, for cascade attention, None: none). Host work only: nothing is
         dispatched, and ``PreparedCall.key`` says which compiled step it needs.
 
@@ -515,11 +515,11 @@ class ModelRunner:
             if batch.num_new != ones or (num_steps == 1 and shard_steps != ones):
                 return None
             for i, r in enumerate(reqs):
-                known, src, _ = rows[id(r)]
+                known, src, _ = rows[r]
                 if known or src != i:
                     return None
             pages = np.fromiter(map(len, (r.blocks for r in reqs)), np.int32, len(reqs))
-            decodes.append(DecodeBatch([id(r) for r in reqs], list(shard_steps), pages, prefix_len, table))
+            decodes.append(DecodeBatch(list(reqs), list(shard_steps), pages, prefix_len, table))
         return tuple(decodes)
 
     def _table_slot(self, layout: PackedLayout) -> tuple[int, int, int] | None:
@@ -561,7 +561,7 @@ class ModelRunner:
             reqs = batch.requests
             if batch.num_new != [1] * len(reqs) or shard_steps != decode.steps:
                 return None
-            if [id(r) for r in reqs] != decode.request_ids or prefix_lens[shard] != decode.prefix_len:
+            if reqs != decode.requests or prefix_lens[shard] != decode.prefix_len:
                 return None
             pages = np.fromiter(map(len, (r.blocks for r in reqs)), np.int32, len(reqs))
             grown = np.flatnonzero(pages != decode.pages)

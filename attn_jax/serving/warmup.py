@@ -168,8 +168,8 @@ def _dummy_batch(query_lens: Sequence[int], capacity: int, block_size: int, para
 
 
 def _rows(batch: ScheduledBatch) -> dict[int, tuple]:
-    """Each dummy request's ``request_row`` by ``id``."""
-    return {id(r): ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, batch.num_new, strict=True)}
+    """Each dummy request's ``request_row``, by request."""
+    return {r: ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, batch.num_new, strict=True)}
 
 
 def _call(runner: ModelRunner, batch: ScheduledBatch, rows: dict, num_steps: int, common_pages: int | None):

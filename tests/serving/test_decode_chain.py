@@ -122,7 +122,7 @@ def test_the_device_built_inputs_equal_the_host_built_ones(num_scheduler_steps, 
         continued = original(self, batches, steps, num_steps, num_common_blocks)
         if continued is not None:
             reqs = batches[0].requests
-            rows = {id(r): ModelRunner.request_row(r, 1, {id(r): i for i, r in enumerate(reqs)}) for r in reqs}
+            rows = {r: ModelRunner.request_row(r, 1, {r: i for i, r in enumerate(reqs)}) for r in reqs}
             host = self.prepare(batches, rows, steps, num_steps, num_common_blocks)
             assert host.key == continued.key
             buffer = np.asarray(continued.packed[0][0]).copy()

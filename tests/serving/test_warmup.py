@@ -214,7 +214,7 @@ def test_the_warm_up_meets_a_mixed_batch_of_a_small_token_bucket():
     engine = tiny_random_engine(attn_backend=backend, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=256)
     lens = (10,) + (1,) * 40
     batch = _dummy_batch(lens, 256, engine.block_size, SamplingParams(temperature=0.0))
-    rows = {id(r): ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, lens, strict=True)}
+    rows = {r: ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, lens, strict=True)}
     prepared = engine.runner.prepare([batch], rows, [[1] * len(lens)], 1)
     assert prepared.token_bucket == 64 and prepared.key in candidate_calls(engine)[0]
 
