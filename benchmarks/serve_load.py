@@ -270,12 +270,16 @@ def trace_answer(command: str, state: dict) -> dict:
     folder; ``"stop"``: its end, and the device's timeline over it
     (``cupti_timing.device_timeline``: busy time, idle share, gaps between calls), or an
     ``error`` where it holds no GPU event (a CPU run). ``state`` keeps the folder between the
-    two; the trace is deleted once summarised."""
+    two; the trace is deleted once summarised. The trace records the device's activity and the
+    host's annotations only: jax's default also traces every Python call, which halved the
+    server's tokens/s (BENCHMARKS.md, stop 56) and so changed what it measured."""
     import jax
 
     if command == "start":
         state["dir"] = tempfile.mkdtemp(prefix="serve-load-trace-")
-        jax.profiler.start_trace(state["dir"])
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level, options.host_tracer_level = 0, 1
+        jax.profiler.start_trace(state["dir"], profiler_options=options)
         return {"tracing": True}
     from cupti_timing import device_timeline, gpu_stream_events  # benchmarks/, the script's folder
     from jax.profiler import ProfileData
@@ -324,11 +328,18 @@ class QueueSampler:
         }  # fmt: skip
 
 
-def server_ttft_totals(base_url: str) -> tuple[float, float] | None:
-    """The server's time-to-first-token histogram so far (seconds, count), from its
-    ``/metrics``: arrival at the engine loop (the request parsed and checked) to the first
-    token, so against the clients' TTFT it says how long a request took to reach it."""
-    import re
+SERVER_HISTOGRAMS = {
+    "server_ttft": "attn_stack_time_to_first_token_seconds",
+    "server_round_delay": "attn_stack_engine_round_delay_seconds",
+}
+"""The server's histograms whose means a phase reports: its TTFT (from the engine loop's
+submit: against the clients' TTFT, how long a request took to reach it) and its round
+messages' delay from the engine process to the event loop."""
+
+
+def server_histograms(base_url: str) -> dict[str, tuple[float, float]] | None:
+    """(seconds, count) so far of each of ``SERVER_HISTOGRAMS`` from the server's
+    ``/metrics``; None when the server does not answer."""
     import urllib.request
 
     try:
@@ -336,12 +347,18 @@ def server_ttft_totals(base_url: str) -> tuple[float, float] | None:
             text = response.read().decode()
     except OSError:
         return None
-    name = "attn_stack_time_to_first_token_seconds"
-    totals = [
-        sum(float(v) for v in re.findall(rf"^{name}_{part}\{{[^}}]*\}} (\S+)$", text, re.M))
+    return {key: histogram_totals(text, name) for key, name in SERVER_HISTOGRAMS.items()}
+
+
+def histogram_totals(metrics_text: str, name: str) -> tuple[float, float]:
+    """(sum, count) of histogram ``name`` in a Prometheus exposition, over its label sets."""
+    import re
+
+    sums, counts = (
+        sum(float(v) for v in re.findall(rf"^{name}_{part}\{{[^}}]*\}} (\S+)$", metrics_text, re.M))
         for part in ("sum", "count")
-    ]
-    return totals[0], totals[1]
+    )
+    return sums, counts
 
 
 def probe_answer(engine, message: tuple, core_thread: int | None = None, state: dict | None = None) -> tuple:
@@ -607,7 +624,7 @@ def summarize(records: list[dict], max_tokens: int, part: str | None = None) -> 
         "requests_per_s": len(ok) / span if span > 0 else None,
         "ttft_ms": percentiles(ttft),
         # to the response's headers, which the server sends once the engine loop has the request
-        "time_to_headers_ms": percentiles([r["headers"] - r["start"] for r in ok if r["headers"] is not None]),
+        "time_to_headers_ms": percentiles([r["headers"] - r["start"] for r in ok if r.get("headers") is not None]),
         "itl_ms": percentiles(itl),
         "tpot_ms": percentiles(tpot),
         "e2e_ms": percentiles([r["end"] - r["start"] for r in ok]),
@@ -911,10 +928,11 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
         summary = summarize(records, args.max_tokens) | extra | {"client_cpu_fraction": cpu}
         end = server.ask("mark")
         summary["compilations_during"] = end["num_compilations"] - mark["num_compilations"]
-        ttft = server_ttft_totals(base_url)
-        if ttft is not None and mark.get("server_ttft") is not None and ttft[1] > mark["server_ttft"][1]:
-            seconds, count = (a - b for a, b in zip(ttft, mark["server_ttft"], strict=True))
-            summary["server_ttft_ms_mean"] = 1e3 * seconds / count  # the clients' is ttft_ms.mean
+        totals, before = server_histograms(base_url), mark.get("server_histograms")
+        for key in SERVER_HISTOGRAMS if totals and before else ():
+            seconds, count = (a - b for a, b in zip(totals[key], before[key], strict=True))
+            if count > 0:
+                summary[f"{key}_ms_mean"] = 1e3 * seconds / count  # server_ttft: the clients' is ttft_ms.mean
         # engine_thread: the engine core's thread; http_thread: uvicorn's event loop
         summary["server_cpu_fraction"] = cpu_fractions(mark, end)
         summary["engine_steps"] = server.ask("summary", mark["step"])
@@ -952,7 +970,7 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
             request,
         ),
     )  # fmt: skip
-    mark = server.ask("mark") | {"server_ttft": server_ttft_totals(base_url)}
+    mark = server.ask("mark") | {"server_histograms": server_histograms(base_url)}
     prompts = prompts_for(vocab, n * k, args.prompt_len, seed + 1)
     records, cpu = closed_loop(pool, procs, base_url, prompts, n, k, request)
     result["closed_loop"] = measured(records, cpu, mark, concurrency=n)
@@ -960,7 +978,7 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
     _update_targets(result)
     save()
     if args.trace and not over_budget("traced_closed_loop"):
-        mark = server.ask("mark") | {"server_ttft": server_ttft_totals(base_url)}
+        mark = server.ask("mark") | {"server_histograms": server_histograms(base_url)}
         server.ask("trace", "start")
         prompts = prompts_for(vocab, n * k, args.prompt_len, seed + 3)
         records, cpu = closed_loop(pool, procs, base_url, prompts, n, k, request)
@@ -982,7 +1000,7 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
             args.rate, request, args.seed + 1 + i,
         ),
     )  # fmt: skip
-    mark = server.ask("mark") | {"server_ttft": server_ttft_totals(base_url)}
+    mark = server.ask("mark") | {"server_histograms": server_histograms(base_url)}
     prompts = prompts_for(vocab, args.poisson_requests, args.prompt_len, seed + 2)
     records, cpu = open_loop(pool, base_url, prompts, args.rate, request, args.seed)
     result["poisson"] = measured(records, cpu, mark, rate=args.rate)

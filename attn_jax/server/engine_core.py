@@ -93,6 +93,7 @@ class RoundReport:
     counts: EngineCounts | None = None  # at the round's end
     num_started: int = 0  # live requests with a token (the gauges' fallback where the engine's counts are unknown)
     num_waiting: int = 0  # live requests without one
+    emitted_at: float | None = None  # time.perf_counter() when the core sent it (one clock for every process)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -157,6 +158,7 @@ class EngineCore:
             report.num_started = sum(live.num_tokens > 0 for live in self._live.values())
             report.num_waiting = len(self._live) - report.num_started
         admitted, self._admitted = self._admitted, []
+        report.emitted_at = time.perf_counter()
         self._emit(("round", admitted, list(outputs.values()), report))
 
     def _round(self) -> bool:

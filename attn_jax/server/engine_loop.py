@@ -224,6 +224,7 @@ class EngineLoop:
 
     def _on_message(self, message: tuple) -> None:
         """(On the event loop.) Settles submissions, delivers deltas, records metrics."""
+        received = time.perf_counter()
         kind, admitted, outputs, report, *failure = message
         for request_id, prompt_tokens, refusal in admitted:
             self._settle(request_id, prompt_tokens, refusal)
@@ -238,7 +239,7 @@ class EngineLoop:
             if reason is not None:
                 del self._handles[request_id]
         if report is not None:
-            self.metrics.record(report)
+            self.metrics.record(report, received)
         if kind == "closed":
             self._close(*failure)
 

@@ -32,6 +32,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 INTER_TOKEN_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 """Seconds between a request's consecutive tokens (sub-millisecond for decode on an H100)."""
 
+ROUND_DELAY_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
+"""Seconds from the engine core's sending a round to the HTTP side's taking it."""
+
 E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -108,6 +111,12 @@ class ServerMetrics:
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Seconds from a request's arrival to its end.", E2E_BUCKETS
         )
+        self.round_delay = histogram(
+            "engine_round_delay_seconds",
+            "Seconds from the engine core's sending a round (its tokens, admissions) to this server's taking it: "
+            "how far the HTTP side runs behind the engine.",
+            ROUND_DELAY_BUCKETS,
+        )
         self.generation_tokens = Counter(
             "attn_stack_generation_tokens", "Tokens generated (rate() of it is tokens/s).", m, registry=r
         ).labels(model_name)
@@ -138,8 +147,11 @@ class ServerMetrics:
         if counts.kv_blocks_total is not None:
             self.kv_cache_blocks_total.set(counts.kv_blocks_total)
 
-    def record(self, report) -> None:
-        """Applies one engine round's updates (an ``engine_core.RoundReport``)."""
+    def record(self, report, received_at: float | None = None) -> None:
+        """Applies one engine round's updates (an ``engine_core.RoundReport``; ``received_at``:
+        ``time.perf_counter()`` when its message was taken, for the round's delay)."""
+        if report.emitted_at is not None and received_at is not None:
+            self.round_delay.observe(received_at - report.emitted_at)
         if report.prompt_tokens:
             self.prompt_tokens.inc(report.prompt_tokens)
         if report.time_to_first_token or report.inter_token_latency:

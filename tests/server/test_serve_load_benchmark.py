@@ -59,9 +59,9 @@ def test_a_trace_without_a_gpu_says_so(serve_load):
     """``--trace``'s engine side on a CPU: the trace runs, is summarised and removed, and
     the answer names the missing GPU events instead of figures."""
     state = {}
-    assert serve_load.probe_answer(None, ("trace", "start"), trace_state=state) == ("trace", {"tracing": True})
+    assert serve_load.probe_answer(None, ("trace", "start"), state=state) == ("trace", {"tracing": True})
     folder = state["dir"]
-    kind, answer = serve_load.probe_answer(None, ("trace", "stop"), trace_state=state)
+    kind, answer = serve_load.probe_answer(None, ("trace", "stop"), state=state)
     assert kind == "trace" and "no GPU stream event" in answer["error"]
     assert state == {} and not os.path.exists(folder)
 
@@ -87,6 +87,35 @@ def test_summary_of_records(serve_load):
     assert s["tpot_ms"]["mean"] == pytest.approx(1e3 * ((0.019 - 0.010) / 3 + (0.550 - 0.520) / 3) / 2)
     assert s["tokens_per_chunk"] == 1.0
     assert serve_load.percentiles([]) == {"p50": None, "p90": None, "p99": None, "mean": None}
+
+
+def test_histogram_totals_sum_every_label_set(serve_load):
+    text = "\n".join([
+        "# HELP attn_stack_time_to_first_token_seconds Seconds from a request's arrival to its first token.",
+        'attn_stack_time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 3.0',
+        'attn_stack_time_to_first_token_seconds_sum{model_name="m"} 0.25',
+        'attn_stack_time_to_first_token_seconds_count{model_name="m"} 4.0',
+        'attn_stack_time_to_first_token_seconds_sum{model_name="n"} 0.5',
+        'attn_stack_time_to_first_token_seconds_count{model_name="n"} 1.0',
+        'attn_stack_inter_token_latency_seconds_sum{model_name="m"} 9.0',
+    ])  # fmt: skip
+    name = "attn_stack_time_to_first_token_seconds"
+    assert serve_load.histogram_totals(text, name) == (pytest.approx(0.75), 5.0)
+    assert serve_load.histogram_totals("", name) == (0, 0)
+
+
+def test_queue_sampler_summarises_from_a_call_on(serve_load):
+    """Samples before the phase's first call are left out; means and p90 of the rest."""
+
+    class Engine:  # no schedulers: the sampler's thread reads zeros, which the test replaces
+        stats = ()
+
+    sampler = serve_load.QueueSampler(Engine(), interval_s=60.0)
+    sampler.samples = [(0, 50, 9), (3, 10, 0), (4, 20, 2), (5, 30, 4)]
+    q = sampler.summary(3)
+    assert q["samples"] == 3 and q["running_mean"] == pytest.approx(20) and q["waiting_mean"] == pytest.approx(2)
+    assert (q["running_p90"], q["waiting_p90"]) == (20, 2)
+    assert sampler.summary(9) == {}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread CPU time comes from Linux's /proc")
@@ -154,6 +183,17 @@ def test_the_benchmark_runs_on_the_tiny_model(tmp_path):
         assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] and 0 < s["e2e_ms"]["p50"]
         assert s["itl_ms"]["p50"] is not None and s["tokens_per_chunk"] >= 1
         assert s["engine_steps"]["steps"] > 0 and s["compilations_during"] == 0  # all compiled by Engine.warmup
+        # where a request's time went: its headers come after its admission, the server's TTFT
+        # (from the engine loop's submit) within the clients'
+        assert 0 < s["time_to_headers_ms"]["mean"] <= s["ttft_ms"]["mean"]
+        assert 0 < s["server_ttft_ms_mean"] <= s["ttft_ms"]["mean"] and s["server_round_delay_ms_mean"] >= 0
+        kinds = s["engine_steps"]["calls_by_kind"]
+        assert (
+            set(kinds) <= {"decode", "mixed", "prefill"}
+            and sum(k["calls"] for k in kinds.values()) == s["engine_steps"]["steps"]
+        )
+        assert s["engine_steps"]["queues"]["samples"] > 0
+        assert 0 <= s["engine_steps"]["queues"]["running_mean"] <= concurrency
         cpu = s["server_cpu_fraction"]  # the engine's and the HTTP server's processes and main threads
         assert set(cpu) == {"engine_process", "engine_thread", "http_process", "http_thread"}
         assert cpu["engine_process"] > 0 and all(v >= 0 for v in cpu.values())

@@ -441,6 +441,8 @@ def test_metrics_parse_and_count_a_request(client, server):
     assert delta("attn_stack_inter_token_latency_seconds_count") == got.usage.completion_tokens - 1
     assert delta("attn_stack_e2e_request_latency_seconds_count") == 1
     assert after["attn_stack_kv_cache_blocks_total", ()] > 0
+    rounds = delta("attn_stack_engine_round_delay_seconds_count")  # every round message the request took
+    assert rounds >= 1 and 0 <= delta("attn_stack_engine_round_delay_seconds_sum") < rounds * 10.0
 
 
 def test_serve_refuses_a_directory_it_cannot_load(tmp_path, capsys):
