@@ -31,11 +31,14 @@ step shape, at most ``--warmup-rounds``):
   requests/s: the same latencies (TTFT p50 is the issue's target).
 
 Every request has a ``--prompt-len``-token prompt (random token ids, distinct per request,
-so the prefix cache finds nothing) and asks for exactly ``--max-tokens`` tokens:
+so the prefix cache finds nothing) and asks for exactly ``--max-tokens`` tokens (with
+``--max-tokens-range-ratio R``, a number drawn per prompt from ``--max-tokens`` times
+[1 - R, 1 + R], so that a closed loop's clients do not all resend at once):
 ``ignore_eos`` (vLLM's extension, which the server takes through the openai client's
 ``extra_body``) makes the engine run to ``max_tokens`` whatever it samples, and each
 request's ``usage.completion_tokens`` is checked against it (a mismatch counts as a
-failed request). The offline engine gets ``SamplingParams(ignore_eos=True)`` likewise.
+failed request). The offline engine gets ``SamplingParams(ignore_eos=True)`` and the same
+lengths likewise.
 With ``--logprobs N`` every request, and the offline engine's, also asks for the sampled
 tokens' log-probabilities and top N (issue 47: the cost of logprobs on every request).
 With ``--json-schema-fraction F`` about that share of the requests (chosen by their prompts,
@@ -70,6 +73,7 @@ import datetime
 import functools
 import glob
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -115,7 +119,8 @@ def _load_tokenizer(tokenizer_dir: str | None):
 
 def build_engine(opts: dict):
     """The engine the server serves (and the offline run times): ``opts`` are the parsed
-    arguments. max_num_seqs is the concurrency; max_model_len fits prompt + max_tokens."""
+    arguments. max_num_seqs is the concurrency; max_model_len fits the prompt and the
+    longest request's ``max_tokens``."""
     import jax.numpy as jnp
 
     from attn_jax.models.llama import LlamaModel
@@ -126,7 +131,8 @@ def build_engine(opts: dict):
     backend = None if opts["backend"] is None else AttentionBackendEnum[opts["backend"].upper()].get_class()
     limits = dict(
         max_num_seqs=opts["concurrency"], max_num_batched_tokens=opts["max_num_batched_tokens"],
-        max_model_len=opts["prompt_len"] + opts["max_tokens"], kv_cache_bytes=int(opts["kv_cache_gib"] * (1 << 30)),
+        max_model_len=opts["prompt_len"] + longest_max_tokens(opts["max_tokens"], opts["max_tokens_range_ratio"]),
+        kv_cache_bytes=int(opts["kv_cache_gib"] * (1 << 30)),
         num_scheduler_steps=opts["num_scheduler_steps"], enable_prefix_caching=not opts["no_prefix_caching"],
     )  # fmt: skip
     if opts["model"] == TINY:
@@ -185,22 +191,29 @@ def _step_summary(engine, first: int) -> dict:
 
 def run_offline(engine, opts: dict) -> dict:
     """Compiles the batch's buckets with one ``generate`` at batch ``concurrency``, then
-    times another on fresh prompts (the server phases warm their own shapes up)."""
+    times another on fresh prompts (the server phases warm their own shapes up); each
+    request asks for its ``max_tokens_for`` tokens, as the clients' do."""
     from attn_jax.serving import SamplingParams
 
     n, vocab = opts["concurrency"], engine.model.config.vocab_size
-    sp = SamplingParams(max_new_tokens=opts["max_tokens"], ignore_eos=True, logprobs=opts["logprobs"])
+
+    def params(prompts):
+        lengths = [max_tokens_for(p, opts["max_tokens"], opts["max_tokens_range_ratio"]) for p in prompts]
+        return lengths, [SamplingParams(max_new_tokens=m, ignore_eos=True, logprobs=opts["logprobs"]) for m in lengths]
+
+    prompts = prompts_for(vocab, n, opts["prompt_len"], 1000)
     t = time.perf_counter()
-    engine.generate(prompts_for(vocab, n, opts["prompt_len"], 1000), sp)
+    engine.generate(prompts, params(prompts)[1])
     warmup = time.perf_counter() - t
     compiles, first = engine.num_compilations, len(engine.stats)
     prompts = prompts_for(vocab, n, opts["prompt_len"], 1)
+    lengths, sps = params(prompts)
     t = time.perf_counter()
-    results = engine.generate(prompts, sp)
+    results = engine.generate(prompts, sps)
     wall = time.perf_counter() - t
     tokens = sum(len(r.output_ids) for r in results)
-    if any(len(r.output_ids) != opts["max_tokens"] for r in results):
-        raise RuntimeError(f"offline: a request did not generate max_tokens={opts['max_tokens']} tokens")
+    if [len(r.output_ids) for r in results] != lengths:
+        raise RuntimeError("offline: a request did not generate its max_tokens tokens")
     ttfts = [r.ttft_seconds for r in results if r.ttft_seconds is not None]
     return {
         "batch": n,
@@ -493,12 +506,27 @@ def is_guided(prompt: list[int], fraction: float) -> bool:
     return fraction > 0 and random.Random(prompt[0] * 49152 + prompt[1]).random() < fraction
 
 
+def max_tokens_for(prompt: list[int], max_tokens: int, range_ratio: float) -> int:
+    """The request's ``max_tokens``: ``max_tokens`` itself, or with ``--max-tokens-range-ratio``
+    R > 0 drawn uniformly from [max_tokens * (1 - R), max_tokens * (1 + R)] (vLLM's
+    ``--random-range-ratio``), the same for a prompt in every run and process."""
+    if range_ratio == 0:
+        return max_tokens
+    u = random.Random(prompt[0] * 49152 + prompt[-1] + 7).random()
+    return max(1, round(max_tokens * (1 - range_ratio + 2 * range_ratio * u)))
+
+
+def longest_max_tokens(max_tokens: int, range_ratio: float) -> int:
+    """The most tokens ``max_tokens_for`` gives any request (the engine's context fits it)."""
+    return math.ceil(max_tokens * (1 + range_ratio))
+
+
 async def _one_request(client, prompt: list[int], request: dict) -> RequestRecord:
-    """``request``: the completion's ``max_tokens``, ``logprobs`` (None: none asked) and
-    ``json_schema_fraction``."""
+    """``request``: the completions' ``max_tokens`` and ``max_tokens_range_ratio``
+    (``max_tokens_for``), ``logprobs`` (None: none asked) and ``json_schema_fraction``."""
     guided = is_guided(prompt, request["json_schema_fraction"])
     record = RequestRecord(start=time.monotonic(), guided=guided)
-    max_tokens = request["max_tokens"]
+    max_tokens = max_tokens_for(prompt, request["max_tokens"], request["max_tokens_range_ratio"])
     extra = {"ignore_eos": True}
     if guided:
         extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": GUIDED_SCHEMA}}
@@ -784,6 +812,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument(
+        "--max-tokens-range-ratio", type=float, default=0.0,
+        help="each request's max_tokens uniform in max_tokens * [1 - R, 1 + R] (vLLM's --random-range-ratio; "
+        "0: all equal, so a closed loop's clients resend in waves)",
+    )  # fmt: skip
+    p.add_argument(
         "--json-schema-fraction", type=float, default=0.0,
         help="the share of requests with a small json_schema response_format (structured outputs; default 0)",
     )  # fmt: skip
@@ -839,6 +872,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.poisson_warmup_requests = args.poisson_requests
     if not 0 <= args.json_schema_fraction <= 1:
         p.error(f"--json-schema-fraction={args.json_schema_fraction} must be in [0, 1]")
+    if not 0 <= args.max_tokens_range_ratio < 1:
+        p.error(f"--max-tokens-range-ratio={args.max_tokens_range_ratio} must be in [0, 1)")
     if args.rate < 0 or args.poisson_requests < 1:
         p.error(f"--rate={args.rate} must be >= 0 and --poisson-requests={args.poisson_requests} >= 1")
     return args
@@ -860,9 +895,10 @@ def _workload(args: argparse.Namespace, procs: int) -> dict:
         "dtype": "float32" if args.model == TINY else args.dtype,
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
+        "max_tokens_range_ratio": args.max_tokens_range_ratio,
         "logprobs": args.logprobs,
         "json_schema_fraction": args.json_schema_fraction,
-        "equal_lengths": "ignore_eos=True (extra_body); usage.completion_tokens checked == max_tokens",
+        "equal_lengths": "ignore_eos=True (extra_body); usage.completion_tokens checked == the request's max_tokens",
         "greedy": True,
         "concurrency": args.concurrency,
         "requests_per_client": args.requests_per_client,
@@ -960,6 +996,7 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
     per_warm = args.warmup_requests_per_client or k
     request = {
         "max_tokens": args.max_tokens,
+        "max_tokens_range_ratio": args.max_tokens_range_ratio,
         "logprobs": args.logprobs,
         "json_schema_fraction": args.json_schema_fraction,
     }

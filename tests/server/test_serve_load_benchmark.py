@@ -89,6 +89,15 @@ def test_summary_of_records(serve_load):
     assert serve_load.percentiles([]) == {"p50": None, "p90": None, "p99": None, "mean": None}
 
 
+def test_max_tokens_per_request_spread_and_repeatable(serve_load):
+    prompts = serve_load.prompts_for(49152, 200, 8, seed=3)
+    assert {serve_load.max_tokens_for(p, 64, 0.0) for p in prompts} == {64}
+    spread = [serve_load.max_tokens_for(p, 64, 0.5) for p in prompts]
+    assert spread == [serve_load.max_tokens_for(p, 64, 0.5) for p in prompts]  # the same in every process
+    assert 32 <= min(spread) < 48 < 80 < max(spread) <= serve_load.longest_max_tokens(64, 0.5) == 96
+    assert serve_load.max_tokens_for(prompts[0], 1, 0.9) >= 1
+
+
 def test_histogram_totals_sum_every_label_set(serve_load):
     text = "\n".join([
         "# HELP attn_stack_time_to_first_token_seconds Seconds from a request's arrival to its first token.",
