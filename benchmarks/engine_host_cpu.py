@@ -66,7 +66,13 @@ def measure(
     engine.generate(prompts, params)  # compiles the prefill and decode shapes
     spent = {"read": 0.0, "dispatch": 0.0}
     runner = engine.runner
-    read, jit_for = runner.read_tokens, runner.jit_for
+    read, jit_for, continue_decode = runner.read_tokens, runner.jit_for, runner.continue_decode
+    continued = {"calls": 0}
+
+    def counting_continue(*args, **kwargs):  # the persistent batch continued: no per-request inputs built
+        prepared = continue_decode(*args, **kwargs)
+        continued["calls"] += prepared is not None
+        return prepared
 
     def timed(fn, what):
         def wrapper(*args):
@@ -80,7 +86,8 @@ def measure(
 
     timed_steps = {id(f): timed(f, "dispatch") for f in (runner._jit_step, runner._jit_step_wide)}
     runner.read_tokens, runner.jit_for = timed(read, "read"), lambda prepared: timed_steps[id(jit_for(prepared))]
-    medians, dispatch = [], []
+    runner.continue_decode = counting_continue
+    medians, dispatch, shares = [], [], []
     try:
         for run in range(runs):
             queued = [(p, params) for p in prompts]
@@ -95,6 +102,7 @@ def measure(
                 engine.add_request(prompt, sp)
             queued = queued[batch:]
             per_step, per_dispatch, ended = [], [], 0
+            continued["calls"] = 0
             while engine.has_unfinished():
                 for prompt, sp in queued[:ended]:
                     engine.add_request(prompt, sp)
@@ -107,15 +115,18 @@ def measure(
             edge = 5 if num_scheduler_steps == 1 else 2
             medians.append(1e3 * statistics.median(per_step[edge:-edge]))
             dispatch.append(1e3 * statistics.median(per_dispatch[edge:-edge]))
+            shares.append(continued["calls"] / len(per_step))
     finally:
         runner.read_tokens = read
-        del runner.jit_for  # the class's method again
+        del runner.jit_for, runner.continue_decode  # the class's methods again
     return {
         "host_ms_per_step_runs": medians,
         "host_ms_per_step_median": statistics.median(medians),
         # The jitted call's own CPU time in the calling thread (argument handling, enqueueing the
         # program on every device; on a CPU it may include some of the program's work).
         "dispatch_ms_per_step_median": statistics.median(dispatch),
+        # Calls that continued the last one's batch on the device (``continue_decode``), per run.
+        "continued_share_runs": shares,
         "tokens_per_run": tokens,
         "batch": batch,
         "num_scheduler_steps": num_scheduler_steps,
@@ -154,7 +165,8 @@ def main() -> None:
     print(
         f"engine host CPU time per call of {args.num_scheduler_steps} step(s), batch {args.batch}{mesh}: median "
         f"{median:.3f} ms (runs: {runs}); "
-        f"the jitted call's {result['dispatch_ms_per_step_median']:.3f} ms"
+        f"the jitted call's {result['dispatch_ms_per_step_median']:.3f} ms; calls continuing the last one's batch: "
+        + ", ".join(f"{100 * x:.0f} %" for x in result["continued_share_runs"])
     )
     write_json(output_path(args), result)
 
