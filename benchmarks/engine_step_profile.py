@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import glob
 import itertools
@@ -123,34 +124,49 @@ def _step_and_sync(engine) -> None:
     _sync(engine)
 
 
+@contextlib.contextmanager
+def replaying_last_call(engine):
+    """The engine's last jitted call, to run again: yields ``call()``, which runs it once with
+    the caches and the rows' state of the call before fed back (both donated) and returns its
+    tokens; the engine holds the last call's caches and rows' state afterwards."""
+    jit_step, (params, _, _, *rest) = record_step_call(engine, functools.partial(_step_and_sync, engine))
+    runner = engine.runner
+    # The recorded caches and rows' state were donated: the engine's current ones.
+    state = {"caches": engine.kv_caches, "last": (runner._last_tokens, runner._token_counts, runner._guide_masks)}
+
+    def call():
+        tokens, state["last"], state["caches"] = jit_step(params, state["caches"], state["last"], *rest)[:3]
+        return tokens  # (the step's other outputs are not kept)
+
+    try:
+        yield call
+    finally:
+        runner._last_tokens, runner._token_counts, runner._guide_masks = state["last"]
+        engine.kv_caches = state["caches"]
+
+
 def device_only_step_ms(engine, steps: int) -> dict[str, float]:
     """The time per step with no scheduling between steps: the engine's last jitted call
     repeated ``steps`` times back to back (the caches and the rows' state fed back, both
     donated), its tokens as the next input ("chained_tokens"), then adding one by one what
     the engine does between steps: an asynchronous copy of the tokens to the host
     ("copy_to_host_async"), and reading the previous step's tokens ("read_previous")."""
-
-    jit_step, (params, caches, last, *rest) = record_step_call(engine, functools.partial(_step_and_sync, engine))
-    runner = engine.runner
-    # The recorded caches and rows' state were donated: the engine's current ones.
-    caches, last = engine.kv_caches, (runner._last_tokens, runner._token_counts, runner._guide_masks)
     out = {}
-    for variant in ("chained_tokens", "copy_to_host_async", "read_previous"):
-        tokens, last, caches = jit_step(params, caches, last, *rest)[:3]  # then the step's other outputs
-        jax.block_until_ready(tokens)
-        t = time.perf_counter()
-        previous = tokens
-        for _ in range(steps):
-            tokens, last, caches = jit_step(params, caches, last, *rest)[:3]
-            if variant in ("copy_to_host_async", "read_previous"):
-                tokens.copy_to_host_async()
-            if variant == "read_previous":
-                np.asarray(previous)
+    with replaying_last_call(engine) as call:
+        for variant in ("chained_tokens", "copy_to_host_async", "read_previous"):
+            tokens = call()
+            jax.block_until_ready(tokens)
+            t = time.perf_counter()
             previous = tokens
-        jax.block_until_ready(tokens)
-        out[variant] = 1e3 * (time.perf_counter() - t) / (steps * engine.num_scheduler_steps)  # per decode step
-    runner._last_tokens, runner._token_counts, runner._guide_masks = last
-    engine.kv_caches = caches
+            for _ in range(steps):
+                tokens = call()
+                if variant in ("copy_to_host_async", "read_previous"):
+                    tokens.copy_to_host_async()
+                if variant == "read_previous":
+                    np.asarray(previous)
+                previous = tokens
+            jax.block_until_ready(tokens)
+            out[variant] = 1e3 * (time.perf_counter() - t) / (steps * engine.num_scheduler_steps)  # per decode step
     return out
 
 
@@ -163,40 +179,29 @@ def _busy(seconds: float) -> None:
 
 def dispatch_overlap_ms(engine, steps: int, work_ms: float) -> dict[str, float]:
     """Whether the jitted call's dispatch can overlap the host's Python work: the engine's
-    last call repeated ``steps`` times (caches and rows fed back), each beside
-    ``work_ms`` of Python busy work; per round, in ms: the call alone ("dispatch"), the
-    call then the work ("sequential"), and the call on a worker thread while this thread
-    works ("threaded"; at most the larger of the two where the call runs outside the GIL).
-    The device is synchronised before each variant; it must not be what limits (a round
-    under the device's step queues work on it: compare "dispatch" with the step)."""
-    jit_step, (params, caches, last, *rest) = record_step_call(engine, functools.partial(_step_and_sync, engine))
-    runner = engine.runner
-    caches, last = engine.kv_caches, (runner._last_tokens, runner._token_counts, runner._guide_masks)
-    state = {"caches": caches, "last": last}
-
-    def call() -> None:
-        tokens, state["last"], state["caches"] = jit_step(params, state["caches"], state["last"], *rest)[:3]
-        state["tokens"] = tokens
-
+    last call repeated ``steps`` times (``replaying_last_call``), each beside ``work_ms`` of
+    Python busy work; per round, in ms: the call alone ("dispatch"), the call then the work
+    ("sequential"), and the call on a worker thread while this thread works ("threaded"; at
+    most the larger of the two where the call runs outside the GIL). The device is
+    synchronised before each variant; it must not be what limits (a round under the device's
+    step queues work on it: compare "dispatch" with the step)."""
     out = {}
-    with ThreadPoolExecutor(1) as worker:
+    with replaying_last_call(engine) as call, ThreadPoolExecutor(1) as worker:
         for variant in ("dispatch", "sequential", "threaded"):
-            call()
-            jax.block_until_ready(state["tokens"])
+            tokens = call()
+            jax.block_until_ready(tokens)
             t = time.perf_counter()
             for _ in range(steps):
                 if variant == "threaded":
                     future = worker.submit(call)
                     _busy(work_ms / 1e3)
-                    future.result()
+                    tokens = future.result()
                 else:
-                    call()
+                    tokens = call()
                     if variant == "sequential":
                         _busy(work_ms / 1e3)
             out[variant] = 1e3 * (time.perf_counter() - t) / steps
-            jax.block_until_ready(state["tokens"])
-    runner._last_tokens, runner._token_counts, runner._guide_masks = state["last"]
-    engine.kv_caches = state["caches"]
+            jax.block_until_ready(tokens)
     return out | {"work": work_ms}
 
 

@@ -401,12 +401,12 @@ def engine_with_probe(opts: dict, probe) -> object:
     engine, offline = prepare_engine(opts)
     probe.send(("offline", offline))
     core_thread = threading.get_native_id()  # the engine process runs its core in the thread that built it
-    trace_state: dict = {}
+    probe_state: dict = {}
 
     def answer() -> None:
         while True:
             try:
-                probe.send(probe_answer(engine, probe.recv(), core_thread, trace_state))
+                probe.send(probe_answer(engine, probe.recv(), core_thread, probe_state))
             except (EOFError, OSError):
                 return
 
@@ -431,10 +431,10 @@ def serve_process(opts: dict, port: int, conn) -> None:
 
         if opts["engine_in_thread"]:
             served, offline = prepare_engine(opts)
-            trace_state: dict = {}
+            probe_state: dict = {}
 
             def probe(message: tuple) -> tuple:
-                return probe_answer(served, message, state=trace_state)
+                return probe_answer(served, message, state=probe_state)
         else:
             here, there = multiprocessing.get_context("spawn").Pipe()
             served = EngineProcess(functools.partial(engine_with_probe, opts, there))
@@ -960,6 +960,10 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
             return True
         return False
 
+    def phase_mark() -> dict:
+        """The server's counts as a phase starts (``measured`` takes the differences)."""
+        return server.ask("mark") | {"server_histograms": server_histograms(base_url)}
+
     def measured(records, cpu, mark, **extra) -> dict:
         summary = summarize(records, args.max_tokens) | extra | {"client_cpu_fraction": cpu}
         end = server.ask("mark")
@@ -1007,7 +1011,7 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
             request,
         ),
     )  # fmt: skip
-    mark = server.ask("mark") | {"server_histograms": server_histograms(base_url)}
+    mark = phase_mark()
     prompts = prompts_for(vocab, n * k, args.prompt_len, seed + 1)
     records, cpu = closed_loop(pool, procs, base_url, prompts, n, k, request)
     result["closed_loop"] = measured(records, cpu, mark, concurrency=n)
@@ -1015,7 +1019,7 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
     _update_targets(result)
     save()
     if args.trace and not over_budget("traced_closed_loop"):
-        mark = server.ask("mark") | {"server_histograms": server_histograms(base_url)}
+        mark = phase_mark()
         server.ask("trace", "start")
         prompts = prompts_for(vocab, n * k, args.prompt_len, seed + 3)
         records, cpu = closed_loop(pool, procs, base_url, prompts, n, k, request)
@@ -1037,7 +1041,7 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
             args.rate, request, args.seed + 1 + i,
         ),
     )  # fmt: skip
-    mark = server.ask("mark") | {"server_histograms": server_histograms(base_url)}
+    mark = phase_mark()
     prompts = prompts_for(vocab, args.poisson_requests, args.prompt_len, seed + 2)
     records, cpu = open_loop(pool, base_url, prompts, args.rate, request, args.seed)
     result["poisson"] = measured(records, cpu, mark, rate=args.rate)

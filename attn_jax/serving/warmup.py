@@ -167,7 +167,7 @@ def _dummy_batch(query_lens: Sequence[int], capacity: int, block_size: int, para
     return ScheduledBatch(requests, list(query_lens), [])
 
 
-def _rows(batch: ScheduledBatch) -> dict[int, tuple]:
+def _rows(batch: ScheduledBatch) -> dict[Request, tuple]:
     """Each dummy request's ``request_row``, by request."""
     return {r: ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, batch.num_new, strict=True)}
 
