@@ -89,6 +89,29 @@ def test_summary_of_records(serve_load):
     assert serve_load.percentiles([]) == {"p50": None, "p90": None, "p99": None, "mean": None}
 
 
+def test_streamed_chunks_and_their_checks(serve_load):
+    """The aiohttp client's parsing: text chunks timed, the finish reason and usage taken, an
+    error event raised; a request short of its max_tokens fails, a guided one may end early."""
+    record = serve_load.RequestRecord(start=0.0)
+    serve_load._take_chunk(record, {"choices": [{"text": " a", "finish_reason": None}]}, 1.0)
+    serve_load._take_chunk(record, {"choices": [{"text": "", "finish_reason": "length"}]}, 2.0)
+    serve_load._take_chunk(record, {"choices": [], "usage": {"completion_tokens": 2}}, 3.0)
+    assert (record.chunk_times, record.finish_reason, record.completion_tokens) == ([1.0], "length", 2)
+    serve_load._check_tokens(record, 2)
+    assert record.error is None
+    serve_load._check_tokens(record, 3)
+    assert record.error == "2 completion tokens, not max_tokens=3"
+    guided = serve_load.RequestRecord(start=0.0, guided=True, completion_tokens=2)
+    serve_load._check_tokens(guided, 3)
+    assert guided.error is None
+    with pytest.raises(RuntimeError, match="error event"):
+        serve_load._take_chunk(record, {"error": {"message": "boom"}}, 4.0)
+    request = {"max_tokens": 5, "max_tokens_range_ratio": 0.0, "logprobs": 2, "json_schema_fraction": 1.0}
+    body, max_tokens, is_guided = serve_load._completion_body([7, 8, 9], request)
+    assert (max_tokens, is_guided, body["max_tokens"], body["logprobs"], body["ignore_eos"]) == (5, True, 5, 2, True)
+    assert body["response_format"]["type"] == "json_schema" and body["stream_options"] == {"include_usage": True}
+
+
 def test_max_tokens_per_request_spread_and_repeatable(serve_load):
     prompts = serve_load.prompts_for(49152, 200, 8, seed=3)
     assert {serve_load.max_tokens_for(p, 64, 0.0) for p in prompts} == {64}
