@@ -687,6 +687,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         from attn_jax.server.app import build_app
         from attn_jax.server.engine_process import EngineProcess, EngineStartError
+        from attn_jax.server.gc_heap import freeze_startup_heap
         from attn_jax.server.model_source import default_served_name
         from attn_jax.server.uvicorn_server import serve
     except ImportError as e:
@@ -704,6 +705,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or default_served_name(args.model)
     try:
         app = build_app(engine, name, max_request_bytes=args.max_request_bytes)
+        freeze_startup_heap()  # this process's too: it is the server's own
         serve(app, host=args.host, port=args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
     finally:
         engine.join(0)

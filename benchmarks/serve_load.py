@@ -430,6 +430,7 @@ def serve_process(opts: dict, port: int, conn) -> None:
 
         from attn_jax.server.app import build_app
         from attn_jax.server.engine_process import EngineProcess
+        from attn_jax.server.gc_heap import freeze_startup_heap
 
         if opts["engine_in_thread"]:
             served, offline = prepare_engine(opts)
@@ -439,7 +440,7 @@ def serve_process(opts: dict, port: int, conn) -> None:
                 return probe_answer(served, message, state=probe_state)
         else:
             here, there = multiprocessing.get_context("spawn").Pipe()
-            served = EngineProcess(functools.partial(engine_with_probe, opts, there))
+            served = EngineProcess(functools.partial(engine_with_probe, opts, there), freeze_heap=not opts["no_gc_freeze"])
             there.close()
             _, offline = here.recv()
 
@@ -449,6 +450,8 @@ def serve_process(opts: dict, port: int, conn) -> None:
 
         conn.send(("offline", offline))
         app = build_app(served, SERVED_NAME)
+        if not opts["no_gc_freeze"]:  # as attn-stack serve does
+            freeze_startup_heap()
         config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
         server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
@@ -919,6 +922,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="sys.setswitchinterval of the server's and the engine's processes, in ms (default: Python's 5 ms)",
     )  # fmt: skip
     p.add_argument(
+        "--no-gc-freeze", action="store_true",
+        help="leave the garbage collector as Python sets it in the server's processes (attn-stack serve freezes "
+        "their startup heaps and raises the young generation's threshold: attn_jax/server/gc_heap.py)",
+    )  # fmt: skip
+    p.add_argument(
         "--engine-in-thread", action="store_true",
         help="run the engine in a thread of the HTTP server's process (default: a process of its own, as attn-stack "
         "serve does)",
@@ -983,6 +991,7 @@ def _workload(args: argparse.Namespace, procs: int) -> dict:
         "engine_warmup": not args.no_engine_warmup,
         "compilation_cache": not args.no_compilation_cache,
         "gil_switch_interval_ms": args.gil_switch_interval_ms,
+        "gc_freeze": not args.no_gc_freeze,
         "engine": "thread" if args.engine_in_thread else "process",
     }
 

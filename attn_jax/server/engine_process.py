@@ -42,6 +42,7 @@ import traceback
 from collections.abc import Callable
 
 from attn_jax.server.engine_core import EngineCore
+from attn_jax.server.gc_heap import freeze_startup_heap
 
 OUTBOX_ROUNDS = 64
 """Round messages the engine process queues for the parent before its loop waits for it."""
@@ -51,9 +52,10 @@ class EngineStartError(RuntimeError):
     """The engine process could not build its engine; the message is the factory's error."""
 
 
-def _child_main(factory: Callable[[], object], commands, messages) -> None:
-    """The engine process: builds the engine, says it is ready on ``messages``, runs the core
-    on ``commands`` until stopped."""
+def _child_main(factory: Callable[[], object], commands, messages, freeze_heap: bool = True) -> None:
+    """The engine process: builds the engine, freezes its heap (``gc_heap``; unless
+    ``freeze_heap`` is False), says it is ready on ``messages``, runs the core on ``commands``
+    until stopped."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = factory()
@@ -61,6 +63,8 @@ def _child_main(factory: Callable[[], object], commands, messages) -> None:
         detail = str(e) if isinstance(e, (ValueError, OSError)) else traceback.format_exc()
         messages.send(("error", detail or type(e).__name__))
         return
+    if freeze_heap:
+        freeze_startup_heap()
     messages.send(("ready", {"max_model_len": engine.max_model_len}))
 
     def receive(timeout: float | None) -> list[tuple]:
@@ -96,15 +100,16 @@ class EngineProcess:
 
     The constructor returns once the engine is built (``EngineStartError`` with the
     factory's message if it raised, or if the process died first). ``max_model_len`` is
-    the engine's.
+    the engine's. ``freeze_heap``: the process freezes its startup heap out of the garbage
+    collector's walks once the engine is built (``gc_heap.freeze_startup_heap``).
     """
 
-    def __init__(self, factory: Callable[[], object]) -> None:
+    def __init__(self, factory: Callable[[], object], *, freeze_heap: bool = True) -> None:
         ctx = multiprocessing.get_context("spawn")
         commands, self._commands = ctx.Pipe(duplex=False)  # (reading end, writing end)
         self._messages, messages = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
-            target=_child_main, args=(factory, commands, messages), name="attn-stack-engine", daemon=True
+            target=_child_main, args=(factory, commands, messages, freeze_heap), name="attn-stack-engine", daemon=True
         )
         self.process.start()
         commands.close()
