@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import itertools
 import platform
 import time
@@ -31,6 +32,7 @@ from engine_args import add_engine_args, parse_engine_args  # benchmarks/, the s
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
 from attn_jax.models.llama import LlamaModel
+from attn_jax.server.gc_heap import freeze_startup_heap
 from attn_jax.serving import Engine, SamplingParams
 from attn_jax.sharding import local_model_kwargs
 from attn_jax.testing.models import MODEL_SHAPES, random_params, weight_bytes
@@ -79,6 +81,8 @@ def run_engine(
     t = time.perf_counter()
     engine.generate(prompts, sp)
     warmup = time.perf_counter() - t
+    if args.gc_freeze:  # as attn-stack serve's engine process runs: its startup heap frozen
+        freeze_startup_heap()
     measured, step_cpu = [], []
     step = engine.step
 
@@ -116,6 +120,8 @@ def run_engine(
             "began_unix_s": began,
         })  # fmt: skip
     del engine.step  # the class's method again
+    if args.gc_freeze:  # the next engine's run starts from a heap this one's objects can leave
+        gc.unfreeze()
     # The run of median tokens/s gives the headline fields; every run is kept under "repeats".
     median = sorted(measured, key=lambda m: m["tokens_per_s"])[(len(measured) - 1) // 2]
     return {
@@ -123,6 +129,7 @@ def run_engine(
         "logprobs": sp.logprobs,
         "backend": model.attn_backend.get_name(),
         "num_scheduler_steps": num_scheduler_steps,
+        "gc_freeze": args.gc_freeze,
         "warmup_seconds": warmup,
         "num_blocks": engine.num_blocks,
         **{k: v for k, v in median.items() if k != "began_unix_s"},
@@ -191,6 +198,11 @@ def main() -> None:
         help="measured runs per row, back to back on one engine (the median run's figures head the row; each is kept)",
     )  # fmt: skip
     parser.add_argument("--peer-batch", type=int, nargs="+", default=None, help="batches for peers (default: --batch)")
+    parser.add_argument(
+        "--gc-freeze", action="store_true",
+        help="freeze the heap after each engine's warm-up, as attn-stack serve's engine process does "
+        "(attn_jax/server/gc_heap.py); default: Python's collector as a library user has it",
+    )  # fmt: skip
     add_engine_args(parser, prompt_len=128, kv_cache_gib=4)
     add_output_args(parser, "generate_gpu.json")
     args = parse_engine_args(parser)
