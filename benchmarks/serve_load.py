@@ -36,10 +36,10 @@ Every request has a ``--prompt-len``-token prompt (random token ids, distinct pe
 so the prefix cache finds nothing) and asks for exactly ``--max-tokens`` tokens (with
 ``--max-tokens-range-ratio R``, a number drawn per prompt from ``--max-tokens`` times
 [1 - R, 1 + R], so that a closed loop's clients do not all resend at once):
-``ignore_eos`` (vLLM's extension, in the request's body) makes the engine run to ``max_tokens`` whatever it samples, and each
-request's ``usage.completion_tokens`` is checked against it (a mismatch counts as a
-failed request). The offline engine gets ``SamplingParams(ignore_eos=True)`` and the same
-lengths likewise.
+``ignore_eos`` (vLLM's extension, in the request's body) makes the engine run to
+``max_tokens`` whatever it samples, and each request's ``usage.completion_tokens`` is
+checked against it (a mismatch counts as a failed request). The offline engine gets
+``SamplingParams(ignore_eos=True)`` and the same lengths likewise.
 With ``--logprobs N`` every request, and the offline engine's, also asks for the sampled
 tokens' log-probabilities and top N (issue 47: the cost of logprobs on every request).
 With ``--json-schema-fraction F`` about that share of the requests (chosen by their prompts,
@@ -446,7 +446,8 @@ def serve_process(opts: dict, port: int, conn) -> None:
                 return probe_answer(served, message, state=probe_state)
         else:
             here, there = multiprocessing.get_context("spawn").Pipe()
-            served = EngineProcess(functools.partial(engine_with_probe, opts, there), freeze_heap=not opts["no_gc_freeze"])
+            factory = functools.partial(engine_with_probe, opts, there)
+            served = EngineProcess(factory, freeze_heap=not opts["no_gc_freeze"])
             there.close()
             _, offline = here.recv()
 
@@ -980,7 +981,7 @@ def _workload(args: argparse.Namespace, procs: int) -> dict:
         "max_tokens_range_ratio": args.max_tokens_range_ratio,
         "logprobs": args.logprobs,
         "json_schema_fraction": args.json_schema_fraction,
-        "equal_lengths": "ignore_eos=True (vLLM's extension); usage.completion_tokens checked == the request's max_tokens",
+        "equal_lengths": "ignore_eos=True (vLLM's extension); usage.completion_tokens checked == each max_tokens",
         "greedy": True,
         "concurrency": args.concurrency,
         "requests_per_client": args.requests_per_client,

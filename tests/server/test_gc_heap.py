@@ -14,8 +14,9 @@ def test_freezes_the_heap_and_raises_the_young_threshold():
         "import gc; from attn_jax.server.gc_heap import freeze_startup_heap\n"
         "keep = [[i] for i in range(1000)]; old = gc.get_threshold()\n"
         "freeze_startup_heap()\n"
-        "print(gc.get_freeze_count() >= 1000, gc.get_threshold() == (%d, *old[1:]), gc.get_count()[0] < 100)\n"
-    ) % GEN0_THRESHOLD
+        "print(gc.get_freeze_count() >= 1000, gc.get_count()[0] < 100,\n"
+        f"      gc.get_threshold() == ({GEN0_THRESHOLD}, *old[1:]))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "True", "True"], out.stderr
 
