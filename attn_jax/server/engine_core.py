@@ -133,7 +133,7 @@ class EngineCore:
         self._admitted: list[tuple] = []  # this round's admissions, not yet emitted
         self._compilations = getattr(engine, "num_compilations", None)  # the warm-up's are not counted
         self._token_texts: dict[int, str] = {}  # a token's text decoded alone (log-probabilities), once per id
-        # Submissions whose prompts are being encoded (``_prepare`` on ``_encoder``), in arrival order:
+        # Submissions being prepared (``_prepare``, on ``_encoder`` for text), in arrival order:
         # (request_id, spec, arrival, future of (ids, params, echo text or None)).
         self._preparing: collections.deque[tuple[str, GenerationSpec, float, Future]] = collections.deque()
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="attn-stack-encode")
@@ -199,11 +199,24 @@ class EngineCore:
         return commands
 
     def _take(self, commands: list[tuple]) -> list[tuple]:
-        """Hands each submission among ``commands`` to the encoder at once; returns them all."""
+        """Starts preparing each submission among ``commands``; returns them all. Text to encode
+        (a prompt, chat messages) or to decode (an echoed prompt of ids) goes to the encoder
+        thread at once (the tokenizers' Rust releases the GIL, so a long prompt holds no step);
+        token ids are only checked, here: that pure Python gains nothing on another thread (it
+        needs the GIL the loop holds), and an arrival whose check had not run by the round's
+        admissions waited for the call after."""
         for command in commands:
             if command[0] == "submit":
                 request_id, spec, arrival = command[1:]
-                self._preparing.append((request_id, spec, arrival, self._encoder.submit(self._prepare, spec)))
+                if spec.chat or spec.echo or isinstance(spec.prompt, str):
+                    prepared = self._encoder.submit(self._prepare, spec)
+                else:
+                    prepared = Future()
+                    try:
+                        prepared.set_result(self._prepare(spec))
+                    except Exception as e:  # RequestError and the rest, raised where the encoder's would be
+                        prepared.set_exception(e)
+                self._preparing.append((request_id, spec, arrival, prepared))
         return commands
 
     def _count_compilations(self, report: RoundReport) -> None:
