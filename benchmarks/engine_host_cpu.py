@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import platform
 import random
 import statistics
@@ -38,14 +39,43 @@ import time
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
 
+class GcPauses:
+    """Python's garbage collections while the context is open: per generation, how many and
+    their wall time (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.stats = {generation: [0, 0.0] for generation in range(3)}
+        self._start: float | None = None
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            entry = self.stats[info["generation"]]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - self._start
+
+    def summary(self) -> dict:
+        return {f"gen{g}": {"collections": n, "ms": 1e3 * t} for g, (n, t) in self.stats.items()}
+
+
 def measure(
     runs: int, tokens: int, batch: int = 1, devices: int = 1, model_parallel: int | None = None,
-    num_scheduler_steps: int = 1, churn: bool = False,
+    num_scheduler_steps: int = 1, churn: bool = False, gc_freeze: bool = False,
 ) -> dict:  # fmt: skip
     """Median host CPU ms per ``Engine.step`` (one call of up to ``num_scheduler_steps``
     steps) of each run of ``batch`` requests of ``tokens`` new tokens (the first and last 5
     calls left out, or 2 with several steps per call), on ``devices`` CPU devices; with
-    ``churn``, of ``batch * 4`` requests that join as others end (``batch`` at a time)."""
+    ``churn``, of ``batch * 4`` requests that join as others end (``batch`` at a time); with
+    ``gc_freeze``, the heap frozen after the warm-up as the server's engine process freezes
+    it (``gc_heap.freeze_startup_heap``). Also the garbage collections over the runs."""
     import os
 
     if devices > 1:  # before jax starts its CPU backend
@@ -64,6 +94,10 @@ def measure(
     params = SamplingParams(max_new_tokens=tokens, ignore_eos=True)
     prompts = [list(range(100 + i, 132 + i)) for i in range(batch)]
     engine.generate(prompts, params)  # compiles the prefill and decode shapes
+    if gc_freeze:
+        from attn_jax.server.gc_heap import freeze_startup_heap
+
+        freeze_startup_heap()
     spent = {"read": 0.0, "dispatch": 0.0}
     runner = engine.runner
     read, jit_for, continue_decode = runner.read_tokens, runner.jit_for, runner.continue_decode
@@ -89,33 +123,34 @@ def measure(
     runner.continue_decode = counting_continue
     medians, dispatch, shares = [], [], []
     try:
-        for run in range(runs):
-            queued = [(p, params) for p in prompts]
-            if churn:  # each request its own length; the queue refills the batch as requests end
-                rng = random.Random(run)
-                queued = [
-                    ([rng.randrange(100, 1000) for _ in range(32)], SamplingParams(
-                        max_new_tokens=rng.randrange(tokens // 2, tokens * 3 // 2), ignore_eos=True))
-                    for _ in range(4 * batch)
-                ]  # fmt: skip
-            for prompt, sp in queued[:batch]:
-                engine.add_request(prompt, sp)
-            queued = queued[batch:]
-            per_step, per_dispatch, ended = [], [], 0
-            continued["calls"] = 0
-            while engine.has_unfinished():
-                for prompt, sp in queued[:ended]:
+        with GcPauses() as pauses:
+            for run in range(runs):
+                queued = [(p, params) for p in prompts]
+                if churn:  # each request its own length; the queue refills the batch as requests end
+                    rng = random.Random(run)
+                    queued = [
+                        ([rng.randrange(100, 1000) for _ in range(32)], SamplingParams(
+                            max_new_tokens=rng.randrange(tokens // 2, tokens * 3 // 2), ignore_eos=True))
+                        for _ in range(4 * batch)
+                    ]  # fmt: skip
+                for prompt, sp in queued[:batch]:
                     engine.add_request(prompt, sp)
-                queued, ended = queued[ended:], 0
-                spent["read"] = spent["dispatch"] = 0.0
-                start = time.thread_time()
-                ended += sum(event.finished for event in engine.step())
-                per_step.append(time.thread_time() - start - spent["read"] - spent["dispatch"])
-                per_dispatch.append(spent["dispatch"])
-            edge = 5 if num_scheduler_steps == 1 else 2
-            medians.append(1e3 * statistics.median(per_step[edge:-edge]))
-            dispatch.append(1e3 * statistics.median(per_dispatch[edge:-edge]))
-            shares.append(continued["calls"] / len(per_step))
+                queued = queued[batch:]
+                per_step, per_dispatch, ended = [], [], 0
+                continued["calls"] = 0
+                while engine.has_unfinished():
+                    for prompt, sp in queued[:ended]:
+                        engine.add_request(prompt, sp)
+                    queued, ended = queued[ended:], 0
+                    spent["read"] = spent["dispatch"] = 0.0
+                    start = time.thread_time()
+                    ended += sum(event.finished for event in engine.step())
+                    per_step.append(time.thread_time() - start - spent["read"] - spent["dispatch"])
+                    per_dispatch.append(spent["dispatch"])
+                edge = 5 if num_scheduler_steps == 1 else 2
+                medians.append(1e3 * statistics.median(per_step[edge:-edge]))
+                dispatch.append(1e3 * statistics.median(per_dispatch[edge:-edge]))
+                shares.append(continued["calls"] / len(per_step))
     finally:
         runner.read_tokens = read
         del runner.jit_for, runner.continue_decode  # the class's methods again
@@ -131,6 +166,8 @@ def measure(
         "batch": batch,
         "num_scheduler_steps": num_scheduler_steps,
         "churn": churn,
+        "gc_freeze": gc_freeze,
+        "gc_pauses": pauses.summary(),  # over every run
         "devices": devices,
         "mesh": None if engine.mesh is None else dict(engine.mesh.shape),
         "jax": jax.__version__,
@@ -146,6 +183,10 @@ def main() -> None:
     parser.add_argument("--model-parallel", type=int, default=None, help="over the KV heads (default: as serve)")
     parser.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per call")
     parser.add_argument("--churn", action="store_true", help="requests of spread lengths, replaced as they end")
+    parser.add_argument(
+        "--gc-freeze", action="store_true",
+        help="freeze the heap after the warm-up, as attn-stack serve's engine process does (server/gc_heap.py)",
+    )  # fmt: skip
     add_output_args(parser, "engine_host_cpu.json")
     args = parser.parse_args()
     if args.runs < 1 or args.tokens < 20 or args.batch < 1 or args.devices < 1:
@@ -153,9 +194,9 @@ def main() -> None:
             f"--runs={args.runs}, --batch={args.batch} and --devices={args.devices} must be >= 1 and "
             f"--tokens={args.tokens} >= 20"
         )
-    result = measure(
-        args.runs, args.tokens, args.batch, args.devices, args.model_parallel, args.num_scheduler_steps, args.churn
-    ) | {
+    shape = dict(batch=args.batch, devices=args.devices, model_parallel=args.model_parallel)
+    steps = dict(num_scheduler_steps=args.num_scheduler_steps, churn=args.churn, gc_freeze=args.gc_freeze)
+    result = measure(args.runs, args.tokens, **shape, **steps) | {
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
@@ -167,6 +208,8 @@ def main() -> None:
         f"{median:.3f} ms (runs: {runs}); "
         f"the jitted call's {result['dispatch_ms_per_step_median']:.3f} ms; calls continuing the last one's batch: "
         + ", ".join(f"{100 * x:.0f} %" for x in result["continued_share_runs"])
+        + "; garbage collections (count, ms) by generation: "
+        + ", ".join(f"{g} {p['collections']}, {p['ms']:.1f}" for g, p in result["gc_pauses"].items())
     )
     write_json(output_path(args), result)
 

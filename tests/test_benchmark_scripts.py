@@ -130,3 +130,25 @@ def test_cold_start_sums_the_step_programs_logged_compile_phases():
         "lower": {"seconds": 0.25, "count": 1},
         "xla": {"seconds": 6.5, "count": 2},
     }
+
+
+def test_engine_host_cpu_counts_garbage_collections_by_generation():
+    """``engine_host_cpu.GcPauses``: a full collection inside the context counts once in
+    generation 2 with its time; none after the context has closed."""
+    import gc
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the script imports results_io from its folder
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "engine_host_cpu_under_test", ROOT / "benchmarks" / "engine_host_cpu.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    with module.GcPauses() as pauses:
+        gc.collect()
+    gc.collect()
+    summary = pauses.summary()
+    assert summary["gen2"]["collections"] == 1 and summary["gen2"]["ms"] > 0
+    assert set(summary) == {"gen0", "gen1", "gen2"}
