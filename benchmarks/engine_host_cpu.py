@@ -30,40 +30,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import platform
 import random
 import statistics
 import time
 
-from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
-
-
-class GcPauses:
-    """Python's garbage collections while the context is open: per generation, how many and
-    their wall time (``gc.callbacks``)."""
-
-    def __init__(self) -> None:
-        self.stats = {generation: [0, 0.0] for generation in range(3)}
-        self._start: float | None = None
-
-    def __enter__(self) -> GcPauses:
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self._callback)
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        elif self._start is not None:
-            entry = self.stats[info["generation"]]
-            entry[0] += 1
-            entry[1] += time.perf_counter() - self._start
-
-    def summary(self) -> dict:
-        return {f"gen{g}": {"collections": n, "ms": 1e3 * t} for g, (n, t) in self.stats.items()}
+from gc_pauses import GcPauses  # benchmarks/, the script's folder
+from results_io import add_output_args, output_path, write_json
 
 
 def measure(

@@ -90,7 +90,8 @@ import threading
 import time
 import traceback
 
-from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
+from gc_pauses import GcPauses  # benchmarks/, the script's folder
+from results_io import add_output_args, output_path, write_json
 
 TINY = "tiny-random"
 MODELS = (TINY, "smollm2-135m")  # shapes whose vocabulary the SmolLM2 tokenizer decodes
@@ -385,11 +386,12 @@ def histogram_totals(metrics_text: str, name: str) -> tuple[float, float]:
 def probe_answer(engine, message: tuple, core_thread: int | None = None, state: dict | None = None) -> tuple:
     """The answer to the coordinator's ``("mark",)``, ``("summary", first_step)`` or
     ``("trace", "start" | "stop")`` (``trace_answer``); ``state`` is this process's probe state
-    (the trace's folder, the ``QueueSampler`` started by the first mark); a
+    (the trace's folder, the ``QueueSampler`` and ``GcPauses`` started by the first mark); a
     mark carries the engine process's CPU seconds and its core thread's (``core_thread``)."""
     if message[0] == "mark":
         if state is not None and "queues" not in state:  # sampled from the first mark on
             state["queues"] = QueueSampler(engine)
+            state["gc"] = GcPauses(lambda: len(engine.stats)).start()
         marks = cpu_marks("engine", core_thread)
         mark = {"num_compilations": engine.num_compilations, "step": len(engine.stats), "time": time.monotonic()}
         return "mark", mark | marks
@@ -398,6 +400,7 @@ def probe_answer(engine, message: tuple, core_thread: int | None = None, state: 
     summary = _step_summary(engine, message[1])
     if state is not None and "queues" in state:
         summary["queues"] = state["queues"].summary(message[1])
+        summary["gc_pauses"] = state["gc"].summary(message[1])  # the engine process's collections
     return "summary", summary
 
 

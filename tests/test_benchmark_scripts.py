@@ -132,23 +132,22 @@ def test_cold_start_sums_the_step_programs_logged_compile_phases():
     }
 
 
-def test_engine_host_cpu_counts_garbage_collections_by_generation():
-    """``engine_host_cpu.GcPauses``: a full collection inside the context counts once in
-    generation 2 with its time; none after the context has closed."""
+def test_gc_pauses_counts_collections_by_generation_and_stamp():
+    """``gc_pauses.GcPauses``: a full collection inside the recording counts once in generation
+    2 with its time, under its stamp; none after the recording has stopped."""
     import gc
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # the script imports results_io from its folder
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        spec = importlib.util.spec_from_file_location(
-            "engine_host_cpu_under_test", ROOT / "benchmarks" / "engine_host_cpu.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        from gc_pauses import GcPauses
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    with module.GcPauses() as pauses:
+    tick = [0]
+    with GcPauses(lambda: tick[0]) as pauses:
+        gc.collect()
+        tick[0] = 5
         gc.collect()
     gc.collect()
-    summary = pauses.summary()
-    assert summary["gen2"]["collections"] == 1 and summary["gen2"]["ms"] > 0
-    assert set(summary) == {"gen0", "gen1", "gen2"}
+    everything, later = pauses.summary(), pauses.summary(since=5)
+    assert everything["gen2"]["collections"] == 2 and everything["gen2"]["ms"] > 0
+    assert later["gen2"]["collections"] == 1 and set(later) == {"gen0", "gen1", "gen2"}

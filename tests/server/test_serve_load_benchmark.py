@@ -215,6 +215,7 @@ def test_the_benchmark_runs_on_the_tiny_model(tmp_path):
         assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] and 0 < s["e2e_ms"]["p50"]
         assert s["itl_ms"]["p50"] is not None and s["tokens_per_chunk"] >= 1
         assert s["engine_steps"]["steps"] > 0 and s["compilations_during"] == 0  # all compiled by Engine.warmup
+        assert set(s["engine_steps"]["gc_pauses"]) == {"gen0", "gen1", "gen2"}  # the engine process's collections
         # where a request's time went: its headers come after its admission, the server's TTFT
         # (from the engine loop's submit) within the clients'
         assert 0 < s["time_to_headers_ms"]["mean"] <= s["ttft_ms"]["mean"]
