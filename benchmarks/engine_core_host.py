@@ -7,8 +7,12 @@ message. Here the core drives a stand-in engine whose ``step`` returns one token
 of ``--requests`` running requests at once, and no device, so the figures are the core's own
 host time (the engine's is ``engine_host_cpu.py``'s). Requests have no stop strings, echo or
 log-probabilities unless ``--stop`` gives every request one stop string (the matcher's path).
+``--gc-freeze`` freezes the heap first, as the server's engine process does
+(``attn_jax/server/gc_heap.py``); each row counts the garbage collections of its timings.
+2048 requests stand for a round of 256 requests at 8 steps per call.
 
     python benchmarks/engine_core_host.py --requests 64 256
+    python benchmarks/engine_core_host.py --requests 256 2048 --gc-freeze
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import platform
 import statistics
 import time
 
-from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
+from gc_pauses import GcPauses  # benchmarks/, the script's folder
+from results_io import add_output_args, output_path, write_json
 
 from attn_jax.server.engine_core import EngineCore, _Live
 from attn_jax.server.stop_strings import StopMatcher
@@ -55,13 +60,17 @@ def time_rounds(num_requests: int, rounds: int, stop: str | None) -> dict:
     for _ in range(rounds // 10):
         core._round()
     per_round = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(rounds):
-            core._round()
-        per_round.append((time.perf_counter() - start) / rounds * 1e6)
+    with GcPauses() as pauses:
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(rounds):
+                core._round()
+            per_round.append((time.perf_counter() - start) / rounds * 1e6)
     us = statistics.median(per_round)
-    return {"requests": num_requests, "stop": stop, "us_per_round": us, "us_per_token": us / num_requests}
+    return {
+        "requests": num_requests, "stop": stop, "us_per_round": us, "us_per_token": us / num_requests,
+        "gc_pauses": pauses.summary(),  # over the 5 timings
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -69,14 +78,24 @@ def main() -> None:
     parser.add_argument("--requests", type=int, nargs="+", default=[64, 256], help="running requests (tokens a round)")
     parser.add_argument("--rounds", type=int, default=2000)
     parser.add_argument("--stop", default=None, help="a stop string every request has (default: none)")
+    parser.add_argument(
+        "--gc-freeze", action="store_true", help="freeze the heap first, as the server's engine process does"
+    )
     add_output_args(parser, "engine_core_host_cpu.json")
     args = parser.parse_args()
+    if args.gc_freeze:
+        from attn_jax.server.gc_heap import freeze_startup_heap
+
+        freeze_startup_heap()
     rows = []
     for n in args.requests:
         row = time_rounds(n, args.rounds, args.stop)
         rows.append(row)
+        collections = ", ".join(f"{g} {p['collections']} ({p['ms']:.1f} ms)" for g, p in row["gc_pauses"].items())
         print(
-            f"{n:4d} requests: {row['us_per_round']:8.1f} us a round, {row['us_per_token']:.2f} us a token", flush=True
+            f"{n:4d} requests: {row['us_per_round']:8.1f} us a round, {row['us_per_token']:.2f} us a token; "
+            f"collections {collections}",
+            flush=True,
         )
     write_json(
         output_path(args),
@@ -85,6 +104,7 @@ def main() -> None:
             "python": platform.python_version(),
             "machine": platform.machine(),
             "date": datetime.date.today().isoformat(),
+            "gc_freeze": args.gc_freeze,
             "rows": rows,
         },
     )
