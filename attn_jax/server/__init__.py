@@ -6,5 +6,6 @@ message per round out); ``engine_process.py`` that core in a process of its own 
 ``attn-stack serve`` runs); ``engine_loop.py`` the event loop's side (requests' deltas);
 ``stop_strings.py`` stop sequences on streamed text; ``metrics.py`` Prometheus metrics;
 ``engine_probe.py`` the engine counts the metrics read; ``model_source.py`` which engine
-``--model`` names.
+``--model`` names; ``gc_heap.py`` each server process's startup heap frozen out of the
+garbage collector.
 """
