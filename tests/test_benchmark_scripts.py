@@ -151,3 +151,16 @@ def test_gc_pauses_counts_collections_by_generation_and_stamp():
     everything, later = pauses.summary(), pauses.summary(since=5)
     assert everything["gen2"]["collections"] == 2 and everything["gen2"]["ms"] > 0
     assert later["gen2"]["collections"] == 1 and set(later) == {"gen0", "gen1", "gen2"}
+
+
+def test_http_process_cpu_serves_the_app_over_a_stand_in_core(tmp_path):
+    """``http_process_cpu.py``: the real app streams every request's tokens from the stand-in
+    core (each event read), and the server's CPU per request and per token come out."""
+    out = tmp_path / "http.json"
+    args = ["--concurrency", "4", "--requests", "16", "--max-tokens", "5", "--tokens-per-round", "2", "--out", str(out)]
+    result = _run(ROOT / "benchmarks" / "http_process_cpu.py", *args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    r = json.loads(out.read_text())
+    # Each streamed request: one event per token (the last with its finish reason), then [DONE].
+    assert r["one_token"]["events"] == 16 * (1 + 1) and r["many_tokens"]["events"] == 16 * (5 + 1)
+    assert r["server_cpu_ms_per_request"] > 0 and r["many_tokens"]["server_cpu_s"] > 0

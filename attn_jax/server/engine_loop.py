@@ -34,13 +34,30 @@ import dataclasses
 import itertools
 import threading
 import time
+import typing
 from collections.abc import AsyncIterator, Callable
 
 from attn_jax.server.engine_core import EngineCore, GenerationSpec, RequestError
-from attn_jax.server.engine_process import EngineProcess
 from attn_jax.server.metrics import ServerMetrics
 
 __all__ = ["Delta", "EngineLoop", "EngineUnavailableError", "GenerationSpec", "RequestError", "RequestHandle"]
+
+
+@typing.runtime_checkable
+class CoreHandle(typing.Protocol):
+    """What ``EngineLoop`` drives an engine core through (``EngineProcess``'s methods): the
+    core runs elsewhere, takes commands (``send``) and hands each round's message to the
+    callback ``start`` gave it, on the event loop."""
+
+    max_model_len: int
+
+    def start(self, aloop: asyncio.AbstractEventLoop, on_message: Callable[[tuple], None]) -> None: ...
+
+    def send(self, command: tuple) -> None: ...
+
+    def alive(self) -> bool: ...
+
+    def join(self, timeout: float) -> None: ...
 
 
 class EngineUnavailableError(RuntimeError):
@@ -154,14 +171,15 @@ class EngineLoop:
 
     Args:
       engine: an ``attn_jax.serving.Engine``, run by a core in a thread of this process,
-        or an ``EngineProcess``, whose core runs in its own process.
+        or an ``EngineProcess``, whose core runs in its own process (or anything with its
+        ``CoreHandle`` methods: ``benchmarks/http_process_cpu.py``'s stand-in core).
       metrics: where the loop records tokens, latencies and the engine's counts.
     """
 
     def __init__(self, engine, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self.failure: str | None = None  # why the loop stopped, when the engine failed
-        self._core = engine if isinstance(engine, EngineProcess) else _EngineThread(engine)
+        self._core = engine if isinstance(engine, CoreHandle) else _EngineThread(engine)
         self.max_model_len: int = self._core.max_model_len
         self._started = self._stopping = self._closed = False
         self._aloop: asyncio.AbstractEventLoop | None = None  # the event loop deltas go to, once started
