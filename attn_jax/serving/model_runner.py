@@ -375,7 +375,7 @@ class ModelRunner:
         return lens if all(lens) else [0] * len(batches)
 
     def _host_inputs(
-        self, batch: ScheduledBatch, rows: dict[int, tuple], buckets, step_query_lens, decode_steps: list[int],
+        self, batch: ScheduledBatch, rows: dict[Request, tuple], buckets, step_query_lens, decode_steps: list[int],
         prefix_len: int = 0, prompt_logprobs: bool = False,
     ) -> dict:  # fmt: skip
         """One shard's batch as a tree of NumPy arrays, padded to ``buckets`` (tokens,
@@ -447,7 +447,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ the call
 
     def prepare(
-        self, batches: list[ScheduledBatch], rows: dict[int, tuple], steps: list[list[int]], num_steps: int,
+        self, batches: list[ScheduledBatch], rows: dict[Request, tuple], steps: list[list[int]], num_steps: int,
         num_common_blocks: Sequence[int] | None = None,
     ) -> PreparedCall:  # fmt: skip
         """Builds and packs every shard's inputs (one bucket for all) for one call of
@@ -647,7 +647,7 @@ class ModelRunner:
         )  # fmt: skip
 
     def execute(
-        self, batches: list[ScheduledBatch], rows: dict[int, tuple], steps: list[list[int]], num_steps: int,
+        self, batches: list[ScheduledBatch], rows: dict[Request, tuple], steps: list[list[int]], num_steps: int,
         num_common_blocks: Sequence[int] | None = None,
     ) -> DispatchedCall:  # fmt: skip
         """``prepare`` then ``dispatch``: one jitted call of ``num_steps`` steps for these
