@@ -26,11 +26,11 @@ import multiprocessing
 import os
 import pickle
 import platform
-import socket
 import time
 import urllib.request
 
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
+from serve_load import free_port
 
 
 class StandInCore:
@@ -149,9 +149,7 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.concurrency, args.requests, args.tokens_per_round) < 1 or args.max_tokens < 2:
         parser.error("--concurrency, --requests and --tokens-per-round must be >= 1, --max-tokens >= 2")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = multiprocessing.get_context("spawn").Process(
         target=serve, args=(port, args.round_ms, args.tokens_per_round), daemon=True
     )
