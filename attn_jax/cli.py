@@ -584,6 +584,11 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "(default: 32 bytes per token of --max-model-len and 64 KiB)",
     )  # fmt: skip
     parser.add_argument(
+        "--api-server-count", type=_positive_int, default=1, metavar="N",
+        help="HTTP processes over the one engine process, sharing --port (SO_REUSEPORT; Linux): each parses its "
+        "share of the requests and streams its share of the tokens (vLLM's --api-server-count; default: 1)",
+    )  # fmt: skip
+    parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn's log level (default: info)",
     )  # fmt: skip
@@ -685,6 +690,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     the engine can meet is compiled (unless --no-warmup); the server listens once both
     are done, so no compilation stalls traffic."""
     try:
+        from attn_jax.server.api_servers import ApiServers, listening_sockets
         from attn_jax.server.app import build_app
         from attn_jax.server.engine_process import EngineProcess, EngineStartError
         from attn_jax.server.gc_heap import freeze_startup_heap
@@ -698,16 +704,34 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         _forced_backend(args.backend)
     except ValueError as e:
         return _error(args, e)
+    count = args.api_server_count
     try:
-        engine = EngineProcess(functools.partial(_serve_engine, args))
+        engine = EngineProcess(functools.partial(_serve_engine, args), num_clients=count)
     except EngineStartError as e:
         return _error(args, e)
     name = args.served_model_name or default_served_name(args.model)
+    servers = sockets = None
     try:
         app = build_app(engine, name, max_request_bytes=args.max_request_bytes)
+        if count > 1:
+            try:
+                sockets = listening_sockets(args.host, args.port, count)
+            except (OSError, ValueError) as e:
+                return _error(args, f"--host {args.host} --port {args.port}: {e}")
+            servers = ApiServers(
+                engine, sockets, served_model_name=name, max_request_bytes=args.max_request_bytes,
+                log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
+            )  # fmt: skip
+            print(f"attn-stack serve: {count} HTTP processes share port {args.port}", file=sys.stderr, flush=True)
         freeze_startup_heap()  # this process's too: it is the server's own
-        serve(app, host=args.host, port=args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
+        serve(
+            app, host=args.host, port=args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
+            sockets=sockets[:1] if sockets else None, on_exit=servers.stop if servers else None,
+        )  # fmt: skip
     finally:
+        if servers is not None:
+            servers.stop()
+            servers.join(args.shutdown_timeout + 10.0)
         engine.join(0)
     return 0
 

@@ -276,6 +276,16 @@ def cpu_marks(prefix: str, thread_id: int | None) -> dict:
     return {f"{prefix}_process_cpu": time.process_time(), f"{prefix}_thread_cpu": thread_cpu_seconds(thread_id)}
 
 
+def other_processes_cpu(processes) -> float | None:
+    """CPU seconds so far of ``processes`` together (the HTTP processes besides this one;
+    None without psutil)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return sum(sum(psutil.Process(p.pid).cpu_times()[:2]) for p in processes if p.is_alive())
+
+
 def cpu_fractions(before: dict, after: dict) -> dict:
     """Each CPU mark's seconds over a phase per second of wall time (1.0: one core busy
     throughout; a process's may exceed 1 with several busy threads)."""
@@ -437,9 +447,12 @@ def serve_process(opts: dict, port: int, conn) -> None:
             sys.setswitchinterval(opts["gil_switch_interval_ms"] / 1e3)
         import uvicorn
 
+        from attn_jax.server.api_servers import ApiServers, listening_sockets
         from attn_jax.server.app import build_app
         from attn_jax.server.engine_process import EngineProcess
         from attn_jax.server.gc_heap import freeze_startup_heap
+
+        sockets, workers = None, None
 
         if opts["engine_in_thread"]:
             served, offline = prepare_engine(opts)
@@ -450,9 +463,16 @@ def serve_process(opts: dict, port: int, conn) -> None:
         else:
             here, there = multiprocessing.get_context("spawn").Pipe()
             factory = functools.partial(engine_with_probe, opts, there)
-            served = EngineProcess(factory, freeze_heap=not opts["no_gc_freeze"])
+            count = opts["api_server_count"]
+            served = EngineProcess(factory, freeze_heap=not opts["no_gc_freeze"], num_clients=count)
             there.close()
             _, offline = here.recv()
+            if count > 1:  # as attn-stack serve --api-server-count starts them
+                sockets = listening_sockets("127.0.0.1", port, count)
+                workers = ApiServers(
+                    served, sockets, served_model_name=SERVED_NAME, log_level="warning",
+                    freeze_heap=not opts["no_gc_freeze"],
+                )  # fmt: skip
 
             def probe(message: tuple) -> tuple:
                 here.send(message)
@@ -464,7 +484,9 @@ def serve_process(opts: dict, port: int, conn) -> None:
             freeze_startup_heap()
         config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
         server = uvicorn.Server(config)
-        thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+        thread = threading.Thread(
+            target=server.run, args=(sockets[:1] if sockets else None,), name="uvicorn", daemon=True
+        )
         thread.start()
         deadline = time.monotonic() + 120
         while not server.started:
@@ -474,9 +496,10 @@ def serve_process(opts: dict, port: int, conn) -> None:
         conn.send(("ready", {"uvicorn": uvicorn.__version__, "loop": str(config.loop), "http": str(config.http)}))
         while True:
             message = conn.recv()
-            if message[0] == "mark":  # the HTTP process's CPU beside the engine's: which one saturates
+            if message[0] == "mark":  # the HTTP processes' CPU beside the engine's: which one saturates
                 kind, answer = probe(message)
-                conn.send((kind, answer | cpu_marks("http", thread.native_id)))
+                others = {"http_others_process_cpu": other_processes_cpu(workers.processes)} if workers else {}
+                conn.send((kind, answer | cpu_marks("http", thread.native_id) | others))
             elif message[0] in ("summary", "trace"):
                 conn.send(probe(message))
             else:
@@ -484,6 +507,9 @@ def serve_process(opts: dict, port: int, conn) -> None:
         final = probe(("mark",))
         server.should_exit = True
         thread.join(60)
+        if workers is not None:
+            workers.stop()
+            workers.join(60.0)
         conn.send(("final", {"num_compilations": final[1]["num_compilations"]}))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -941,6 +967,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="run the engine in a thread of the HTTP server's process (default: a process of its own, as attn-stack "
         "serve does)",
     )  # fmt: skip
+    p.add_argument(
+        "--api-server-count", type=int, default=1,
+        help="HTTP processes over the engine process, sharing the port (attn-stack serve --api-server-count)",
+    )  # fmt: skip
     p.add_argument("--backend", default=None, help="force an attention backend (default: selected)")
     p.add_argument("--tokenizer-dir", default=None, help="a folder --save-tokenizer wrote (default: the GGUF's)")
     p.add_argument("--save-tokenizer", default=None, metavar="DIR", help="only write the SmolLM2 tokenizer to DIR")
@@ -951,7 +981,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     add_output_args(p, "serve_load_{model}.json")
     args = p.parse_args(argv)
-    for name in ("concurrency", "requests_per_client", "prompt_len", "max_tokens", "client_procs", "warmup_rounds"):
+    if args.api_server_count > 1 and args.engine_in_thread:
+        p.error("--api-server-count > 1 needs the engine in a process of its own: drop --engine-in-thread")
+    names = ("concurrency", "requests_per_client", "prompt_len", "max_tokens", "client_procs", "warmup_rounds")
+    for name in (*names, "api_server_count"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.poisson_warmup_requests is None:
@@ -1003,6 +1036,7 @@ def _workload(args: argparse.Namespace, procs: int) -> dict:
         "gil_switch_interval_ms": args.gil_switch_interval_ms,
         "gc_freeze": not args.no_gc_freeze,
         "engine": "thread" if args.engine_in_thread else "process",
+        "api_server_count": args.api_server_count,
     }
 
 

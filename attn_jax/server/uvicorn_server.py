@@ -7,6 +7,10 @@ which ends every one of them with finish reason "abort" and ``[DONE]`` (a stream
 event), so the connections close and the process exits 0. uvicorn's own
 ``timeout_graceful_shutdown`` is a backstop a few seconds later.
 
+``sockets`` serves on sockets already bound (``api_servers``: several HTTP processes on
+one port); ``on_exit`` runs once at the exit signal (the parent passes it on to them);
+``on_started`` once the server listens.
+
 Example::
 
     serve(build_app(engine, name), host="127.0.0.1", port=8000, log_level="info", shutdown_timeout=30)
@@ -15,6 +19,8 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import socket
+from collections.abc import Callable
 
 import uvicorn
 
@@ -25,14 +31,25 @@ BACKSTOP_S = 5.0
 class _Server(uvicorn.Server):
     """A uvicorn server that ends the app's requests ``shutdown_timeout`` s after an exit signal."""
 
-    def __init__(self, config: uvicorn.Config, app, shutdown_timeout: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, app, shutdown_timeout: float, on_exit: Callable[[], None] | None,
+        on_started: Callable[[], None] | None,
+    ) -> None:  # fmt: skip
         super().__init__(config)
         self._app, self._shutdown_timeout = app, shutdown_timeout
+        self._on_exit, self._on_started = on_exit, on_started
 
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:
             self._app.state.engine_loop.stop_after(self._shutdown_timeout)
+            if self._on_exit is not None:
+                self._on_exit()
         super().handle_exit(sig, frame)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self._on_started is not None and not self.should_exit:
+            self._on_started()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -43,10 +60,13 @@ class _Server(uvicorn.Server):
             self._captured_signals.clear()
 
 
-def serve(app, *, host: str, port: int, log_level: str, shutdown_timeout: float) -> None:
+def serve(
+    app, *, host: str, port: int, log_level: str, shutdown_timeout: float, sockets: list[socket.socket] | None = None,
+    on_exit: Callable[[], None] | None = None, on_started: Callable[[], None] | None = None,
+) -> None:  # fmt: skip
     """Runs ``app`` (``build_app``'s) until a signal, then shuts down within about
     ``shutdown_timeout`` seconds (see the module docstring)."""
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout + BACKSTOP_S
     )
-    _Server(config, app, shutdown_timeout).run()
+    _Server(config, app, shutdown_timeout, on_exit, on_started).run(sockets=sockets)
