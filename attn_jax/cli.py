@@ -584,9 +584,10 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "(default: 32 bytes per token of --max-model-len and 64 KiB)",
     )  # fmt: skip
     parser.add_argument(
-        "--api-server-count", type=_positive_int, default=1, metavar="N",
+        "--api-server-count", type=_positive_int, default=None, metavar="N",
         help="HTTP processes over the one engine process, sharing --port (SO_REUSEPORT; Linux): each parses its "
-        "share of the requests and streams its share of the tokens (vLLM's --api-server-count; default: 1)",
+        "share of the requests and streams its share of the tokens (vLLM's --api-server-count; default: 1 on the "
+        "CPU, on an accelerator one per 4 of the host's cores, at most 4)",
     )  # fmt: skip
     parser.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -690,9 +691,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     the engine can meet is compiled (unless --no-warmup); the server listens once both
     are done, so no compilation stalls traffic."""
     try:
-        from attn_jax.server.api_servers import ApiServers, listening_sockets
+        from attn_jax.server.api_servers import ApiServers, listening_sockets, start_engine
         from attn_jax.server.app import build_app
-        from attn_jax.server.engine_process import EngineProcess, EngineStartError
+        from attn_jax.server.engine_process import EngineStartError
         from attn_jax.server.gc_heap import freeze_startup_heap
         from attn_jax.server.model_source import default_served_name
         from attn_jax.server.uvicorn_server import serve
@@ -704,9 +705,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         _forced_backend(args.backend)
     except ValueError as e:
         return _error(args, e)
-    count = args.api_server_count
     try:
-        engine = EngineProcess(functools.partial(_serve_engine, args), num_clients=count)
+        engine, count = start_engine(functools.partial(_serve_engine, args), args.api_server_count)
     except EngineStartError as e:
         return _error(args, e)
     name = args.served_model_name or default_served_name(args.model)
@@ -722,7 +722,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 engine, sockets, served_model_name=name, max_request_bytes=args.max_request_bytes,
                 log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
             )  # fmt: skip
-            print(f"attn-stack serve: {count} HTTP processes share port {args.port}", file=sys.stderr, flush=True)
+            print(
+                f"attn-stack serve: {count} HTTP processes share port {args.port}"
+                + (" (--api-server-count's default on this host)" if args.api_server_count is None else ""),
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
         freeze_startup_heap()  # this process's too: it is the server's own
         serve(
             app, host=args.host, port=args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,

@@ -447,14 +447,14 @@ def serve_process(opts: dict, port: int, conn) -> None:
             sys.setswitchinterval(opts["gil_switch_interval_ms"] / 1e3)
         import uvicorn
 
-        from attn_jax.server.api_servers import ApiServers, listening_sockets
+        from attn_jax.server.api_servers import ApiServers, listening_sockets, start_engine
         from attn_jax.server.app import build_app
-        from attn_jax.server.engine_process import EngineProcess
         from attn_jax.server.gc_heap import freeze_startup_heap
 
         sockets, workers = None, None
 
         if opts["engine_in_thread"]:
+            count = 1
             served, offline = prepare_engine(opts)
             probe_state: dict = {}
 
@@ -463,8 +463,7 @@ def serve_process(opts: dict, port: int, conn) -> None:
         else:
             here, there = multiprocessing.get_context("spawn").Pipe()
             factory = functools.partial(engine_with_probe, opts, there)
-            count = opts["api_server_count"]
-            served = EngineProcess(factory, freeze_heap=not opts["no_gc_freeze"], num_clients=count)
+            served, count = start_engine(factory, opts["api_server_count"], freeze_heap=not opts["no_gc_freeze"])
             there.close()
             _, offline = here.recv()
             if count > 1:  # as attn-stack serve --api-server-count starts them
@@ -493,7 +492,8 @@ def serve_process(opts: dict, port: int, conn) -> None:
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"uvicorn did not start on port {port}")
             time.sleep(0.05)
-        conn.send(("ready", {"uvicorn": uvicorn.__version__, "loop": str(config.loop), "http": str(config.http)}))
+        info = {"uvicorn": uvicorn.__version__, "loop": str(config.loop), "http": str(config.http)}
+        conn.send(("ready", info | {"api_server_count": count}))
         while True:
             message = conn.recv()
             if message[0] == "mark":  # the HTTP processes' CPU beside the engine's: which one saturates
@@ -968,8 +968,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "serve does)",
     )  # fmt: skip
     p.add_argument(
-        "--api-server-count", type=int, default=1,
-        help="HTTP processes over the engine process, sharing the port (attn-stack serve --api-server-count)",
+        "--api-server-count", type=int, default=None,
+        help="HTTP processes over the engine process, sharing the port (default: attn-stack serve's for the "
+        "engine's platform: 1 on the CPU, up to 4 on an accelerator)",
     )  # fmt: skip
     p.add_argument("--backend", default=None, help="force an attention backend (default: selected)")
     p.add_argument("--tokenizer-dir", default=None, help="a folder --save-tokenizer wrote (default: the GGUF's)")
@@ -981,10 +982,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     add_output_args(p, "serve_load_{model}.json")
     args = p.parse_args(argv)
-    if args.api_server_count > 1 and args.engine_in_thread:
+    if (args.api_server_count or 1) > 1 and args.engine_in_thread:
         p.error("--api-server-count > 1 needs the engine in a process of its own: drop --engine-in-thread")
-    names = ("concurrency", "requests_per_client", "prompt_len", "max_tokens", "client_procs", "warmup_rounds")
-    for name in (*names, "api_server_count"):
+    if args.api_server_count is not None and args.api_server_count < 1:
+        p.error(f"--api-server-count={args.api_server_count} must be >= 1")
+    for name in ("concurrency", "requests_per_client", "prompt_len", "max_tokens", "client_procs", "warmup_rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.poisson_warmup_requests is None:

@@ -52,6 +52,33 @@ START_TIMEOUT_S = 300.0
 """How long an HTTP process may take to import the app and listen."""
 
 
+MAX_AUTO_COUNT = 4
+"""The most HTTP processes ``default_count`` gives."""
+
+
+def default_count(platform: str, cpus: int | None = None) -> int:
+    """HTTP processes for an engine on ``platform`` (``attn-stack serve``'s default): 1 on
+    the CPU, whose engine needs the cores; on an accelerator a process per 4 of the host's
+    cores, at most ``MAX_AUTO_COUNT`` (4 on a 16-core H200 host, where 4 served 256 clients
+    35-50 % faster than 1: BENCHMARKS.md, stop 58)."""
+    if platform == "cpu":
+        return 1
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_AUTO_COUNT, cpus // 4))
+
+
+def start_engine(factory, count: int | None, *, freeze_heap: bool = True) -> tuple[EngineProcess, int]:
+    """``EngineProcess(factory)`` for ``count`` HTTP processes, and the count; None: the
+    engine's platform picks it (``default_count``; the clients it leaves unused are closed)."""
+    engine = EngineProcess(factory, freeze_heap=freeze_heap, num_clients=count or MAX_AUTO_COUNT)
+    if count is None:
+        count = default_count(engine.platform)
+        for unused in range(count, MAX_AUTO_COUNT):
+            engine.client(unused).close()
+    return engine, count
+
+
 def listening_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     """``count`` TCP sockets bound to ``(host, port)`` with ``SO_REUSEPORT``, listening
     (port 0: one free port for all). OSError when the port is taken; ValueError where the

@@ -78,8 +78,10 @@ def _child_main(
         return
     if freeze_heap:
         freeze_startup_heap()
+    import jax
+
     for pipe in messages:
-        pipe.send(("ready", {"max_model_len": engine.max_model_len}))
+        pipe.send(("ready", {"max_model_len": engine.max_model_len, "platform": jax.default_backend()}))
     outbox: queue.Queue = queue.Queue(maxsize=OUTBOX_ROUNDS)  # (client, message)
 
     def send_loop() -> None:
@@ -289,8 +291,9 @@ class EngineProcess(EngineClient):
 
     The constructor returns once the engine is built (``EngineStartError`` with the
     factory's message if it raised, or if the process died first). ``max_model_len`` is
-    the engine's. ``freeze_heap``: the process freezes its startup heap out of the garbage
-    collector's walks once the engine is built (``gc_heap.freeze_startup_heap``).
+    the engine's, ``platform`` its JAX platform. ``freeze_heap``: the process freezes its
+    startup heap out of the garbage collector's walks once the engine is built
+    (``gc_heap.freeze_startup_heap``).
     ``num_clients``: HTTP processes the engine serves (``client(i)`` for the others).
     """
 
@@ -321,11 +324,13 @@ class EngineProcess(EngineClient):
             self.kill()
             raise
         super().__init__(commands, messages, info["max_model_len"])
+        self.platform: str = info["platform"]  # the engine's JAX platform: "cpu", "gpu", "tpu"
         self._others = ours[1:]
 
     def client(self, i: int) -> EngineClient:
         """The channel of HTTP process ``i`` (1 to ``num_clients - 1``), to pass to that process;
-        ``close`` it here once that process has started."""
+        ``close`` it here once that process has started (or at once, to leave client ``i``
+        unused: the engine drops it)."""
         if not 1 <= i <= len(self._others):
             raise ValueError(f"client {i!r}: this engine process has clients 1 to {len(self._others)} besides its own")
         commands, messages = self._others[i - 1]

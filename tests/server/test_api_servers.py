@@ -17,6 +17,7 @@ import httpx
 import psutil
 import pytest
 
+from attn_jax.server.api_servers import default_count
 from attn_jax.server.engine_loop import EngineLoop, EngineUnavailableError, GenerationSpec, RequestError
 from attn_jax.server.engine_process import EngineProcess
 from attn_jax.server.metrics import ServerMetrics
@@ -129,3 +130,8 @@ def test_serve_with_two_http_processes_answers_on_both_and_stops_when_one_dies()
         assert not psutil.pid_exists(workers[0].pid) or workers[0].status() == psutil.STATUS_ZOMBIE
     finally:
         server.close()
+
+
+def test_the_default_count_is_one_on_the_cpu_and_a_process_per_4_cores_elsewhere():
+    assert [default_count("cpu", 64), default_count("gpu", 6), default_count("gpu", 8)] == [1, 1, 2]
+    assert [default_count("gpu", 16), default_count("tpu", 224)] == [4, 4]
