@@ -696,7 +696,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from attn_jax.server.engine_process import EngineStartError
         from attn_jax.server.gc_heap import freeze_startup_heap
         from attn_jax.server.model_source import default_served_name
-        from attn_jax.server.uvicorn_server import serve
+        from attn_jax.server.uvicorn_server import EarlySignals, serve
     except ImportError as e:
         return _error(args, f"{e.name or e} is missing: install the serve extra, pip install 'attn-stack[serve]'")
     if not 0 <= args.seed < SEED_LIMIT:
@@ -710,10 +710,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except EngineStartError as e:
         return _error(args, e)
     name = args.served_model_name or default_served_name(args.model)
-    servers = sockets = None
+    servers = sockets = early_signals = None
     try:
         app = build_app(engine, name, max_request_bytes=args.max_request_bytes)
         if count > 1:
+            early_signals = EarlySignals()  # the others may answer /health, and so draw a SIGTERM, before this one
             try:
                 sockets = listening_sockets(args.host, args.port, count)
             except (OSError, ValueError) as e:
@@ -731,6 +732,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         serve(
             app, host=args.host, port=args.port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
             sockets=sockets[:1] if sockets else None, on_exit=servers.stop if servers else None,
+            early_signals=early_signals,
         )  # fmt: skip
     finally:
         if servers is not None:

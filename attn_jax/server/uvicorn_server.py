@@ -9,7 +9,9 @@ event), so the connections close and the process exits 0. uvicorn's own
 
 ``sockets`` serves on sockets already bound (``api_servers``: several HTTP processes on
 one port); ``on_exit`` runs once at the exit signal (the parent passes it on to them);
-``on_started`` once the server listens.
+``on_started`` once the server listens. An ``EarlySignals`` made before the other HTTP
+processes listen keeps a SIGTERM that comes before uvicorn's handlers from killing the
+process (they may answer ``/health`` first): ``serve`` then shuts down as soon as it starts.
 
 Example::
 
@@ -19,13 +21,28 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
+import threading
 from collections.abc import Callable
 
 import uvicorn
 
 BACKSTOP_S = 5.0
 """uvicorn cancels what is still open this long after the requests were ended."""
+
+
+class EarlySignals:
+    """Records SIGINT and SIGTERM from its creation until ``serve``'s uvicorn takes them over
+    (and again once it gives them back), instead of their default action, death."""
+
+    def __init__(self) -> None:
+        self.received = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._record)
+
+    def _record(self, sig, frame) -> None:
+        self.received.set()
 
 
 class _Server(uvicorn.Server):
@@ -38,6 +55,7 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._app, self._shutdown_timeout = app, shutdown_timeout
         self._on_exit, self._on_started = on_exit, on_started
+        self.early_signals: EarlySignals | None = None
 
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:
@@ -48,6 +66,8 @@ class _Server(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
+        if self.early_signals is not None and self.early_signals.received.is_set():
+            self.handle_exit(signal.SIGTERM, None)  # it came before uvicorn's handlers: shut down now
         if self._on_started is not None and not self.should_exit:
             self._on_started()
 
@@ -63,10 +83,13 @@ class _Server(uvicorn.Server):
 def serve(
     app, *, host: str, port: int, log_level: str, shutdown_timeout: float, sockets: list[socket.socket] | None = None,
     on_exit: Callable[[], None] | None = None, on_started: Callable[[], None] | None = None,
+    early_signals: EarlySignals | None = None,
 ) -> None:  # fmt: skip
     """Runs ``app`` (``build_app``'s) until a signal, then shuts down within about
     ``shutdown_timeout`` seconds (see the module docstring)."""
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout + BACKSTOP_S
     )
-    _Server(config, app, shutdown_timeout, on_exit, on_started).run(sockets=sockets)
+    server = _Server(config, app, shutdown_timeout, on_exit, on_started)
+    server.early_signals = early_signals
+    server.run(sockets=sockets)

@@ -135,3 +135,15 @@ def test_serve_with_two_http_processes_answers_on_both_and_stops_when_one_dies()
 def test_the_default_count_is_one_on_the_cpu_and_a_process_per_4_cores_elsewhere():
     assert [default_count("cpu", 64), default_count("gpu", 6), default_count("gpu", 8)] == [1, 1, 2]
     assert [default_count("gpu", 16), default_count("tpu", 224)] == [4, 4]
+
+
+def test_sigterm_as_soon_as_health_answers_exits_0():
+    """The other HTTP process may answer ``/health`` before the parent's uvicorn has its
+    signal handlers: a SIGTERM then still shuts down cleanly (it used to kill the parent)."""
+    server = Server("--model", TINY_RANDOM, "--no-warmup", "--max-model-len", "512", "--api-server-count", "2")
+    try:
+        server.wait_ready()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=60) == 0, server.log()[-3000:]
+    finally:
+        server.close()
