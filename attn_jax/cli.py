@@ -719,14 +719,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 sockets = listening_sockets(args.host, args.port, count)
             except (OSError, ValueError) as e:
                 return _error(args, f"--host {args.host} --port {args.port}: {e}")
-            servers = ApiServers(
-                engine, sockets, served_model_name=name, max_request_bytes=args.max_request_bytes,
-                log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
-            )  # fmt: skip
             print(
                 f"attn-stack serve: {count} HTTP processes share port {args.port}"
                 + (" (--api-server-count's default on this host)" if args.api_server_count is None else ""),
                 file=sys.stderr, flush=True,
+            )  # fmt: skip
+            servers = ApiServers(
+                engine, sockets, served_model_name=name, max_request_bytes=args.max_request_bytes,
+                log_level=args.log_level, shutdown_timeout=args.shutdown_timeout,
             )  # fmt: skip
         freeze_startup_heap()  # this process's too: it is the server's own
         serve(

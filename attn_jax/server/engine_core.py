@@ -42,6 +42,7 @@ from concurrent.futures import wait as wait_for
 
 from attn_jax.server.engine_probe import EngineCounts, read_counts
 from attn_jax.server.stop_strings import StopMatcher
+from attn_jax.serving.engine import token_events
 
 logger = logging.getLogger(__name__)
 
@@ -174,8 +175,8 @@ class EngineCore:
         while self._preparing and self._preparing[0][3].done():  # in arrival order
             self._admitted.append(self._admit(*self._preparing.popleft(), report))
         if not stopping and self.engine.has_unfinished():
-            events = self.engine.step()
-            self._on_events(events, time.perf_counter(), outputs, report)
+            runs = self.engine.step_runs()
+            self._on_runs(runs, time.perf_counter(), outputs, report)
             self._count_compilations(report)
             stepped = True
         if self._admitted or outputs or stepped:
@@ -334,11 +335,40 @@ class EngineCore:
         except KeyError:  # the engine has already let go of it
             pass
 
+    def _on_runs(self, runs, now: float, outputs: dict, report: RoundReport) -> None:
+        """Turns the step's ``TokenRun``s into each request's pieces (stop strings applied) and
+        the step's token latencies (a run's tokens after its first come 0 s after it). A run of
+        a request without stop strings, echo or log-probabilities that does not end it (most of
+        them) takes a short path: a step hands this loop a run of every running request; the
+        others go token by token (``_on_events``)."""
+        first, gaps, live_of = report.time_to_first_token, report.inter_token_latency, self._live.get
+        for run in runs:
+            request_id, ids, texts, finished, _, _, logprobs, _ = run
+            live = live_of(request_id)
+            if live is None:  # ended here already (a stop string, an abort)
+                continue
+            if ids and not finished and logprobs is None and live.plain:
+                n = len(ids)
+                live.num_tokens += n
+                if live.last_token_at is None:
+                    first.append(now - live.arrival)
+                else:
+                    gaps.append(now - live.last_token_at)
+                if n > 1:
+                    gaps += [0.0] * (n - 1)
+                live.last_token_at = now
+                pieces = [[text, 1, None] for text in texts]
+                entry = outputs.get(request_id)
+                if entry is None:
+                    outputs[request_id] = [request_id, pieces, None, None]
+                else:
+                    entry[1] += pieces
+            else:
+                self._on_events(token_events([run]), now, outputs, report)
+
     def _on_events(self, events, now: float, outputs: dict, report: RoundReport) -> None:
-        """Turns the step's ``TokenEvent``s into each request's pieces (stop strings applied)
-        and the step's token latencies. A token of a request without stop strings, echo or
-        log-probabilities that does not end it (most of them) takes a short path: a step
-        hands this loop every running request's token."""
+        """Turns ``TokenEvent``s into each request's pieces (stop strings applied) and their
+        token latencies."""
         first, gaps, live_of = report.time_to_first_token, report.inter_token_latency, self._live.get
         for event in events:
             request_id, token_id, text, finished, _, _, logprob, _, _ = event
@@ -352,13 +382,6 @@ class EngineCore:
                 else:
                     gaps.append(now - live.last_token_at)
                 live.last_token_at = now
-                if not finished and logprob is None and live.plain:  # ``_add(outputs, live, text, 1)``, inlined:
-                    entry = outputs.get(request_id)  # the call costs this loop 15-40 % (engine_core_host.py)
-                    if entry is None:
-                        outputs[request_id] = [request_id, [[text, 1, None]], None, None]
-                    else:
-                        entry[1].append([text, 1, None])
-                    continue
             if live.echo is not None:
                 self._add_echo(outputs, live, event.prompt_logprobs)
             if not live.generates:  # max_tokens 0: the prompt alone

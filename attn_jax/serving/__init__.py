@@ -2,7 +2,7 @@
 
 from attn_jax.serving.block_allocator import BlockAllocator, OutOfBlocksError
 from attn_jax.serving.cascade import CascadeConfig
-from attn_jax.serving.engine import Completion, Engine, StepStats, TokenEvent
+from attn_jax.serving.engine import Completion, Engine, StepStats, TokenEvent, TokenRun
 from attn_jax.serving.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from attn_jax.serving.scheduler import Request, SamplingParams, Scheduler
 
@@ -19,4 +19,5 @@ __all__ = [
     "Scheduler",
     "StepStats",
     "TokenEvent",
+    "TokenRun",
 ]

@@ -135,6 +135,45 @@ class TokenEvent(NamedTuple):
     prompt_logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]] | None, ...] | None = None
 
 
+class TokenRun(NamedTuple):
+    """One request's tokens from one engine call (what ``step_runs`` returns): one per step
+    the call sampled for it (up to ``num_scheduler_steps``), in order, each token's text, and
+    the request's end. A request that fails or is aborted ends with a run of no tokens.
+    ``step`` gives the same news as one ``TokenEvent`` per token (``token_events``); a server
+    takes runs, which cost the host a K-th of the per-token objects of a K-step call."""
+
+    request_id: str
+    token_ids: list[int]
+    texts: list[str]  # each token's new text
+    finished: bool
+    finish_reason: str | None
+    error: str | None = None
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None  # each token's, when asked
+    prompt_logprobs: tuple | None = None  # with the request's first token (``TokenEvent.prompt_logprobs``)
+
+
+def token_events(runs: list[TokenRun]) -> list[TokenEvent]:
+    """The ``TokenEvent`` of each token of ``runs``, in order (a run of no tokens: one event of
+    token id -1)."""
+    events = []
+    for run in runs:
+        ids = run.token_ids
+        if not ids:
+            events.append(TokenEvent(run.request_id, -1, "", run.finished, run.finish_reason, run.error))
+            continue
+        last = len(ids) - 1
+        for i, (token, text) in enumerate(zip(ids, run.texts, strict=True)):
+            logprob, top = (None, None) if run.logprobs is None else run.logprobs[i]
+            prompt = run.prompt_logprobs if i == 0 else None
+            if i < last or not run.finished:
+                events.append(TokenEvent(run.request_id, token, text, False, None, None, logprob, top, prompt))
+            else:
+                events.append(
+                    TokenEvent(run.request_id, token, text, True, run.finish_reason, run.error, logprob, top, prompt)
+                )
+    return events
+
+
 @dataclasses.dataclass(frozen=True)
 class Completion:
     """A finished request: its prompt and generated tokens and text, and its latencies
@@ -183,7 +222,7 @@ class _InFlight:
     """A dispatched call whose sampled tokens are not read back yet."""
 
     call: DispatchedCall
-    sampled: list[tuple[int, int, int, Request]]  # (data shard, step, row, request) of each sampled token
+    sampling: list[tuple[int, int, Request, int]]  # (data shard, row, request, steps) of each request sampled
     # (request, its first token row, the first prompt position, how many) of each prompt chunk whose
     # prompt log-probabilities the call computes (position p's row gives prompt token p + 1's)
     prompt: list[tuple[Request, int, int, int]]
@@ -742,7 +781,7 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
 
-    def _fail(self, state: _RequestState, error: Exception) -> TokenEvent:
+    def _fail(self, state: _RequestState, error: Exception) -> TokenRun:
         """Ends one request with reason "error" (its pages freed); the others go on."""
         request = state.request
         message = f"{type(error).__name__}: {error}"
@@ -750,7 +789,7 @@ class Engine:
         request.num_pending = 0
         self.schedulers[state.shard].finish(request, "error", message)
         self._retire(state)
-        return TokenEvent(request.request_id, -1, "", True, "error", message)
+        return TokenRun(request.request_id, [], [], True, "error", message)
 
     def _retire(self, state: _RequestState) -> None:
         """Moves a finished request from the live structures to the bounded record."""
@@ -776,9 +815,9 @@ class Engine:
         while len(self._finished) > self.max_finished_requests:
             self._finished.popitem(last=False)
 
-    def _schedule(self, events: list[TokenEvent]) -> tuple[list[ScheduledBatch], list, PreparedCall] | None:
+    def _schedule(self, runs: list[TokenRun]) -> tuple[list[ScheduledBatch], list, PreparedCall] | None:
         """Each shard's next batch, each request's steps in the call and the prepared call
-        (a request whose inputs cannot be built fails alone, with an event in ``events``);
+        (a request whose inputs cannot be built fails alone, with a run in ``runs``);
         None when there is no work. A batch that continues the last call on the device
         (``ModelRunner.continue_decode``: the persistent batch) builds no per-request inputs."""
         batches = [s.schedule() for s in self.schedulers]
@@ -792,7 +831,7 @@ class Engine:
             return batches, steps, prepared
         rows_of_pending = {}
         if self._in_flight is not None:
-            rows_of_pending = {r: row for _, _, row, r in self._in_flight.sampled}
+            rows_of_pending = {r: row for _, row, r, _ in self._in_flight.sampling}
         rows, failed = {}, False
         for batch, counts in zip(batches, steps, strict=True):
             for i in reversed(range(len(batch.requests))):
@@ -800,7 +839,7 @@ class Engine:
                 try:
                     rows[request] = ModelRunner.request_row(request, batch.num_new[i], rows_of_pending)
                 except Exception as e:  # one bad request must not stop the others (its pages freed)
-                    events.append(self._fail(self._requests[request.request_id], e))
+                    runs.append(self._fail(self._requests[request.request_id], e))
                     del batch.requests[i], batch.num_new[i], counts[i]
                     failed = True
         if not any(b.requests for b in batches):
@@ -870,14 +909,19 @@ class Engine:
         known: with asynchronous scheduling the previous step's (read back while this one
         runs), else this step's; and the final events of requests aborted since the last
         call. May return none, e.g. while a long prompt is prefilled in chunks."""
+        return token_events(self.step_runs())
+
+    def step_runs(self) -> list[TokenRun]:
+        """``step``, its news as one ``TokenRun`` per request and call (a request's K tokens of
+        a K-step call together) rather than one ``TokenEvent`` per token."""
         start = time.perf_counter()
-        events = [self._report_abort(state) for state in self._aborted]
+        runs = [self._report_abort(state) for state in self._aborted]
         self._aborted.clear()
-        scheduled = self._schedule(events)
+        scheduled = self._schedule(runs)
         if scheduled is None:
-            events += self._resolve(self._in_flight)
+            runs += self._resolve(self._in_flight)
             self._in_flight = None
-            return events
+            return runs
         batches, steps, prepared = scheduled
         call = self.runner.dispatch(prepared)
         if not call.compiled:
@@ -886,22 +930,22 @@ class Engine:
             self.recent_compilations.append(prepared.describe())
         dispatched = self._account(batches, steps, call, start)
         if self.async_scheduling:
-            events += self._resolve(self._in_flight)
+            runs += self._resolve(self._in_flight)
             self._in_flight = dispatched
         else:
-            events += self._resolve(dispatched)
-        return events
+            runs += self._resolve(dispatched)
+        return runs
 
-    def _report_abort(self, state: _RequestState) -> TokenEvent:
+    def _report_abort(self, state: _RequestState) -> TokenRun:
         self._retire(state)
-        return TokenEvent(state.request.request_id, -1, "", True, "abort")
+        return TokenRun(state.request.request_id, [], [], True, "abort")
 
     def _account(self, batches: list[ScheduledBatch], steps: list[list[int]], call: DispatchedCall, start) -> _InFlight:
         """Advances the host's view of a dispatched call: computed tokens, a pending token
         for each token a request samples in it (``steps``: each request's count), and the
         call's statistics (timing to come when its tokens are read back)."""
-        sampled, prompt = [], []
-        num_prefill = num_decode = 0
+        sampling, prompt = [], []
+        num_prefill = num_decode = num_sampled = 0
         for shard, (batch, counts) in enumerate(zip(batches, steps, strict=True)):
             first_row = 0
             for row, (request, n, k) in enumerate(zip(batch.requests, batch.num_new, counts, strict=True)):
@@ -914,10 +958,9 @@ class Engine:
                 computed = _computed_tokens(n, k)
                 request.num_computed += computed
                 request.num_pending += k
-                if k == 1:
-                    sampled.append((shard, 0, row, request))
-                elif k:
-                    sampled += [(shard, step, row, request) for step in range(k)]
+                if k:
+                    sampling.append((shard, row, request, k))
+                    num_sampled += k
                 if n > 1:
                     num_prefill += n
                 else:
@@ -926,7 +969,7 @@ class Engine:
             num_requests=sum(len(b.requests) for b in batches),
             num_prefill_tokens=num_prefill,
             num_decode_tokens=num_decode,
-            num_sampled=len(sampled),
+            num_sampled=num_sampled,
             num_steps=call.num_steps,
             token_bucket=call.token_bucket,
             host_seconds=call.dispatch_start - start,
@@ -937,9 +980,9 @@ class Engine:
             num_cached_tokens=sum(b.num_cached_tokens for b in batches),
             cascade_prefix_len=call.cascade_prefix_len,
         )
-        return _InFlight(call, sampled, prompt, stats, self.stats.append(stats), start)
+        return _InFlight(call, sampling, prompt, stats, self.stats.append(stats), start)
 
-    def _resolve(self, step: _InFlight | None) -> list[TokenEvent]:
+    def _resolve(self, step: _InFlight | None) -> list[TokenRun]:
         """Reads a dispatched call's tokens back (timing the call) and appends them (EOS,
         length and stop strings end requests); tokens of requests that ended meanwhile
         are dropped."""
@@ -951,7 +994,7 @@ class Engine:
         if call.scores is None:
             tokens = self.runner.read_tokens(call.tokens).tolist()  # [data][K][R_max]: indexed per token below
         else:  # Python lists once a call (indexing NumPy per token costs more)
-            n = max((r.params.logprobs or 0 for _, _, _, r in step.sampled), default=0)
+            n = max((r.params.logprobs or 0 for _, _, r, _ in step.sampling), default=0)
             tokens, chosen, ids, top = self.runner.read_scores(call.scores, 2)
             tokens, logprobs = tokens.tolist(), (chosen.tolist(), ids[..., :n].tolist(), top[..., :n].tolist())
         now = time.perf_counter()
@@ -964,24 +1007,25 @@ class Engine:
         stats = dataclasses.replace(step.stats, seconds=end - begin, latency_seconds=now - call.dispatch_start)
         self.stats.replace(step.stats_index, stats)
         self.totals = self.totals.add(stats)
-        events = []
+        runs: list[TokenRun] = []
         if step.prompt:
             self._record_prompt_logprobs(step.prompt, self.runner.read_scores(call.prompt_scores, 1)[1:])
-        for shard, k, row, request in step.sampled:
-            if request.status is RequestStatus.FINISHED:
+        finished, states = RequestStatus.FINISHED, self._requests
+        for shard, row, request, k in step.sampling:
+            if request.status is finished:
                 continue  # stopped (EOS), aborted or failed after this call was dispatched
-            request.num_pending -= 1
-            state = self._requests[request.request_id]
+            request.num_pending -= k
+            calls = tokens[shard]
+            ids = [calls[0][row]] if k == 1 else [calls[j][row] for j in range(k)]
             scores = None
             if logprobs is not None and request.params.logprobs is not None:
-                n, (chosen, ids, top) = request.params.logprobs, logprobs
-                alternatives = zip(ids[shard][k][row][:n], top[shard][k][row][:n], strict=True)
-                scores = (chosen[shard][k][row], tuple(alternatives))
-            try:
-                events.append(self._append_token(state, tokens[shard][k][row], now, scores))
-            except Exception as e:  # e.g. the tokenizer fails on this request alone
-                events.append(self._fail(state, e))
-        return events
+                n, (chosen, alt_ids, alt_top) = request.params.logprobs, logprobs
+                scores = []
+                for j in range(k):
+                    alternatives = zip(alt_ids[shard][j][row][:n], alt_top[shard][j][row][:n], strict=True)
+                    scores.append((chosen[shard][j][row], tuple(alternatives)))
+            self._append_run(runs, states[request.request_id], ids, now, scores)
+        return runs
 
     def _record_prompt_logprobs(self, chunks, arrays) -> None:
         """Keeps each chunk's prompt log-probabilities in its request's state (a recomputed
@@ -1016,44 +1060,72 @@ class Engine:
         if self._in_flight is not None:
             jax.block_until_ready(self._in_flight.call.tokens)
 
-    def _append_token(self, state: _RequestState, token: int, now: float, scores=None) -> TokenEvent:
-        """Appends one sampled token (``scores``: its (logprob, top_logprobs) when the request
-        asks for them) and makes its event; ends the request at EOS, length or a stop string."""
+    def _append_run(
+        self, runs: list[TokenRun], state: _RequestState, ids: list[int], now: float, scores: list | None
+    ) -> None:
+        """Appends a request's tokens from one call (``scores``: each one's (logprob,
+        top_logprobs) when the request asks for them) and its run to ``runs``; ends the request
+        at EOS, length, a completed grammar or a stop string (the tokens after it dropped). A
+        token the request cannot take (the tokenizer fails on it) fails the request alone: the
+        tokens before it keep their run, and a run of no tokens ends it."""
         request = state.request
-        request.output_ids.append(token)
-        logprob, top = (None, None) if scores is None else scores
-        if scores is not None:
-            if state.logprobs is None:
-                state.logprobs = []
-            state.logprobs.append(scores)
+        params, output_ids = request.params, request.output_ids
+        eos = () if params.ignore_eos else self.eos_token_ids
+        guide, detokenizer, limit = state.guide, state.detokenizer, params.max_new_tokens
         prompt = None
         if state.first_token is None:
             state.first_token = now
-            if request.params.prompt_logprobs is not None:
+            if params.prompt_logprobs is not None:
                 if state.prompt_logprobs is None:  # a one-token prompt
                     state.prompt_logprobs = [None] * len(request.prompt_ids)
                 prompt = tuple(state.prompt_logprobs)
         state.last_token = now
+        texts: list[str] = []
         reason = None
-        if token in self.eos_token_ids and not request.params.ignore_eos:
-            reason = "stop"
-        elif state.guide is not None and state.guide.advance(token):
-            reason = "stop"  # the output grammar is complete
-        elif len(request.output_ids) >= request.params.max_new_tokens:
-            reason = "length"
-        text = ""
-        if state.detokenizer is not None:
-            text, stopped = state.detokenizer.add(token)
-            if stopped:
-                reason = "stop"
-            elif reason is not None:
-                text += state.detokenizer.finish(request.output_ids)
-        if reason is None:
-            return TokenEvent(request.request_id, token, text, False, None, None, logprob, top, prompt)
-        request.num_pending = 0  # tokens of a multi-step call after this one are dropped
-        self.schedulers[state.shard].finish(request, reason)
-        self._retire(state)
-        return TokenEvent(request.request_id, token, text, True, reason, None, logprob, top, prompt)
+        try:
+            for token in ids:
+                output_ids.append(token)
+                if token in eos:
+                    reason = "stop"
+                elif guide is not None and guide.advance(token):
+                    reason = "stop"  # the output grammar is complete
+                elif len(output_ids) >= limit:
+                    reason = "length"
+                if detokenizer is None:
+                    texts.append("")
+                else:
+                    text, stopped = detokenizer.add(token)
+                    if stopped:
+                        reason = "stop"
+                    elif reason is not None:
+                        text += detokenizer.finish(output_ids)
+                    texts.append(text)
+                if reason is not None:
+                    break
+        except Exception as e:  # e.g. the tokenizer fails on this request alone
+            taken = len(texts)
+            if taken:
+                runs.append(self._run(state, ids[:taken], texts, None, scores, prompt))
+            runs.append(self._fail(state, e))
+            return
+        taken = len(texts)
+        if reason is not None:
+            request.num_pending = 0  # tokens of a multi-step call after this one are dropped
+            self.schedulers[state.shard].finish(request, reason)
+        runs.append(self._run(state, ids if taken == len(ids) else ids[:taken], texts, reason, scores, prompt))
+        if reason is not None:
+            self._retire(state)
+
+    @staticmethod
+    def _run(state: _RequestState, ids: list[int], texts: list[str], reason, scores, prompt) -> TokenRun:
+        """The run of ``ids`` (the first ``len(ids)`` of ``scores``, kept in the request's
+        log-probabilities)."""
+        if scores is not None:
+            scores = scores[: len(ids)]
+            if state.logprobs is None:
+                state.logprobs = []
+            state.logprobs += scores
+        return TokenRun(state.request.request_id, ids, texts, reason is not None, reason, None, scores, prompt)
 
     # ------------------------------------------------------------------ conveniences
 
@@ -1102,8 +1174,8 @@ class Engine:
         wanted: dict[str, Completion | None] = dict.fromkeys(ids)  # filled as they finish (the record may drop them)
         self._collectors.append(wanted)
         try:
-            for _ in self.stream():
-                pass
+            while self.has_unfinished():
+                self.step_runs()
         finally:
             self._collectors = [c for c in self._collectors if c is not wanted]
         return [wanted[i] for i in ids]

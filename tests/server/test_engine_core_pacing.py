@@ -36,13 +36,13 @@ def test_a_round_waits_for_the_dispatch_time_and_admits_what_arrived_meanwhile()
     engine = Engine(LlamaModel(CONFIG, block_size=4), init_params(CONFIG, seed=0), max_num_seqs=4,
                     max_num_batched_tokens=32, max_model_len=32)  # fmt: skip
     engine.dispatch_delay = lambda: DELAY if engine.has_unfinished() else 0.0
-    live_at_step, step = [], engine.step
+    live_at_step, step = [], engine.step_runs
 
     def counting_step():
         live_at_step.append(engine.num_live_requests)
         return step()
 
-    engine.step = counting_step
+    engine.step_runs = counting_step
     timeouts, messages, b_before_step = [], [], []
 
     def receive(timeout):
@@ -71,14 +71,14 @@ def test_a_prompt_being_encoded_does_not_hold_the_running_requests():
                     max_num_batched_tokens=32, max_model_len=32)  # fmt: skip
     gate = threading.Event()
     engine.encode = lambda prompt, chat=False: (gate.wait(10), [3, 4, 5])[1]
-    steps_while_encoding, step = [], engine.step
+    steps_while_encoding, step = [], engine.step_runs
 
     def counting_step():
         if not gate.is_set():
             steps_while_encoding.append(engine.num_live_requests)
         return step()
 
-    engine.step = counting_step
+    engine.step_runs = counting_step
     messages, sent = [], []
 
     def receive(timeout):

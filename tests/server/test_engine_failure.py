@@ -18,7 +18,7 @@ def test_a_failed_engine_step_fails_its_requests_and_the_health_check():
     def broken_step():
         raise RuntimeError("device lost")
 
-    engine.step = broken_step
+    engine.step_runs = broken_step
     with TestClient(build_app(engine, TINY_RANDOM)) as http:
         assert http.get("/health").status_code == 200
         r = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
