@@ -78,7 +78,7 @@ def _child_main(
         return
     if freeze_heap:
         freeze_startup_heap()
-    import jax
+    import jax  # here, where the engine has initialised its backend (the parent never does)
 
     for pipe in messages:
         pipe.send(("ready", {"max_model_len": engine.max_model_len, "platform": jax.default_backend()}))

@@ -58,6 +58,14 @@ def test_two_clients_of_one_engine_process_get_their_own_tokens_and_the_whole_re
         live = await first.submit(_spec(prompts[0], 200), "same")
         with pytest.raises(RequestError, match="request id 'same' is in use by another request"):
             await second.submit(_spec(prompts[1], 4), "same")
+        # A request whose client went away is aborted through its own client's pipe.
+        doomed = await second.submit(_spec(prompts[5], 200), "doomed")
+        doomed.close()
+        for _ in range(500):
+            if _aborts(first.metrics):
+                break
+            await asyncio.sleep(0.01)
+        assert _aborts(first.metrics) == 1
         # The second client stops: its request ends "abort", the first's runs on to its end.
         other = await second.submit(_spec(prompts[2], 200), "other")
         await asyncio.to_thread(second.stop, 30.0)
@@ -80,6 +88,10 @@ def test_two_clients_of_one_engine_process_get_their_own_tokens_and_the_whole_re
     generated = [m.generation_tokens._value.get() for m in (first.metrics, second.metrics)]
     assert generated[0] == 12 * 12 + aborted_tokens[0] + 200 + 3
     assert 12 * 12 + aborted_tokens[0] <= generated[1] < generated[0]
+
+
+def _aborts(metrics: ServerMetrics) -> float:
+    return metrics._finished.labels("m", "abort")._value.get()
 
 
 def _sample(text: str, name: str) -> float:
