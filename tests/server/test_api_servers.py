@@ -39,12 +39,21 @@ def test_two_clients_of_one_engine_process_get_their_own_tokens_and_the_whole_re
         engine.client(2)
     first, second = EngineLoop(engine, ServerMetrics("m")), EngineLoop(client, ServerMetrics("m"))
     prompts = [[5, 6, 7, i] for i in range(6)]
-    aborted_tokens = []
+    aborted_tokens, counted = [], []
 
     async def run() -> None:
         aloop = asyncio.get_running_loop()
         first.start(aloop)
         second.start(aloop)
+        # A request whose client went away is aborted through its own client's pipe.
+        doomed = await second.submit(_spec(prompts[5], 200), "doomed")
+        doomed.close()
+        for _ in range(500):
+            if _aborts(first.metrics):
+                break
+            await asyncio.sleep(0.01)
+        assert _aborts(first.metrics) == 1
+        counted.append(first.metrics.generation_tokens._value.get())  # the doomed request's tokens
         # The same prompts through both clients at once: each gets its own, equal, tokens.
         handles = [
             await loop.submit(_spec(p, 12), f"r{i}-{j}")
@@ -58,14 +67,6 @@ def test_two_clients_of_one_engine_process_get_their_own_tokens_and_the_whole_re
         live = await first.submit(_spec(prompts[0], 200), "same")
         with pytest.raises(RequestError, match="request id 'same' is in use by another request"):
             await second.submit(_spec(prompts[1], 4), "same")
-        # A request whose client went away is aborted through its own client's pipe.
-        doomed = await second.submit(_spec(prompts[5], 200), "doomed")
-        doomed.close()
-        for _ in range(500):
-            if _aborts(first.metrics):
-                break
-            await asyncio.sleep(0.01)
-        assert _aborts(first.metrics) == 1
         # The second client stops: its request ends "abort", the first's runs on to its end.
         other = await second.submit(_spec(prompts[2], 200), "other")
         await asyncio.to_thread(second.stop, 30.0)
@@ -86,8 +87,8 @@ def test_two_clients_of_one_engine_process_get_their_own_tokens_and_the_whole_re
     # Every round's report went to every client: the first saw each token of both clients; the
     # second, each one until it stopped.
     generated = [m.generation_tokens._value.get() for m in (first.metrics, second.metrics)]
-    assert generated[0] == 12 * 12 + aborted_tokens[0] + 200 + 3
-    assert 12 * 12 + aborted_tokens[0] <= generated[1] < generated[0]
+    assert generated[0] == counted[0] + 12 * 12 + aborted_tokens[0] + 200 + 3
+    assert counted[0] + 12 * 12 + aborted_tokens[0] <= generated[1] < generated[0]
 
 
 def _aborts(metrics: ServerMetrics) -> float:
