@@ -1,7 +1,8 @@
 """The engine's own host time per call on the CPU, one step per call or several, at batch 1 or more.
 
 Runs the tiny random model (``attn_jax.testing.models.tiny_random_engine``) with ``--batch``
-requests at a time and times each ``Engine.step`` in the main thread's CPU time
+requests at a time and times each ``Engine.step_runs`` (the server's and ``generate``'s call;
+``step`` adds an event per token) in the main thread's CPU time
 (``time.thread_time``, so other processes on a busy machine do not count), less the
 time inside the jitted call (reported apart) and inside reading the tokens back: what is left is the
 Python the engine core and the model runner run per step (scheduling, the packed step
@@ -43,7 +44,7 @@ def measure(
     runs: int, tokens: int, batch: int = 1, devices: int = 1, model_parallel: int | None = None,
     num_scheduler_steps: int = 1, churn: bool = False, gc_freeze: bool = False,
 ) -> dict:  # fmt: skip
-    """Median host CPU ms per ``Engine.step`` (one call of up to ``num_scheduler_steps``
+    """Median host CPU ms per ``Engine.step_runs`` (one call of up to ``num_scheduler_steps``
     steps) of each run of ``batch`` requests of ``tokens`` new tokens (the first and last 5
     calls left out, or 2 with several steps per call), on ``devices`` CPU devices; with
     ``churn``, of ``batch * 4`` requests that join as others end (``batch`` at a time); with
@@ -117,7 +118,7 @@ def measure(
                     queued, ended = queued[ended:], 0
                     spent["read"] = spent["dispatch"] = 0.0
                     start = time.thread_time()
-                    ended += sum(event.finished for event in engine.step())
+                    ended += sum(run.finished for run in engine.step_runs())
                     per_step.append(time.thread_time() - start - spent["read"] - spent["dispatch"])
                     per_dispatch.append(spent["dispatch"])
                 edge = 5 if num_scheduler_steps == 1 else 2
