@@ -5,8 +5,9 @@ process's main thread, between the engine's steps: each round turns the step's
 ``TokenRun``s into the pieces each request streams, with its latencies and the round's
 message. Here the core drives a stand-in engine whose ``step_runs`` returns a run of
 ``--steps`` tokens for each of ``--requests`` running requests at once, and no device, so the
-figures are the core's own host time (the engine's is ``engine_host_cpu.py``'s). Requests have no stop strings, echo or
-log-probabilities unless ``--stop`` gives every request one stop string (the matcher's path).
+figures are the core's own host time (the engine's is ``engine_host_cpu.py``'s). Requests
+have no stop strings, echo or log-probabilities unless ``--stop`` gives every request one stop
+string (the matcher's path).
 ``--gc-freeze`` freezes the heap first, as the server's engine process does
 (``attn_jax/server/gc_heap.py``); each row counts the garbage collections of its timings.
 ``--requests 256 --steps 8`` is a round of serve's defaults under 256 clients.
@@ -54,8 +55,9 @@ class StandInEngine:
 def time_rounds(num_requests: int, rounds: int, stop: str | None, steps: int = 1) -> dict:
     """Median microseconds per round over 5 timings of ``rounds`` rounds each."""
     sent = [None]
-    engine = StandInEngine(num_requests, steps)
-    core = EngineCore(engine, lambda timeout: [], lambda message: sent.__setitem__(0, message))
+    core = EngineCore(
+        StandInEngine(num_requests, steps), lambda timeout: [], lambda message: sent.__setitem__(0, message)
+    )
     for i in range(num_requests):  # admitted, as ``_admit`` records them
         core._live[f"r{i}"] = _Live(f"r{i}", StopMatcher(() if stop is None else (stop,)), 0.0)
     for _ in range(rounds // 10):

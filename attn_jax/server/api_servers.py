@@ -51,7 +51,6 @@ BACKLOG = 2048
 START_TIMEOUT_S = 300.0
 """How long an HTTP process may take to import the app and listen."""
 
-
 MAX_AUTO_COUNT = 4
 """The most HTTP processes ``default_count`` gives."""
 
@@ -60,7 +59,7 @@ def default_count(platform: str, cpus: int | None = None) -> int:
     """HTTP processes for an engine on ``platform`` (``attn-stack serve``'s default): 1 on
     the CPU, whose engine needs the cores; on an accelerator a process per 4 of the host's
     cores, at most ``MAX_AUTO_COUNT`` (4 on a 16-core H200 host, where 4 served 256 clients
-    35-50 % faster than 1: BENCHMARKS.md, stop 58)."""
+    30-37 % more tokens/s than 1: BENCHMARKS.md, stop 58)."""
     if platform == "cpu":
         return 1
     if cpus is None:

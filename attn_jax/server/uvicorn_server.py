@@ -50,12 +50,11 @@ class _Server(uvicorn.Server):
 
     def __init__(
         self, config: uvicorn.Config, app, shutdown_timeout: float, on_exit: Callable[[], None] | None,
-        on_started: Callable[[], None] | None,
+        on_started: Callable[[], None] | None, early_signals: EarlySignals | None,
     ) -> None:  # fmt: skip
         super().__init__(config)
         self._app, self._shutdown_timeout = app, shutdown_timeout
-        self._on_exit, self._on_started = on_exit, on_started
-        self.early_signals: EarlySignals | None = None
+        self._on_exit, self._on_started, self._early_signals = on_exit, on_started, early_signals
 
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:
@@ -66,7 +65,7 @@ class _Server(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        if self.early_signals is not None and self.early_signals.received.is_set():
+        if self._early_signals is not None and self._early_signals.received.is_set():
             self.handle_exit(signal.SIGTERM, None)  # it came before uvicorn's handlers: shut down now
         if self._on_started is not None and not self.should_exit:
             self._on_started()
@@ -90,6 +89,4 @@ def serve(
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout + BACKSTOP_S
     )
-    server = _Server(config, app, shutdown_timeout, on_exit, on_started)
-    server.early_signals = early_signals
-    server.run(sockets=sockets)
+    _Server(config, app, shutdown_timeout, on_exit, on_started, early_signals).run(sockets=sockets)

@@ -165,12 +165,9 @@ def token_events(runs: list[TokenRun]) -> list[TokenEvent]:
         for i, (token, text) in enumerate(zip(ids, run.texts, strict=True)):
             logprob, top = (None, None) if run.logprobs is None else run.logprobs[i]
             prompt = run.prompt_logprobs if i == 0 else None
-            if i < last or not run.finished:
-                events.append(TokenEvent(run.request_id, token, text, False, None, None, logprob, top, prompt))
-            else:
-                events.append(
-                    TokenEvent(run.request_id, token, text, True, run.finish_reason, run.error, logprob, top, prompt)
-                )
+            end = run.finished and i == last  # the run's end is its last token's
+            reason, error = (run.finish_reason, run.error) if end else (None, None)
+            events.append(TokenEvent(run.request_id, token, text, end, reason, error, logprob, top, prompt))
     return events
 
 
