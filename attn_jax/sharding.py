@@ -279,9 +279,10 @@ class ShardedStep:
         (one shard's arrays; ``rows`` a pytree of per-row state, each leaf with a leading data
         axis here, as ``packed`` and ``page_delta`` have; layout, num_steps and sampled
         static; it returns sampled tokens, the rows' state, caches, the next call's inputs
-        and the tokens' scores, ``sampling.pack_scores``) jitted over the mesh, caches and rows'
-        state donated. The next call's inputs stay on their shards (i32[data, n]): a decode
-        call continued from them uploads only its page delta, as on one device.
+        and the tokens' scores, ``sampling.pack_scores``) jitted over the mesh, caches, rows'
+        state and packed inputs donated (``model_runner.DONATED_STEP_ARGS``). The next call's
+        inputs stay on their shards (i32[data, n]): a decode call continued from them uploads
+        only its page delta, as on one device.
 
         The only collective beside the model's own (one ``psum`` per split attention and
         MLP, one all-gather of a split LM head's logits) gathers the data shards' scores (the
@@ -315,7 +316,7 @@ class ShardedStep:
             )  # fmt: skip
             return fn(params, caches, rows, packed, page_delta)
 
-        return jax.jit(step, donate_argnums=(1, 2), static_argnums=(4, 5, 6), compiler_options=compiler_options)
+        return jax.jit(step, donate_argnums=(1, 2, 3), static_argnums=(4, 5, 6), compiler_options=compiler_options)
 
     def put_per_shard(self, x) -> jax.Array:
         """``x`` (the same in every process) split over "data": an array with a leading "data"

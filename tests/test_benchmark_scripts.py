@@ -164,3 +164,31 @@ def test_http_process_cpu_serves_the_app_over_a_stand_in_core(tmp_path):
     # Each streamed request: one event per token (the last with its finish reason), then [DONE].
     assert r["one_token"]["events"] == 16 * (1 + 1) and r["many_tokens"]["events"] == 16 * (5 + 1)
     assert r["server_cpu_ms_per_request"] > 0 and r["many_tokens"]["server_cpu_s"] > 0
+
+
+def test_graph_updates_reads_xla_command_buffer_log():
+    """The measured phase's lines of XLA's ``command_buffer_thunk`` log, as they read on the
+    H200 (stop 59), summarised; lines before the phase's first mark are not counted."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the script imports results_io from its folder
+    try:
+        import graph_updates
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    line = "I1129 15:40:11.5 7182 command_buffer_thunk.cc:{}] {}"
+    before = line.format(240, "Updated command buffer in 9999 μs; num_commands=420")
+    during = [
+        line.format(255, "Update command buffer on device #0 by recoding command buffer cmd sequence after 1 "
+                         "executions since last update; num_commands=420; updated_allocs=4"),
+        line.format(262, "Updated command buffer in 230 μs; num_commands=420"),
+        line.format(280, "Execute command buffer on device #0; num_executions=1"),
+        line.format(255, "Update command buffer on device #0 by recoding command buffer cmd sequence after 1 "
+                         "executions since last update; num_commands=420; updated_allocs=5"),
+        line.format(262, "Updated command buffer in 240 μs; num_commands=420"),
+        line.format(280, "Execute command buffer on device #0; num_executions=1"),
+        line.format(280, "Execute command buffer on device #0; num_executions=2"),
+    ]  # fmt: skip
+    log = "\n".join([before, f"{graph_updates.MARK} begins", *during, f"{graph_updates.MARK} ends", before])
+    assert graph_updates.summarize_log(log) == {
+        "graph_executions": 3, "graph_updates": 2, "graph_update_us_median": 235.0, "graph_commands": [420],
+        "moved_allocations_per_update": {4: 1, 5: 1},
+    }  # fmt: skip

@@ -201,6 +201,14 @@ STATIC_STEP_ARGS = (4, 5, 6)
 """The jitted step's static arguments (layout, steps, sampled): ``_step_args``' positions, which
 ``ShardedStep.jit`` declares static too."""
 
+DONATED_STEP_ARGS = (1, 2, 3)
+"""The jitted step's donated arguments (caches, the rows' state, the packed inputs), which
+``ShardedStep.jit`` donates too: the outputs that follow from them take their buffers, so a
+call that continues the last one's decode batch finds its packed inputs where the last call
+left them. Every argument or output at a new address makes XLA update the step's recorded CUDA
+graph before it launches it; the packed inputs' were two of the four a continued call changed
+(BENCHMARKS.md, stop 59)."""
+
 
 def _dynamic(step_args: tuple) -> tuple:
     """The step's arguments without its static ones: what a compiled program takes."""
@@ -262,7 +270,9 @@ class ModelRunner:
         if self._sharded is None:
             self.params = jax.device_put(params)
             self.kv_caches = model.init_kv_caches(num_blocks)
-            jit = functools.partial(jax.jit, self._device_step, donate_argnums=(1, 2), static_argnums=STATIC_STEP_ARGS)
+            jit = functools.partial(
+                jax.jit, self._device_step, donate_argnums=DONATED_STEP_ARGS, static_argnums=STATIC_STEP_ARGS
+            )
             self._jit_step = jit(compiler_options=narrow)
             self._jit_step_wide = self._jit_step if wide == narrow else jit(compiler_options=wide)
             self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)

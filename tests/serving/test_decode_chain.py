@@ -6,7 +6,9 @@ crossings, a late arrival, an abort and seeded sampling."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
+import jax
 import numpy as np
 import pytest
 
@@ -137,3 +139,29 @@ def test_the_device_built_inputs_equal_the_host_built_ones(num_scheduler_steps, 
     engine = _engine("XLA", num_scheduler_steps)
     _run(engine) if num_scheduler_steps == 1 else engine.generate(PROMPTS[:2], LONGER)
     assert len(compared) >= (10 if num_scheduler_steps == 1 else 3) and any(compared)
+
+
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_continued_calls_take_the_last_calls_inputs_in_place(num_scheduler_steps, monkeypatch):
+    """A continued call donates the packed inputs the last call computed (page crossings
+    included), and jit finds an output to give their buffer to (no "donated buffers were not
+    usable" warning): the next call's inputs stay at that address, so XLA's recorded CUDA graph
+    of the step needs no update for them (``model_runner.DONATED_STEP_ARGS``)."""
+    original = ModelRunner.dispatch
+    taken = []
+
+    def recorded(self, prepared):
+        buffer = prepared.packed[0][0]
+        call = original(self, prepared)
+        if isinstance(buffer, jax.Array):  # the last call's inputs moved on, not the host's
+            taken.append((buffer.is_deleted(), prepared.page_delta is not None))
+        return call
+
+    monkeypatch.setattr(ModelRunner, "dispatch", recorded)
+    engine = _engine("XLA", num_scheduler_steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.generate(PROMPTS[:2], LONGER)
+    assert not [w for w in caught if "donated" in str(w.message)], [str(w.message) for w in caught]
+    assert len(taken) >= (10 if num_scheduler_steps == 1 else 2) and any(delta for _, delta in taken)
+    assert all(deleted for deleted, _ in taken)
