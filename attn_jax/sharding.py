@@ -274,23 +274,22 @@ class ShardedStep:
         token counts: each data shard holds and reads its own)."""
         return jax.jit(lambda: jnp.zeros((self.data_size, *shape), jnp.int32), out_shardings=self._rows)()
 
-    def jit(self, device_step, compiler_options: dict | None = None):
+    def global_step(self, device_step):
         """``device_step(params, caches, rows, packed, layout, num_steps, sampled, page_delta)``
         (one shard's arrays; ``rows`` a pytree of per-row state, each leaf with a leading data
         axis here, as ``packed`` and ``page_delta`` have; layout, num_steps and sampled
         static; it returns sampled tokens, the rows' state, caches, the next call's inputs
-        and the tokens' scores, ``sampling.pack_scores``) jitted over the mesh, caches, rows'
-        state and packed inputs donated (``model_runner.DONATED_STEP_ARGS``). The next call's
-        inputs stay on their shards (i32[data, n]): a decode call continued from them uploads
-        only its page delta, as on one device.
+        and the tokens' scores, ``sampling.pack_scores``) as one function of the global arrays
+        over the mesh, which ``ModelRunner`` jits as it jits one device's step (its static and
+        donated arguments). The next call's inputs stay on their shards (i32[data, n]): a
+        decode call continued from them uploads only its page delta, as on one device.
 
         The only collective beside the model's own (one ``psum`` per split attention and
         MLP, one all-gather of a split LM head's logits) gathers the data shards' scores (the
         sampled tokens with their log-probabilities), once per call (a prefill's prompt scores,
         when a request asks for them, a second):
         the result is replicated, so every process of a multi-process run reads all of them.
-        The rows' state stays on its shard (split over "data"). ``compiler_options``: XLA's,
-        as ``jax.jit`` takes them."""
+        The rows' state stays on its shard (split over "data")."""
         mesh, cache_spec = self.mesh, self.cache_spec
 
         def step(params, caches, rows, packed, layout, num_steps, sampled, page_delta):
@@ -316,7 +315,7 @@ class ShardedStep:
             )  # fmt: skip
             return fn(params, caches, rows, packed, page_delta)
 
-        return jax.jit(step, donate_argnums=(1, 2, 3), static_argnums=(4, 5, 6), compiler_options=compiler_options)
+        return step
 
     def put_per_shard(self, x) -> jax.Array:
         """``x`` (the same in every process) split over "data": an array with a leading "data"

@@ -41,7 +41,7 @@ EXECUTE = "Execute command buffer"
 def measure(batch: int, args) -> dict:
     """The engine's one-step decode calls at ``batch``, ``args.repeats`` runs."""
     import jax.numpy as jnp
-    import numpy as np
+    from generate_gpu import prompts_for  # generate_gpu.py's prompts, for the same workload
 
     from attn_jax.models.llama import LlamaModel
     from attn_jax.serving import Engine, SamplingParams
@@ -54,8 +54,7 @@ def measure(batch: int, args) -> dict:
         max_model_len=args.prompt_len + args.new_tokens, kv_cache_bytes=4 << 30, num_scheduler_steps=1,
     )  # fmt: skip
     engine.async_scheduling = not args.sync
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, config.vocab_size, args.prompt_len).tolist() for _ in range(batch)]
+    prompts = prompts_for(config, batch, args.prompt_len)
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     engine.generate(prompts, sp)
     print(MARK, "begins", file=sys.stderr, flush=True)
@@ -78,10 +77,10 @@ def measure(batch: int, args) -> dict:
     return {"batch": batch, "sync": args.sync, "runs": runs}
 
 
-def count_graph_updates(batch: int, args) -> dict:
+def count_graph_updates(batch: int) -> dict:
     """``measure`` in a child with XLA's command-buffer logging on, and what the log says."""
     env = os.environ | {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "command_buffer_thunk=3"}
-    command = [sys.executable, __file__, "--batch", str(batch), "--child", *_shared(args)]
+    command = [sys.executable, __file__, *sys.argv[1:], "--batch", str(batch), "--child"]  # the last --batch wins
     child = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return {**json.loads(child.stdout.strip().splitlines()[-1]), **summarize_log(child.stderr)}
 
@@ -102,12 +101,6 @@ def summarize_log(stderr: str) -> dict:
     }
 
 
-def _shared(args) -> list[str]:
-    out = ["--model", args.model, "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
-    out += ["--repeats", str(args.repeats)] + (["--sync"] if args.sync else [])
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -125,7 +118,7 @@ def main() -> None:
         return
     import jax
 
-    rows = [(count_graph_updates if args.count_graph_updates else measure)(b, args) for b in args.batch]
+    rows = [count_graph_updates(b) if args.count_graph_updates else measure(b, args) for b in args.batch]
     for row in rows:
         steps = ", ".join(f"{r['decode_step_ms']:.3f}" for r in row["runs"])
         dispatch = ", ".join(f"{r['dispatch_ms']:.3f}" for r in row["runs"])

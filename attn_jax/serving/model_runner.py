@@ -198,16 +198,15 @@ def step_compiler_options(device, token_bucket: int) -> dict[str, bool] | None:
 
 
 STATIC_STEP_ARGS = (4, 5, 6)
-"""The jitted step's static arguments (layout, steps, sampled): ``_step_args``' positions, which
-``ShardedStep.jit`` declares static too."""
+"""The jitted step's static arguments (layout, steps, sampled): ``_step_args``' positions (one
+device's step and a mesh's, ``ShardedStep.global_step``, are jitted alike)."""
 
 DONATED_STEP_ARGS = (1, 2, 3)
-"""The jitted step's donated arguments (caches, the rows' state, the packed inputs), which
-``ShardedStep.jit`` donates too: the outputs that follow from them take their buffers, so a
-call that continues the last one's decode batch finds its packed inputs where the last call
-left them. Every argument or output at a new address makes XLA update the step's recorded CUDA
-graph before it launches it; the packed inputs' were two of the four a continued call changed
-(BENCHMARKS.md, stop 59)."""
+"""The jitted step's donated arguments (caches, the rows' state, the packed inputs): the
+outputs that follow from them take their buffers, so a call that continues the last one's
+decode batch finds its packed inputs where the last call left them. Every argument or output
+at a new address makes XLA update the step's recorded CUDA graph before it launches it; the
+packed inputs' were two of the four a continued call changed (BENCHMARKS.md, stop 59)."""
 
 
 def _dynamic(step_args: tuple) -> tuple:
@@ -270,11 +269,7 @@ class ModelRunner:
         if self._sharded is None:
             self.params = jax.device_put(params)
             self.kv_caches = model.init_kv_caches(num_blocks)
-            jit = functools.partial(
-                jax.jit, self._device_step, donate_argnums=DONATED_STEP_ARGS, static_argnums=STATIC_STEP_ARGS
-            )
-            self._jit_step = jit(compiler_options=narrow)
-            self._jit_step_wide = self._jit_step if wide == narrow else jit(compiler_options=wide)
+            step = self._device_step
             self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)
             self._token_counts = jnp.zeros((self.max_rows, vocab), jnp.int32)
             self._guide_masks = jnp.zeros((self.max_rows, mask_words(vocab)), jnp.int32)
@@ -282,14 +277,16 @@ class ModelRunner:
         else:
             self.params = self._sharded.put_params(params)
             self.kv_caches = self._sharded.init_kv_caches(num_blocks)
-            self._jit_step = self._sharded.jit(self._device_step, narrow)
-            self._jit_step_wide = self._jit_step if wide == narrow else self._sharded.jit(self._device_step, wide)
+            step = self._sharded.global_step(self._device_step)
             self._last_tokens = self._sharded.zeros_per_shard(self.max_rows)
             self._token_counts = self._sharded.zeros_per_shard(self.max_rows, vocab)
             self._guide_masks = self._sharded.zeros_per_shard(self.max_rows, mask_words(vocab))
             self._jit_write_guides = jax.jit(
                 _write_guide_rows, donate_argnums=0, out_shardings=self._guide_masks.sharding
             )
+        jit = functools.partial(jax.jit, step, donate_argnums=DONATED_STEP_ARGS, static_argnums=STATIC_STEP_ARGS)
+        self._jit_step = jit(compiler_options=narrow)
+        self._jit_step_wide = self._jit_step if wide == narrow else jit(compiler_options=wide)
         no_delta = np.full((self.num_shards, 2, 2 * self.max_rows), NO_INDEX, np.int32)
         self._no_page_delta = jax.device_put(no_delta[0]) if self._sharded is None else self._put_delta(no_delta)
         self.num_blocks = num_blocks
