@@ -65,6 +65,8 @@ from attn_jax.kv_cache import write_to_kv_cache
 from attn_jax.ops.ragged_paged_attention import kv_write, pallas_mosaic_gpu, pallas_triton, reference
 from attn_jax.ops.ragged_paged_attention.config import (
     GPU_MATCH_KEYS,
+    H100_NUM_SMS,
+    MAX_PACKED_WIDTH,
     TUNED_DIR,
     GpuBlockSizes,
     check_block_sizes,
@@ -745,10 +747,16 @@ def tune_candidates(b: DeviceBatch) -> list[GpuBlockSizes]:
     rows_opts = (16,) if decode else (64, 128)
     tile_opts = (32, 64, 128, 256) if decode else (32, 64, 128)
     h = default_block_sizes(b).num_kv_splits
-    split_opts = sorted({max(h // 2, 1), h, 2 * h}) if decode else (1,)
-    # Narrow heads in decode: one KV head a program, or as many as fill 256 columns (kv_heads_to_pack);
-    # 512 columns ran at half the speed on the H100 (BENCHMARKS.md).
-    packs = {1, kv_heads_to_pack(s.head_size, s.num_kv_heads)} if decode else {1}
+    # Decode: the heuristic's splits, half and twice them, and 1-8 where its programs are fewer than
+    # the SMs (few requests on short contexts, which the heuristic leaves unsplit).
+    few = decode and len(b.query_lens) * s.num_kv_heads < H100_NUM_SMS
+    split_opts = sorted({max(h // 2, 1), h, 2 * h} | ({1, 2, 4, 8} if few else set())) if decode else (1,)
+    # Heads narrower than 128 in decode: one KV head a program up to as many as fill MAX_PACKED_WIDTH
+    # columns (kv_heads_to_pack's choice for heads between powers of two; any count for the others,
+    # e.g. head 64's 2-4: a token's adjacent heads are one contiguous row); 512 columns ran at half
+    # the speed on the H100 (BENCHMARKS.md).
+    most = min(s.num_kv_heads, MAX_PACKED_WIDTH // s.head_size) if decode and s.head_size < 128 else 1
+    packs = {1, kv_heads_to_pack(s.head_size, s.num_kv_heads)} | set(range(1, most + 1)) if decode else {1}
     out = []
     grid = itertools.product(rows_opts, tile_opts, (4, 8), (2, 3), split_opts, sorted(packs))
     for rows, tile, warps, stages, splits, pack in grid:
@@ -758,21 +766,31 @@ def tune_candidates(b: DeviceBatch) -> list[GpuBlockSizes]:
             check_block_sizes(bs, group=group, page_size=s.block_size)
         except ValueError:
             continue
+        if splits > 1 and splits > -(-int(b.seq_lens.max()) // bs.tile(s.block_size)):
+            continue  # more splits than the longest request has tiles: the extra ones are empty
         out.append(bs)
     return out
 
 
-def tune(b: DeviceBatch, log) -> tuple[GpuBlockSizes, float, list]:
-    rows = []
+def tune(b: DeviceBatch, log, cupti_calls: int = 20) -> tuple[GpuBlockSizes, float, list]:
+    """Every ``tune_candidates`` entry compiled and run, then ranked by CUPTI device time (the
+    median span of ``cupti_calls`` calls each, one trace for all of them): a decode kernel of a
+    few microseconds is far below the host's dispatch of one call, which a host clock would time."""
+    rows, thunks = [], {}
     args = (b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.slot_mapping)
-    for bs in tune_candidates(b):
+    for i, bs in enumerate(tune_candidates(b)):
         try:
-            t = time_jax(pallas_gpu_fn(b, bs, mgpu=False), *args, reps=5, inner=3)
+            fn = pallas_gpu_fn(b, bs, mgpu=False)
+            jax.block_until_ready(fn(*args))
         except Exception as e:  # noqa: BLE001 - a config Triton rejects (shared memory, ...)
             rows.append({**dataclasses.asdict(bs), "error": str(e).splitlines()[0][:200]})
             continue
-        rows.append({**dataclasses.asdict(bs), "ms": t * 1e3})
-        log(f"  tune {b.spec.name} {bs}: {t * 1e3:.3f} ms")
+        thunks[i] = (bs, functools.partial(fn, *args))
+    traced = cupti_timing.trace_calls({i: thunk for i, (_, thunk) in thunks.items()}, n=cupti_calls)
+    for i, (bs, _) in thunks.items():
+        us = cupti_timing.summarize(traced[i])["median_us"]
+        rows.append({**dataclasses.asdict(bs), "device_us": us, "ms": us / 1e3})
+        log(f"  tune {b.spec.name} {bs}: {us:.1f} us (device)")
     ok = [r for r in rows if "ms" in r]
     best = min(ok, key=lambda r: r["ms"])
     fields = {k: best[k] for k in ("block_q", "pages_per_tile", "num_kv_splits", "num_warps", "num_stages",
@@ -971,11 +989,12 @@ def main(argv=None) -> int:
                             part, t, float("nan"), {"note": "one of the two launches alone; rows of the other unset"}
                         )
                 if args.tune and b.spec.name in args.tune.split(","):
-                    best, t, rows = tune(b, log)
+                    best, _, rows = tune(b, log, args.cupti_calls)
                     fn = pallas_gpu_fn(b, best)
-                    t = time_jax(fn, *op_args)
                     extra = {"block_sizes": dataclasses.asdict(best), "sweep": rows}
-                    record("pallas_gpu_tuned", t, rel_l2(fn(*op_args), ref), extra)
+                    extra["device"] = device_summary(fn, *op_args, calls=args.cupti_calls)
+                    record("pallas_gpu_tuned", time_jax(fn, *op_args), rel_l2(fn(*op_args), ref), extra,
+                           device_s=extra["device"]["median_us"] / 1e6)  # fmt: skip
                     fields = {k: v for k, v in extra["block_sizes"].items() if k != "num_kv_splits"}
                     tuned_entries.append({**tuned_match(b), "note": f"workload {b.spec.name}", **fields})
 

@@ -205,7 +205,7 @@ def test_parse_workloads_reads_page_and_head_suffixes():
 
 @pytest.mark.parametrize(
     ("names", "message"),
-    [("D3", r"unknown workload 'D3': valid bases are \['D1', 'D2', 'M1', 'M2', 'P1'\]"), ("P1_q128", "suffix 'q128'"),
+    [("D3", r"unknown workload 'D3': valid bases are \['D1', 'D2', 'E1', 'E256', 'E64', 'M1', 'M2', 'P1'\]"), ("P1_q128", "suffix 'q128'"),
      ("P1_p0", "suffix 'p0'"), ("P1_p", "suffix 'p'")],
 )  # fmt: skip
 def test_parse_workloads_names_the_bad_part(names, message):
@@ -414,3 +414,19 @@ def test_the_wheels_calls_lower_for_cuda(tmp_path, monkeypatch):
     finally:  # the binding imported from tmp_path goes out of sys.modules again
         for name in [m for m in sys.modules if m.startswith("flash_attn3_jax")]:
             del sys.modules[name]
+
+
+def test_tune_candidates_cover_narrow_heads_packs_and_short_contexts_splits():
+    """The engine's decode shapes (SmolLM2's 3 KV heads of 64): every pack of adjacent heads up to
+    all three, and at batch 1 splits of a short context up to its tile count, none past it."""
+    spec = dataclasses.replace(attention.WORKLOADS["E1"], context_lens=(255,))  # 256 keys: 4 tiles of 64
+    b = attention.make_device_batch(spec)
+    cands = attention.tune_candidates(b)
+    assert {bs.kv_heads_per_program for bs in cands} == {1, 2, 3}
+    for bs in cands:
+        assert bs.num_kv_splits <= -(-256 // bs.tile(16))
+        assert bs.rows(3) == 16
+    assert {bs.num_kv_splits for bs in cands if bs.tile(16) == 32} == {1, 2, 4, 8}
+    d1 = attention.tune_candidates(attention.make_device_batch(dataclasses.replace(
+        attention.WORKLOADS["D1"], query_lens=(1,) * 2, context_lens=(64,) * 2)))  # fmt: skip
+    assert {bs.kv_heads_per_program for bs in d1} == {1}  # head 128: already a whole tile

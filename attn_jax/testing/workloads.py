@@ -314,11 +314,25 @@ WORKLOADS: dict[str, WorkloadSpec] = {
             (512,) + (1,) * 63,
             (1024,) + (2048,) * 63,
         ),
+        *(
+            WorkloadSpec(
+                f"E{n}",
+                f"the engine's decode step at batch {n} on SmolLM2-135M's heads: 1 new token on 256 cached each",
+                (1,) * n,
+                (256,) * n,
+                num_q_heads=9,
+                num_kv_heads=3,
+                head_size=64,
+            )
+            for n in (1, 64, 256)
+        ),
     )
 }
-"""DESIGN.md's benchmark workloads (bf16, 32 q heads, 8 kv heads, head_dim 128, block 16), and
+"""DESIGN.md's benchmark workloads (bf16, 32 q heads, 8 kv heads, head_dim 128, block 16),
 M2, a continuous-batching step as a serving engine's chunked prefill makes it (one chunk
-beside the running decodes; not in DESIGN.md).
+beside the running decodes; not in DESIGN.md), and E1 / E64 / E256, the decode step that
+``benchmarks/generate_gpu.py`` times (SmolLM2-135M: 9 q heads, 3 kv heads, head_dim 64), whose
+kernels the tuned tables must also cover (not in DESIGN.md).
 
 "Context" in DESIGN.md's wording is read as cached tokens: a D1 request has seq_len 4097.
 """

@@ -31,6 +31,25 @@ def test_every_gpu_entry_validates(name):
         assert chosen.num_stages == bs.num_stages, "a tuned entry fits the device's shared memory as it is"
 
 
+def test_the_h200_table_covers_the_engines_decode_step():
+    """generate_gpu.py's SmolLM2-135M decode step (3 KV heads of 64, group 3) and D1 take the H200's
+    entries (4 warps, where the heuristic gives an unsplit one-head program 8); the splits stay the
+    heuristic's, by the bucket's request count."""
+    h200 = "NVIDIA H200"
+    smol = dict(
+        pages_per_req=24, page_size=16, head_size=64, num_kv_heads=3, group=3, mode="decode", q_dtype="bfloat16"
+    )
+    for num_reqs in (1, 256):
+        choice = config.gpu_block_choice(num_reqs=num_reqs, **smol, device_kind=h200)
+        assert choice.source.startswith("tuned entry of 'NVIDIA H200'"), choice.source
+        assert choice.block_sizes.num_warps == 4 and choice.block_sizes.num_kv_splits == 1
+        heuristic = config.gpu_block_choice(num_reqs=num_reqs, **smol, device_kind="some other GPU").block_sizes
+        assert heuristic.num_warps == 8
+    d2 = config.gpu_block_choice(num_reqs=8, pages_per_req=2049, page_size=16, head_size=128, num_kv_heads=8,
+                                 group=4, mode="decode", q_dtype="bfloat16", device_kind=h200)  # fmt: skip
+    assert (d2.block_sizes.pages_per_tile, d2.block_sizes.num_warps, d2.block_sizes.num_kv_splits) == (8, 4, 4)
+
+
 def test_a_miss_falls_back_to_the_heuristic():
     bs = config.gpu_block_sizes(num_reqs=64, pages_per_req=257, page_size=16, head_size=128, num_kv_heads=8,
                                 group=4, mode="decode", q_dtype="bfloat16", device_kind="some other GPU")  # fmt: skip

@@ -87,8 +87,9 @@ def test_make_ragged_batch_rejects_bad_arguments(args, kwargs, message):
 
 
 def test_benchmark_workloads_match_design():
-    assert set(WORKLOADS) == {"D1", "D2", "M1", "P1", "M2"}  # M2: a serving step, not DESIGN.md's
-    for spec in WORKLOADS.values():
+    design = {"D1", "D2", "M1", "P1", "M2"}  # M2: a serving step, not DESIGN.md's
+    assert set(WORKLOADS) == design | {"E1", "E64", "E256"}
+    for spec in (WORKLOADS[name] for name in design):
         assert (spec.num_q_heads, spec.num_kv_heads, spec.head_size, spec.block_size) == (32, 8, 128, 16)
         assert spec.dtype == "bfloat16" and spec.causal
         assert len(spec.query_lens) == len(spec.context_lens)
@@ -99,6 +100,10 @@ def test_benchmark_workloads_match_design():
     assert WORKLOADS["P1"].query_lens == (4096,) * 4 and WORKLOADS["P1"].context_lens == (0,) * 4
     m2 = WORKLOADS["M2"]
     assert sorted(zip(m2.query_lens, m2.context_lens, strict=True)) == [(1, 2048)] * 63 + [(512, 1024)]
+    for n in (1, 64, 256):  # the engine's decode steps on SmolLM2-135M's heads (generate_gpu.py)
+        e = WORKLOADS[f"E{n}"]
+        assert (e.num_q_heads, e.num_kv_heads, e.head_size, e.block_size) == (9, 3, 64, 16)
+        assert e.query_lens == (1,) * n and e.context_lens == (256,) * n
 
 
 def test_workload_make_batch_with_overrides():
