@@ -1078,13 +1078,41 @@ def main(argv=None) -> int:
     if "fa3" in impls:
         log(peer_table(results))
     if args.tune and tuned_entries:
-        table = {"device_kind": dev.device_kind, "source": f"benchmarks/attention.py --tune, {meta['date']}, "
-                 f"jax {jax.__version__}, median of a sweep per workload", "match_keys": list(GPU_MATCH_KEYS),
-                 "entries": tuned_entries}  # fmt: skip
         tpath = out_path.with_name(f"gpu_{slug}.json") if args.out else TUNED_DIR / f"gpu_{slug}.json"
+        committed = TUNED_DIR / f"gpu_{slug}.json"
+        old = json.loads(committed.read_text()) if committed.exists() else None
+        source = (f"benchmarks/attention.py --tune {args.tune}, {meta['date']}, jax {jax.__version__}, each "
+                  "candidate's CUPTI device time")  # fmt: skip
+        table, notes = merged_table(old, tuned_entries, dev.device_kind, source)
+        for note in notes:
+            log(f"  {note}")
         tpath.write_text(json.dumps(table, indent=1))
         log(f"wrote {tpath}")
     return 0
+
+
+def merged_table(old: dict | None, entries: list[dict], device_kind: str, source: str) -> tuple[dict, list[str]]:
+    """The device's table with ``entries`` (this run's, in ``--tune`` order) in it: an entry
+    replaces the old one with its match keys, the old entries of other keys stay (a run that
+    tunes D1 keeps the table's other shapes), and of this run's entries with the same keys the
+    first is kept. Returns the table and a line per entry replaced or dropped."""
+    key = lambda e: tuple(e.get(k) for k in GPU_MATCH_KEYS)  # noqa: E731
+    notes, new = [], {}
+    for e in entries:
+        if key(e) in new:
+            notes.append(f"{e.get('note')}: dropped, {new[key(e)].get('note')} has the same match keys {key(e)}")
+        else:
+            new[key(e)] = e
+    kept = []
+    for e in (old or {}).get("entries", []):
+        if key(e) in new:
+            notes.append(f"replaced the entry {e.get('note')!r} (match keys {key(e)})")
+        else:
+            kept.append(e)
+    sources = [(old or {}).get("source")] if kept else []
+    table = {"device_kind": device_kind, "source": "; ".join(filter(None, [*sources, source])),
+             "match_keys": list(GPU_MATCH_KEYS), "entries": kept + list(new.values())}  # fmt: skip
+    return table, notes
 
 
 if __name__ == "__main__":

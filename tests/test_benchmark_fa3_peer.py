@@ -205,8 +205,8 @@ def test_parse_workloads_reads_page_and_head_suffixes():
 
 @pytest.mark.parametrize(
     ("names", "message"),
-    [("D3", r"unknown workload 'D3': valid bases are \['D1', 'D2', 'E1', 'E256', 'E64', 'M1', 'M2', 'P1'\]"), ("P1_q128", "suffix 'q128'"),
-     ("P1_p0", "suffix 'p0'"), ("P1_p", "suffix 'p'")],
+    [("D3", r"unknown workload 'D3': valid bases are \['D1', 'D2', 'E1', 'E256', 'E64', 'M1', 'M2', 'P1'\]"),
+     ("P1_q128", "suffix 'q128'"), ("P1_p0", "suffix 'p0'"), ("P1_p", "suffix 'p'")],
 )  # fmt: skip
 def test_parse_workloads_names_the_bad_part(names, message):
     with pytest.raises(ValueError, match=message):
@@ -430,3 +430,18 @@ def test_tune_candidates_cover_narrow_heads_packs_and_short_contexts_splits():
     d1 = attention.tune_candidates(attention.make_device_batch(dataclasses.replace(
         attention.WORKLOADS["D1"], query_lens=(1,) * 2, context_lens=(64,) * 2)))  # fmt: skip
     assert {bs.kv_heads_per_program for bs in d1} == {1}  # head 128: already a whole tile
+
+
+def test_a_tune_run_merges_into_the_devices_table():
+    """A run's entries replace the old ones with their match keys and keep the others (tuning D1
+    again must not drop the table's SmolLM2 entry); two of the run's with the same keys keep the first."""
+    match = dict(mode="decode", head_size=128, group=4, page_size=16, q_dtype="bfloat16", kv_dtype="bfloat16")
+    other = {**match, "head_size": 64, "group": 3, "note": "workload E1", "block_q": 4}
+    old = {"device_kind": "GPU X", "source": "an earlier run", "entries": [{**match, "note": "old D1"}, other]}
+    new = [{**match, "note": "workload D1", "block_q": 4}, {**match, "note": "workload D2", "block_q": 2}]
+    table, notes = attention.merged_table(old, new, "GPU X", "this run")
+    assert [e["note"] for e in table["entries"]] == ["workload E1", "workload D1"]
+    assert table["source"] == "an earlier run; this run" and table["match_keys"] == list(attention.GPU_MATCH_KEYS)
+    assert any("workload D2: dropped" in n for n in notes) and any("replaced the entry 'old D1'" in n for n in notes)
+    fresh, _ = attention.merged_table(None, new[:1], "GPU X", "this run")
+    assert fresh["source"] == "this run" and len(fresh["entries"]) == 1
