@@ -41,11 +41,13 @@ Writes benchmarks/results/attention_<device>.json (or --out).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import functools
 import itertools
 import json
+import os
 import pathlib
 import platform
 import re
@@ -772,20 +774,49 @@ def tune_candidates(b: DeviceBatch) -> list[GpuBlockSizes]:
     return out
 
 
+def compile_all(fns: list, args: tuple, threads: int | None = None) -> list:
+    """``fn.lower(*args).compile()`` for each jitted ``fn``: lowered one by one (Python, under
+    the GIL), compiled on ``threads`` threads (XLA's compile and the Triton kernels' ptxas
+    release it; default: one per CPU). Returns, in order, each executable or the exception that
+    lowering or compiling it raised."""
+
+    def lower(fn):
+        try:
+            return fn.lower(*args)
+        except Exception as e:  # noqa: BLE001 - returned: one candidate's failure is its own
+            return e
+
+    def compile_one(lowered):
+        if isinstance(lowered, Exception):
+            return lowered
+        try:
+            return lowered.compile()
+        except Exception as e:  # noqa: BLE001 - as above
+            return e
+
+    lowered = [lower(fn) for fn in fns]
+    with concurrent.futures.ThreadPoolExecutor(threads or os.cpu_count()) as pool:
+        return list(pool.map(compile_one, lowered))
+
+
 def tune(b: DeviceBatch, log, cupti_calls: int = 20) -> tuple[GpuBlockSizes, float, list]:
-    """Every ``tune_candidates`` entry compiled and run, then ranked by CUPTI device time (the
-    median span of ``cupti_calls`` calls each, one trace for all of them): a decode kernel of a
-    few microseconds is far below the host's dispatch of one call, which a host clock would time."""
+    """Every ``tune_candidates`` entry compiled (``compile_all``) and run, then ranked by CUPTI
+    device time (the median span of ``cupti_calls`` calls each, one trace for all of them): a
+    decode kernel of a few microseconds is far below the host's dispatch of one call, which a
+    host clock would time."""
     rows, thunks = [], {}
     args = (b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.slot_mapping)
-    for i, bs in enumerate(tune_candidates(b)):
+    candidates = tune_candidates(b)
+    executables = compile_all([pallas_gpu_fn(b, bs, mgpu=False) for bs in candidates], args)
+    for i, (bs, exe) in enumerate(zip(candidates, executables, strict=True)):
         try:
-            fn = pallas_gpu_fn(b, bs, mgpu=False)
-            jax.block_until_ready(fn(*args))
+            if isinstance(exe, Exception):
+                raise exe
+            jax.block_until_ready(exe(*args))
         except Exception as e:  # noqa: BLE001 - a config Triton rejects (shared memory, ...)
-            rows.append({**dataclasses.asdict(bs), "error": str(e).splitlines()[0][:200]})
+            rows.append({**dataclasses.asdict(bs), "error": (str(e).splitlines() or [repr(e)])[0][:200]})
             continue
-        thunks[i] = (bs, functools.partial(fn, *args))
+        thunks[i] = (bs, functools.partial(exe, *args))
     traced = cupti_timing.trace_calls({i: thunk for i, (_, thunk) in thunks.items()}, n=cupti_calls)
     for i, (bs, _) in thunks.items():
         us = cupti_timing.summarize(traced[i])["median_us"]

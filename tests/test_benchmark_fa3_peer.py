@@ -445,3 +445,14 @@ def test_a_tune_run_merges_into_the_devices_table():
     assert any("workload D2: dropped" in n for n in notes) and any("replaced the entry 'old D1'" in n for n in notes)
     fresh, _ = attention.merged_table(None, new[:1], "GPU X", "this run")
     assert fresh["source"] == "this run" and len(fresh["entries"]) == 1
+
+
+def test_compile_all_keeps_order_and_each_candidates_failure():
+    """The tuner's candidates compile on threads; each result is its own executable or the
+    exception its lowering raised, in the candidates' order."""
+    x = jnp.arange(6.0).reshape(2, 3)
+    fns = [jax.jit(lambda a: a * 2), jax.jit(lambda a: a @ a), jax.jit(lambda a: a.sum(axis=0))]
+    out = attention.compile_all(fns, (x,), threads=2)
+    assert len(out) == 3 and isinstance(out[1], Exception)  # [2, 3] @ [2, 3]: a shape error
+    np.testing.assert_allclose(out[0](x), np.arange(6.0).reshape(2, 3) * 2)
+    np.testing.assert_allclose(out[2](x), [3.0, 5.0, 7.0])
