@@ -29,7 +29,7 @@ calls issued without waiting (a launch gap between a call's kernels that the hos
 the device's earlier work, as in a model's step, then does not count).
 
     python benchmarks/attention.py                       # all workloads, all implementations
-    python benchmarks/attention.py --tune M1,P1          # + block-size sweeps, writes tuned/gpu_*.json
+    python benchmarks/attention.py --tune M1,P1          # + block-size sweeps, merged into tuned/gpu_*.json
     python benchmarks/attention.py --workloads D1 --impls pallas_gpu
     python benchmarks/attention.py --workloads D1,D2,M1,P1,P1_p128 --impls pallas_gpu,fa3 --out r.json
 
@@ -799,11 +799,11 @@ def compile_all(fns: list, args: tuple, threads: int | None = None) -> list:
         return list(pool.map(compile_one, lowered))
 
 
-def tune(b: DeviceBatch, log, cupti_calls: int = 20) -> tuple[GpuBlockSizes, float, list]:
+def tune(b: DeviceBatch, log, cupti_calls: int = 20) -> tuple[GpuBlockSizes, list]:
     """Every ``tune_candidates`` entry compiled (``compile_all``) and run, then ranked by CUPTI
     device time (the median span of ``cupti_calls`` calls each, one trace for all of them): a
     decode kernel of a few microseconds is far below the host's dispatch of one call, which a
-    host clock would time."""
+    host clock would time. Returns the fastest and a row per candidate (its time or error)."""
     rows, thunks = [], {}
     args = (b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.slot_mapping)
     candidates = tune_candidates(b)
@@ -826,7 +826,7 @@ def tune(b: DeviceBatch, log, cupti_calls: int = 20) -> tuple[GpuBlockSizes, flo
     best = min(ok, key=lambda r: r["ms"])
     fields = {k: best[k] for k in ("block_q", "pages_per_tile", "num_kv_splits", "num_warps", "num_stages",
                                    "kv_heads_per_program")}  # fmt: skip
-    return GpuBlockSizes(**fields), best["ms"] / 1e3, rows
+    return GpuBlockSizes(**fields), rows
 
 
 def run_metadata(dev, ceilings: dict) -> dict:
@@ -1020,7 +1020,7 @@ def main(argv=None) -> int:
                             part, t, float("nan"), {"note": "one of the two launches alone; rows of the other unset"}
                         )
                 if args.tune and b.spec.name in args.tune.split(","):
-                    best, _, rows = tune(b, log, args.cupti_calls)
+                    best, rows = tune(b, log, args.cupti_calls)
                     fn = pallas_gpu_fn(b, best)
                     extra = {"block_sizes": dataclasses.asdict(best), "sweep": rows}
                     extra["device"] = device_summary(fn, *op_args, calls=args.cupti_calls)
