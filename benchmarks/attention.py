@@ -75,6 +75,7 @@ from attn_jax.ops.ragged_paged_attention.config import (
     decode_part_block_sizes,
     gpu_batch_mode,
     gpu_block_sizes,
+    gpu_entry_key,
     kv_heads_to_pack,
     mgpu_block_sizes,
     mgpu_prefill_available,
@@ -820,10 +821,9 @@ def tune(b: DeviceBatch, log, cupti_calls: int = 20) -> tuple[GpuBlockSizes, lis
     traced = cupti_timing.trace_calls({i: thunk for i, (_, thunk) in thunks.items()}, n=cupti_calls)
     for i, (bs, _) in thunks.items():
         us = cupti_timing.summarize(traced[i])["median_us"]
-        rows.append({**dataclasses.asdict(bs), "device_us": us, "ms": us / 1e3})
+        rows.append({**dataclasses.asdict(bs), "device_us": us})
         log(f"  tune {b.spec.name} {bs}: {us:.1f} us (device)")
-    ok = [r for r in rows if "ms" in r]
-    best = min(ok, key=lambda r: r["ms"])
+    best = min((r for r in rows if "device_us" in r), key=lambda r: r["device_us"])
     fields = {k: best[k] for k in ("block_q", "pages_per_tile", "num_kv_splits", "num_warps", "num_stages",
                                    "kv_heads_per_program")}  # fmt: skip
     return GpuBlockSizes(**fields), rows
@@ -1127,17 +1127,17 @@ def merged_table(old: dict | None, entries: list[dict], device_kind: str, source
     replaces the old one with its match keys, the old entries of other keys stay (a run that
     tunes D1 keeps the table's other shapes), and of this run's entries with the same keys the
     first is kept. Returns the table and a line per entry replaced or dropped."""
-    key = lambda e: tuple(e.get(k) for k in GPU_MATCH_KEYS)  # noqa: E731
     notes, new = [], {}
     for e in entries:
-        if key(e) in new:
-            notes.append(f"{e.get('note')}: dropped, {new[key(e)].get('note')} has the same match keys {key(e)}")
+        key = gpu_entry_key(e)
+        if key in new:
+            notes.append(f"{e.get('note')}: dropped, {new[key].get('note')} has the same match keys {key}")
         else:
-            new[key(e)] = e
+            new[key] = e
     kept = []
     for e in (old or {}).get("entries", []):
-        if key(e) in new:
-            notes.append(f"replaced the entry {e.get('note')!r} (match keys {key(e)})")
+        if gpu_entry_key(e) in new:
+            notes.append(f"replaced the entry {e.get('note')!r} (match keys {gpu_entry_key(e)})")
         else:
             kept.append(e)
     sources = [(old or {}).get("source")] if kept else []

@@ -181,6 +181,11 @@ def tuned_table_for(prefix: str, device_kind: str | None) -> dict[str, Any] | No
     return None
 
 
+def gpu_entry_key(entry: dict[str, Any]) -> tuple:
+    """A GPU table entry's values of ``GPU_MATCH_KEYS``, in their order (None where absent)."""
+    return tuple(entry.get(k) for k in GPU_MATCH_KEYS)
+
+
 def gpu_entry_block_sizes(entry: dict[str, Any]) -> GpuBlockSizes:
     """The block sizes of one table entry (its match keys and ``note`` aside); ValueError names bad keys."""
     known = {f.name for f in dataclasses.fields(GpuBlockSizes)}
@@ -319,7 +324,7 @@ def gpu_block_choice(
     table = tuned_table_for("gpu_", device_kind)
     key = (mode, head_size, group, page_size, q_name, kv_name)
     for entry in (table or {}).get("entries", []):
-        if tuple(entry.get(k) for k in GPU_MATCH_KEYS) == key:
+        if gpu_entry_key(entry) == key:
             gpu_entry_block_sizes(entry)  # validates the entry
             fields.update({k: v for k, v in entry.items() if k not in GPU_MATCH_KEYS and k != "note"})
             matched = ", ".join(f"{k}={v}" for k, v in zip(GPU_MATCH_KEYS, key, strict=True))
