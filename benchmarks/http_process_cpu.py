@@ -30,7 +30,7 @@ import time
 import urllib.request
 
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
-from serve_load import free_port
+from serve_load import free_port, thread_cpu_seconds
 
 
 class StandInCore:
@@ -101,10 +101,8 @@ def serve(port: int, round_ms: float, tokens_per_round: int) -> None:
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds so far of process ``pid``'s live threads (Linux ``/proc``)."""
+    return sum(thread_cpu_seconds(int(task), pid) or 0.0 for task in os.listdir(f"/proc/{pid}/task"))
 
 
 async def closed_loop(base_url: str, concurrency: int, requests: int, max_tokens: int) -> int:

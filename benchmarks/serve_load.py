@@ -257,17 +257,17 @@ def prepare_engine(opts: dict):
     return engine, offline
 
 
-def thread_cpu_seconds(native_id: int | None) -> float | None:
-    """CPU seconds (user + system) so far of this process's thread ``native_id``
-    (``threading.get_native_id``), from Linux's /proc; None elsewhere or for None."""
+def thread_cpu_seconds(native_id: int | None, pid: int | str = "self") -> float | None:
+    """CPU seconds so far of process ``pid``'s thread ``native_id`` (``threading.get_native_id``),
+    from Linux's ``schedstat`` (nanoseconds; ``stat``'s 10 ms ticks are coarser than a short
+    phase's CPU); None elsewhere, for None, or for a thread that has ended."""
     if native_id is None:
         return None
     try:
-        with open(f"/proc/self/task/{native_id}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # after the command name: state, ppid, ...
+        with open(f"/proc/{pid}/task/{native_id}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime, in ticks
 
 
 def cpu_marks(prefix: str, thread_id: int | None) -> dict:
