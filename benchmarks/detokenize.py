@@ -87,7 +87,7 @@ def main() -> None:
         detoks = [IncrementalDetokenizer(tokenizer) for _ in streams]
         if name == "decode_stream":
             for d in detoks:  # the library's stream in place of the table
-                d._bytes, d._stream = None, DecodeStream(skip_special_tokens=True)
+                d._bytes, d._texts, d._stream = None, None, DecodeStream(skip_special_tokens=True)
         start = time.perf_counter()
         for k in range(128):
             for d, s in zip(detoks, streams, strict=True):

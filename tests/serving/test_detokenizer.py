@@ -107,13 +107,15 @@ def test_text_without_a_stop_string_is_all_returned(gguf_tokenizer):
 @given(ids=st.lists(st.one_of(st.integers(0, 16), st.integers(0, 49151)), max_size=40))
 def test_the_byte_table_emits_what_decode_stream_emits_token_by_token(gguf_tokenizer, ids):
     """A byte-level tokenizer's table path (special tokens, split and invalid UTF-8 among the
-    random ids) emits DecodeStream's text at every token, and the whole equals ``decode``."""
+    random ids; whole-character tokens take the text table) emits DecodeStream's text at every
+    token, and the whole equals ``decode``."""
     from tokenizers.decoders import DecodeStream
 
     backend = gguf_tokenizer.backend_tokenizer
     detok, stream = IncrementalDetokenizer(gguf_tokenizer), DecodeStream(skip_special_tokens=True)
     assert detok._bytes is not None and len(detok._bytes) == gguf_tokenizer.vocab_size == 49152
-    assert [detok._decode_new(i) for i in ids] == [stream.step(backend, i) or "" for i in ids]
+    assert detok._texts is not None and IncrementalDetokenizer(gguf_tokenizer, stop=("x",))._texts is None
+    assert [detok.add(i) for i in ids] == [(stream.step(backend, i) or "", False) for i in ids]
     detok = IncrementalDetokenizer(gguf_tokenizer)
     assert "".join(_run(detok, ids)[0]) == gguf_tokenizer.decode(ids, skip_special_tokens=True)
 
