@@ -51,6 +51,21 @@ def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 20) -> float:
     return 2 * num_bytes / float(np.median(times))
 
 
+def text_tokenizer(config):
+    """The embedded SmolLM2's tokenizer, for ``--detokenize`` (ValueError for a shape of another
+    vocabulary: its random token ids would not be that tokenizer's)."""
+    from attn_jax.models.gguf_loader import load_tokenizer
+    from attn_jax.models.smollm2 import gguf_path
+
+    tokenizer = load_tokenizer(gguf_path())
+    if tokenizer.vocab_size != config.vocab_size:
+        raise ValueError(
+            f"--detokenize needs a model of the embedded SmolLM2's vocabulary ({tokenizer.vocab_size} tokens); "
+            f"{config.name} has {config.vocab_size}"
+        )
+    return tokenizer
+
+
 def prompts_for(config, batch: int, prompt_len: int) -> list[list[int]]:
     rng = np.random.default_rng(batch)
     return [rng.integers(3, config.vocab_size, prompt_len).tolist() for _ in range(batch)]
@@ -66,15 +81,18 @@ def run_engine(
     num_scheduler_steps: int = 1,
     logprobs: int | None = None,
     repeats: int = 1,
+    tokenizer=None,
 ) -> dict:
     """The engine's tokens/s on ``prompts_for(config, batch)`` (``mesh``: sharded), with
-    ``num_scheduler_steps`` decode steps per call, measured ``repeats`` times on one engine."""
+    ``num_scheduler_steps`` decode steps per call, measured ``repeats`` times on one engine
+    (``tokenizer``: the engine's, which then decodes each token's text)."""
     local = {} if mesh is None else local_model_kwargs(config, mesh)
     model = LlamaModel(config, block_size=args.block_size, attn_backend=backend, dtype=args.dtype, **local)
     engine = Engine(
         model, params, mesh=mesh, max_num_seqs=batch, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.prompt_len + args.new_tokens, kv_cache_bytes=args.kv_cache_gib << 30,
         num_scheduler_steps=num_scheduler_steps, enable_prefix_caching=not args.no_prefix_caching,
+        tokenizer=tokenizer,
     )  # fmt: skip
     prompts = prompts_for(config, batch, args.prompt_len)
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, logprobs=logprobs)
@@ -203,9 +221,18 @@ def main() -> None:
         help="freeze the heap after each engine's warm-up, as attn-stack serve's engine process does "
         "(attn_jax/server/gc_heap.py); default: Python's collector as a library user has it",
     )  # fmt: skip
+    parser.add_argument(
+        "--detokenize", action="store_true",
+        help="give the engine the embedded SmolLM2's tokenizer, so each token's text is decoded as a user's "
+        "engine decodes it (SmolLM2's shape only; needs gguf and tokenizers); default: token ids only",
+    )  # fmt: skip
     add_engine_args(parser, prompt_len=128, kv_cache_gib=4)
     add_output_args(parser, "generate_gpu.json")
     args = parse_engine_args(parser)
+    try:
+        tokenizers = {name: text_tokenizer(MODEL_SHAPES[name]()) if args.detokenize else None for name in args.model}
+    except ValueError as e:
+        parser.error(str(e))
 
     device = jax.devices()[0]
     bandwidth = copy_bandwidth()
@@ -227,6 +254,7 @@ def main() -> None:
                 num_scheduler_steps=k,
                 logprobs=args.logprobs,
                 repeats=args.repeats,
+                tokenizer=tokenizers[name],
             )
             runs.append(r)
             print(
@@ -264,6 +292,7 @@ def main() -> None:
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens,
             "greedy": True,
+            "detokenize": args.detokenize,
             "max_num_batched_tokens": args.max_num_batched_tokens,
         },
         "machine": {

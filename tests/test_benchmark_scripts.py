@@ -65,6 +65,24 @@ def test_write_and_out_are_exclusive():
     assert result.returncode == 2 and "not allowed with argument" in result.stderr
 
 
+def test_generate_gpu_detokenizes_only_the_tokenizers_own_vocabulary():
+    """``generate_gpu.py --detokenize`` gives the engine the embedded SmolLM2's tokenizer, which
+    a shape of another vocabulary cannot use: a usage error before anything is measured."""
+    from attn_jax.testing.models import MODEL_SHAPES
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from generate_gpu import text_tokenizer
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    tokenizer = text_tokenizer(MODEL_SHAPES["smollm2-135m"]())
+    assert tokenizer.decode(tokenizer.encode("Paris is"), skip_special_tokens=True) == "Paris is"
+    result = _run(ROOT / "benchmarks" / "generate_gpu.py", "--model", "llama3-8b-8l", "--detokenize")
+    assert result.returncode == 2
+    assert "--detokenize needs a model of the embedded SmolLM2's vocabulary (49152 tokens)" in result.stderr
+    assert "llama3-8b-8l has 128256" in result.stderr
+
+
 @pytest.mark.slow
 def test_attention_fp8_runs_tiny_on_the_cpu_within_its_bound(tmp_path):
     """The FP8 P1 script's whole path at a tiny size (PALLAS_GPU in the interpreter): layers, oracle, JSON."""
