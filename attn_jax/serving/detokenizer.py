@@ -96,17 +96,16 @@ def _byte_table(backend) -> list[bytes | None] | None:
 
 @functools.lru_cache(maxsize=4)
 def _text_table(backend) -> list[str | None] | None:
-    """``_byte_table``'s pieces as text where a piece is whole characters by itself (None where
-    it is not, or is a special token): what a token adds when no bytes are pending."""
+    """What ``IncrementalDetokenizer._decode_new`` returns for each token with no bytes pending,
+    where that is text: its piece decoded, unless the piece is a special token or its text ends
+    in U+FFFD (an incomplete character, which waits for the next token's bytes; None there)."""
     table = _byte_table(backend)
     if table is None:
         return None
     texts: list[str | None] = []
     for piece in table:
-        try:
-            texts.append(piece.decode("utf-8") if piece else None)
-        except UnicodeDecodeError:
-            texts.append(None)
+        text = piece.decode("utf-8", "replace") if piece else ""
+        texts.append(text if text and not text.endswith(_REPLACEMENT) else None)
     return texts
 
 

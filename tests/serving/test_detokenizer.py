@@ -120,6 +120,18 @@ def test_the_byte_table_emits_what_decode_stream_emits_token_by_token(gguf_token
     assert "".join(_run(detok, ids)[0]) == gguf_tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def test_the_text_table_holds_what_the_byte_path_gives_with_nothing_pending(gguf_tokenizer):
+    """Every token's text-table entry is what ``_decode_new`` returns for it with no bytes
+    pending (None where that is nothing: special tokens, incomplete characters, and a token
+    whose text ends in U+FFFD, as SmolLM2's id 24211 does)."""
+    from attn_jax.serving.detokenizer import _text_table
+
+    texts = _text_table(gguf_tokenizer.backend_tokenizer)
+    assert len(texts) == gguf_tokenizer.vocab_size and texts[24211] is None
+    for i, text in enumerate(texts):
+        assert (text or "") == IncrementalDetokenizer(gguf_tokenizer)._decode_new(i), i
+
+
 def test_a_tokenizer_that_is_not_byte_level_streams_through_decode_stream():
     from tokenizers import Tokenizer, decoders, models
 
