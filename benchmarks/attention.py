@@ -1136,8 +1136,8 @@ def merged_table(old: dict | None, entries: list[dict], device_kind: str, source
             new[key] = e
     kept = []
     for e in (old or {}).get("entries", []):
-        if gpu_entry_key(e) in new:
-            notes.append(f"replaced the entry {e.get('note')!r} (match keys {gpu_entry_key(e)})")
+        if (key := gpu_entry_key(e)) in new:
+            notes.append(f"replaced the entry {e.get('note')!r} (match keys {key})")
         else:
             kept.append(e)
     sources = [(old or {}).get("source")] if kept else []
