@@ -33,6 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from engine_args import add_engine_args, parse_engine_args  # benchmarks/, the script's folder
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
@@ -127,15 +128,22 @@ def _step_and_sync(engine) -> None:
 @contextlib.contextmanager
 def replaying_last_call(engine):
     """The engine's last jitted call, to run again: yields ``call()``, which runs it once with
-    the caches and the rows' state of the call before fed back (both donated) and returns its
-    tokens; the engine holds the last call's caches and rows' state afterwards."""
-    jit_step, (params, _, _, *rest) = record_step_call(engine, functools.partial(_step_and_sync, engine))
+    the caches and the rows' state of the call before fed back (both donated) and a device
+    copy of the packed inputs the engine holds for the call after it (donated too: a copy a
+    call, so every call decodes the same positions), and returns its tokens; the engine
+    holds the last call's caches and rows' state afterwards."""
+    jit_step, (params, _, _, _, *static) = record_step_call(engine, functools.partial(_step_and_sync, engine))
+    chain = engine.runner._decode_chain  # (the last call, its inputs one step on); its own were donated to it
+    if chain is None:
+        raise RuntimeError("the engine's last call was not a decode batch: there is no decode call to replay")
+    packed = jnp.copy(chain[1])
     runner = engine.runner
     # The recorded caches and rows' state were donated: the engine's current ones.
     state = {"caches": engine.kv_caches, "last": (runner._last_tokens, runner._token_counts, runner._guide_masks)}
 
     def call():
-        tokens, state["last"], state["caches"] = jit_step(params, state["caches"], state["last"], *rest)[:3]
+        out = jit_step(params, state["caches"], state["last"], jnp.copy(packed), *static)
+        tokens, state["last"], state["caches"] = out[:3]
         return tokens  # (the step's other outputs are not kept)
 
     try:
