@@ -51,16 +51,20 @@ def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 20) -> float:
     return 2 * num_bytes / float(np.median(times))
 
 
-def text_tokenizer(config):
-    """The embedded SmolLM2's tokenizer, for ``--detokenize`` (ValueError for a shape of another
-    vocabulary: its random token ids would not be that tokenizer's)."""
+def text_tokenizer(config, folder: str | None = None):
+    """The tokenizer ``--detokenize`` gives the engine: the embedded SmolLM2's, or with ``folder``
+    one ``GGUFTokenizer.save`` wrote (``tokenizer.json`` and ``attn_stack_tokenizer.json``: a GPU
+    machine without the embedded model's package). ValueError for a shape of another vocabulary:
+    its random token ids would not be that tokenizer's."""
     from attn_jax.models.gguf_loader import load_tokenizer
+    from attn_jax.models.gguf_tokenizer import GGUFTokenizer
     from attn_jax.models.smollm2 import gguf_path
 
-    tokenizer = load_tokenizer(gguf_path())
+    tokenizer = load_tokenizer(gguf_path()) if folder is None else GGUFTokenizer.load(folder)
     if tokenizer.vocab_size != config.vocab_size:
+        what = "the embedded SmolLM2's vocabulary" if folder is None else f"{folder}'s vocabulary"
         raise ValueError(
-            f"--detokenize needs a model of the embedded SmolLM2's vocabulary ({tokenizer.vocab_size} tokens); "
+            f"--detokenize needs a model of {what} ({tokenizer.vocab_size} tokens); "
             f"{config.name} has {config.vocab_size}"
         )
     return tokenizer
@@ -222,16 +226,20 @@ def main() -> None:
         "(attn_jax/server/gc_heap.py); default: Python's collector as a library user has it",
     )  # fmt: skip
     parser.add_argument(
-        "--detokenize", action="store_true",
-        help="give the engine the embedded SmolLM2's tokenizer, so each token's text is decoded as a user's "
-        "engine decodes it (SmolLM2's shape only; needs gguf and tokenizers); default: token ids only",
+        "--detokenize", nargs="?", const="", default=None, metavar="FOLDER",
+        help="give the engine a tokenizer, so each token's text is decoded as a user's engine decodes it: the "
+        "embedded SmolLM2's (needs gguf and tokenizers), or FOLDER's, as GGUFTokenizer.save wrote it (needs "
+        "tokenizers); the model's vocabulary must be the tokenizer's; default: token ids only",
     )  # fmt: skip
     add_engine_args(parser, prompt_len=128, kv_cache_gib=4)
     add_output_args(parser, "generate_gpu.json")
     args = parse_engine_args(parser)
     try:
-        tokenizers = {name: text_tokenizer(MODEL_SHAPES[name]()) if args.detokenize else None for name in args.model}
-    except ValueError as e:
+        tokenizers = {
+            name: None if args.detokenize is None else text_tokenizer(MODEL_SHAPES[name](), args.detokenize or None)
+            for name in args.model
+        }
+    except (ValueError, OSError) as e:
         parser.error(str(e))
 
     device = jax.devices()[0]
@@ -292,7 +300,7 @@ def main() -> None:
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens,
             "greedy": True,
-            "detokenize": args.detokenize,
+            "detokenize": None if args.detokenize is None else args.detokenize or "the embedded SmolLM2's tokenizer",
             "max_num_batched_tokens": args.max_num_batched_tokens,
         },
         "machine": {

@@ -65,9 +65,11 @@ def test_write_and_out_are_exclusive():
     assert result.returncode == 2 and "not allowed with argument" in result.stderr
 
 
-def test_generate_gpu_detokenizes_only_the_tokenizers_own_vocabulary():
-    """``generate_gpu.py --detokenize`` gives the engine the embedded SmolLM2's tokenizer, which
-    a shape of another vocabulary cannot use: a usage error before anything is measured."""
+def test_generate_gpu_detokenizes_only_the_tokenizers_own_vocabulary(tmp_path):
+    """``generate_gpu.py --detokenize`` gives the engine the embedded SmolLM2's tokenizer, or
+    with a folder the one ``GGUFTokenizer.save`` wrote there (the same tokenizer here), which a
+    shape of another vocabulary cannot use, nor a folder without one: usage errors before
+    anything is measured."""
     from attn_jax.testing.models import MODEL_SHAPES
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -77,10 +79,16 @@ def test_generate_gpu_detokenizes_only_the_tokenizers_own_vocabulary():
         sys.path.remove(str(ROOT / "benchmarks"))
     tokenizer = text_tokenizer(MODEL_SHAPES["smollm2-135m"]())
     assert tokenizer.decode(tokenizer.encode("Paris is"), skip_special_tokens=True) == "Paris is"
+    tokenizer.save(tmp_path / "tok")
+    saved = text_tokenizer(MODEL_SHAPES["smollm2-135m"](), str(tmp_path / "tok"))
+    ids = tokenizer.encode("Paris is the capital of France")
+    assert saved.encode("Paris is the capital of France") == ids and saved.decode(ids) == tokenizer.decode(ids)
     result = _run(ROOT / "benchmarks" / "generate_gpu.py", "--model", "llama3-8b-8l", "--detokenize")
     assert result.returncode == 2
     assert "--detokenize needs a model of the embedded SmolLM2's vocabulary (49152 tokens)" in result.stderr
     assert "llama3-8b-8l has 128256" in result.stderr
+    result = _run(ROOT / "benchmarks" / "generate_gpu.py", "--detokenize", str(tmp_path / "none"))
+    assert result.returncode == 2 and str(tmp_path / "none") in result.stderr
 
 
 @pytest.mark.slow
