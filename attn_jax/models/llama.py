@@ -397,8 +397,8 @@ def rope_cos_sin(positions, inv_freq, attention_scaling: float = 1.0):
 def apply_rope(x, cos, sin):
     """x f[T, H, D] rotated: ``x * cos + rotate_half(x) * sin``, with ``rotate_half`` the
     halves reversed and the first negated. A reverse, not a concatenate: on a GPU XLA then
-    makes a loop fusion of k's rotation and fuses it horizontally with the value slice beside
-    it, both the k/v write's operands (BENCHMARKS.md, stop 62)."""
+    makes a loop fusion of k's rotation, which it fuses with the value slice beside it
+    (BENCHMARKS.md, stop 62)."""
     half = x.shape[-1] // 2
     halves = x.reshape(*x.shape[:-1], 2, half)
     rotated = (halves[..., ::-1, :] * jnp.asarray([-1, 1], x.dtype)[:, None]).reshape(x.shape)
