@@ -3,13 +3,13 @@
 In the NHD cache ``[2, P, S, Hkv, D]`` one token's keys for all KV heads are one
 contiguous row of ``Hkv * D`` elements at flat slot ``slot_mapping[t]`` (page ``s // S``,
 offset ``s % S``). The kernel views the cache as ``[2, P * S, Hkv * D]`` (a bitcast) and
-each program copies ``block_tokens`` whole rows of new keys and values into their slots,
-both planes' rows from one operand ``[2, T, Hkv * D]`` (so XLA computes them in one fusion:
-the rotated keys and the values sliced out of the q/k/v product):
-coalesced row loads and stores, no index arithmetic beyond one slot per row. The cache
-is both an input and the output (``input_output_aliases``), so under ``jax.jit`` with the
-cache donated nothing else is copied: the kernel moves the new tokens' bytes once (read
-k and v, write them), which is what a copy at device bandwidth moves.
+each program copies ``block_tokens`` whole rows of new keys and values into their slots:
+coalesced row loads and stores, no index arithmetic beyond one slot per row. Both planes'
+rows come as one operand ``[2, T, Hkv * D]``, so that XLA computes them in one fusion (the
+rotated keys and the values sliced out of the q/k/v product). The cache is both an input
+and the output (``input_output_aliases``), so under ``jax.jit`` with the cache donated
+nothing else is copied: the kernel moves the new tokens' bytes once (read k and v, write
+them), which is what a copy at device bandwidth moves.
 
 It replaces ``attn_jax.kv_cache.write_to_kv_cache`` (two XLA scatters) with the same
 contract: negative slots (padding) and slots from ``P * S`` on write nothing, fp8 caches
