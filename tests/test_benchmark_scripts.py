@@ -91,6 +91,31 @@ def test_generate_gpu_detokenizes_only_the_tokenizers_own_vocabulary(tmp_path):
     assert result.returncode == 2 and str(tmp_path / "none") in result.stderr
 
 
+def test_engine_step_profile_replays_the_engines_last_decode_call():
+    """``engine_step_profile.py``'s device-only timing runs the engine's last decode call again
+    and again, the caches and rows' state fed back; the call's packed inputs were donated to it,
+    so each replay takes a copy of the ones the engine holds for its next call (reusing the
+    donated ones failed from stop 59 until stop 62). The engine then runs on to the end."""
+    from attn_jax.serving import SamplingParams
+    from attn_jax.testing.models import tiny_random_engine
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from engine_step_profile import device_only_step_ms
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    engine = tiny_random_engine(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=96)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in ([5, 6, 7], [9, 10])]
+    for _ in range(4):  # the prefill, then decodes continuing on the device
+        engine.step()
+    times = device_only_step_ms(engine, 3)
+    assert set(times) == {"chained_tokens", "copy_to_host_async", "read_previous"}
+    assert all(t > 0 for t in times.values()), times
+    while engine.has_unfinished():
+        engine.step()
+    assert [len(engine.get_request(i).output_ids) for i in ids] == [12, 12]
+
+
 @pytest.mark.slow
 def test_attention_fp8_runs_tiny_on_the_cpu_within_its_bound(tmp_path):
     """The FP8 P1 script's whole path at a tiny size (PALLAS_GPU in the interpreter): layers, oracle, JSON."""
