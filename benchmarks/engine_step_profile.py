@@ -136,7 +136,7 @@ def replaying_last_call(engine):
     chain = engine.runner._decode_chain  # (the last call, its inputs one step on); its own were donated to it
     if chain is None:
         raise RuntimeError("the engine's last call was not a decode batch: there is no decode call to replay")
-    packed = jnp.copy(chain[1])
+    packed = chain[1]  # the engine's own, for its next call: each replay donates a copy of it
     runner = engine.runner
     # The recorded caches and rows' state were donated: the engine's current ones.
     state = {"caches": engine.kv_caches, "last": (runner._last_tokens, runner._token_counts, runner._guide_masks)}
