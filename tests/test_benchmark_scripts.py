@@ -243,3 +243,33 @@ def test_graph_updates_reads_xla_command_buffer_log():
         "graph_executions": 3, "graph_updates": 2, "graph_update_us_median": 235.0, "graph_commands": [420],
         "moved_allocations_per_update": {4: 1, 5: 1},
     }  # fmt: skip
+
+
+def test_layer_layout_gives_the_engine_the_same_tokens_in_every_layout():
+    """``layer_layout.py``'s stacked layouts (stop 63's measurement) keep the tiny engine's tokens."""
+    spec = importlib.util.spec_from_file_location("layer_layout", ROOT / "benchmarks" / "layer_layout.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    script = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import layer_layout; layer_layout.patch(sys.argv[1])\n"
+        "from attn_jax.serving import SamplingParams\nfrom attn_jax.testing.models import tiny_random_engine\n"
+        "e = tiny_random_engine(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96)\n"
+        "sp = SamplingParams(max_new_tokens=6, ignore_eos=True)\n"
+        "out = e.generate([list(range(10, 30)), list(range(40, 47))], sp)\n"
+        "p = e.runner.params\n"
+        "print('LAYERS', type(p['layers']).__name__, sorted(p), [c.output_ids for c in out])\n"
+    )  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(
+            lambda layout: subprocess.run([sys.executable, "-c", script, layout], cwd=ROOT, env=ENV,
+                                          capture_output=True, text=True, timeout=300),
+            module.LAYOUTS,
+        ))  # fmt: skip
+    lines = {}
+    for layout, run in zip(module.LAYOUTS, runs, strict=True):
+        assert run.returncode == 0, run.stderr[-2000:]
+        lines[layout] = next(x for x in run.stdout.splitlines() if x.startswith("LAYERS "))
+    tokens = {layout: line.split("] ", 1)[1] for layout, line in lines.items()}
+    assert len(set(tokens.values())) == 1, tokens
+    assert lines["per_layer"].startswith("LAYERS list") and lines["stacked_static"].startswith("LAYERS dict")
+    assert "'layer_ids'" in lines["stacked_dynamic"] and "'layer_ids'" not in lines["stacked_static"]
