@@ -22,7 +22,9 @@ import argparse
 import datetime
 import gc
 import itertools
+import os
 import platform
+import threading
 import time
 
 import jax
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from engine_args import add_engine_args, parse_engine_args  # benchmarks/, the script's folder
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
+from serve_load import thread_cpu_seconds  # benchmarks/, the script's folder
 
 from attn_jax.models.llama import LlamaModel
 from attn_jax.server.gc_heap import freeze_startup_heap
@@ -106,22 +109,24 @@ def run_engine(
     if args.gc_freeze:  # as attn-stack serve's engine process runs: its startup heap frozen
         freeze_startup_heap()
     measured, step_cpu = [], []
-    step = engine.step
+    step_runs = engine.step_runs
 
-    def timed_step():  # the main thread's CPU seconds in each engine step (a wait for the device uses none)
+    def timed_step_runs():  # the main thread's CPU seconds in each engine call (a wait for the device uses none)
         start = time.thread_time()
-        events = step()
+        runs = step_runs()
         step_cpu.append(time.thread_time() - start)
-        return events
+        return runs
 
-    engine.step = timed_step  # what ``generate`` calls, through ``stream``
+    engine.step_runs = timed_step_runs  # what ``generate`` calls
     for _ in range(repeats):
         engine.reset_prefix_cache()  # each measured run computes its prompts again, not from earlier runs' blocks
         compiles, first = engine.num_compilations, len(engine.stats)
         step_cpu.clear()
+        threads_before = threads_cpu()
         began, t = time.time(), time.perf_counter()
         results = engine.generate(prompts, sp)
         wall = time.perf_counter() - t
+        threads_after = threads_cpu()
         stats = engine.stats[first:]
         decode = [s for s in stats if not s.num_prefill_tokens]
         step_ms = [1e3 * s.seconds / s.num_steps for s in decode]  # per decode step: a multi-step call's over its steps
@@ -140,8 +145,9 @@ def run_engine(
             "decode_step_ms_p10_p90": [float(x) for x in np.percentile(step_ms, [10, 90])],
             "compilations_after_warmup": engine.num_compilations - compiles,
             "began_unix_s": began,
+            "busy_threads": busy_threads(threads_before, threads_after, wall),
         })  # fmt: skip
-    del engine.step  # the class's method again
+    del engine.step_runs  # the class's method again
     if args.gc_freeze:  # the next engine's run starts from a heap this one's objects can leave
         gc.unfreeze()
     # The run of median tokens/s gives the headline fields; every run is kept under "repeats".
@@ -158,6 +164,42 @@ def run_engine(
         "compilations_after_warmup": sum(m["compilations_after_warmup"] for m in measured),
         "repeats": measured if len(measured) > 1 else [],
     }
+
+
+def threads_cpu() -> dict[int, tuple[str, float, int]]:
+    """This process's threads (Linux's ``/proc``; {} elsewhere): thread id -> (name, CPU
+    seconds so far, the CPU it last ran on)."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        seconds = thread_cpu_seconds(int(tid))
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                cpu = int(f.read().rsplit(")", 1)[1].split()[36])  # field 39, "processor"
+        except (OSError, IndexError, ValueError):
+            continue
+        if seconds is not None:
+            out[int(tid)] = (name, seconds, cpu)
+    return out
+
+
+def busy_threads(before: dict, after: dict, wall: float, min_busy: float = 0.02) -> list[dict]:
+    """The threads busy for at least ``min_busy`` of ``wall`` seconds between two
+    ``threads_cpu`` readings, busiest first: name, the share of one core, the CPU each last ran
+    on, and which is the main thread (the engine's). A thread that spins while it waits for the
+    device shows as busy as the host's work; two on one core's hardware threads slow each other."""
+    main = threading.main_thread().native_id
+    rows = [
+        {"name": name, "busy": (seconds - before[tid][1]) / wall, "cpu": cpu, "main": tid == main}
+        for tid, (name, seconds, cpu) in after.items()
+        if tid in before and wall > 0 and (seconds - before[tid][1]) / wall >= min_busy
+    ]
+    return sorted(rows, key=lambda r: -r["busy"])
 
 
 def run_transformers(config, batch: int, args, compiled: bool) -> dict:
@@ -277,9 +319,11 @@ def main() -> None:
                     f"    run at {m['began_unix_s']:.1f}: {m['tokens_per_s']:9.1f} tokens/s, decode step "
                     f"{m['decode_step_ms_median']:.3f} ms (p10-p90 {m['decode_step_ms_p10_p90'][0]:.3f}-"
                     f"{m['decode_step_ms_p10_p90'][1]:.3f}), host {m['host_ms_per_step_median']:.3f} ms/step, "
-                    f"host CPU {m['host_cpu_ms_per_call_median']:.3f} ms/call",
+                    f"host CPU {m['host_cpu_ms_per_call_median']:.3f} ms/call; busy threads "
+                    + ", ".join(f"{b['name']}{'*' if b['main'] else ''} {b['busy']:.2f} (cpu {b['cpu']})"
+                                for b in m["busy_threads"][:4]),
                     flush=True,
-                )
+                )  # fmt: skip
         del params
         peers = []
         models.append({"model": name, "weight_read_floor_ms": floor_ms, "runs": runs, "peers": peers})
@@ -310,6 +354,10 @@ def main() -> None:
             "jax": jax.__version__,
             "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            # How CUDA waits for the device (unset: its automatic choice, which spins on a CPU
+            # while the process has fewer contexts than CPUs); read by XLA's stream executor.
+            "gpu_device_schedule": os.environ.get("TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE"),
         },
         "models": models,
     }

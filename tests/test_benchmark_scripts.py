@@ -273,3 +273,37 @@ def test_layer_layout_gives_the_engine_the_same_tokens_in_every_layout():
     assert len(set(tokens.values())) == 1, tokens
     assert lines["per_layer"].startswith("LAYERS list") and lines["stacked_static"].startswith("LAYERS dict")
     assert "'layer_ids'" in lines["stacked_dynamic"] and "'layer_ids'" not in lines["stacked_static"]
+
+
+def test_generate_gpu_times_each_engine_call_and_finds_the_busy_threads():
+    """``generate_gpu.py``'s host CPU time per call is measured around ``Engine.step_runs`` (what
+    ``generate`` calls; it read NaN while it wrapped ``step``), and each run lists the threads
+    that were busy, the engine's main thread among them."""
+    import argparse
+    import threading
+
+    from attn_jax.models.llama import init_params
+    from attn_jax.testing.models import tiny_random_config
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from generate_gpu import busy_threads, run_engine, threads_cpu
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    config = tiny_random_config()
+    args = argparse.Namespace(
+        block_size=16, dtype="float32", max_num_batched_tokens=64, prompt_len=16, new_tokens=24, kv_cache_gib=1,
+        no_prefix_caching=False, gc_freeze=False,
+    )  # fmt: skip
+    result = run_engine(config, init_params(config, seed=0), 2, args, None, repeats=2)
+    assert len(result["repeats"]) == 2
+    for run in result["repeats"]:
+        assert run["host_cpu_ms_per_call_median"] > 0
+        main = [t for t in run["busy_threads"] if t["main"]]
+        assert len(main) == 1 and 0 < main[0]["busy"] <= 1.5
+    before = threads_cpu()
+    assert before[threading.main_thread().native_id][0]  # a name
+    after = {tid: (name, seconds + 0.5, cpu) for tid, (name, seconds, cpu) in before.items()}
+    rows = busy_threads(before, after, 1.0)
+    assert len(rows) == len(before) and all(r["busy"] == pytest.approx(0.5) for r in rows)
+    assert busy_threads(before, after, 100.0) == []  # 0.005 of a core is below the 0.02 shown
