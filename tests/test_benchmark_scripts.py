@@ -307,3 +307,22 @@ def test_generate_gpu_times_each_engine_call_and_finds_the_busy_threads():
     rows = busy_threads(before, after, 1.0)
     assert len(rows) == len(before) and all(r["busy"] == pytest.approx(0.5) for r in rows)
     assert busy_threads(before, after, 100.0) == []  # 0.005 of a core is below the 0.02 shown
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_pin_main_thread_puts_the_main_thread_alone_on_a_core(tmp_path):
+    """``pin_main_thread.py``: the script it runs finds its main thread on one CPU, and jax's
+    client threads (started before the move) on the others."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os, threading\n"
+        "main = threading.main_thread().native_id\n"
+        "others = {t for t in os.listdir('/proc/self/task') if int(t) != main}\n"
+        "print('MAIN', sorted(os.sched_getaffinity(0)))\n"
+        "print('OTHERS', sorted({c for t in others for c in os.sched_getaffinity(int(t))}))\n"
+    )  # fmt: skip
+    result = _run(ROOT / "benchmarks" / "pin_main_thread.py", str(probe))
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("MAIN", "OTHERS")))
+    main, others = json.loads(lines["MAIN"]), json.loads(lines["OTHERS"])
+    assert len(main) == 1 and others and main[0] not in others
