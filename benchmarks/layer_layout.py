@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import pathlib
-import runpy
-import sys
+
+from wrapped_script import add_script_args, checked_script, run_script  # benchmarks/, the script's folder
 
 LAYOUTS = ("per_layer", "stacked_static", "stacked_dynamic")
 
@@ -79,16 +78,11 @@ def patch(layout: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", choices=LAYOUTS, required=True)
-    parser.add_argument("script", help="a benchmark script, e.g. benchmarks/generate_gpu.py")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    add_script_args(parser)
     args = parser.parse_args()
-    script = pathlib.Path(args.script)
-    if not script.is_file():
-        parser.error(f"script {args.script!r} is not a file")
+    script = checked_script(parser, args)
     patch(args.layout)
-    sys.argv = [str(script), *args.args]
-    sys.path.insert(0, str(script.parent))
-    runpy.run_path(str(script), run_name="__main__")
+    run_script(script, args.args)
 
 
 if __name__ == "__main__":

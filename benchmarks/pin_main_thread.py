@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import runpy
-import sys
+
+from wrapped_script import add_script_args, checked_script, run_script  # benchmarks/, the script's folder
 
 
 def core_cpus(cpu: int) -> set[int]:
@@ -54,19 +54,14 @@ def pin(cpus: list[int]) -> tuple[int, set[int], list[int]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("script", help="a benchmark script, e.g. benchmarks/generate_gpu.py")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    add_script_args(parser)
     args = parser.parse_args()
-    script = pathlib.Path(args.script)
-    if not script.is_file():
-        parser.error(f"script {args.script!r} is not a file")
+    script = checked_script(parser, args)
     if not hasattr(os, "sched_setaffinity"):
         parser.error("pinning needs Linux's sched_setaffinity")
     cpu, core, others = pin(sorted(os.sched_getaffinity(0)))
     print(f"main thread alone on CPU {cpu} (its core: {sorted(core)}); other threads on {others}", flush=True)
-    sys.argv = [str(script), *args.args]
-    sys.path.insert(0, str(script.parent))
-    runpy.run_path(str(script), run_name="__main__")
+    run_script(script, args.args)
 
 
 if __name__ == "__main__":

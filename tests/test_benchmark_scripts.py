@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if "__main__" in p.read_text())
+SCRIPTS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
 COMMITTED = [ROOT / "benchmarks" / "results", ROOT / "attn_jax" / "ops" / "ragged_paged_attention" / "tuned"]
 ENV = os.environ | {"JAX_PLATFORMS": "cpu"}
 
@@ -247,9 +247,11 @@ def test_graph_updates_reads_xla_command_buffer_log():
 
 def test_layer_layout_gives_the_engine_the_same_tokens_in_every_layout():
     """``layer_layout.py``'s stacked layouts (stop 63's measurement) keep the tiny engine's tokens."""
-    spec = importlib.util.spec_from_file_location("layer_layout", ROOT / "benchmarks" / "layer_layout.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from layer_layout import LAYOUTS
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
     script = (
         "import sys; sys.path.insert(0, 'benchmarks'); import layer_layout; layer_layout.patch(sys.argv[1])\n"
         "from attn_jax.serving import SamplingParams\nfrom attn_jax.testing.models import tiny_random_engine\n"
@@ -263,10 +265,10 @@ def test_layer_layout_gives_the_engine_the_same_tokens_in_every_layout():
         runs = list(pool.map(
             lambda layout: subprocess.run([sys.executable, "-c", script, layout], cwd=ROOT, env=ENV,
                                           capture_output=True, text=True, timeout=300),
-            module.LAYOUTS,
+            LAYOUTS,
         ))  # fmt: skip
     lines = {}
-    for layout, run in zip(module.LAYOUTS, runs, strict=True):
+    for layout, run in zip(LAYOUTS, runs, strict=True):
         assert run.returncode == 0, run.stderr[-2000:]
         lines[layout] = next(x for x in run.stdout.splitlines() if x.startswith("LAYERS "))
     tokens = {layout: line.split("] ", 1)[1] for layout, line in lines.items()}
