@@ -194,11 +194,11 @@ def busy_threads(before: dict, after: dict, wall: float, min_busy: float = 0.02)
     on, and which is the main thread (the engine's). A thread that spins while it waits for the
     device shows as busy as the host's work; two on one core's hardware threads slow each other."""
     main = threading.main_thread().native_id
-    rows = [
-        {"name": name, "busy": (seconds - before[tid][1]) / wall, "cpu": cpu, "main": tid == main}
-        for tid, (name, seconds, cpu) in after.items()
-        if tid in before and wall > 0 and (seconds - before[tid][1]) / wall >= min_busy
-    ]
+    rows = []
+    for tid, (name, seconds, cpu) in after.items():
+        busy = (seconds - before[tid][1]) / wall if tid in before and wall > 0 else 0.0
+        if busy >= min_busy:
+            rows.append({"name": name, "busy": busy, "cpu": cpu, "main": tid == main})
     return sorted(rows, key=lambda r: -r["busy"])
 
 

@@ -43,11 +43,9 @@ def pin(cpus: list[int]) -> tuple[int, set[int], list[int]]:
     if not others:
         raise SystemExit(f"CPUs {cpus} are one core: nowhere to put the other threads")
     os.sched_setaffinity(0, others)
-    import jax
     import jax.numpy as jnp
 
     (jnp.ones(4) + 1).block_until_ready()  # the client and its threads exist now, on ``others``
-    del jax
     os.sched_setaffinity(0, {main})
     return main, core, others
 
