@@ -189,14 +189,14 @@ def measure_ceilings() -> dict[str, float]:
 # --------------------------------------------------------------------------- implementations
 def schedules(b: DeviceBatch, block_sizes: GpuBlockSizes, mgpu: bool) -> dict:
     """The kernel's schedule arguments, as the metadata builder makes them on this device
-    (the Mosaic GPU split for prefill batches on Hopper, a mixed batch's decodes on decode blocks
-    in the Triton launch); ``mgpu=False`` leaves the split out (the Triton kernel serves all),
-    ``mgpu="force"`` makes it for any batch."""
+    (the Mosaic GPU split for prefill and mixed batches on Hopper, a mixed batch's decodes on
+    decode blocks in the Triton launch); ``mgpu=False`` leaves the split out (the Triton kernel
+    serves all), ``mgpu="force"`` makes it for any batch."""
     qsl, seq = np.asarray(b.query_start_loc), np.asarray(b.seq_lens)
     kind = jax.devices()[0].device_kind
     s = b.spec
     decode_bs = None
-    if gpu_batch_mode(b.query_lens) == "mixed":
+    if gpu_batch_mode(b.query_lens) != "decode":  # a prefill batch as a mixed one, its decode part empty
         decode_bs = decode_part_block_sizes(
             block_sizes, default_block_sizes(b, mode="decode"), group=s.num_q_heads // s.num_kv_heads,
             page_size=s.block_size, device_kind=kind, head_size=s.head_size, q_dtype=s.dtype,
@@ -205,9 +205,10 @@ def schedules(b: DeviceBatch, block_sizes: GpuBlockSizes, mgpu: bool) -> dict:
     make = pallas_triton.gpu_schedule if decode_bs is None else pallas_triton.mixed_schedule
     schedule = make(qsl, seq, num_tokens=b.num_tokens, block_q=block_sizes.block_q, xp=np)
     out = {"schedule": jnp.asarray(schedule), "decode_block_sizes": decode_bs}
-    if mgpu_prefill_available(kind) and (mgpu == "force" or (mgpu and gpu_batch_mode(b.query_lens) == "prefill")):
+    if mgpu_prefill_available(kind) and (mgpu == "force" or (mgpu and gpu_batch_mode(b.query_lens) != "decode")):
         mbs = mgpu_block_sizes(head_size=b.spec.head_size, device_kind=kind)
-        out.update(mgpu_split(qsl, seq, num_tokens=b.num_tokens, block_q=block_sizes.block_q, mgpu_bs=mbs))
+        out.update(mgpu_split(qsl, seq, num_tokens=b.num_tokens, block_q=block_sizes.block_q, mgpu_bs=mbs,
+                              decode_part=decode_bs is not None))  # fmt: skip
     return out
 
 
@@ -236,7 +237,7 @@ def split_part_times(b: DeviceBatch, bs: GpuBlockSizes, sched: dict) -> dict[str
 
     rest = functools.partial(
         pallas_triton._attend, sm_scale=s.head_size**-0.5, causal=True, sliding_window=None, soft_cap=None,
-        block_sizes=bs, interpret=False,
+        block_sizes=bs, interpret=False, decode_block_sizes=sched["decode_block_sizes"],
     )  # fmt: skip
 
     times = {"part_mgpu_prefill": time_jax(mgpu, b.q, b.kv_cache, sched["mgpu_schedule"], b.block_tables)}
@@ -324,12 +325,14 @@ KERNEL_CLASSES = (
 
 
 def default_block_sizes(b: DeviceBatch, mode: str | None = None) -> GpuBlockSizes:
-    """The builder's Triton blocks for the batch (``mode``: its batch mode unless given)."""
+    """The builder's Triton blocks for the batch (``mode``: its batch mode unless given; the
+    builder builds a prefill batch as a mixed one)."""
     s = b.spec
+    mode = mode or {"prefill": "mixed"}.get(gpu_batch_mode(b.query_lens), gpu_batch_mode(b.query_lens))
     return gpu_block_sizes(
         num_reqs=len(b.query_lens), pages_per_req=int(b.block_tables.shape[1]), page_size=s.block_size,
         head_size=s.head_size, num_kv_heads=s.num_kv_heads, group=s.num_q_heads // s.num_kv_heads,
-        mode=mode or gpu_batch_mode(b.query_lens), q_dtype=s.dtype, kv_dtype=s.dtype,
+        mode=mode, q_dtype=s.dtype, kv_dtype=s.dtype,
         device_kind=jax.devices()[0].device_kind,
     )  # fmt: skip
 
@@ -1014,7 +1017,10 @@ def main(argv=None) -> int:
                         impl, fn = "pallas_gpu_triton_only", pallas_gpu_fn(b, bs, mgpu=False)
                     else:
                         impl, fn = "pallas_gpu_mgpu_split", pallas_gpu_fn(b, bs, mgpu="force")
-                    record(impl, time_jax(fn, *op_args), rel_l2(fn(*op_args), ref), extra)
+                    other = {"block_sizes": extra["block_sizes"]}
+                    other["device"] = device_summary(fn, *op_args, calls=args.cupti_calls)
+                    record(impl, time_jax(fn, *op_args), rel_l2(fn(*op_args), ref), other,
+                           device_s=other["device"]["median_us"] / 1e6)  # fmt: skip
                     for part, t in split_part_times(b, bs, forced).items():
                         record(
                             part, t, float("nan"), {"note": "one of the two launches alone; rows of the other unset"}

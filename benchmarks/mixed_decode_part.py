@@ -9,7 +9,9 @@ on the mixed blocks), in two parts, and each part alone (the other part's q-bloc
 ``--decode-tiles`` also runs the decode part at other tile widths. ``--two-kernels`` adds the
 alternative of two kernels in one jit, the long chunks on the Mosaic GPU prefill and the
 decodes on the Triton kernel: whether XLA overlaps them depends on its command-buffer flags,
-so run it once per ``XLA_FLAGS`` setting (BENCHMARKS.md).
+so run it once per ``XLA_FLAGS`` setting (BENCHMARKS.md); and the PALLAS_GPU op's split with a
+decode part, the Triton launch writing the other rows and the decodes into the Mosaic GPU
+kernel's output.
 
     python benchmarks/mixed_decode_part.py --workloads M1,M2 --out /tmp/parts.json
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1 \\
@@ -34,7 +36,7 @@ def workload_rows(name: str, device_kind: str, decode_tiles: list[int], two_kern
     import numpy as np
     from attention import default_block_sizes, device_summary, make_device_batch  # benchmarks/
 
-    from attn_jax.backends.pallas_gpu import mgpu_split
+    from attn_jax.backends.pallas_gpu import mgpu_split, split_schedules
     from attn_jax.ops.ragged_paged_attention import pallas_mosaic_gpu, pallas_triton
     from attn_jax.ops.ragged_paged_attention.config import decode_part_block_sizes, mgpu_block_sizes
     from attn_jax.testing.workloads import WORKLOADS
@@ -85,6 +87,17 @@ def workload_rows(name: str, device_kind: str, decode_tiles: list[int], two_kern
         fns["two kernels: chunks + decodes, one jit"] = jax.jit(
             lambda q, kv: jnp.where(jnp.asarray(is_decode), dec(q, kv), mosaic(q, kv))
         )
+        # The PALLAS_GPU op's split with a decode part: the Triton launch writes the rest and the
+        # decodes (on decode blocks) into the Mosaic GPU kernel's output, no merge.
+        _, rest = split_schedules(qsl, seq, num_tokens=num_tokens, block_q=launch.block_q, tile=mbs.tile, xp=np,
+                                  decode_part=True)  # fmt: skip
+        fns["two kernels: the rest and decodes into the chunks' output"] = jax.jit(
+            lambda q, kv: pallas_triton._attend(
+                q, kv, jnp.asarray(rest), b.block_tables, None, None, None, None, mosaic(q, kv), sm_scale=sm_scale,
+                causal=True, sliding_window=None, soft_cap=None, block_sizes=launch, interpret=False,
+                decode_block_sizes=decode,
+            )[0]
+        )  # fmt: skip
     ref = np.asarray(fns["one part (every row on the launch's blocks)"](b.q, b.kv_cache), np.float32)
     print(f"{name}: launch {launch}, decode part {decode}")
     rows = []

@@ -88,32 +88,43 @@ class PallasGPUAttentionMetadata:
     cascade_suffix_tables: Array | None = None  # i32[R, pages_per_req]
 
 
-def split_schedules(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, tile: int, xp=jnp):
+def split_schedules(
+    query_start_loc, seq_lens, *, num_tokens: int, block_q: int, tile: int, xp=jnp, decode_part: bool = False
+):  # fmt: skip
     """(mgpu_schedule, rest_schedule): the Mosaic GPU prefill's q-tiles (requests of at least
     ``tile`` 8-aligned new tokens) and the Triton kernel's q-blocks for every other row:
-    other requests, the unaligned rows at either end of a served request, and the padding."""
+    other requests, the unaligned rows at either end of a served request, and the padding.
+    With ``decode_part`` (a mixed batch) the decodes' rows leave the first part of the rest
+    for a decode part (``pallas_triton.decode_part``: a block per request after NB blocks)."""
     mgpu, (lo, hi) = pallas_mosaic_gpu.mgpu_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, tile=tile, xp=xp)
     num_reqs = seq_lens.shape[0]
     qsl = query_start_loc.astype(np.int32)
+    first = qsl[:-1]
+    if decode_part:
+        # A decode's row (never the Mosaic GPU kernel's: lo == hi == its end) leaves both segments empty.
+        decodes, first = pallas_triton.decode_part(query_start_loc, seq_lens, xp=xp)
     reqs = xp.arange(num_reqs, dtype=np.int32)
     segments = (  # each request's rows before and after the Mosaic GPU span [lo, hi), then the padding
         xp.concatenate([reqs, reqs, xp.full((1,), num_reqs, np.int32)]),
-        xp.concatenate([qsl[:-1], hi, qsl[-1:]]),
+        xp.concatenate([first, hi, qsl[-1:]]),
         xp.concatenate([lo, qsl[1:], xp.full((1,), num_tokens, np.int32)]),
     )
     rest = pallas_triton.gpu_schedule(
         query_start_loc, seq_lens, num_tokens=num_tokens, block_q=block_q, xp=xp, segments=segments
     )
+    if decode_part:
+        rest = xp.concatenate([rest, decodes], axis=1).astype(np.int32)
     return mgpu, rest
 
 
 def mgpu_split(
     query_start_loc, seq_lens, *, num_tokens: int, block_q: int, mgpu_bs: MgpuBlockSizes | None = None,
-    step_query_lens=None,
+    step_query_lens=None, decode_part: bool = False,
 ) -> dict:  # fmt: skip
     """The Mosaic GPU prefill split as metadata fields, or {} when no request is long
     enough: ``mgpu_schedule``, ``rest_schedule`` (None when the Mosaic GPU kernel serves
-    every row) and ``mgpu_block_sizes``.
+    every row) and ``mgpu_block_sizes``; ``decode_part``: the rest schedule ends in a mixed
+    batch's decode part (``split_schedules``).
 
     With ``step_query_lens`` (i32[N], the whole step's query lengths when data shards build
     their metadata separately) the fields follow the step, so every shard has the same
@@ -126,14 +137,15 @@ def mgpu_split(
     bs = mgpu_bs or MgpuBlockSizes()
     if not is_concrete(query_start_loc, seq_lens):
         mgpu, rest = split_schedules(
-            jnp.asarray(query_start_loc), jnp.asarray(seq_lens), num_tokens=num_tokens, block_q=block_q, tile=bs.tile
-        )
+            jnp.asarray(query_start_loc), jnp.asarray(seq_lens), num_tokens=num_tokens, block_q=block_q, tile=bs.tile,
+            decode_part=decode_part,
+        )  # fmt: skip
         return dict(mgpu_schedule=mgpu, rest_schedule=rest, mgpu_block_sizes=bs)
     if step_query_lens is not None and not (np.asarray(step_query_lens) >= bs.tile + 14).any():
         return {}
     mgpu, rest = split_schedules(
         np.asarray(query_start_loc), np.asarray(seq_lens), num_tokens=num_tokens, block_q=block_q, tile=bs.tile,
-        xp=np,
+        xp=np, decode_part=decode_part,
     )  # fmt: skip
     if step_query_lens is not None:
         return dict(mgpu_schedule=mgpu, rest_schedule=rest, mgpu_block_sizes=bs)
@@ -215,7 +227,10 @@ def ragged_paged_attention(
     out, lse = out if return_lse else (out, None)
     if rest_schedule is None:  # every row is the Mosaic GPU kernel's: no second launch
         return (out, kv_cache, lse) if return_lse else (out, kv_cache)
-    return triton(q, None, None, kv_cache, schedule=rest_schedule, out_init=out, lse_init=lse, return_lse=return_lse)
+    return triton(
+        q, None, None, kv_cache, schedule=rest_schedule, out_init=out, lse_init=lse, return_lse=return_lse,
+        decode_block_sizes=decode_block_sizes,
+    )  # fmt: skip
 
 
 TRACED_METADATA_COST = (
@@ -282,22 +297,23 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
     tokens than requests, else "mixed", with the Mosaic GPU split (computed with jnp) when
     the bucket averages a whole Mosaic tile per request. Block sizes depend only on the
     bucket's shapes, the mode and the dtypes (``config.gpu_block_choice``: tuned entry or
-    heuristic, fitted to the device's shared memory). Host metadata of a prefill batch that
-    does not take the Mosaic GPU split is built as a mixed batch's (its decode part empty), so
-    a bucket compiles at most three times: decode, mixed, and prefill with the split.
+    heuristic, fitted to the device's shared memory). Host metadata of a prefill batch is
+    built as a mixed batch's (its decode part empty), so a bucket compiles at most three
+    times: decode, mixed, and mixed with the split.
 
     With ``mgpu_prefill`` (the argument, else on unless ``ATTN_STACK_MGPU_PREFILL=0``, see
     ``MGPU_PREFILL_ENV``) on Hopper GPUs (``config.mgpu_prefill_available``), host
-    metadata of a prefill batch (no decodes) in a bucket of at least ``MGPU_SPLIT_MIN_TILES`` Mosaic
-    tiles gets the Mosaic GPU split (``mgpu_split``): the kernel then runs the long
-    requests in ``pallas_mosaic_gpu`` when the layer's configuration allows it
-    (``pallas_mosaic_gpu.unsupported_reason``) and everything in the Triton kernel otherwise.
-    Mixed batches stay on the Triton kernel alone: on the H100, DESIGN.md's M1 (4 chunks of
-    512 + 60 decodes) took 0.369 ms there against 0.388 ms split in two launches
-    (BENCHMARKS.md), its time being the decodes' KV reads. Whether the split is there is
-    part of the jit key: a prefill bucket compiles once more. In that one launch a mixed
-    batch's decodes run on the bucket's decode blocks (``decode_part_block_sizes``) beside the
-    other rows' q-blocks, so they stream their KV as a decode batch does.
+    metadata of a batch with a long request (prefill or mixed) in a bucket of at least
+    ``MGPU_SPLIT_MIN_TILES`` Mosaic tiles gets the Mosaic GPU split (``mgpu_split``): the
+    kernel then runs the long requests in ``pallas_mosaic_gpu`` when the layer's
+    configuration allows it (``pallas_mosaic_gpu.unsupported_reason``) and everything in the
+    Triton kernel otherwise. The Triton launch after it takes the other rows and, on the
+    bucket's decode blocks (``decode_part_block_sizes``), the decodes, writing them into the
+    Mosaic GPU kernel's output: on an H200, DESIGN.md's M1 (4 chunks of 512 + 60 decodes)
+    took 0.282 ms of device time with its k/v write against 0.341 ms in one Triton launch
+    (BENCHMARKS.md, stop 64). Whether the split is there is part of the jit key. Without it,
+    a mixed batch's one Triton launch runs its decodes on the decode blocks beside the other
+    rows' q-blocks, so they stream their KV as a decode batch does.
 
     Cascade attention (``use_cascade_attention``): the XLA builder's thresholds, and for
     float32 layers, whose dots run on FMA units (``config.fma_dots``), a performance model as
@@ -557,7 +573,7 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         if concrete:
             own = np.diff(np.asarray(base.query_start_loc))
             mode = gpu_batch_mode(own if step_query_lens is None else np.asarray(step_query_lens))
-            split_here = mode == "prefill" and num_tokens >= self.MGPU_SPLIT_MIN_TILES * tile
+            split_here = mode != "decode" and num_tokens >= self.MGPU_SPLIT_MIN_TILES * tile
         else:  # traced: only the bucket's shapes are known
             _warn_traced_once(self.device_kind)
             mode = "decode" if num_tokens <= num_reqs else "mixed"
@@ -567,22 +583,21 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         # A bucket holds at most one request per token: the engine pads requests to its slot
         # count, and the blocks are chosen for the requests the tokens can hold.
         num_reqs = min(num_reqs, max(num_tokens, 1))
-        split = {}
-        if split_here and self.mgpu_prefill:
-            bs = self.block_choice(num_reqs=num_reqs, pages_per_req=pages_per_req, mode=mode).block_sizes
-            mbs = mgpu_block_sizes(head_size=self.kv_cache_spec.head_size, device_kind=self.device_kind)
-            split = mgpu_split(
-                base.query_start_loc, base.seq_lens, num_tokens=num_tokens, block_q=bs.block_q, mgpu_bs=mbs,
-                step_query_lens=step_query_lens,
-            )  # fmt: skip
-        if mode == "prefill" and not split:
-            # Without the Mosaic GPU split a prefill batch runs the mixed batches' launch (its
-            # decode part empty): one program per bucket for both, not two (issue 46).
+        if mode == "prefill":
+            # A prefill batch runs the mixed batches' launch (its decode part empty), with or
+            # without the split: one program per bucket for both, not two (issue 46).
             mode = "mixed"
         bs = self.block_choice(num_reqs=num_reqs, pages_per_req=pages_per_req, mode=mode).block_sizes
         decode_bs = None
         if mode == "mixed":
             decode_bs = self.decode_part_block_sizes(num_reqs=num_reqs, pages_per_req=pages_per_req, block_sizes=bs)
+        split = {}
+        if split_here and self.mgpu_prefill:
+            mbs = mgpu_block_sizes(head_size=self.kv_cache_spec.head_size, device_kind=self.device_kind)
+            split = mgpu_split(
+                base.query_start_loc, base.seq_lens, num_tokens=num_tokens, block_q=bs.block_q, mgpu_bs=mbs,
+                step_query_lens=step_query_lens, decode_part=decode_bs is not None,
+            )  # fmt: skip
         xp = np if concrete else jnp
         make_schedule = pallas_triton.gpu_schedule if decode_bs is None else pallas_triton.mixed_schedule
         schedule = make_schedule(

@@ -99,11 +99,11 @@ def test_impl_rejects_other_metadata():
         impl.forward(None, None, None, None, object())
 
 
-def test_a_prefill_batch_without_the_mosaic_split_shares_the_mixed_program():
-    """A prefill batch that does not take the Mosaic GPU split (its bucket under
-    ``MGPU_SPLIT_MIN_TILES`` tiles, or no Hopper GPU) is built as a mixed batch, its decode
-    part empty: one compile key per bucket for both (issue 46). A larger bucket's long
-    prefill still takes the split, a key of its own."""
+def test_a_prefill_batch_shares_the_mixed_program():
+    """A prefill batch is built as a mixed batch, its decode part empty: one compile key per
+    bucket for both (issue 46), with the Mosaic GPU split (a long request in a bucket of at
+    least ``MGPU_SPLIT_MIN_TILES`` tiles on Hopper) or without it (a smaller bucket, no
+    Hopper GPU). A mixed batch with no long request takes no split: a key of its own."""
     spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=np.dtype(jnp.bfloat16), num_q_heads=4)
     tables = np.arange(32, dtype=np.int32).reshape(2, 16)
     hopper = PallasGPUMetadataBuilder(spec, device_kind="NVIDIA H100 80GB HBM3", mgpu_prefill=True)
@@ -113,13 +113,16 @@ def test_a_prefill_batch_without_the_mosaic_split_shares_the_mixed_program():
         buckets = MetadataBuckets((tokens,), (2,), (16,))
         prefill = build_common_attn_metadata([200, 30], [200, 30], tables, block_size=16, buckets=buckets)
         mixed = build_common_attn_metadata([200, 1], [200, 30], tables, block_size=16, buckets=buckets)
-        md_prefill, md_mixed = builder.build_for_jit(prefill), builder.build_for_jit(mixed)
+        short = build_common_attn_metadata([100, 1], [100, 30], tables, block_size=16, buckets=buckets)
+        md_prefill, md_mixed, md_short = (builder.build_for_jit(x) for x in (prefill, mixed, short))
         assert (md_prefill.mgpu_schedule is not None) == split, (tokens, builder.device_kind)
-        same = jax.tree.structure(md_prefill) == jax.tree.structure(md_mixed)
-        assert same != split, (tokens, builder.device_kind)
-        if not split:
-            assert md_prefill.decode_block_sizes is not None
-            assert not (md_prefill.schedule[4, -2:] > 0).any(), "the decode part holds no block"
+        assert jax.tree.structure(md_prefill) == jax.tree.structure(md_mixed), (tokens, builder.device_kind)
+        assert (jax.tree.structure(md_short) != jax.tree.structure(md_mixed)) == split
+        assert md_prefill.decode_block_sizes is not None
+        assert not (md_prefill.schedule[4, -2:] > 0).any(), "the decode part holds no block"
+        if split:
+            assert not (md_prefill.rest_schedule[4, -2:] > 0).any(), "nor the rest's decode part"
+            assert (md_mixed.rest_schedule[4, -2:] > 0).sum() == 1, "the mixed batch's decode is there"
 
 
 @pytest.mark.parametrize("options", [dict(), dict(per_layer_sliding_window=5, logits_soft_cap=3.0, sinks=True)])

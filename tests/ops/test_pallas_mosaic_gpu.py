@@ -32,10 +32,10 @@ needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a Hopper GPU (H10
 TILE = pallas_mosaic_gpu.MgpuBlockSizes().tile  # 128
 
 
-def _split(batch, block_q, tile=TILE, xp=np):
+def _split(batch, block_q, tile=TILE, xp=np, decode_part=False):
     return pallas_gpu_backend.split_schedules(
         xp.asarray(batch.query_start_loc), xp.asarray(batch.seq_lens), num_tokens=batch.q.shape[0],
-        block_q=block_q, tile=tile, xp=xp,
+        block_q=block_q, tile=tile, xp=xp, decode_part=decode_part,
     )  # fmt: skip
 
 
@@ -68,8 +68,64 @@ def test_split_schedules_cover_every_row_once_and_agree_traced():
     assert (np.diff(lasts) <= 0).all(), "longest KV extent first"
 
 
-def _split_traced(qsl, seq, num_tokens):
-    return pallas_gpu_backend.split_schedules(qsl, seq, num_tokens=num_tokens, block_q=8, tile=TILE, xp=jnp)
+def _split_traced(qsl, seq, num_tokens, decode_part=False):
+    return pallas_gpu_backend.split_schedules(
+        qsl, seq, num_tokens=num_tokens, block_q=8, tile=TILE, xp=jnp, decode_part=decode_part
+    )
+
+
+def test_split_schedules_with_a_decode_part_give_each_decode_its_own_block():
+    """A mixed batch's split: the Mosaic GPU tiles as without a decode part, the rest's first
+    part without the decodes' rows, then one block per request holding each decode's row."""
+    batch = make_ragged_batch(0, **_LENS, **_SHAPE, num_tokens=880)
+    num_reqs = len(_LENS["query_lens"])
+    mgpu, rest = _split(batch, block_q=8, decode_part=True)
+    mgpu_t, rest_t = jax.jit(lambda a, b: _split_traced(a, b, 880, decode_part=True))(
+        batch.query_start_loc, batch.seq_lens
+    )
+    np.testing.assert_array_equal(rest, np.asarray(rest_t))
+    np.testing.assert_array_equal(mgpu, np.asarray(mgpu_t))
+    np.testing.assert_array_equal(mgpu, _split(batch, block_q=8)[0])
+    qsl, seq = np.asarray(batch.query_start_loc), np.asarray(batch.seq_lens)
+    covered = np.zeros(880, int)
+    for tok in mgpu[1, mgpu[3] > 0]:
+        covered[tok : tok + TILE] = 1  # overlapping tiles write the same rows
+    for s, e in zip(rest[1], rest[2], strict=True):
+        covered[s:e] += 1
+    assert (covered == 1).all(), "each row is served by exactly one kernel"
+    first, decodes = rest[:, :-num_reqs], rest[:, -num_reqs:]
+    real = decodes[:, decodes[2] > decodes[1]]
+    assert list(real[0]) == [1], "the one decode (request 1) in the decode part, alone"
+    assert (real[1], real[3], real[4]) == (qsl[1], seq[1] - 1, seq[1])
+    assert not (first[0, first[2] > first[1]] == 1).any()
+    assert rest.shape[1] == pallas_triton.max_num_q_blocks(880, num_reqs, 8) + 2 * num_reqs
+
+
+def test_rest_launch_with_a_decode_part_writes_only_its_rows_interpret():
+    """The Triton launch of a mixed batch's split, in the interpreter: its rows (the rest and
+    the decodes, on decode blocks) match the oracle; the Mosaic GPU tiles' rows of
+    ``out_init`` are left as they were."""
+    batch = make_ragged_batch(1, query_lens=[130, 1, 3, 1], context_lens=[5, 20, 0, 9], **_SHAPE,
+                              dtype=jnp.bfloat16, num_tokens=140)  # fmt: skip
+    mgpu, rest = _split(batch, block_q=8, decode_part=True)
+    served = np.zeros(140, bool)
+    for tok in mgpu[1, mgpu[3] > 0]:
+        served[tok : tok + TILE] = True
+    assert served.sum() == 128
+    sentinel = jnp.full(batch.q.shape, 7.0, batch.q.dtype)
+    options = make_options(batch)
+    out, cache = pallas_triton.ragged_paged_attention(
+        *batch.op_args, **options, block_sizes=GpuBlockSizes(block_q=8, pages_per_tile=1), interpret=True,
+        schedule=rest, out_init=sentinel, decode_block_sizes=GpuBlockSizes(block_q=8, pages_per_tile=2),
+    )  # fmt: skip
+    out = np.asarray(out, np.float64)
+    assert (out[served] == 7.0).all(), "the Mosaic GPU kernel's rows are not this launch's"
+    q = np.asarray(batch.q, np.float64)
+    expected = attention_oracle(q, *read_back(batch, cache), batch.query_lens, **options)
+    mine = ~served[: batch.num_actual_tokens]
+    np.testing.assert_allclose(out[: batch.num_actual_tokens][mine], expected[mine], rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="out_init needs the schedule"):
+        pallas_triton.ragged_paged_attention(*batch.op_args, **options, interpret=True, out_init=sentinel)
 
 
 @pytest.mark.parametrize(
@@ -104,13 +160,19 @@ def test_builder_splits_long_prefills_on_hopper_only():
     spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=np.dtype(jnp.bfloat16), num_q_heads=4)
     tables = np.arange(40, dtype=np.int32).reshape(2, 20)
     prefill = build_common_attn_metadata([200, 130], [200, 130], tables, block_size=16)
-    mixed = build_common_attn_metadata([200, 1], [200, 30], tables, block_size=16)
+    mixed = build_common_attn_metadata([400, 1], [400, 30], np.arange(64, dtype=np.int32).reshape(2, 32),
+                                       block_size=16)  # fmt: skip
     decode = build_common_attn_metadata([1, 1], [20, 30], tables, block_size=16)
     hopper = PallasGPUMetadataBuilder(spec, device_kind="NVIDIA H100 80GB HBM3", mgpu_prefill=True)
     md = hopper.build(0, prefill)
     assert md.mgpu_schedule is not None and md.mgpu_block_sizes == pallas_mosaic_gpu.MgpuBlockSizes()
     assert md.rest_schedule is not None  # 130 tokens from row 200: rows 200..207 and the padding
-    assert hopper.build(0, mixed).mgpu_schedule is None, "mixed batches stay on the Triton kernel"
+    md = hopper.build(0, mixed)  # the long request on the Mosaic GPU kernel, the decode on decode blocks
+    assert md.mgpu_schedule is not None and md.decode_block_sizes is not None
+    num_tokens = md.slot_mapping.shape[0]
+    assert md.rest_schedule.shape[1] == pallas_triton.max_num_q_blocks(num_tokens, 2, md.block_sizes.block_q) + 4
+    small = build_common_attn_metadata([200, 1], [200, 30], tables, block_size=16)
+    assert hopper.build(0, small).mgpu_schedule is None, "a bucket under MGPU_SPLIT_MIN_TILES tiles: one launch"
     assert hopper.build(0, decode).mgpu_schedule is None
     a100 = PallasGPUMetadataBuilder(spec, device_kind="NVIDIA A100-SXM4-80GB", mgpu_prefill=True)
     assert a100.build(0, prefill).mgpu_schedule is None
@@ -377,6 +439,19 @@ def test_mgpu_split_matches_oracle_compiled(name):
     mgpu, rest = _split(batch, block_q=16, tile=mgpu_bs.tile)
     op = functools.partial(pallas_gpu_backend.ragged_paged_attention, block_sizes=bs, mgpu_schedule=mgpu,
                            rest_schedule=rest, mgpu_block_sizes=mgpu_bs)  # fmt: skip
+    check(batch, make_options(batch), use_jit=True, op=op)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_mgpu_split_with_a_decode_part_matches_oracle_compiled():
+    """A mixed batch as the builder splits it on Hopper: the Mosaic GPU tiles, then one Triton
+    launch writing the other rows and the decodes (on decode blocks) into their output."""
+    batch = make_ragged_batch(0, **_LENS, **_SHAPE, dtype=jnp.bfloat16, num_tokens=880, num_padding_requests=1,
+                              extra_blocks=3)  # fmt: skip
+    mgpu, rest = _split(batch, block_q=16, decode_part=True)
+    op = functools.partial(pallas_gpu_backend.ragged_paged_attention, block_sizes=GpuBlockSizes(16, 4),
+                           mgpu_schedule=mgpu, rest_schedule=rest, decode_block_sizes=GpuBlockSizes(16, 8))  # fmt: skip
     check(batch, make_options(batch), use_jit=True, op=op)
 
 

@@ -122,25 +122,33 @@ def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp
 def mixed_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp=jnp):
     """i32[5, NB + R]: a mixed batch's q-blocks for one launch in two parts, ``gpu_schedule``'s
     blocks of every row but the decodes' (``block_q`` tokens; NB as there), then one block per
-    request for the decodes (requests of one new token; a request of more gets an empty block
-    there), longest KV first. The kernel runs the second part on decode blocks (``_attend``'s
-    ``decode_block_sizes``): the decodes stream their KV as a decode batch's programs do while
-    the other rows' programs compute beside them."""
+    request for the decodes (``decode_part``). The kernel runs the second part on decode blocks
+    (``_attend``'s ``decode_block_sizes``): the decodes stream their KV as a decode batch's
+    programs do while the other rows' programs compute beside them."""
     num_reqs = seq_lens.shape[0]
     qsl = query_start_loc.astype(np.int32)
-    is_decode = (qsl[1:] - qsl[:-1]) == 1
-    # A decode's row ends its request: the first part starts there (empty), the second ends there.
-    split = xp.where(is_decode, qsl[1:], qsl[:-1])
+    decodes, split = decode_part(query_start_loc, seq_lens, xp=xp)
     segments = (
         xp.arange(num_reqs + 1, dtype=np.int32),
         xp.concatenate([split, qsl[-1:]]),
         xp.concatenate([qsl[1:], xp.full((1,), num_tokens, np.int32)]),
     )
     rest = gpu_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, block_q=block_q, xp=xp, segments=segments)
+    return xp.concatenate([rest, decodes], axis=1).astype(np.int32)
+
+
+def decode_part(query_start_loc, seq_lens, *, xp=jnp):
+    """(i32[5, R] decode blocks, i32[R] first row left to the other part): a mixed launch's
+    second part, one block per request (requests of one new token; a request of more gets an
+    empty block), longest KV first. A decode's row ends its request, so its other rows start
+    at its end (none); any other request keeps all of its rows."""
+    num_reqs = seq_lens.shape[0]
+    qsl = query_start_loc.astype(np.int32)
+    is_decode = (qsl[1:] - qsl[:-1]) == 1
+    split = xp.where(is_decode, qsl[1:], qsl[:-1])
     kv_len = xp.where(is_decode, seq_lens.astype(np.int32), 0)
     decodes = xp.stack([xp.arange(num_reqs, dtype=np.int32), qsl[:-1], split, xp.maximum(kv_len - 1, 0), kv_len])
-    decodes = decodes[:, xp.argsort(-kv_len, stable=True)]
-    return xp.concatenate([rest, decodes], axis=1).astype(np.int32)
+    return decodes[:, xp.argsort(-kv_len, stable=True)].astype(np.int32), split
 
 
 def _kernel(sched_ref, block_tables_ref, q_ref, kv_ref, *refs, has_scales, parts, **params):
@@ -404,9 +412,10 @@ def ragged_paged_attention(
     this call does not see, as cascade attention's prefix part) each row's softmax starts
     from them: the result is ``merge_attn_states`` of the two parts, in this one launch.
 
-    With ``decode_block_sizes`` (a mixed batch: ``schedule`` from ``mixed_schedule``) the batch's
-    decodes run on those blocks and its other rows on ``block_sizes``, in one launch; both take
-    one KV split and the same warps and stages (the launch's).
+    With ``decode_block_sizes`` (a mixed batch: ``schedule`` from ``mixed_schedule``, or the
+    Mosaic GPU split's rest with its decode part) the batch's decodes run on those blocks and its
+    other rows on ``block_sizes``, in one launch; both take one KV split and the same warps and
+    stages (the launch's).
 
     With ``q_scale`` (FP8 attention, the reference's semantics) each program quantises its
     q-block to e4m3 as it loads it, so both dots are e4m3 x e4m3 with float32 accumulation
@@ -441,16 +450,20 @@ def ragged_paged_attention(
         raise ValueError("lse_init goes with out_init and return_lse=True (the other kernel's rows' LSE), not alone")
     if decode_block_sizes is not None:
         check_decode_part(block_sizes, decode_block_sizes, group=q.shape[1] // kv_cache.shape[3],
-                          page_size=kv_cache.shape[2], return_states=return_states, out_init=out_init)  # fmt: skip
+                          page_size=kv_cache.shape[2], return_states=return_states)  # fmt: skip
+    if out_init is not None and schedule is None:
+        raise ValueError("out_init needs the schedule of the rows the other kernel left over (schedule=None given)")
     make_schedule = gpu_schedule if decode_block_sizes is None else mixed_schedule
     if schedule is None:
         schedule = make_schedule(
             jnp.asarray(query_start_loc), jnp.asarray(seq_lens), num_tokens=num_tokens, block_q=block_sizes.block_q
         )
     # gpu_schedule cuts R + 1 segments (each request, the padding), the Mosaic GPU split's rest 2R + 1;
-    # mixed_schedule adds a block per request.
+    # a decode part (mixed_schedule's, or the split's rest's) adds a block per request.
     full = max_num_q_blocks(num_tokens, num_reqs, block_sizes.block_q)
-    widths = (full, full + num_reqs) if decode_block_sizes is None else (full + num_reqs,)
+    widths = (full, full + num_reqs)
+    if decode_block_sizes is not None:
+        widths = (full + num_reqs, full + 2 * num_reqs)
     expected = [(len(_SCHEDULE_FIELDS), nb) for nb in widths]
     if tuple(schedule.shape) not in expected:
         raise ValueError(
@@ -497,7 +510,7 @@ def validate_inputs(
 
 def check_decode_part(
     block_sizes: GpuBlockSizes, decode_block_sizes: GpuBlockSizes, *, group: int, page_size: int,
-    return_states: bool = False, out_init=None,
+    return_states: bool = False,
 ) -> None:  # fmt: skip
     """Raises ValueError unless ``decode_block_sizes`` can run beside ``block_sizes`` in one launch."""
     check_block_sizes(decode_block_sizes, group=group, page_size=page_size)
@@ -508,8 +521,8 @@ def check_decode_part(
         raise ValueError(
             f"decode_block_sizes share the launch: their {mine} must equal block_sizes' {theirs}, with one KV split"
         )
-    if return_states or out_init is not None:
-        raise ValueError("decode_block_sizes (a mixed batch's decode part) takes no return_states and no out_init")
+    if return_states:
+        raise ValueError("decode_block_sizes (a mixed batch's decode part) takes no return_states")
 
 
 def write_new_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale, *, interpret: bool):
@@ -586,6 +599,9 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
     out_cols = widest if interpret else head_size  # and its full-width tiles
     aliases = {}
     if out_init is not None:  # rows another kernel wrote: this launch writes only its own rows
+        if interpret:  # the interpreter's output has a spare row and full-width tiles
+            out_init = jnp.pad(out_init, ((0, 1), (0, 0), (0, out_cols - head_size)))
+            lse_init = None if lse_init is None else jnp.pad(lse_init, ((0, 1), (0, 0)))
         aliases = {len(inputs): 0}
         inputs.append(out_init)
         if return_lse:
