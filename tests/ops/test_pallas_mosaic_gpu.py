@@ -457,6 +457,26 @@ def test_mgpu_split_with_a_decode_part_matches_oracle_compiled():
 
 @pytest.mark.gpu
 @needs_hopper
+def test_builder_metadata_of_a_mixed_batch_matches_oracle_compiled():
+    """The builder's metadata of a mixed batch in a bucket of 4 Mosaic tiles (two long chunks
+    on cached context, decodes, a short chunk) on this GPU: the split with its decode part,
+    through the backend's op as the layer calls it."""
+    from attn_jax.backends.base import AttentionSpec
+
+    batch = make_ragged_batch(5, query_lens=[300, 1, 1, 7, 190, 1], context_lens=[40, 500, 9, 30, 0, 260],
+                              **_SHAPE, dtype=jnp.bfloat16, num_tokens=512, extra_blocks=3)  # fmt: skip
+    spec = AttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=np.dtype(jnp.bfloat16), num_q_heads=4)
+    builder = pallas_gpu_backend.PallasGPUMetadataBuilder(spec, device_kind=jax.devices()[0].device_kind)
+    md = builder.build(0, batch.common_metadata())
+    assert md.mgpu_schedule is not None and md.decode_block_sizes is not None
+    kwargs = pallas_gpu_backend.PallasGPUAttentionImpl.kernel_kwargs(None, md)
+    op = functools.partial(pallas_gpu_backend.ragged_paged_attention, block_sizes=md.block_sizes,
+                           schedule=md.schedule, **kwargs)  # fmt: skip
+    check(batch, make_options(batch), use_jit=True, op=op)
+
+
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("split_rows", [True, False], ids=["with_triton_rest", "mgpu_alone"])
 def test_mgpu_lse_matches_oracle_compiled(split_rows):
     """``return_lse``: the Mosaic GPU tiles' LSE and the Triton kernel's rows (written into the

@@ -513,7 +513,10 @@ def _launch(q, k, k_rope, v, schedule, block_tables, scales, *, page_size, v_row
     chunks = bs.block_kv // min(page_size, bs.block_kv)
     num_tiles = schedule.shape[1]
     rope = k_rope is not None
-    pad = -num_tokens % 8  # a TMA over q and out wants whole 8-row tiles of tokens
+    # A TMA over q and out wants whole 8-row tiles of tokens: Mosaic GPU refuses a token count
+    # that is not a multiple of 8 ("dimension 1 must have size smaller or a multiple of its
+    # tiling 8"), so q is padded (a copy; the engine's token buckets need none).
+    pad = -num_tokens % 8
     if pad:
         q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
     fp8 = scales is not None
