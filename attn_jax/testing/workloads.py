@@ -326,13 +326,27 @@ WORKLOADS: dict[str, WorkloadSpec] = {
             )
             for n in (1, 64, 256)
         ),
+        *(
+            WorkloadSpec(
+                f"EM{n}",
+                f"the engine's admission step at batch {n} on SmolLM2-135M's heads: {n - p} decodes on 256 "
+                f"cached, then {p} new prompt(s) of 128 tokens (rows after the decodes: no 8-aligned Mosaic tile)",
+                (1,) * (n - p) + (128,) * p,
+                (256,) * (n - p) + (0,) * p,
+                num_q_heads=9,
+                num_kv_heads=3,
+                head_size=64,
+            )
+            for n, p in ((64, 1), (256, 2))
+        ),
     )
 }
 """DESIGN.md's benchmark workloads (bf16, 32 q heads, 8 kv heads, head_dim 128, block 16),
 M2, a continuous-batching step as a serving engine's chunked prefill makes it (one chunk
 beside the running decodes; not in DESIGN.md), and E1 / E64 / E256, the decode step that
 ``benchmarks/generate_gpu.py`` times (SmolLM2-135M: 9 q heads, 3 kv heads, head_dim 64), whose
-kernels the tuned tables must also cover (not in DESIGN.md).
+kernels the tuned tables must also cover, and EM64 / EM256, a serving step that admits prompts
+beside the decodes, on the same heads (not in DESIGN.md).
 
 "Context" in DESIGN.md's wording is read as cached tokens: a D1 request has seq_len 4097.
 """

@@ -88,7 +88,7 @@ def test_make_ragged_batch_rejects_bad_arguments(args, kwargs, message):
 
 def test_benchmark_workloads_match_design():
     design = {"D1", "D2", "M1", "P1", "M2"}  # M2: a serving step, not DESIGN.md's
-    assert set(WORKLOADS) == design | {"E1", "E64", "E256"}
+    assert set(WORKLOADS) == design | {"E1", "E64", "E256", "EM64", "EM256"}
     for spec in (WORKLOADS[name] for name in design):
         assert (spec.num_q_heads, spec.num_kv_heads, spec.head_size, spec.block_size) == (32, 8, 128, 16)
         assert spec.dtype == "bfloat16" and spec.causal
