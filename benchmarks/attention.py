@@ -62,7 +62,7 @@ import numpy as np
 
 from attn_jax import Attention, CommonAttentionMetadata
 from attn_jax.backends import pallas_gpu as pallas_gpu_backend
-from attn_jax.backends.pallas_gpu import mgpu_split
+from attn_jax.backends.pallas_gpu import launch_mode, mgpu_split
 from attn_jax.kv_cache import write_to_kv_cache
 from attn_jax.ops.ragged_paged_attention import kv_write, pallas_mosaic_gpu, pallas_triton, reference
 from attn_jax.ops.ragged_paged_attention.config import (
@@ -195,8 +195,9 @@ def schedules(b: DeviceBatch, block_sizes: GpuBlockSizes, mgpu: bool) -> dict:
     qsl, seq = np.asarray(b.query_start_loc), np.asarray(b.seq_lens)
     kind = jax.devices()[0].device_kind
     s = b.spec
+    mode = launch_mode(b.query_lens)
     decode_bs = None
-    if gpu_batch_mode(b.query_lens) != "decode":  # a prefill batch as a mixed one, its decode part empty
+    if mode == "mixed":
         decode_bs = decode_part_block_sizes(
             block_sizes, default_block_sizes(b, mode="decode"), group=s.num_q_heads // s.num_kv_heads,
             page_size=s.block_size, device_kind=kind, head_size=s.head_size, q_dtype=s.dtype,
@@ -205,7 +206,7 @@ def schedules(b: DeviceBatch, block_sizes: GpuBlockSizes, mgpu: bool) -> dict:
     make = pallas_triton.gpu_schedule if decode_bs is None else pallas_triton.mixed_schedule
     schedule = make(qsl, seq, num_tokens=b.num_tokens, block_q=block_sizes.block_q, xp=np)
     out = {"schedule": jnp.asarray(schedule), "decode_block_sizes": decode_bs}
-    if mgpu_prefill_available(kind) and (mgpu == "force" or (mgpu and gpu_batch_mode(b.query_lens) != "decode")):
+    if mgpu_prefill_available(kind) and (mgpu == "force" or (mgpu and mode == "mixed")):
         mbs = mgpu_block_sizes(head_size=b.spec.head_size, device_kind=kind)
         out.update(mgpu_split(qsl, seq, num_tokens=b.num_tokens, block_q=block_sizes.block_q, mgpu_bs=mbs,
                               decode_part=decode_bs is not None))  # fmt: skip
@@ -325,10 +326,9 @@ KERNEL_CLASSES = (
 
 
 def default_block_sizes(b: DeviceBatch, mode: str | None = None) -> GpuBlockSizes:
-    """The builder's Triton blocks for the batch (``mode``: its batch mode unless given; the
-    builder builds a prefill batch as a mixed one)."""
+    """The builder's Triton blocks for the batch (``mode``: its launch's, ``launch_mode``, unless given)."""
     s = b.spec
-    mode = mode or {"prefill": "mixed"}.get(gpu_batch_mode(b.query_lens), gpu_batch_mode(b.query_lens))
+    mode = mode or launch_mode(b.query_lens)
     return gpu_block_sizes(
         num_reqs=len(b.query_lens), pages_per_req=int(b.block_tables.shape[1]), page_size=s.block_size,
         head_size=s.head_size, num_kv_heads=s.num_kv_heads, group=s.num_q_heads // s.num_kv_heads,

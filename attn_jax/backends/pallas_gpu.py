@@ -88,6 +88,14 @@ class PallasGPUAttentionMetadata:
     cascade_suffix_tables: Array | None = None  # i32[R, pages_per_req]
 
 
+def launch_mode(query_lens) -> str:
+    """The Triton launch's mode (a ``GPU_MODES`` entry, the key of its blocks) for a batch of
+    these i32[R] query lengths: "decode", else "mixed". A prefill batch runs the mixed
+    batches' launch, its decode part empty, with or without the Mosaic GPU split: one program
+    per bucket for both, not two (issue 46)."""
+    return "decode" if gpu_batch_mode(np.asarray(query_lens)) == "decode" else "mixed"
+
+
 def split_schedules(
     query_start_loc, seq_lens, *, num_tokens: int, block_q: int, tile: int, xp=jnp, decode_part: bool = False
 ):  # fmt: skip
@@ -572,8 +580,8 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         tile = MgpuBlockSizes().tile
         if concrete:
             own = np.diff(np.asarray(base.query_start_loc))
-            mode = gpu_batch_mode(own if step_query_lens is None else np.asarray(step_query_lens))
-            split_here = mode != "decode" and num_tokens >= self.MGPU_SPLIT_MIN_TILES * tile
+            mode = launch_mode(own if step_query_lens is None else step_query_lens)
+            split_here = mode == "mixed" and num_tokens >= self.MGPU_SPLIT_MIN_TILES * tile
         else:  # traced: only the bucket's shapes are known
             _warn_traced_once(self.device_kind)
             mode = "decode" if num_tokens <= num_reqs else "mixed"
@@ -583,10 +591,6 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         # A bucket holds at most one request per token: the engine pads requests to its slot
         # count, and the blocks are chosen for the requests the tokens can hold.
         num_reqs = min(num_reqs, max(num_tokens, 1))
-        if mode == "prefill":
-            # A prefill batch runs the mixed batches' launch (its decode part empty), with or
-            # without the split: one program per bucket for both, not two (issue 46).
-            mode = "mixed"
         bs = self.block_choice(num_reqs=num_reqs, pages_per_req=pages_per_req, mode=mode).block_sizes
         decode_bs = None
         if mode == "mixed":
@@ -701,7 +705,7 @@ class PallasGPUAttentionBackend(XLAAttentionBackend):
                 num_kv_heads=num_kv_heads, group=group, mode=mode, q_dtype=dtype, kv_dtype=cache_dtype,
                 device_kind=device_kind,
             )
-            for mode in ("decode", "mixed", "prefill")
+            for mode in ("decode", "mixed")  # a prefill batch runs the mixed launch (launch_mode)
         }  # fmt: skip
         for mode, choice in choices.items():
             lines.append(f"Triton {mode} blocks (group {group}): {choice.block_sizes} from {choice.source}")
