@@ -262,12 +262,6 @@ def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages: i
     )  # fmt: skip
 
 
-def _computed_tokens(num_new: int, steps: int) -> int:
-    """Tokens a request computes in a call: its new tokens, plus the later steps of a
-    multi-step decode (``steps`` sampled tokens; 0 for a prefill chunk that samples none)."""
-    return num_new + max(steps - 1, 0)
-
-
 def _token_ids(prompt) -> list[int]:
     """A prompt given as token ids: integers only (no bools, floats, strings or bytes)."""
     if isinstance(prompt, (bytes, bytearray)):
@@ -943,16 +937,19 @@ class Engine:
         call's statistics (timing to come when its tokens are read back)."""
         sampling, prompt = [], []
         num_prefill = num_decode = num_sampled = 0
+        prompt_scores = call.prompt_scores is not None
         for shard, (batch, counts) in enumerate(zip(batches, steps, strict=True)):
             first_row = 0
             for row, (request, n, k) in enumerate(zip(batch.requests, batch.num_new, counts, strict=True)):
-                if call.prompt_scores is not None and request.params.prompt_logprobs is not None:
+                if prompt_scores and request.params.prompt_logprobs is not None:
                     start = request.num_computed
                     count = min(n, len(request.prompt_ids) - 1 - start)
                     if count > 0:
                         prompt.append((shard, request, first_row, start, count))
                 first_row += n
-                computed = _computed_tokens(n, k)
+                # Its new tokens, plus the later steps of a multi-step decode (k sampled tokens; 0 for
+                # a prefill chunk that samples none); inline, as this runs once per request and call.
+                computed = n + k - 1 if k > 1 else n
                 request.num_computed += computed
                 request.num_pending += k
                 if k:

@@ -339,24 +339,29 @@ class Scheduler:
         scheduled: list[Request] = []
         num_new: list[int] = []
         preempted: list[Request] = []
+        running, block_size = RequestStatus.RUNNING, self.block_size
+        # The loop runs once per running request and step (256 a batch-256 step), so it reads the
+        # fields that ``num_tokens``, ``num_generated`` and ``_new_pages`` would compute inline.
         for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING:  # preempted by an older request this step
+            if request.status is not running:  # preempted by an older request this step
                 continue
-            n = min(request.num_tokens - request.num_computed, budget)
-            if n <= 0 or request.num_generated >= request.params.max_new_tokens:
+            num_generated = len(request.output_ids) + request.num_pending
+            n = min(len(request.prompt_ids) + num_generated - request.num_computed, budget)
+            if n <= 0 or num_generated >= request.params.max_new_tokens:
                 continue  # nothing to compute, or its last token is pending and ends it
             if request.guide_slot >= 0 and request.num_pending:
                 continue  # its next mask needs its pending token: it sits this call out, nobody waits
-            if n == 1 and wants_prompt_logprobs(request):
+            if n == 1 and request.params.prompt_logprobs is not None and wants_prompt_logprobs(request):
                 continue  # a one-token chunk would need a decode-shaped program with every row's logits
-            while not manager.allocate_slots(request, n):  # nothing taken when the pool cannot supply them
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if request.status is not RequestStatus.RUNNING:
-                continue
+            if request.num_computed + n > len(request.blocks) * block_size:  # else its pages hold the tokens
+                while not manager.allocate_slots(request, n):  # nothing taken when the pool cannot supply them
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+                if request.status is not running:
+                    continue
             scheduled.append(request)
             num_new.append(n)
             budget -= n
