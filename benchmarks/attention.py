@@ -29,7 +29,7 @@ calls issued without waiting (a launch gap between a call's kernels that the hos
 the device's earlier work, as in a model's step, then does not count).
 
     python benchmarks/attention.py                       # all workloads, all implementations
-    python benchmarks/attention.py --tune M1,P1          # + block-size sweeps, merged into tuned/gpu_*.json
+    python benchmarks/attention.py --tune D1,M1          # + block-size sweeps, merged into tuned/gpu_*.json
     python benchmarks/attention.py --workloads D1 --impls pallas_gpu
     python benchmarks/attention.py --workloads D1,D2,M1,P1,P1_p128 --impls pallas_gpu,fa3 --out r.json
 
@@ -741,7 +741,7 @@ def rel_l2(x, ref) -> float:
 
 def tuned_match(b: DeviceBatch) -> dict:
     s = b.spec
-    return {"mode": gpu_batch_mode(b.query_lens), "head_size": s.head_size,
+    return {"mode": launch_mode(b.query_lens), "head_size": s.head_size,
             "group": s.num_q_heads // s.num_kv_heads, "page_size": s.block_size,
             "q_dtype": s.dtype, "kv_dtype": s.dtype}  # fmt: skip
 
@@ -886,7 +886,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default="D1,D2,M1,P1", help="names of WORKLOADS, optionally _p<page>/_h<head>")
     p.add_argument("--impls", default="pallas_gpu,xla,peer_paged,cudnn,torch_sdpa", help=f"any of {','.join(IMPLS)}")
-    p.add_argument("--tune", default="", help="workloads whose block sizes to sweep (e.g. M1,P1); writes a table")
+    p.add_argument(
+        "--tune", default="",
+        help="workloads whose Triton launch blocks to sweep (e.g. D1,M1); writes a table, each entry keyed by the "
+        "launch the workload runs (a prefill workload's is the mixed launch: with M1 in the same run, M1's is kept)",
+    )  # fmt: skip
     p.add_argument("--out", default=None)
     p.add_argument("--head-sizes", default="", help="also run each workload at these head sizes (e.g. 80,96)")
     p.add_argument("--fa3-pages", default="16,128", help="page sizes of FA3's paged calls (default 16,128)")

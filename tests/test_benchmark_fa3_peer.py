@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn_jax.ops.ragged_paged_attention import reference
+from attn_jax.ops.ragged_paged_attention import config, reference
 from attn_jax.testing.workloads import WORKLOADS, WorkloadSpec
 from benchmarks import attention, cupti_timing, fa3_peer
 
@@ -446,6 +446,20 @@ def test_a_tune_run_merges_into_the_devices_table():
     assert any("workload D2: dropped" in n for n in notes) and any("replaced the entry 'old D1'" in n for n in notes)
     fresh, _ = attention.merged_table(None, new[:1], "GPU X", "this run")
     assert fresh["source"] == "this run" and len(fresh["entries"]) == 1
+
+
+def test_a_tuned_entry_is_keyed_by_the_launch_its_workload_runs():
+    """The builder reads the decode and mixed launches' entries only (a prefill batch runs the
+    mixed launch), so a tune of a prefill workload writes a "mixed" entry, which the table validates."""
+    small = dict(context_lens=(0,) * 2)
+    keyed = {
+        name: attention.tuned_match(attention.make_device_batch(dataclasses.replace(attention.WORKLOADS[name], **q)))
+        for name, q in [("D1", {"query_lens": (1,) * 2, "context_lens": (64,) * 2}),
+                        ("P1", {"query_lens": (16,) * 2, **small}),
+                        ("M1", {"query_lens": (16, 1), "context_lens": (0, 64)})]
+    }  # fmt: skip
+    assert {name: match["mode"] for name, match in keyed.items()} == {"D1": "decode", "P1": "mixed", "M1": "mixed"}
+    config.gpu_entry_block_sizes({**keyed["P1"], "block_q": 4, "pages_per_tile": 4})
 
 
 def test_compile_all_keeps_order_and_each_candidates_failure():

@@ -89,7 +89,7 @@ class PallasGPUAttentionMetadata:
 
 
 def launch_mode(query_lens) -> str:
-    """The Triton launch's mode (a ``GPU_MODES`` entry, the key of its blocks) for a batch of
+    """The Triton launch's mode (a ``GPU_LAUNCH_MODES`` entry, the key of its blocks) for a batch of
     these i32[R] query lengths: "decode", else "mixed". A prefill batch runs the mixed
     batches' launch, its decode part empty, with or without the Mosaic GPU split: one program
     per bucket for both, not two (issue 46)."""
@@ -520,7 +520,7 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         lens = common_prefix_len + q_lens if seq_lens is None else np.asarray(seq_lens, np.int64)
         longest = max(int(lens.max(initial=0)), common_prefix_len + 1)
         pages = -(-longest // spec.block_size)
-        mode = gpu_batch_mode(q_lens)
+        mode = launch_mode(q_lens)
         plain = self.block_choice(num_reqs=len(q_lens), pages_per_req=pages, mode=mode).block_sizes
         prefix = self.cascade_block_sizes(num_tokens=max(int(q_lens.sum()), 1), pages_per_req=pages)
         suffix = self.cascade_suffix_block_sizes(plain, mode)

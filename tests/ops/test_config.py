@@ -69,7 +69,7 @@ def test_tuned_entries_match_on_dtypes():
 
 @pytest.mark.parametrize(
     ("head_size", "q_dtype", "mode", "limit"),
-    [(128, "float32", "decode", 232448), (256, "float32", "mixed", 232448), (256, "float32", "prefill", 101376),
+    [(128, "float32", "decode", 232448), (256, "float32", "mixed", 232448), (256, "float32", "mixed", 101376),
      (256, "bfloat16", "mixed", 101376), (80, "float16", "decode", 101376)],
 )  # fmt: skip
 def test_block_sizes_step_down_to_fit_shared_memory(head_size, q_dtype, mode, limit):
@@ -125,8 +125,11 @@ def test_pages_larger_than_shared_memory_take_sub_page_tiles():
 def test_bad_entries_and_modes_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"unknown keys \['block_k'\]"):
         config.gpu_entry_block_sizes({"mode": "decode", "block_k": 64})
-    with pytest.raises(ValueError, match=r"mode='prefil' is not one of \['decode', 'prefill', 'mixed'\]"):
+    with pytest.raises(ValueError, match=r"mode='prefil' is not one of \['decode', 'mixed'\]"):
         config.gpu_entry_block_sizes({"mode": "prefil", "block_q": 4})
+    # A prefill batch runs the mixed launch: an entry keyed "prefill" would never be read.
+    with pytest.raises(ValueError, match=r"mode='prefill' is not one of .* \(a prefill batch runs the mixed launch\)"):
+        config.gpu_entry_block_sizes({"mode": "prefill", "block_q": 4})
     with pytest.raises(ValueError, match=r"mode='both' is not one of"):
         config.gpu_block_sizes(num_reqs=1, pages_per_req=1, page_size=16, head_size=64, num_kv_heads=1, group=1,
                                mode="both")  # fmt: skip

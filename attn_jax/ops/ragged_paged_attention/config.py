@@ -21,11 +21,15 @@ import numpy as np
 TUNED_DIR = pathlib.Path(__file__).parent / "tuned"
 
 GPU_MATCH_KEYS = ("mode", "head_size", "group", "page_size", "q_dtype", "kv_dtype")
-"""What a GPU table entry matches on; ``mode`` is one of ``GPU_MODES``, the dtypes are NumPy
-names ("bfloat16", "float8_e4m3fn", ...): an entry tuned for 16-bit data never serves float32."""
+"""What a GPU table entry matches on; ``mode`` is one of ``GPU_LAUNCH_MODES``, the dtypes are
+NumPy names ("bfloat16", "float8_e4m3fn", ...): an entry tuned for 16-bit data never serves float32."""
 
 GPU_MODES = ("decode", "prefill", "mixed")
 """decode: every request has at most one new token; prefill: none has exactly one; mixed: both."""
+
+GPU_LAUNCH_MODES = ("decode", "mixed")
+"""The Triton launches whose blocks ``gpu_block_choice`` chooses and a table entry tunes: a
+prefill batch runs the mixed one, its decode part empty (``pallas_gpu.launch_mode``)."""
 
 H100_NUM_SMS = 132
 
@@ -192,8 +196,11 @@ def gpu_entry_block_sizes(entry: dict[str, Any]) -> GpuBlockSizes:
     unknown = set(entry) - known - set(GPU_MATCH_KEYS) - {"note"}
     if unknown:
         raise ValueError(f"tuned entry {entry} has unknown keys {sorted(unknown)}; valid: {sorted(known)}")
-    if entry.get("mode") not in GPU_MODES:
-        raise ValueError(f"tuned entry mode={entry.get('mode')!r} is not one of {list(GPU_MODES)}")
+    if entry.get("mode") not in GPU_LAUNCH_MODES:
+        raise ValueError(
+            f"tuned entry mode={entry.get('mode')!r} is not one of {list(GPU_LAUNCH_MODES)} "
+            "(a prefill batch runs the mixed launch)"
+        )
     return GpuBlockSizes(**{k: v for k, v in entry.items() if k in known})
 
 
@@ -308,8 +315,10 @@ def gpu_block_choice(
     8-10 % faster on 4 at head 80 on the H100, BENCHMARKS.md). A tuned entry may set any field,
     ``num_kv_splits`` and ``num_warps`` included.
     """
-    if mode not in GPU_MODES:
-        raise ValueError(f"mode={mode!r} is not one of {list(GPU_MODES)}")
+    if mode not in GPU_LAUNCH_MODES:
+        raise ValueError(
+            f"mode={mode!r} is not one of {list(GPU_LAUNCH_MODES)} (a prefill batch runs the mixed launch)"
+        )
     q_name = np.dtype(q_dtype).name
     kv_name = np.dtype(q_dtype if kv_dtype is None else kv_dtype).name
     source = "heuristic"
