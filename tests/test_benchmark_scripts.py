@@ -311,6 +311,32 @@ def test_generate_gpu_times_each_engine_call_and_finds_the_busy_threads():
     assert busy_threads(before, after, 100.0) == []  # 0.005 of a core is below the 0.02 shown
 
 
+def test_engine_host_parts_splits_each_continued_call(monkeypatch):
+    """``engine_host_parts.py`` times each part of the engine's continued one-step calls: every
+    part ran in them, and together they stay within the call's own CPU time."""
+    import argparse
+
+    from attn_jax.models.llama import init_params
+    from attn_jax.testing.models import tiny_random_config
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import engine_host_parts
+
+    config = tiny_random_config()
+    args = argparse.Namespace(
+        block_size=16, dtype="float32", attn_backend=None, prompt_len=16, new_tokens=40, kv_cache_gib=1,
+        no_prefix_caching=False, repeats=2,
+    )  # fmt: skip
+    call: dict = {}
+    engine_host_parts.patch_parts(call, monkeypatch.setattr)
+    row = engine_host_parts.run_batch(config, init_params(config, seed=0), 2, 1, args, call)
+    assert len(row["runs"]) == 2
+    for run in row["runs"]:
+        assert run["steady_calls"] > 20 and 0 < run["calls_with_page_delta"] < run["steady_calls"]
+        parts = [run[f"{p}_cpu_ms"] for p in engine_host_parts.PARTS if p != "read_tokens"]  # read: inside _resolve
+        assert all(x > 0 for x in parts) and sum(parts) <= run["total_cpu_ms"] * 1.2
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_pin_main_thread_puts_the_main_thread_alone_on_a_core(tmp_path):
     """``pin_main_thread.py``: the script it runs finds its main thread on one CPU, and jax's
