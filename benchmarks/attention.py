@@ -206,7 +206,8 @@ def schedules(b: DeviceBatch, block_sizes: GpuBlockSizes, mgpu: bool) -> dict:
     make = pallas_triton.gpu_schedule if decode_bs is None else pallas_triton.mixed_schedule
     schedule = make(qsl, seq, num_tokens=b.num_tokens, block_q=block_sizes.block_q, xp=np)
     out = {"schedule": jnp.asarray(schedule), "decode_block_sizes": decode_bs}
-    if mgpu_prefill_available(kind) and (mgpu == "force" or (mgpu and mode == "mixed")):
+    takes_split = pallas_gpu_backend.PallasGPUMetadataBuilder.takes_mgpu_split(mode, b.num_tokens)
+    if mgpu_prefill_available(kind) and (mgpu == "force" or (mgpu and takes_split)):
         mbs = mgpu_block_sizes(head_size=b.spec.head_size, device_kind=kind)
         out.update(mgpu_split(qsl, seq, num_tokens=b.num_tokens, block_q=block_sizes.block_q, mgpu_bs=mbs,
                               decode_part=decode_bs is not None))  # fmt: skip

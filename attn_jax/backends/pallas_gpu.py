@@ -572,6 +572,14 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
             q_dtype=spec.dtype, kv_dtype=spec.dtype if spec.cache_dtype is None else spec.cache_dtype,
         )  # fmt: skip
 
+    @classmethod
+    def takes_mgpu_split(cls, mode: str, num_tokens: int) -> bool:
+        """Whether host metadata of a batch of ``launch_mode`` ``mode`` in a bucket of
+        ``num_tokens`` tokens gets the Mosaic GPU split (where ``mgpu_prefill`` is on and a
+        request holds an aligned tile): a mixed launch in a bucket of at least
+        ``MGPU_SPLIT_MIN_TILES`` tiles."""
+        return mode == "mixed" and num_tokens >= cls.MGPU_SPLIT_MIN_TILES * MgpuBlockSizes().tile
+
     def _build(self, common_attn_metadata, step_query_lens=None) -> tuple[PallasGPUAttentionMetadata, str]:
         base = super().build(0, common_attn_metadata)
         num_tokens = base.slot_mapping.shape[0]
@@ -581,7 +589,7 @@ class PallasGPUMetadataBuilder(XLAMetadataBuilder):
         if concrete:
             own = np.diff(np.asarray(base.query_start_loc))
             mode = launch_mode(own if step_query_lens is None else step_query_lens)
-            split_here = mode == "mixed" and num_tokens >= self.MGPU_SPLIT_MIN_TILES * tile
+            split_here = self.takes_mgpu_split(mode, num_tokens)
         else:  # traced: only the bucket's shapes are known
             _warn_traced_once(self.device_kind)
             mode = "decode" if num_tokens <= num_reqs else "mixed"
