@@ -26,6 +26,7 @@ import time
 import jax
 import numpy as np
 from engine_args import add_engine_args, parse_engine_args  # benchmarks/, the script's folder
+from generate_gpu import prompts_for  # benchmarks/, the script's folder
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
 from attn_jax.models.llama import LlamaModel
@@ -88,8 +89,7 @@ def run_batch(config, params, batch: int, num_steps: int, args, call: dict) -> d
         kv_cache_bytes=args.kv_cache_gib << 30, num_scheduler_steps=num_steps,
         enable_prefix_caching=not args.no_prefix_caching,
     )  # fmt: skip
-    rng = np.random.default_rng(batch)
-    prompts = [rng.integers(3, config.vocab_size, args.prompt_len).tolist() for _ in range(batch)]
+    prompts = prompts_for(config, batch, args.prompt_len)  # generate_gpu.py's
     sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     start = time.perf_counter()
     engine.generate(prompts, sp)
