@@ -117,7 +117,7 @@ def kv_replication(config, model_parallel: int) -> int:
 def replicate_kv_heads(config, params, copies: int):
     """``(config, params)`` of the same model with each KV head repeated ``copies`` times:
     KV head j becomes heads ``j * copies ... (j + 1) * copies - 1``, each serving the next
-    ``G / copies`` of its query heads (``fuse_params``' ``wqkv`` [H, Hkv, G + 2, D] and
+    ``G / copies`` of its query heads (``fuse_params``' ``wqkv`` [Hkv, G + 2, D, H] and
     ``bqkv`` [Hkv, G + 2, D] regrouped; NumPy or jax arrays). The outputs are the same;
     over a model axis of ``num_kv_heads * copies`` every shard then holds one KV head."""
     import dataclasses
@@ -128,12 +128,12 @@ def replicate_kv_heads(config, params, copies: int):
     if g % copies:
         raise ValueError(f"copies={copies} must divide the {g} query heads of each KV head")
 
-    def regroup(w):  # [..., Hkv, G + 2, D] -> [..., Hkv * copies, G / copies + 2, D]
+    def regroup(w):  # [Hkv, G + 2, *rest] -> [Hkv * copies, G / copies + 2, *rest]
         xp = jax.numpy if isinstance(w, jax.Array) else np
-        *lead, hkv, _, d = w.shape
-        q = w[..., :g, :].reshape(*lead, hkv, copies, g // copies, d)
-        kv = xp.broadcast_to(w[..., g:, :][..., None, :, :], (*lead, hkv, copies, 2, d))
-        return xp.concatenate([q, kv], axis=-2).reshape(*lead, hkv * copies, g // copies + 2, d)
+        hkv, _, *rest = w.shape
+        q = w[:, :g].reshape(hkv, copies, g // copies, *rest)
+        kv = xp.broadcast_to(w[:, g:][:, None], (hkv, copies, 2, *rest))
+        return xp.concatenate([q, kv], axis=2).reshape(hkv * copies, g // copies + 2, *rest)
 
     layers = [{k: regroup(v) if k in ("wqkv", "bqkv") else v for k, v in layer.items()} for layer in params["layers"]]
     config = dataclasses.replace(
@@ -231,11 +231,11 @@ class ShardedStep:
         row = P(MODEL, None)
         attn, mlp = model.attn_sharded, model.mlp_sharded
         self.layer_specs = {  # llama.fuse_params' layout
-            "wqkv": P(None, MODEL, None, None) if attn else P(),  # [H, Hkv, G + 2, D]: by KV head
+            "wqkv": P(MODEL, None, None, None) if attn else P(),  # [Hkv, G + 2, D, H]: by KV head
             "bqkv": P(MODEL, None, None) if attn else P(),  # optional q/k/v biases (Qwen2, Llama's attention_bias)
             "wo": row if attn else P(),
             "bo": P(),  # added after the psum over heads
-            "w_gate_up": P(None, None, MODEL) if mlp else P(),  # [H, 2, I]: by I
+            "w_gate_up": P(None, MODEL, None) if mlp else P(),  # [2, I, H]: by I
             "w_down": row if mlp else P(),
         }
         # Each layer's cache in its backend's layout ([2, P, S, Hkv, D] for XLA and PALLAS_GPU,
@@ -251,7 +251,8 @@ class ShardedStep:
         specs = {k: P() for k in params if k != "layers"}
         if "lm_head" in specs and getattr(self.model, "head_sharded", False):
             specs["lm_head"] = P(None, MODEL)  # [H, V]: by vocabulary column
-        specs["layers"] = [{k: self.layer_specs[k] for k in layer} for layer in params["layers"]]
+        # A packed layer's matrices (``serving/layer_buffers.py``: no model axis splits them) replicated.
+        specs["layers"] = [{k: self.layer_specs.get(k, P()) for k in layer} for layer in params["layers"]]
         return specs
 
     def put_params(self, params):

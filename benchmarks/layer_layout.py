@@ -7,7 +7,8 @@ dynamic indices cost the device about 120 us a step (every layer's q/k/v weight 
 
 ``--layout``:
 
-- ``per_layer``: the engine as it is (SmolLM2: 4 weight leaves a layer, 123 in all);
+- ``per_layer``: the engine as it is (since stop 65 a layer's 4 matrices are one buffer,
+  ``serving/layer_buffers.py``: SmolLM2's weights are 33 leaves; 123 before);
 - ``stacked_static``: ``w[i]`` for layer ``i``, a Python int (7 leaves);
 - ``stacked_dynamic``: ``lax.dynamic_slice`` at ``ids[i]`` of a u32[L] array the runner
   holds beside the weights (8 leaves), every stack stored [L, in, out] and each slice

@@ -196,27 +196,30 @@ def fuse_params(config: LlamaConfig, params: dict) -> dict:
 
     Returns the same globals, ``layer_norms`` [L, 2, H] (every layer's ``attn_norm`` and
     ``ffn_norm``), ``qk_norms`` [L, 2, D] with ``qk_norm`` (``q_norm``, ``k_norm``) and
-    ``layers``: per layer ``wqkv`` [H, Hkv, G + 2, D] (each KV head's G =
-    Hq / Hkv query heads, then its key and value: one matmul, split over the model axis
-    by KV head), ``wo`` [Hq*D, H], ``w_gate_up`` [H, 2, I] (one matmul, split over the
-    model axis by I), ``w_down`` [I, H], and ``bqkv`` [Hkv, G + 2, D] / ``bo`` [H] when the
-    config has biases. Fewer, larger arrays: fewer matmuls, and fewer arguments for a
-    jitted step to pass (each costs its call host time).
+    ``layers``: per layer ``wqkv`` [Hkv, G + 2, D, H] (each KV head's G = Hq / Hkv query
+    heads, then its key and value, as [out, in] rows: one matmul, split over the model axis by
+    KV head), ``wo`` [Hq*D, H], ``w_gate_up`` [2, I, H] (the gate's and the up projection's
+    [out, in] rows: one matmul, split over the model axis by I), ``w_down`` [I, H], and
+    ``bqkv`` [Hkv, G + 2, D] / ``bo`` [H] when the config has biases. Fewer, larger arrays:
+    fewer matmuls, and fewer arguments for a jitted step to pass (each costs its call host
+    time). Every matrix ends in the hidden size H, so a layer's matrices are blocks of rows
+    of one [N, H] buffer, which the serving engine passes as one argument
+    (``serving/layer_buffers.py``).
     """
     c = config
     xp = jnp if isinstance(params["embed"], jax.Array) else np
 
-    def qkv(q, k, v, lead: tuple[int, ...]):  # [..., Hq*D], [..., Hkv*D] x 2 -> [..., Hkv, G + 2, D]
-        shape = (*lead, c.num_kv_heads, -1, c.head_dim)
-        return xp.concatenate([q.reshape(shape), k.reshape(shape), v.reshape(shape)], axis=-2)
+    def qkv(q, k, v, rows: tuple[int, ...]):  # [Hq*D, *rows], [Hkv*D, *rows] x 2 -> [Hkv, G + 2, D, *rows]
+        shape = (c.num_kv_heads, -1, c.head_dim, *rows)
+        return xp.concatenate([q.reshape(shape), k.reshape(shape), v.reshape(shape)], axis=1)
 
     layers = []
     for w in params["layers"]:
         h = w["wq"].shape[0]
         layer = {
-            "wqkv": qkv(w["wq"], w["wk"], w["wv"], (h,)),
+            "wqkv": qkv(w["wq"].T, w["wk"].T, w["wv"].T, (h,)),
             "wo": w["wo"],
-            "w_gate_up": xp.stack([w["w_gate"], w["w_up"]], axis=1),
+            "w_gate_up": xp.stack([w["w_gate"].T, w["w_up"].T]),
             "w_down": w["w_down"],
         }
         if c.qkv_bias:
@@ -530,7 +533,7 @@ class LlamaModel:
 
         def layer(h, w, norms, qk_norms, attn, cos_sin, cache, attn_metadata):
             x = norm(h, norms[0])
-            qkv = jnp.einsum("th,hkgd->tkgd", x, w["wqkv"], precision=_HIGHEST)  # f[T, Hkv, G + 2, D]
+            qkv = jnp.einsum("th,kgdh->tkgd", x, w["wqkv"], precision=_HIGHEST)  # f[T, Hkv, G + 2, D]
             if c.qkv_bias:
                 qkv = qkv + w["bqkv"]
             q = qkv[:, :, :group].reshape(num_tokens, self.num_heads, c.head_dim)
@@ -548,7 +551,7 @@ class LlamaModel:
                 o = norm(o, norms[1])
             h = h + o
             x = norm(h, norms[2 if c.sandwich_norms else 1])
-            gate_up = jnp.einsum("th,hgi->tgi", x, w["w_gate_up"], precision=_HIGHEST)  # f[T, 2, I]
+            gate_up = jnp.einsum("th,gih->tgi", x, w["w_gate_up"], precision=_HIGHEST)  # f[T, 2, I]
             mlp = jnp.dot(act(gate_up[:, 0]) * gate_up[:, 1], w["w_down"], precision=_HIGHEST)
             if self.mlp_sharded:
                 mlp = jax.lax.psum(mlp, self.model_axis)

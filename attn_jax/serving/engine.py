@@ -284,7 +284,9 @@ class Engine:
     Args:
       model: the model (``LlamaModel`` or another ``attn_jax.models.base.ServingModel``;
         its attention group fixes backend, block size and cache dtype).
-      params: the model's weights (NumPy or jax arrays).
+      params: the model's weights (NumPy or jax arrays). Each layer's matrices are held in one
+        buffer (``serving/layer_buffers.py``): NumPy ones are packed on their way to the device,
+        jax arrays copied into it (the caller's arrays stay as they are).
       tokenizer: for text prompts and streamed text (optional when prompts are token
         ids): ``load_tokenizer``'s ``GGUFTokenizer`` or a transformers tokenizer, anything
         with ``tokenizer(text)["input_ids"]``, ``decode(ids, skip_special_tokens=True)``,
@@ -447,7 +449,8 @@ class Engine:
 
     @property
     def params(self):
-        """The weights on the device."""
+        """The weights on the device in the model's layout (``ModelRunner.params``: copies sliced
+        out of the step's per-layer buffers, made at each read)."""
         return self.runner.params
 
     @property

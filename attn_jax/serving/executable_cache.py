@@ -72,7 +72,7 @@ class ExecutableCache:
             [(name, str(getattr(jax.config, name, None))) for name in _TRACE_OPTIONS], source_hash(),
             type(model).__module__, type(model).__qualname__, repr(model.config),
             model.attn_backend.get_name(), runner.block_size, runner.max_rows,
-            _avals((runner.params, runner.kv_caches)),
+            _avals((runner.step_params, runner.kv_caches)),
         ]  # fmt: skip
         self.fingerprint = hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
         self.folder = pathlib.Path(folder) / self.fingerprint

@@ -62,6 +62,7 @@ from attn_jax.models.base import ServingModel
 from attn_jax.platforms import is_cuda
 from attn_jax.serving.cascade import CascadeConfig, common_prefix_len
 from attn_jax.serving.executable_cache import ExecutableCache
+from attn_jax.serving.layer_buffers import pack_layers, unpack_layer
 from attn_jax.serving.sampling import (
     PROMPT_SEEN,
     apply_guides,
@@ -220,6 +221,12 @@ def _write_pages(cache, pages, values, axis: int):
     return cache.at[(slice(None),) * axis + (pages,)].set(values)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _unpack_copy(layer, layout):
+    """``unpack_layer`` of a concrete layer: one program a layout (each array a copy)."""
+    return unpack_layer(layer, layout)
+
+
 def kv_cache_bytes_per_block(model: ServingModel) -> int:
     """Bytes of one KV cache page over every layer (any cache pytree, fp8 scales included)."""
     shapes = jax.eval_shape(lambda: model.init_kv_caches(1))
@@ -266,8 +273,18 @@ class ModelRunner:
         narrow, wide = (step_compiler_options(device, tokens) for tokens in (0, CUBLAS_MIN_TOKENS))
         self.num_shards = 1 if self._sharded is None else self._sharded.data_size
         vocab = model.config.vocab_size
+        # Each layer's matrices in one buffer (``layer_buffers``: fewer arguments a call) when the
+        # layers are a list of dicts (``fuse_params``') and no model axis splits their matrices
+        # (each is split along its own axis).
+        packed = None
+        unsplit = self._sharded is None or not (model.attn_sharded or model.mlp_sharded)
+        if unsplit and isinstance(params["layers"], (list, tuple)):
+            packed = pack_layers(params["layers"], model.config.hidden_size)
+        self._layer_layout = None if packed is None else packed[1]
+        if packed is not None:
+            params = {**params, "layers": packed[0]}
         if self._sharded is None:
-            self.params = jax.device_put(params)
+            self.step_params = jax.device_put(params)
             self.kv_caches = model.init_kv_caches(num_blocks)
             step = self._device_step
             self._last_tokens = jnp.zeros(self.max_rows, jnp.int32)
@@ -275,7 +292,7 @@ class ModelRunner:
             self._guide_masks = jnp.zeros((self.max_rows, mask_words(vocab)), jnp.int32)
             self._jit_write_guides = jax.jit(_write_guide_rows, donate_argnums=0)
         else:
-            self.params = self._sharded.put_params(params)
+            self.step_params = self._sharded.put_params(params)
             self.kv_caches = self._sharded.init_kv_caches(num_blocks)
             step = self._sharded.global_step(self._device_step)
             self._last_tokens = self._sharded.zeros_per_shard(self.max_rows)
@@ -311,6 +328,16 @@ class ModelRunner:
         its own cost 0.3 ms on an H200 host); a mesh's is split over "data" (each process
         uploads its own shards' rows)."""
         return delta[0] if self._sharded is None else self._sharded.put_per_shard(delta)
+
+    @property
+    def params(self):
+        """The weights on the device in the model's layout (``fuse_params``'). The step takes
+        ``step_params``, each layer's matrices in one buffer where ``layer_buffers`` packs them;
+        then these are copies sliced out of them, made at each read."""
+        if self._layer_layout is None:
+            return self.step_params
+        layers = [_unpack_copy(layer, self._layer_layout) for layer in self.step_params["layers"]]
+        return {**self.step_params, "layers": layers}
 
     @property
     def supports_decode_advance(self) -> bool:
@@ -607,7 +634,7 @@ class ModelRunner:
             buffer, layout = packed[0]
         else:
             buffer, layout = self._sharded.stack_inputs(packed)
-        return self.params, self.kv_caches, rows, buffer, layout, num_steps, sampled, delta
+        return self.step_params, self.kv_caches, rows, buffer, layout, num_steps, sampled, delta
 
     def compile(self, prepared: PreparedCall, cache: ExecutableCache | None = None) -> None:
         """Compiles ``prepared``'s program without running it (jit's lowering cache keeps it,
@@ -764,6 +791,8 @@ class ModelRunner:
         i32[2, 2 * R_max]: (buffer index, value) pairs written into ``packed`` first, the pages
         a continued call's requests gained (index ``NO_INDEX``: none)."""
         self.num_compilations += 1
+        if self._layer_layout is not None:
+            params = {**params, "layers": [unpack_layer(layer, self._layer_layout) for layer in params["layers"]]}
         last_tokens, all_counts, guide_masks = rows
         if page_delta is not None:
             packed = packed.at[page_delta[0]].set(page_delta[1], mode="drop")

@@ -95,12 +95,12 @@ def unfused_layer(config: LlamaConfig, layer: dict) -> dict:
     group = config.num_heads // config.num_kv_heads
     out = {k: v for k, v in layer.items() if k in ("wo", "w_down", "bo")}
     for fused, names in (("wqkv", ("wq", "wk", "wv")), ("bqkv", ("bq", "bk", "bv"))):
-        if fused in layer:
+        if fused in layer:  # [Hkv, G + 2, D, *rows]: each part's [out, *rows], a matrix's then as [in, out]
             x = layer[fused]
-            lead = x.shape[:-3]
-            parts = (x[..., :group, :], x[..., group, :], x[..., group + 1, :])
-            out.update({n: part.reshape(*lead, -1) for n, part in zip(names, parts, strict=True)})
-    out["w_gate"], out["w_up"] = layer["w_gate_up"][:, 0], layer["w_gate_up"][:, 1]
+            rows = x.shape[3:]
+            parts = (x[:, :group], x[:, group], x[:, group + 1])
+            out.update({n: part.reshape(-1, *rows).T for n, part in zip(names, parts, strict=True)})
+    out["w_gate"], out["w_up"] = layer["w_gate_up"][0].T, layer["w_gate_up"][1].T
     return out
 
 

@@ -53,7 +53,7 @@ def _log_softmax_f64(engine, ids: list[int]) -> np.ndarray:
     norms = f64(p["layer_norms"])
     causal = np.tril(np.ones((t, t), bool))
     for i, w in enumerate(p["layers"]):
-        qkv = np.einsum("th,hkgd->tkgd", norm(h, norms[i][0]), f64(w["wqkv"]))
+        qkv = np.einsum("th,kgdh->tkgd", norm(h, norms[i][0]), f64(w["wqkv"]))
         q = rope(qkv[:, :, :group].reshape(t, c.num_heads, c.head_dim))
         k, v = rope(qkv[:, :, group]), qkv[:, :, group + 1]
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
@@ -62,7 +62,7 @@ def _log_softmax_f64(engine, ids: list[int]) -> np.ndarray:
         a = np.exp(s - s.max(-1, keepdims=True))
         a /= a.sum(-1, keepdims=True)
         h = h + np.einsum("hqk,khd->qhd", a, v).reshape(t, -1) @ f64(w["wo"])
-        gate_up = np.einsum("th,hgi->tgi", norm(h, norms[i][1]), f64(w["w_gate_up"]))
+        gate_up = np.einsum("th,gih->tgi", norm(h, norms[i][1]), f64(w["w_gate_up"]))
         silu = gate_up[:, 0] / (1 + np.exp(-gate_up[:, 0]))
         h = h + (silu * gate_up[:, 1]) @ f64(w["w_down"])
     head = f64(p["lm_head"]) if "lm_head" in p else f64(p["embed"]).T

@@ -1,0 +1,96 @@
+"""Each layer's weight matrices as one buffer: fewer arguments for the jitted step to pass.
+
+Every array a jitted call takes costs the call's dispatch host time (about 2 us a leaf on an
+H200 host, BENCHMARKS.md), and a one-step decode call is host-bound: SmolLM2's 30 layers of
+4 weight matrices were 120 of its step's ~158 argument leaves. Every matrix of
+``fuse_params``' layout ends in the hidden size H, so ``pack_layers`` stacks a layer's
+matrices, each as its ``[-1, H]`` rows, into one ``[N, H]`` buffer; ``unpack_layer``, traced
+inside the step, slices each back out as a block of rows and reshapes it (a bitcast), which
+XLA reads in place. Two layouts that were not row blocks were measured and not kept: a flat
+buffer sliced at element offsets, and matrices stored transposed, made XLA copy them out every
+step (BENCHMARKS.md, stop 65). Every layer has the same ``LayerLayout``, so each of the step's
+per-layer matmul fusions stays one computation (autotuned once, as with separate arrays).
+Arrays of other shapes (biases) stay arrays beside the buffer.
+
+Example::
+
+    packed = pack_layers(params["layers"], hidden_size=576)   # None: nothing to pack
+    layers, layout = packed
+    layer = unpack_layer(layers[0], layout)                    # {"wqkv": ..., "wo": ..., ...}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROWS = "rows"
+"""The key of a packed layer's ``[N, H]`` buffer (``fuse_params`` names no array so)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLayout:
+    """Where a layer's matrices lie in its buffer's rows: (name, first row, shape) each, by
+    name; ``others`` the names kept as arrays; ``rows`` x ``hidden_size`` the buffer's shape."""
+
+    entries: tuple[tuple[str, int, tuple[int, ...]], ...]
+    others: tuple[str, ...]
+    rows: int
+    hidden_size: int
+
+
+def layer_layout(layer: Mapping, hidden_size: int) -> LayerLayout | None:
+    """The layout of ``layer`` (name -> array): its arrays of two or more dimensions that end
+    in ``hidden_size`` packed, by name (as jax orders a dict's leaves); None when fewer than two
+    would pack (nothing to gain) or their dtypes differ."""
+    entries, others, row, dtypes = [], [], 0, set()
+    for name, a in sorted(layer.items()):
+        shape = tuple(a.shape)
+        if len(shape) < 2 or shape[-1] != hidden_size:
+            others.append(name)
+            continue
+        entries.append((name, row, shape))
+        row += math.prod(shape[:-1])
+        dtypes.add(np.dtype(a.dtype))
+    if len(entries) < 2 or len(dtypes) != 1:
+        return None
+    return LayerLayout(tuple(entries), tuple(others), row, hidden_size)
+
+
+def pack_layers(layers: Sequence[Mapping], hidden_size: int) -> tuple[list[dict], LayerLayout] | None:
+    """Each layer as ``{ROWS: its [N, H] buffer, **the arrays kept}`` (NumPy when its matrices
+    are NumPy, else on their device: then a copy of them, the caller's arrays untouched) and
+    the layout they share; None when there is nothing to pack or the layers' layouts differ
+    (then the layers stay as they are)."""
+    layout = layer_layout(layers[0], hidden_size) if layers else None
+    if layout is None or any(layer_layout(layer, hidden_size) != layout for layer in layers[1:]):
+        return None
+    out = []
+    for layer in layers:
+        matrices = [layer[name] for name, _, _ in layout.entries]
+        if all(isinstance(a, np.ndarray) for a in matrices):
+            rows = np.concatenate([a.reshape(-1, hidden_size) for a in matrices])
+        else:
+            rows = _stack_rows(matrices, hidden_size)
+        out.append({ROWS: rows, **{name: layer[name] for name in layout.others}})
+    return out, layout
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _stack_rows(matrices, hidden_size: int):
+    """``pack_layers``' buffer of device arrays (one program a layout)."""
+    return jnp.concatenate([a.reshape(-1, hidden_size) for a in matrices])
+
+
+def unpack_layer(layer: Mapping, layout: LayerLayout) -> dict:
+    """The layer's arrays (name -> array of its shape) from ``pack_layers``' dict, each matrix
+    a block of the buffer's rows, reshaped (traced: read in place; concrete: a copy each)."""
+    rows = layer[ROWS]
+    out = {name: rows[first : first + math.prod(shape[:-1])].reshape(shape) for name, first, shape in layout.entries}
+    return {**out, **{name: layer[name] for name in layout.others}}
