@@ -251,8 +251,13 @@ class ShardedStep:
         specs = {k: P() for k in params if k != "layers"}
         if "lm_head" in specs and getattr(self.model, "head_sharded", False):
             specs["lm_head"] = P(None, MODEL)  # [H, V]: by vocabulary column
-        # A packed layer's matrices (``serving/layer_buffers.py``: no model axis splits them) replicated.
-        specs["layers"] = [{k: self.layer_specs.get(k, P()) for k in layer} for layer in params["layers"]]
+        from attn_jax.serving.layer_buffers import ROWS as LAYER_ROWS  # here: serving imports this module
+
+        # A packed layer's buffer of matrices (``serving/layer_buffers.py``: only when no model axis
+        # splits them) is replicated.
+        specs["layers"] = [
+            {k: P() if k == LAYER_ROWS else self.layer_specs[k] for k in layer} for layer in params["layers"]
+        ]
         return specs
 
     def put_params(self, params):
