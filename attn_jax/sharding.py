@@ -228,15 +228,15 @@ class ShardedStep:
                 f"the model was built for another mesh: {got}; for this mesh build it with "
                 f"LlamaModel(config, **local_model_kwargs(config, mesh)) = {expected}"
             )
-        row = P(MODEL, None)
+        by_in = P(None, MODEL)  # [out, in] matrices summed over the shards' parts of in
         attn, mlp = model.attn_sharded, model.mlp_sharded
         self.layer_specs = {  # llama.fuse_params' layout
             "wqkv": P(MODEL, None, None, None) if attn else P(),  # [Hkv, G + 2, D, H]: by KV head
             "bqkv": P(MODEL, None, None) if attn else P(),  # optional q/k/v biases (Qwen2, Llama's attention_bias)
-            "wo": row if attn else P(),
+            "wo": by_in if attn else P(),  # [H, Hq*D]: by query head
             "bo": P(),  # added after the psum over heads
             "w_gate_up": P(None, MODEL, None) if mlp else P(),  # [2, I, H]: by I
-            "w_down": row if mlp else P(),
+            "w_down": by_in if mlp else P(),  # [H, I]: by I
         }
         # Each layer's cache in its backend's layout ([2, P, S, Hkv, D] for XLA and PALLAS_GPU,
         # [P, Hkv, S, 2D] for PALLAS_TPU): pages over data, KV heads over model when attention is split.

@@ -197,13 +197,13 @@ def fuse_params(config: LlamaConfig, params: dict) -> dict:
     Returns the same globals, ``layer_norms`` [L, 2, H] (every layer's ``attn_norm`` and
     ``ffn_norm``), ``qk_norms`` [L, 2, D] with ``qk_norm`` (``q_norm``, ``k_norm``) and
     ``layers``: per layer ``wqkv`` [Hkv, G + 2, D, H] (each KV head's G = Hq / Hkv query
-    heads, then its key and value, as [out, in] rows: one matmul, split over the model axis by
-    KV head), ``wo`` [Hq*D, H], ``w_gate_up`` [2, I, H] (the gate's and the up projection's
-    [out, in] rows: one matmul, split over the model axis by I), ``w_down`` [I, H], and
-    ``bqkv`` [Hkv, G + 2, D] / ``bo`` [H] when the config has biases. Fewer, larger arrays:
-    fewer matmuls, and fewer arguments for a jitted step to pass (each costs its call host
-    time). Every matrix ends in the hidden size H, so a layer's matrices are blocks of rows
-    of one [N, H] buffer, which the serving engine passes as one argument
+    heads, then its key and value: one matmul, split over the model axis by KV head), ``wo``
+    [H, Hq*D], ``w_gate_up`` [2, I, H] (the gate's and the up projection's rows: one matmul,
+    split over the model axis by I), ``w_down`` [H, I], and ``bqkv`` [Hkv, G + 2, D] / ``bo``
+    [H] when the config has biases. Every matrix is [out, in] (PyTorch's Linear layout, as
+    checkpoints store it), so each ends in the dimension its matmul sums over. Fewer, larger
+    arrays: fewer matmuls, and fewer arguments for a jitted step to pass (each costs its call
+    host time); the serving engine passes the matrices that end in H as one buffer a layer
     (``serving/layer_buffers.py``).
     """
     c = config
@@ -218,9 +218,9 @@ def fuse_params(config: LlamaConfig, params: dict) -> dict:
         h = w["wq"].shape[0]
         layer = {
             "wqkv": qkv(w["wq"].T, w["wk"].T, w["wv"].T, (h,)),
-            "wo": w["wo"],
+            "wo": w["wo"].T,
             "w_gate_up": xp.stack([w["w_gate"].T, w["w_up"].T]),
-            "w_down": w["w_down"],
+            "w_down": w["w_down"].T,
         }
         if c.qkv_bias:
             layer["bqkv"] = qkv(w["bq"], w["bk"], w["bv"], ())
@@ -542,7 +542,7 @@ class LlamaModel:
                 q, k = norm(q, qk_norms[0]), norm(k, qk_norms[1])
             q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
             o, cache = attn(q, k, v, cache, attn_metadata)
-            o = jnp.dot(o, w["wo"], precision=_HIGHEST)
+            o = jnp.einsum("tq,hq->th", o, w["wo"], precision=_HIGHEST)
             if self.attn_sharded:
                 o = jax.lax.psum(o, self.model_axis)
             if c.o_bias:  # after the sum over heads: once, not once per shard
@@ -552,7 +552,7 @@ class LlamaModel:
             h = h + o
             x = norm(h, norms[2 if c.sandwich_norms else 1])
             gate_up = jnp.einsum("th,gih->tgi", x, w["w_gate_up"], precision=_HIGHEST)  # f[T, 2, I]
-            mlp = jnp.dot(act(gate_up[:, 0]) * gate_up[:, 1], w["w_down"], precision=_HIGHEST)
+            mlp = jnp.einsum("ti,hi->th", act(gate_up[:, 0]) * gate_up[:, 1], w["w_down"], precision=_HIGHEST)
             if self.mlp_sharded:
                 mlp = jax.lax.psum(mlp, self.model_axis)
             if c.sandwich_norms:

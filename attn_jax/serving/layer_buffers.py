@@ -2,15 +2,18 @@
 
 Every array a jitted call takes costs the call's dispatch host time (about 2 us a leaf on an
 H200 host, BENCHMARKS.md), and a one-step decode call is host-bound: SmolLM2's 30 layers of
-4 weight matrices were 120 of its step's ~158 argument leaves. Every matrix of
-``fuse_params``' layout ends in the hidden size H, so ``pack_layers`` stacks a layer's
-matrices, each as its ``[-1, H]`` rows, into one ``[N, H]`` buffer; ``unpack_layer``, traced
-inside the step, slices each back out as a block of rows and reshapes it (a bitcast), which
-XLA reads in place. Two layouts that were not row blocks were measured and not kept: a flat
-buffer sliced at element offsets, and matrices stored transposed, made XLA copy them out every
-step (BENCHMARKS.md, stop 65). Every layer has the same ``LayerLayout``, so each of the step's
-per-layer matmul fusions stays one computation (autotuned once, as with separate arrays).
-Arrays of other shapes (biases) stay arrays beside the buffer.
+4 weight matrices were 120 of its step's ~158 argument leaves. ``fuse_params`` stores every
+matrix [out, in]; ``pack_layers`` stacks a layer's matrices that end in the hidden size H
+(``wqkv`` and ``w_gate_up``, and ``wo`` [H, Hq*D] where Hq*D = H), each as its ``[-1, H]``
+rows, into one ``[N, H]`` buffer; ``unpack_layer``, traced inside the step, slices each back
+out as a block of rows and reshapes it (a bitcast). XLA reads such a block in place, also
+when it splits the matmul's sum (split-K) over the block's last dimension. A block summed
+over its rows instead (a matrix stored [in, out]) was copied out every step when XLA split
+its sum, and so were matrices stored transposed or sliced from a flat buffer (BENCHMARKS.md,
+stops 65 and 66); ``w_down`` [H, I] stays an array. Every layer has the same
+``LayerLayout``, so each of the step's per-layer matmul fusions stays one computation
+(autotuned once, as with separate arrays). Arrays of other shapes (biases) stay arrays
+beside the buffer.
 
 Example::
 

@@ -89,11 +89,14 @@ def random_params(config: LlamaConfig, dtype=jnp.bfloat16, seed: int = 0) -> dic
 
 
 def unfused_layer(config: LlamaConfig, layer: dict) -> dict:
-    """One layer of ``fuse_params``' layout back under its checkpoint names (``wq`` [H,
-    Hq*D], ``wk``/``wv`` [H, Hkv*D], ``w_gate``/``w_up`` [H, I], ``bq``/``bk``/``bv``,
-    unchanged ``wo``/``w_down``/``bo``): tests compare them with other libraries' weights."""
+    """One layer of ``fuse_params``' layout back under its checkpoint names, every matrix
+    [in, out] (``wq`` [H, Hq*D], ``wk``/``wv`` [H, Hkv*D], ``wo`` [Hq*D, H], ``w_gate``/``w_up``
+    [H, I], ``w_down`` [I, H]), with ``bq``/``bk``/``bv`` and an unchanged ``bo``: tests compare
+    them with other libraries' weights."""
     group = config.num_heads // config.num_kv_heads
-    out = {k: v for k, v in layer.items() if k in ("wo", "w_down", "bo")}
+    out = {k: v.T for k, v in layer.items() if k in ("wo", "w_down")}
+    if "bo" in layer:
+        out["bo"] = layer["bo"]
     for fused, names in (("wqkv", ("wq", "wk", "wv")), ("bqkv", ("bq", "bk", "bv"))):
         if fused in layer:  # [Hkv, G + 2, D, *rows]: each part's [out, *rows], a matrix's then as [in, out]
             x = layer[fused]

@@ -30,11 +30,12 @@ def test_layers_round_trip_through_their_buffers(biased, kind):
     config, params = biased
     layers = params["layers"] if kind == "numpy" else jax.tree.map(jnp.asarray, params["layers"])
     packed, layout = pack_layers(layers, config.hidden_size)
-    assert {name for name, _, _ in layout.entries} == {"wqkv", "wo", "w_gate_up", "w_down"}
-    assert set(layout.others) == {"bqkv", "bo"}
+    # Every matrix that ends in H packs: wo [H, Hq*D] too, as Hq*D = H here; w_down [H, I] not.
+    assert {name for name, _, _ in layout.entries} == {"wqkv", "wo", "w_gate_up"}
+    assert set(layout.others) == {"bqkv", "bo", "w_down"}
     h, rows = config.hidden_size, layout.rows
     for orig, layer in zip(params["layers"], packed, strict=True):
-        assert set(layer) == {ROWS, "bqkv", "bo"} and layer[ROWS].shape == (rows, h)
+        assert set(layer) == {ROWS, "bqkv", "bo", "w_down"} and layer[ROWS].shape == (rows, h)
         assert isinstance(layer[ROWS], np.ndarray) == (kind == "numpy")
         for out in (jax.jit(lambda x: unpack_layer(x, layout))(layer), unpack_layer(layer, layout)):
             assert set(out) == set(orig)
@@ -48,7 +49,7 @@ def test_layers_that_cannot_share_a_buffer_stay_as_they_are(biased):
     assert pack_layers([], config.hidden_size) is None
     mixed = {**layers[0], "wo": layers[0]["wo"].astype(np.float16)}  # two dtypes
     assert pack_layers([mixed], config.hidden_size) is None
-    other = {**layers[1], "w_down": np.zeros((3, config.hidden_size), np.float32)}  # the layouts differ
+    other = {**layers[1], "wo": np.zeros((3, config.hidden_size), np.float32)}  # the layouts differ
     assert pack_layers([layers[0], other], config.hidden_size) is None
     assert pack_layers([{"wo": layers[0]["wo"]}], config.hidden_size) is None  # one matrix: nothing to gain
 
@@ -60,9 +61,9 @@ def test_the_engine_passes_one_weight_argument_a_layer(biased):
     model = LlamaModel(config, block_size=16)
     limits = dict(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=48)
     engine = Engine(model, params, **limits)
-    assert all(set(layer) == {ROWS, "bqkv", "bo"} for layer in engine.runner.step_params["layers"])
+    assert all(set(layer) == {ROWS, "bqkv", "bo", "w_down"} for layer in engine.runner.step_params["layers"])
     weights = jax.tree.leaves(engine.runner.step_params)
-    assert len(weights) == len(jax.tree.leaves({k: v for k, v in params.items() if k != "layers"})) + 3 * 2
+    assert len(weights) == len(jax.tree.leaves({k: v for k, v in params.items() if k != "layers"})) + 4 * 2
     for got, want in zip(engine.params["layers"], params["layers"], strict=True):
         assert set(got) == set(want) and all(np.array_equal(np.asarray(got[k]), want[k]) for k in want)
     sp = SamplingParams(max_new_tokens=6, ignore_eos=True)

@@ -61,10 +61,10 @@ def _log_softmax_f64(engine, ids: list[int]) -> np.ndarray:
         s = np.where(causal, s, -np.inf)
         a = np.exp(s - s.max(-1, keepdims=True))
         a /= a.sum(-1, keepdims=True)
-        h = h + np.einsum("hqk,khd->qhd", a, v).reshape(t, -1) @ f64(w["wo"])
+        h = h + np.einsum("hqk,khd->qhd", a, v).reshape(t, -1) @ f64(w["wo"]).T
         gate_up = np.einsum("th,gih->tgi", norm(h, norms[i][1]), f64(w["w_gate_up"]))
         silu = gate_up[:, 0] / (1 + np.exp(-gate_up[:, 0]))
-        h = h + (silu * gate_up[:, 1]) @ f64(w["w_down"])
+        h = h + (silu * gate_up[:, 1]) @ f64(w["w_down"]).T
     head = f64(p["lm_head"]) if "lm_head" in p else f64(p["embed"]).T
     logits = norm(h, p["final_norm"]) @ head
     z = logits.max(-1, keepdims=True)
