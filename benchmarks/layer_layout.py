@@ -7,11 +7,11 @@ dynamic indices cost the device about 120 us a step (every layer's q/k/v weight 
 
 ``--layout``:
 
-- ``per_layer``: the engine as it is (since stop 65 a layer's 4 matrices are one buffer,
-  ``serving/layer_buffers.py``: SmolLM2's weights are 33 leaves; 123 before);
+- ``per_layer``: the engine as it is (since stop 66 a layer's matrices that end in H are one
+  buffer, ``serving/layer_buffers.py``: SmolLM2's weights are 63 leaves; 123 before);
 - ``stacked_static``: ``w[i]`` for layer ``i``, a Python int (7 leaves);
 - ``stacked_dynamic``: ``lax.dynamic_slice`` at ``ids[i]`` of a u32[L] array the runner
-  holds beside the weights (8 leaves), every stack stored [L, in, out] and each slice
+  holds beside the weights (8 leaves), every stack stored [L, its first dim, the rest] and each slice
   reshaped to its layer's shape. The index is data, so the layers' GEMM fusions are one
   computation to XLA's autotuner.
 
