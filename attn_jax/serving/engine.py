@@ -1007,12 +1007,23 @@ class Engine:
         runs: list[TokenRun] = []
         if step.prompt:
             self._record_prompt_logprobs(step.prompt, self.runner.read_scores(call.prompt_scores, 1)[1:])
-        finished, states = RequestStatus.FINISHED, self._requests
+        finished, states, eos_ids = RequestStatus.FINISHED, self._requests, self.eos_token_ids
         for shard, row, request, k in step.sampling:
             if request.status is finished:
                 continue  # stopped (EOS), aborted or failed after this call was dispatched
             request.num_pending -= k
             calls = tokens[shard]
+            state = states[request.request_id]
+            if k == 1 and state.first_token is not None and state.detokenizer is state.guide is None:
+                # The hot path of a one-step call: a token that ends nothing, with no text, grammar or
+                # log-probabilities, appended inline (``_append_run``'s rules, as it would run them).
+                token, out, params = calls[0][row], request.output_ids, request.params
+                if params.logprobs is None and len(out) + 1 < params.max_new_tokens:
+                    if params.ignore_eos or token not in eos_ids:
+                        out.append(token)
+                        state.last_token = now
+                        runs.append(TokenRun(request.request_id, [token], [""], False, None))
+                        continue
             ids = [calls[0][row]] if k == 1 else [calls[j][row] for j in range(k)]
             scores = None
             if logprobs is not None and request.params.logprobs is not None:
@@ -1021,7 +1032,7 @@ class Engine:
                 for j in range(k):
                     alternatives = zip(alt_ids[shard][j][row][:n], alt_top[shard][j][row][:n], strict=True)
                     scores.append((chosen[shard][j][row], tuple(alternatives)))
-            self._append_run(runs, states[request.request_id], ids, now, scores)
+            self._append_run(runs, state, ids, now, scores)
         return runs
 
     def _record_prompt_logprobs(self, chunks, arrays) -> None:
