@@ -2,7 +2,7 @@
 
 The mesh has two axes: "data" splits requests (each data shard has its own requests,
 its own KV cache pages and block tables) and "model" splits heads: query and KV heads,
-the KV cache's head axis, the attention output projection's rows, and the MLP's
+the KV cache's head axis, the attention output projection's input columns, and the MLP's
 intermediate dimension (Megatron-style, one ``psum`` after the attention output and
 one after the MLP), and an untied LM head's vocabulary columns (one all-gather of the
 logits per step, in the activation dtype). A model axis larger than the KV heads that

@@ -2,8 +2,8 @@
 (issue 46): compile time, the jitted call's host dispatch and the step, for 30 SmolLM2-shaped
 layers in four arrangements (``--mode``):
 
-- ``unrolled``: per-layer weights and KV pools, as ``LlamaModel`` runs them (5 weight and 1
-  pool leaves a layer);
+- ``unrolled``: per-layer weights and KV pools, as ``LlamaModel`` ran them until stop 65 (5
+  weight and 1 pool leaves a layer, every matrix [in, out]);
 - ``stacked``: the same unrolled layers, each weight kind one stacked array indexed by the
   layer's static number (5 weight leaves in all), per-layer pools;
 - ``one_pool``: stacked weights and one KV pool whose rows are offset per layer, unrolled;

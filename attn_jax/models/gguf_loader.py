@@ -166,7 +166,7 @@ def load_gguf(
 
     Returns ``(config, params)``; params (NumPy, ``dtype``) in ``llama.fuse_params``'
     layout (``llama.assemble_params`` builds it: q/k/v and gate/up fused, every matrix
-    [in, out]). Raises ``ModelLoadError`` for a missing, corrupt or unsupported file.
+    [out, in]). Raises ``ModelLoadError`` for a missing, corrupt or unsupported file.
     """
     from gguf import dequantize
 

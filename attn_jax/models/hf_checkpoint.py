@@ -593,8 +593,8 @@ def load_hf_weights(
         NaN or an infinity (one more pass over each tensor; False skips it).
 
     Returns ``(config, params)`` in ``load_gguf``'s layout (``llama.assemble_params``), with
-    ``bq``/``bk``/``bv`` [Hq*D], [Hkv*D] per layer when the config has q/k/v biases and
-    ``bo`` [H] when it has an output bias; for a DeepSeek config ``deepseek.assemble_params``'
+    ``bqkv`` [Hkv, G + 2, D] per layer when the config has q/k/v biases and ``bo`` [H] when it
+    has an output bias; for a DeepSeek config ``deepseek.assemble_params``'
     layout (tensors of V3's multi-token-prediction layers, past ``num_hidden_layers``, are
     not read). Raises ``ModelLoadError`` for a missing file or tensor, a tensor of another
     shape or dtype, or a tensor the model would not use.

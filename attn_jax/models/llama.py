@@ -213,14 +213,17 @@ def fuse_params(config: LlamaConfig, params: dict) -> dict:
         shape = (c.num_kv_heads, -1, c.head_dim, *rows)
         return xp.concatenate([q.reshape(shape), k.reshape(shape), v.reshape(shape)], axis=1)
 
+    def out_in(w):  # [in, out] -> [out, in], NumPy's contiguous
+        return w.T if xp is jnp else np.ascontiguousarray(w.T)
+
     layers = []
     for w in params["layers"]:
         h = w["wq"].shape[0]
         layer = {
             "wqkv": qkv(w["wq"].T, w["wk"].T, w["wv"].T, (h,)),
-            "wo": w["wo"].T,
+            "wo": out_in(w["wo"]),
             "w_gate_up": xp.stack([w["w_gate"].T, w["w_up"].T]),
-            "w_down": w["w_down"].T,
+            "w_down": out_in(w["w_down"]),
         }
         if c.qkv_bias:
             layer["bqkv"] = qkv(w["bq"], w["bk"], w["bv"], ())
@@ -247,7 +250,7 @@ def assemble_params(config: LlamaConfig, get: Callable[[str, int | None, tuple[i
         or another shape.
       dtype: NumPy dtype of the returned weights.
 
-    Returns ``fuse_params``' layout (NumPy, C-contiguous), every matrix as [in, out].
+    Returns ``fuse_params``' layout (NumPy, C-contiguous), every matrix as [out, in].
     """
     shapes = param_shapes(config)
 
@@ -425,6 +428,10 @@ class LlamaModel:
         the (untied) LM head's vocabulary columns are split over it too, each shard's logits
         gathered (vLLM's parallel LM head: the head is read once over the axis, not on each).
     """
+
+    row_matrices = ("wqkv", "w_gate_up", "wo", "w_down")
+    """``fuse_params``' matrices, each stored [out, in]: the serving engine packs a layer's that
+    end in H into one buffer (``serving/layer_buffers.py``)."""
 
     def __init__(
         self,

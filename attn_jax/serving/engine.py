@@ -87,6 +87,7 @@ from attn_jax.serving.detokenizer import IncrementalDetokenizer
 from attn_jax.serving.dispatch_pacer import DispatchPacer
 from attn_jax.serving.kv_cache_manager import PrefixCacheStats
 from attn_jax.serving.kv_cache_sizing import default_limits, kv_cache_plan
+from attn_jax.serving.layer_buffers import model_layout
 from attn_jax.serving.metrics import EngineTotals, StepStats, StepStatsLog
 from attn_jax.serving.model_runner import DispatchedCall, ModelRunner, PreparedCall, kv_cache_bytes_per_block
 from attn_jax.serving.scheduler import MIN_STEPS_CAP, Request, RequestStatus, SamplingParams, ScheduledBatch, Scheduler
@@ -380,12 +381,15 @@ class Engine:
         max_pages = -(-self.max_model_len // self.block_size)
         leaves = jax.tree.leaves(params)
         bytes_per_block = kv_cache_bytes_per_block(model)
+        on_device = all(isinstance(x, jax.Array) for x in leaves)
+        layout = model_layout(model, params)  # the runner's per-layer buffers: a copy of device weights
         self.kv_cache_plan = kv_cache_plan(
             config, params_bytes=sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
             // (1 if mesh is None else mesh.shape.get(MODEL, 1)),  # weights split over the model axis
             max_num_batched_tokens=max_num_batched_tokens, max_rows=min(max_num_seqs, max_num_batched_tokens),
             gpu_memory_utilization=gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes, device=device,
-            params_on_device=all(isinstance(x, jax.Array) for x in leaves),
+            params_on_device=on_device,
+            copied_bytes=layout.nbytes * len(params["layers"]) if on_device and layout is not None else 0,
         )  # fmt: skip
         affordable = self.kv_cache_plan.kv_cache_bytes // bytes_per_block
         if jax.process_count() > 1:  # every process builds the same cache: the one all can afford

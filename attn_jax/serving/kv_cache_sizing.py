@@ -99,12 +99,13 @@ def activation_bytes(config, *, max_num_batched_tokens: int, max_rows: int) -> i
 
 def kv_cache_plan(
     config, *, params_bytes: int, max_num_batched_tokens: int, max_rows: int, gpu_memory_utilization: float = 0.9,
-    kv_cache_bytes: int | None = None, device=None, params_on_device: bool = False,
+    kv_cache_bytes: int | None = None, device=None, params_on_device: bool = False, copied_bytes: int = 0,
 ) -> KVCachePlan:  # fmt: skip
     """The KV cache's bytes per device. ``kv_cache_bytes`` given: that. Else on a device with
     memory statistics: ``gpu_memory_utilization`` of its allocator limit, less what is in use,
     the weights (``params_bytes`` per device; already counted in use when
-    ``params_on_device``) and ``activation_bytes``; ValueError when nothing is left, naming
+    ``params_on_device``, then plus ``copied_bytes``, the runner's copy of some of them: its
+    per-layer buffers) and ``activation_bytes``; ValueError when nothing is left, naming
     each part. Else (CPU) ``CPU_KV_CACHE_BYTES``."""
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1]")
@@ -117,7 +118,7 @@ def kv_cache_plan(
     if stats is None:
         return KVCachePlan(CPU_KV_CACHE_BYTES, "cpu default")
     limit, in_use = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
-    weights = 0 if params_on_device else int(params_bytes)
+    weights = int(copied_bytes) if params_on_device else int(params_bytes)
     act = activation_bytes(config, max_num_batched_tokens=max_num_batched_tokens, max_rows=max_rows)
     free = int(gpu_memory_utilization * limit) - in_use - weights - act
     if free <= 0:
@@ -127,4 +128,5 @@ def kv_cache_plan(
             f"activations {act / 2**30:.2f} GiB; raise gpu_memory_utilization, lower max_num_batched_tokens or "
             "give kv_cache_bytes"
         )
-    return KVCachePlan(free, f"gpu_memory_utilization={gpu_memory_utilization}", limit, int(params_bytes), act)
+    held = int(params_bytes) + int(copied_bytes)
+    return KVCachePlan(free, f"gpu_memory_utilization={gpu_memory_utilization}", limit, held, act)

@@ -62,7 +62,7 @@ from attn_jax.models.base import ServingModel
 from attn_jax.platforms import is_cuda
 from attn_jax.serving.cascade import CascadeConfig, common_prefix_len
 from attn_jax.serving.executable_cache import ExecutableCache
-from attn_jax.serving.layer_buffers import pack_layers, unpack_layer
+from attn_jax.serving.layer_buffers import model_layout, pack_layers, unpack_copy, unpack_layer
 from attn_jax.serving.sampling import (
     PROMPT_SEEN,
     apply_guides,
@@ -221,12 +221,6 @@ def _write_pages(cache, pages, values, axis: int):
     return cache.at[(slice(None),) * axis + (pages,)].set(values)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _unpack_copy(layer, layout):
-    """``unpack_layer`` of a concrete layer: one program a layout (each array a copy)."""
-    return unpack_layer(layer, layout)
-
-
 def kv_cache_bytes_per_block(model: ServingModel) -> int:
     """Bytes of one KV cache page over every layer (any cache pytree, fp8 scales included)."""
     shapes = jax.eval_shape(lambda: model.init_kv_caches(1))
@@ -273,16 +267,11 @@ class ModelRunner:
         narrow, wide = (step_compiler_options(device, tokens) for tokens in (0, CUBLAS_MIN_TOKENS))
         self.num_shards = 1 if self._sharded is None else self._sharded.data_size
         vocab = model.config.vocab_size
-        # Each layer's matrices in one buffer (``layer_buffers``: fewer arguments a call) when the
-        # layers are a list of dicts (``fuse_params``') and no model axis splits their matrices
-        # (each is split along its own axis).
-        packed = None
-        unsplit = self._sharded is None or not (model.attn_sharded or model.mlp_sharded)
-        if unsplit and isinstance(params["layers"], (list, tuple)):
-            packed = pack_layers(params["layers"], model.config.hidden_size)
-        self._layer_layout = None if packed is None else packed[1]
-        if packed is not None:
-            params = {**params, "layers": packed[0]}
+        # A layer's [out, in] matrices that end in H in one buffer (``layer_buffers``: fewer
+        # arguments a call), where the model names them and no model axis splits them.
+        self._layer_layout = model_layout(model, params)
+        if self._layer_layout is not None:
+            params = {**params, "layers": pack_layers(params["layers"], self._layer_layout)}
         if self._sharded is None:
             self.step_params = jax.device_put(params)
             self.kv_caches = model.init_kv_caches(num_blocks)
@@ -336,7 +325,7 @@ class ModelRunner:
         then these are copies sliced out of them, made at each read."""
         if self._layer_layout is None:
             return self.step_params
-        layers = [_unpack_copy(layer, self._layer_layout) for layer in self.step_params["layers"]]
+        layers = [unpack_copy(layer, self._layer_layout) for layer in self.step_params["layers"]]
         return {**self.step_params, "layers": layers}
 
     @property

@@ -68,3 +68,35 @@ def test_an_abort_is_a_run_of_no_tokens():
     runs = _drain(engine)
     assert runs[-1] == TokenRun(request_id, [], [], True, "abort")
     assert token_events([runs[-1]]) == [TokenEvent(request_id, -1, "", True, "abort")]
+
+
+def test_one_step_calls_of_untokenized_requests_end_as_tokenized_ones_do():
+    """A one-step call appends a plain token inline (``Engine._resolve``: no text, grammar or
+    log-probabilities, and nothing ends); every other token goes through ``_append_run``. With
+    no tokenizer the inline path runs; with one every token takes ``_append_run``: the same
+    tokens, ends at EOS and at ``max_new_tokens``, and the same runs."""
+    from attn_jax.models.llama import init_params
+    from attn_jax.serving import Engine
+    from attn_jax.testing.models import tiny_random_config
+
+    limits = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+    tokenized = tiny_random_engine(**limits)
+    config = tiny_random_config(tokenized.model.config.vocab_size)
+    plain = Engine.from_llama(config, init_params(config, seed=0), None, **limits)
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14, 15, 16]]
+    free = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    found = [c.output_ids for c in plain.generate(prompts, free)]
+    assert found == [c.output_ids for c in tokenized.generate(prompts, free)]
+    eos = found[1][5]  # the second request's sixth token ends it (and any other that samples it)
+    params = [free, SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=7), free]
+    results = []
+    for engine in (plain, tokenized):
+        engine.eos_token_ids = {eos}
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        runs = _drain(engine)
+        ends = [(c.output_ids, c.finish_reason) for c in map(engine.completion, ids)]
+        results.append(([(r.token_ids, r.finished, r.finish_reason) for r in runs], ends))
+    assert results[0] == results[1]
+    ends = results[0][1]
+    assert ends[1] == (found[1][: found[1].index(eos) + 1], "stop") and ends[2][1] in ("stop", "length")
+    assert ends[0] == (found[0], "length")
