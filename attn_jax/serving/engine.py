@@ -285,9 +285,11 @@ class Engine:
     Args:
       model: the model (``LlamaModel`` or another ``attn_jax.models.base.ServingModel``;
         its attention group fixes backend, block size and cache dtype).
-      params: the model's weights (NumPy or jax arrays). Each layer's matrices are held in one
-        buffer (``serving/layer_buffers.py``): NumPy ones are packed on their way to the device,
-        jax arrays copied into it (the caller's arrays stay as they are).
+      params: the model's weights (NumPy or jax arrays). Where the model names its [out, in]
+        matrices (``LlamaModel.row_matrices``), a layer's that end in H are held in one buffer
+        (``serving/layer_buffers.py``): NumPy ones are packed on their way to the device, jax
+        arrays copied into it (the caller's arrays stay as they are; the KV budget counts the
+        copy).
       tokenizer: for text prompts and streamed text (optional when prompts are token
         ids): ``load_tokenizer``'s ``GGUFTokenizer`` or a transformers tokenizer, anything
         with ``tokenizer(text)["input_ids"]``, ``decode(ids, skip_special_tokens=True)``,
