@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
 
@@ -88,3 +89,8 @@ def is_cuda(device: Any) -> bool:
 def current_platform() -> Platform:
     """``detect_platform()`` for this process, computed once (devices do not change)."""
     return detect_platform()
+
+
+def host_cpus() -> int:
+    """The host cores this process may run on (its CPU affinity where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

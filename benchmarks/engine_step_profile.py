@@ -113,6 +113,27 @@ def summarise_trace(log_dir: str, num_steps: int) -> dict:
     }
 
 
+def summarise_host_events(log_dir: str, num_calls: int, top: int = 70) -> dict:
+    """The host's side of a jax.profiler trace, per engine call: for each event name on the
+    host planes (XLA's and PjRt's TraceMe annotations on ``/host:CPU``; the CUDA driver and
+    runtime calls CUPTI records), its microseconds and count per call, the ``top`` names by
+    time. Nested events each count their whole span, so a parent includes its children."""
+    from jax.profiler import ProfileData
+
+    data = ProfileData.from_file(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)[0])
+    total, count = collections.Counter(), collections.Counter()
+    for plane in data.planes:
+        if plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                key = f"{plane.name} | {ev.name[:100]}"
+                total[key] += ev.duration_ns
+                count[key] += 1
+    top_names = total.most_common(top)
+    return {k: {"us_per_call": v / 1e3 / num_calls, "per_call": count[k] / num_calls} for k, v in top_names}
+
+
 def _sync(engine) -> None:
     """Waits for the engine's last dispatched step (engines that run a step ahead)."""
     if hasattr(engine, "synchronize"):
@@ -247,6 +268,7 @@ def profile_batch(config, params, batch: int, args, backend, mesh=None, num_sche
             _sync(engine)
             wall = time.perf_counter() - t
         device = summarise_trace(log_dir, args.steps * k)  # per decode step
+        host = summarise_host_events(log_dir, args.steps) if getattr(args, "host_events", False) else None
     # Untraced timing of the same number of steps (the profiler adds its own overhead).
     first = len(engine.stats)
     t = time.perf_counter()
@@ -272,7 +294,7 @@ def profile_batch(config, params, batch: int, args, backend, mesh=None, num_sche
         "dispatch_overlap_ms": overlap,
         "compilations_while_profiled": engine.num_compilations - compiles,
         "device": device,
-    }
+    } | ({} if host is None else {"host_events_per_call": host})
 
 
 def main() -> None:
@@ -285,6 +307,9 @@ def main() -> None:
         "--overlap-work-ms", type=float, nargs="*", default=[],
         help="also time the jitted call beside this much Python work, in turn and on a worker thread",
     )  # fmt: skip
+    parser.add_argument(
+        "--host-events", action="store_true", help="also summarise the trace's host events (TraceMe, CUDA API) per call"
+    )
     parser.add_argument("--hlo-out", default=None, help="write each batch's compiled step HLO to PREFIX.batchN.hlo.txt")
     add_engine_args(parser, prompt_len=128, kv_cache_gib=4)
     add_output_args(parser, "engine_step_profile_{model}.json")
@@ -309,6 +334,8 @@ def main() -> None:
             times = ", ".join(f"{k} {v:.3f}" for k, v in o.items() if k != "work")
             print(f"  dispatch beside {o['work']} ms of Python: {times} ms per round")
         print(json.dumps(d, indent=1), flush=True)
+        for name, v in r.get("host_events_per_call", {}).items():
+            print(f"  host {v['us_per_call']:9.1f} us {v['per_call']:7.1f}x  {name}")
     result = {
         "model": args.model,
         "weight_bytes": weight_bytes(params),

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from types import SimpleNamespace
 
 import jax
 import pytest
 
-from attn_jax.platforms import PLATFORM_KINDS, Platform, current_platform, detect_platform
+from attn_jax.platforms import PLATFORM_KINDS, Platform, current_platform, detect_platform, host_cpus
 
 
 def _devices(platform: str, device_kind: str, n: int = 1):
@@ -75,3 +76,7 @@ def test_detect_platform_rejects_no_devices():
 def test_detect_platform_rejects_mixed_platforms():
     with pytest.raises(ValueError, match=r"several platforms \['cpu', 'cuda'\]"):
         detect_platform(_devices("cpu", "cpu") + _devices("cuda", "NVIDIA H100 80GB HBM3"))
+
+
+def test_host_cpus_counts_the_cores_this_process_may_use():
+    assert host_cpus() == len(os.sched_getaffinity(0)) >= 1

@@ -41,6 +41,7 @@ import threading
 import time
 from multiprocessing.connection import wait as wait_any
 
+from attn_jax.platforms import host_cpus
 from attn_jax.server.engine_process import EngineClient, EngineProcess
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def default_count(platform: str, cpus: int | None = None) -> int:
     if platform == "cpu":
         return 1
     if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cpus = host_cpus()
     return max(1, min(MAX_AUTO_COUNT, cpus // 4))
 
 

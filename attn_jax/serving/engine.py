@@ -523,7 +523,7 @@ class Engine:
         returns how many shapes, compilations and seconds (``serving/warmup.py``). Call it
         on an idle engine, before the first request (ValueError otherwise); ``max_shapes``
         bounds the shapes warmed (the likeliest first; the report counts those skipped);
-        ``workers`` threads compile at once (default: one per core, at most 8);
+        ``workers`` threads compile at once (default: one per core, at most 16);
         ``executable_cache`` a folder of compiled programs loaded without tracing (and filled
         with those compiled; ``serving/executable_cache.py``). With a tokenizer and llguidance
         installed, it also builds structured outputs' tokenizer."""

@@ -44,11 +44,15 @@ import jax
 
 from attn_jax.metadata import MetadataBuckets
 from attn_jax.ops.ragged_paged_attention.config import next_pow2
+from attn_jax.platforms import host_cpus
 from attn_jax.serving.executable_cache import ExecutableCache
 from attn_jax.serving.model_runner import ModelRunner, PreparedCall
 from attn_jax.serving.scheduler import MIN_STEPS_CAP, Request, SamplingParams, ScheduledBatch
 
-__all__ = ["WarmupReport", "candidate_calls", "decode_step_counts", "default_workers", "query_len_patterns", "warm_up"]
+__all__ = [
+    "MAX_WORKERS", "WarmupReport", "candidate_calls", "decode_step_counts", "default_workers", "query_len_patterns",
+    "warm_up",
+]  # fmt: skip
 
 SCRATCH_PAGE = 0
 """The KV page every dummy request writes (saved and restored around the warm-up)."""
@@ -79,9 +83,15 @@ class WarmupReport:
         )
 
 
+MAX_WORKERS = 16
+"""The most compile threads ``default_workers`` gives (each holds a program's compiler state):
+16 on a 16-core H200 host started ``serve`` in 110 s against 8's 131 (BENCHMARKS.md, stop 67)."""
+
+
 def default_workers() -> int:
-    """Compile threads: one per core, at most 8 (each holds a program's compiler state)."""
-    return max(1, min(8, os.cpu_count() or 1))
+    """Compile threads: one per core this process may use (``platforms.host_cpus``), at most
+    ``MAX_WORKERS``."""
+    return max(1, min(MAX_WORKERS, host_cpus()))
 
 
 def _lengths_up_to(limit: int) -> list[int]:

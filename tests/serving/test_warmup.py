@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from attn_jax.registry import AttentionBackendEnum
-from attn_jax.serving import SamplingParams
+from attn_jax.serving import SamplingParams, warmup
 from attn_jax.serving.model_runner import ModelRunner
 from attn_jax.serving.warmup import _dummy_batch, candidate_calls, decode_step_counts, query_len_patterns
 from attn_jax.testing.models import tiny_random_engine
@@ -162,6 +162,12 @@ def test_warmup_refuses_a_busy_engine():
         engine.warmup()
     with pytest.raises(ValueError, match="workers=0 must be an int >= 1"):
         tiny_random_engine(**LIMITS).warmup(workers=0)
+
+
+@pytest.mark.parametrize(("cpus", "workers"), [(1, 1), (2, 2), (16, 16), (64, warmup.MAX_WORKERS)])
+def test_the_warmup_compiles_on_a_thread_per_core_up_to_max_workers(monkeypatch, cpus, workers):
+    monkeypatch.setattr(warmup, "host_cpus", lambda: cpus)
+    assert warmup.default_workers() == workers
 
 
 def test_max_shapes_warms_the_likeliest_first():
