@@ -1,4 +1,5 @@
-"""Which hardware this process runs on: tpu, gpu or cpu, the device kind and count.
+"""Which hardware this process runs on: tpu, gpu or cpu, the device kind and count, and
+the host cores it may use (``host_cpus``).
 
 The selector keys its platform priority list on ``Platform.kind``. Detection reads the
 default JAX backend's devices; tests build a ``Platform`` directly and pass it to the
