@@ -66,14 +66,18 @@ def category(name: str) -> str:
     return "other"
 
 
-def summarise_trace(log_dir: str, num_steps: int) -> dict:
-    """Device-side totals of a jax.profiler trace, per step and GPU (the span: per step)."""
+def load_profile(log_dir: str):
+    """The ``jax.profiler.ProfileData`` of the trace ``jax.profiler.trace(log_dir)`` wrote."""
     from jax.profiler import ProfileData
 
     files = glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)
     if not files:
         raise RuntimeError(f"no xplane.pb under {log_dir}")
-    data = ProfileData.from_file(files[0])
+    return ProfileData.from_file(files[0])
+
+
+def summarise_trace(data, num_steps: int) -> dict:
+    """Device-side totals of a trace (``load_profile``'s), per step and GPU (the span: per step)."""
     per_cat = collections.Counter()
     per_kernel = collections.Counter()
     count_cat = collections.Counter()
@@ -113,14 +117,11 @@ def summarise_trace(log_dir: str, num_steps: int) -> dict:
     }
 
 
-def summarise_host_events(log_dir: str, num_calls: int, top: int = 70) -> dict:
-    """The host's side of a jax.profiler trace, per engine call: for each event name on the
+def summarise_host_events(data, num_calls: int, top: int = 70) -> dict:
+    """The host's side of a trace (``load_profile``'s), per engine call: for each event name on the
     host planes (XLA's and PjRt's TraceMe annotations on ``/host:CPU``; the CUDA driver and
     runtime calls CUPTI records), its microseconds and count per call, the ``top`` names by
     time. Nested events each count their whole span, so a parent includes its children."""
-    from jax.profiler import ProfileData
-
-    data = ProfileData.from_file(glob.glob(f"{log_dir}/**/*.xplane.pb", recursive=True)[0])
     total, count = collections.Counter(), collections.Counter()
     for plane in data.planes:
         if plane.name.startswith("/device:"):
@@ -267,8 +268,9 @@ def profile_batch(config, params, batch: int, args, backend, mesh=None, num_sche
                 engine.step()
             _sync(engine)
             wall = time.perf_counter() - t
-        device = summarise_trace(log_dir, args.steps * k)  # per decode step
-        host = summarise_host_events(log_dir, args.steps) if getattr(args, "host_events", False) else None
+        data = load_profile(log_dir)
+        device = summarise_trace(data, args.steps * k)  # per decode step
+        host = summarise_host_events(data, args.steps) if getattr(args, "host_events", False) else None
     # Untraced timing of the same number of steps (the profiler adds its own overhead).
     first = len(engine.stats)
     t = time.perf_counter()

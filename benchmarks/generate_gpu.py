@@ -35,6 +35,7 @@ from results_io import add_output_args, output_path, write_json  # benchmarks/, 
 from serve_load import thread_cpu_seconds  # benchmarks/, the script's folder
 
 from attn_jax.models.llama import LlamaModel
+from attn_jax.platforms import host_cpus
 from attn_jax.server.gc_heap import freeze_startup_heap
 from attn_jax.serving import Engine, SamplingParams
 from attn_jax.sharding import local_model_kwargs
@@ -354,7 +355,7 @@ def main() -> None:
             "jax": jax.__version__,
             "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "cpus": host_cpus(),
             # How CUDA waits for the device (unset: its automatic choice, which spins on a CPU
             # while the process has fewer contexts than CPUs); read by XLA's stream executor.
             "gpu_device_schedule": os.environ.get("TF_CUDA_PLATFORM_GPU_DEVICE_SCHEDULE"),

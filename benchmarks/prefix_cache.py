@@ -153,7 +153,7 @@ def _profile_decode(engine, prompts: list[list[int]], params, calls: int) -> dic
     import tempfile
 
     import jax
-    from engine_step_profile import _sync, summarise_trace  # benchmarks/, the script's folder
+    from engine_step_profile import _sync, load_profile, summarise_trace  # benchmarks/, the script's folder
 
     engine.reset_prefix_cache()
     ids = [engine.add_request(p, params) for p in prompts]
@@ -168,7 +168,7 @@ def _profile_decode(engine, prompts: list[list[int]], params, calls: int) -> dic
             _sync(engine)
         stats = engine.stats[first : first + calls]
         steps = sum(s.num_steps for s in stats)
-        summary = summarise_trace(log_dir, steps)
+        summary = summarise_trace(load_profile(log_dir), steps)
     while engine.has_unfinished():
         engine.step()
     summary["decode_steps"] = steps
