@@ -497,6 +497,11 @@ class ModelRunner:
             token_bucket = self.buckets.token_buckets[-1]
         num_reqs = max(len(b.requests) for b in batches)
         prefills = any(q > 1 for b in batches for q in b.num_new)
+        if num_steps > 1 and (prefills or prompt):  # the later steps advance decode metadata
+            raise ValueError(
+                f"num_steps={num_steps} needs a batch of decodes only (one new token a request, no prompt "
+                f"log-probabilities); got new tokens {[list(b.num_new) for b in batches]}, prompt logprobs {prompt}"
+            )
         if prefills:  # see the docstring: one request bucket per token bucket
             num_reqs = max(num_reqs, min(token_bucket, self.buckets.request_buckets[-1]))
         req_bucket = fits(self.buckets.request_buckets, num_reqs, "num_reqs")
@@ -849,34 +854,35 @@ class ModelRunner:
             next_md = group.advance_decode(md, jnp.pad(steps, widths), jnp.pad(active, widths))
             return positions, next_md, s["counters"] + steps
 
-        tokens, scores, kv_caches, counts = forward(
-            kv_caches, token_ids, x["positions"], md, s["counters"], counts, limits > 0, x.get("prompt_targets")
-        )
-        scores = scores[None]
-        prompt = () if prompt_out is None else (prompt_out,)
         next_packed = packed
         if self._chains_decodes:  # the next call's inputs, each request as many tokens on as it took steps
             positions, next_md, counters = moved(limits, limits > 0)
             later = dict(x, positions=positions, md=next_md, sampling=dict(s, counters=counters))
             next_packed = repack(packed, layout, x, later)
         if num_steps == 1:
-            return tokens[None], (tokens, store(counts), guide_masks), kv_caches, next_packed, (scores, *prompt)
+            tokens, scores, kv_caches, counts = forward(
+                kv_caches, token_ids, x["positions"], md, s["counters"], counts, limits > 0, x.get("prompt_targets")
+            )
+            prompt = () if prompt_out is None else (prompt_out,)
+            return tokens[None], (tokens, store(counts), guide_masks), kv_caches, next_packed, (scores[None], *prompt)
 
+        # Every step of a multi-step call (a decode batch: ``prepare`` checks) is one scan step, the
+        # first's inputs the call's own tokens and metadata (``moved`` by 0 steps): the program holds
+        # the model once, where a first step unrolled beside the scan's body held it twice and
+        # compiled about twice as long (BENCHMARKS.md, stop 68).
         def decode(carry, step):
             kv_caches, last, counts = carry
             steps = jnp.clip(jnp.minimum(step, limits - 1), 0)
             active = step < limits
-            token_ids = last[jnp.minimum(token_rows, max_rows - 1)]
+            inputs = jnp.where(step == 0, token_ids, last[jnp.minimum(token_rows, max_rows - 1)])
             positions, step_md, counters = moved(steps, active)
             new, new_scores, kv_caches, counts = forward(
-                kv_caches, token_ids, positions, step_md, counters, counts, active
+                kv_caches, inputs, positions, step_md, counters, counts, active
             )
-            last = jnp.where(jnp.pad(active, (0, max_rows - num_rows)), new, last)
+            last = jnp.where(jnp.pad(active, (0, max_rows - num_rows)) | (step == 0), new, last)
             return (kv_caches, last, counts), (new, new_scores)
 
-        (kv_caches, last, counts), (later, later_scores) = jax.lax.scan(
-            decode, (kv_caches, tokens, counts), jnp.arange(1, num_steps)
+        (kv_caches, last, counts), (tokens, scores) = jax.lax.scan(
+            decode, (kv_caches, last_tokens, counts), jnp.arange(num_steps)
         )
-        scores = jnp.concatenate([scores, later_scores])
-        tokens = jnp.concatenate([tokens[None], later])
-        return tokens, (last, store(counts), guide_masks), kv_caches, next_packed, (scores, *prompt)
+        return tokens, (last, store(counts), guide_masks), kv_caches, next_packed, (scores,)

@@ -14,6 +14,8 @@ from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
 from attn_jax.models.llama import LlamaConfig, LlamaModel, init_params
 from attn_jax.registry import AttentionBackendEnum
 from attn_jax.serving import Engine, SamplingParams
+from attn_jax.serving.model_runner import ModelRunner
+from attn_jax.serving.warmup import _dummy_batch
 
 BACKENDS = ("XLA", "PALLAS_GPU", "PALLAS_TPU")
 CONFIG = LlamaConfig(
@@ -62,6 +64,28 @@ def test_advance_decode_equals_building_the_later_batch(backend):
 
         assert columns(moved.schedule) == columns(fresh.schedule)
         assert moved.block_sizes == fresh.block_sizes
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_advance_by_no_steps_leaves_the_metadata_as_built(backend):
+    """A multi-step call's first step runs on its metadata moved by 0 steps (the step program
+    holds one scan over every step): that must be the metadata as built."""
+    builder = _model(backend).attn.metadata_builder
+    block_table = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)[::-1].copy()
+    built = _decode_metadata(builder, np.array([5, 17, 33]), block_table)
+    moved = builder.advance_decode(built, jnp.zeros(4, jnp.int32), jnp.asarray([True, True, True, False]))
+    arrays = {name: leaf for name, leaf in vars(built).items() if isinstance(leaf, (np.ndarray, jnp.ndarray))}
+    assert {"seq_lens", "slot_mapping", "block_tables"} <= set(arrays)
+    for name, leaf in arrays.items():
+        np.testing.assert_array_equal(np.asarray(getattr(moved, name)), np.asarray(leaf), err_msg=name)
+
+
+def test_a_multi_step_call_needs_a_batch_of_decodes():
+    engine = Engine(_model("XLA"), init_params(CONFIG, seed=0), max_num_seqs=4, max_num_batched_tokens=32)
+    batch = _dummy_batch((3, 1), 64, BLOCK_SIZE, SamplingParams(temperature=0.0))
+    rows = {r: ModelRunner.request_row(r, q, {}) for r, q in zip(batch.requests, (3, 1), strict=True)}
+    with pytest.raises(ValueError, match=r"num_steps=4 needs a batch of decodes only .* got new tokens \[\[3, 1\]\]"):
+        engine.runner.prepare([batch], rows, [[1, 4]], 4)
 
 
 @pytest.mark.parametrize("backend", ["PALLAS_GPU", "PALLAS_TPU"])
