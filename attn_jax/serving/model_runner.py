@@ -488,7 +488,8 @@ class ModelRunner:
 
         The call is a ``DecodeBatch`` per data shard (the next call may continue it,
         ``continue_decode``) when it is one step of decodes only, each input token the
-        previous call's output in the request's own row."""
+        previous call's output in the request's own row. ``num_steps`` > 1 needs decodes only,
+        without prompt log-probabilities (ValueError)."""
         prefix_lens = self.cascade_prefix_lens(batches, num_common_blocks)
         fits = MetadataBuckets.fit
         token_bucket = fits(self.buckets.token_buckets, max(b.num_tokens for b in batches), "num_tokens")
@@ -766,7 +767,8 @@ class ModelRunner:
     ):  # fmt: skip
         """Traced once per (layout, steps, sampled), whatever the sampling values: forward
         and sampling (with ``sampled`` False every row is greedy: an argmax), ``num_steps``
-        times (the later steps decodes only, each request's input its previous token).
+        times (with several, every step a decode, each later one's input the request's
+        previous token).
 
         ``rows`` is the device's per-row state: (i32[R_max] the previous call's last sampled
         tokens, i32[R_max, V] the penalties' token counts by slot, i32[R_max, ceil(V / 32)]
@@ -868,8 +870,8 @@ class ModelRunner:
 
         # Every step of a multi-step call (a decode batch: ``prepare`` checks) is one scan step, the
         # first's inputs the call's own tokens and metadata (``moved`` by 0 steps): the program holds
-        # the model once, where a first step unrolled beside the scan's body held it twice and
-        # compiled about twice as long (BENCHMARKS.md, stop 68).
+        # the model once, where a first step unrolled beside the scan's body held it twice (twice
+        # the HLO, 1.3-2.1x the compile time on a CPU: BENCHMARKS.md, stop 68).
         def decode(carry, step):
             kv_caches, last, counts = carry
             steps = jnp.clip(jnp.minimum(step, limits - 1), 0)
