@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata
+from attn_jax.mla_layer import MLAAttention
 from attn_jax.models.llama import LlamaConfig, LlamaModel, init_params
 from attn_jax.registry import AttentionBackendEnum
 from attn_jax.serving import Engine, SamplingParams
@@ -66,11 +67,14 @@ def test_advance_decode_equals_building_the_later_batch(backend):
         assert moved.block_sizes == fresh.block_sizes
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", (*BACKENDS, "XLA_MLA"))
 def test_advance_by_no_steps_leaves_the_metadata_as_built(backend):
     """A multi-step call's first step runs on its metadata moved by 0 steps (the step program
     holds one scan over every step): that must be the metadata as built."""
-    builder = _model(backend).attn.metadata_builder
+    if backend == "XLA_MLA":  # DeepSeek's latent attention (4 heads, 32 latents, 16 RoPE dims)
+        builder = MLAAttention(4, 40**-0.5, 24, 16, 20, None, 32, block_size=BLOCK_SIZE).metadata_builder
+    else:
+        builder = _model(backend).attn.metadata_builder
     block_table = np.arange(3 * 4, dtype=np.int32).reshape(3, 4)[::-1].copy()
     built = _decode_metadata(builder, np.array([5, 17, 33]), block_table)
     moved = builder.advance_decode(built, jnp.zeros(4, jnp.int32), jnp.asarray([True, True, True, False]))
