@@ -30,9 +30,10 @@ computed after its request stopped at EOS is dropped.
 Multi-step decoding (``num_scheduler_steps`` K > 1, vLLM's multi-step scheduling): when a
 step holds decodes only and no request waits to be admitted, one call runs K decode steps
 on the device (a ``lax.scan``; each step's metadata is the call's moved on by the
-attention group's ``advance_decode``, by 0 steps in the first), so the host's scheduling and the call's dispatch
-are paid once per K tokens. A request with fewer than K tokens left stops writing after
-its last; tokens after EOS are dropped; tokens reach the caller K at a time.
+attention group's ``advance_decode``, by 0 steps in the first), so the host's scheduling
+and the call's dispatch are paid once per K tokens. A request with fewer than K tokens
+left stops writing after its last; tokens after EOS are dropped; tokens reach the caller
+K at a time.
 
 Structured outputs (``SamplingParams.json_schema``, ``serving/structured_output.py``): a
 guided request's next-token mask depends on its last token, so it takes one step of a
