@@ -206,7 +206,7 @@ def test_parse_workloads_reads_page_and_head_suffixes():
 @pytest.mark.parametrize(
     ("names", "message"),
     [("D3", r"unknown workload 'D3': valid bases are "
-            r"\['D1', 'D2', 'E1', 'E256', 'E64', 'EM256', 'EM64', 'M1', 'M2', 'P1'\]"),
+            r"\['D1', 'D2', 'E1', 'E256', 'E64', 'EA256', 'EA256R', 'EM256', 'EM64', 'M1', 'M2', 'P1'\]"),
      ("P1_q128", "suffix 'q128'"), ("P1_p0", "suffix 'p0'"), ("P1_p", "suffix 'p'")],
 )  # fmt: skip
 def test_parse_workloads_names_the_bad_part(names, message):

@@ -208,6 +208,8 @@ def test_the_benchmark_runs_on_the_tiny_model(tmp_path):
     r = json.loads(out.read_text())
     assert r["error"] is None and r["skipped"] == []
     assert r["offline"]["generated_tokens"] == concurrency * max_tokens and r["offline"]["tokens_per_s"] > 0
+    runs = r["offline"]["tokens_per_s_runs"]  # --offline-repeats' default: 3 timed runs, the median reported
+    assert len(runs) == 3 and r["offline"]["tokens_per_s"] == sorted(runs)[1]
     for phase, requests in (("closed_loop", concurrency * per_client), ("poisson", poisson)):
         s = r[phase]
         assert (s["requests"], s["completed"], s["failed"]) == (requests, requests, 0), s["errors"]

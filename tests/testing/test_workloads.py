@@ -88,7 +88,7 @@ def test_make_ragged_batch_rejects_bad_arguments(args, kwargs, message):
 
 def test_benchmark_workloads_match_design():
     design = {"D1", "D2", "M1", "P1", "M2"}  # M2: a serving step, not DESIGN.md's
-    assert set(WORKLOADS) == design | {"E1", "E64", "E256", "EM64", "EM256"}
+    assert set(WORKLOADS) == design | {"E1", "E64", "E256", "EM64", "EM256", "EA256", "EA256R"}
     for spec in (WORKLOADS[name] for name in design):
         assert (spec.num_q_heads, spec.num_kv_heads, spec.head_size, spec.block_size) == (32, 8, 128, 16)
         assert spec.dtype == "bfloat16" and spec.causal
@@ -104,6 +104,11 @@ def test_benchmark_workloads_match_design():
         e = WORKLOADS[f"E{n}"]
         assert (e.num_q_heads, e.num_kv_heads, e.head_size, e.block_size) == (9, 3, 64, 16)
         assert e.query_lens == (1,) * n and e.context_lens == (256,) * n
+    ea, reordered = WORKLOADS["EA256"], WORKLOADS["EA256R"]  # the server's admission step, and prompts first
+    assert ea.query_lens == (1,) * 151 + (128,) * 14 and ea.context_lens == (256,) * 151 + (0,) * 14
+    pairs = [sorted(zip(w.query_lens, w.context_lens, strict=True)) for w in (ea, reordered)]
+    assert pairs[0] == pairs[1]
+    assert reordered.query_lens[:14] == (128,) * 14 and (ea.num_q_heads, ea.head_size) == (9, 64)
 
 
 def test_workload_make_batch_with_overrides():
