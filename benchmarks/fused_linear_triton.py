@@ -2,8 +2,9 @@
 
 Stop 68 found a batch-1 decode step at 12 kernels a layer, its GEMMs about 5x their weight-read
 time, and named kernels of our own as the lever: GEMVs that take the RMS norm as their prologue
-and RoPE, SiLU x up and the residual add as their epilogues would leave 4 kernels a layer where
-XLA runs 11 (the k/v write besides). This probe measures that before building it into the model.
+and RoPE, SiLU x up and the residual add as their epilogues would leave 4 kernels a layer for the
+linear part, where XLA runs 9 (11 a layer here with the k/v scatter and a cache copy). This probe
+measures that before building it into the model.
 
 30 SmolLM2-135M-shaped layers (H 576, 9 q / 3 KV heads of 64, I 1536, bf16 weights; a layer's
 matrices that end in H one [N, H] buffer, as ``serving/layer_buffers.py`` packs them), at 16 and
@@ -17,8 +18,11 @@ k and v go into a per-layer cache by a scatter in both arms. Arms:
   ``num_stages`` deep); ``CONFIGS`` are the tilings tried.
 
 Each arm's layer is checked against the XLA layer first (max error relative to its largest
-value); then CUPTI device spans of 30 calls (``cupti_timing.trace_calls``) and the median
-call's kernels by name. On the CPU the kernels run in the interpreter (``--check`` only).
+value); then CUPTI device spans of 30 calls (``cupti_timing.trace_calls``) and, for the call
+of the median span, its kernels by name. Probe artefacts, in both arms or the fused one: each
+cache is copied before its scatter (not donated), and the norm weights' slices ``norms[0]`` and
+``norms[1]`` are copied before the fused arm's kernels take them. On the CPU the kernels run in
+the interpreter (``--check`` only).
 
     python benchmarks/fused_linear_triton.py --out /tmp/fused_linear.json
     python benchmarks/fused_linear_triton.py --check --tokens 16        # CPU: correctness only
@@ -137,8 +141,12 @@ def _gemv_kernel(*refs, bk, bn, row0, n_pair, norm, rope, residual, silu_pair):
 def gemv(x, w, *, n_out, row0=0, norm_w=None, rope=None, residual=None, silu_pair=False, bn=64, bk=64,
          num_warps=4, num_stages=3, interpret=False):  # fmt: skip
     """x bf16[T, K] @ rows [row0, row0 + n_out) of w [R, K], transposed: bf16[T, n_out]; with
-    ``rope`` (cos, sin bf16[T, D]), QKV's q bf16[T, Hq*D] and k/v bf16[T, 2*Hkv*D] instead."""
+    ``silu_pair``, SiLU of those rows' product times that of the next ``n_out`` rows' (gate, up);
+    with ``rope`` (cos, sin bf16[T, D]; ``bn`` = D), QKV's q bf16[T, Hq*D] and k/v
+    bf16[T, 2*Hkv*D] instead."""
     t, k = x.shape
+    if k % bk or n_out % bn or (rope is not None and bn != D):
+        raise ValueError(f"K={k} must be a multiple of bk={bk}, n_out={n_out} of bn={bn}; with rope bn={bn} == D={D}")
     args = [x, w, *([norm_w] if norm_w is not None else []), *(rope or ())]
     args += [residual] if residual is not None else []
     if rope is not None:
@@ -219,8 +227,10 @@ def run(args) -> dict:
         calls = {arm: functools.partial(jax.jit(functools.partial(model, fn)), *inputs) for arm, fn in arms.items()}
         for arm, groups in trace_calls(calls, n=30).items():
             summary = summarize(groups)
+            spans = [max(e.start_ns + e.duration_ns for e in g) - min(e.start_ns for e in g) for g in groups]
+            median_call = groups[sorted(range(len(groups)), key=spans.__getitem__)[len(groups) // 2]]
             per_name = {}
-            for event in groups[len(groups) // 2]:
+            for event in median_call:
                 per_name.setdefault(event.name[:40], []).append(event.duration_ns / 1e3)
             top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:8]
             row = dict(tokens=tokens, arm=arm, span_us=summary["median_us"], kernels=summary["events_per_call"],

@@ -196,10 +196,12 @@ def _step_summary(engine, first: int) -> dict:
 def run_offline(engine, opts: dict) -> dict:
     """Compiles the batch's buckets with one ``generate`` at batch ``concurrency``, then
     times ``offline_repeats`` more, each on fresh prompts (the server phases warm their own
-    shapes up), and reports the median run; each request asks for its ``max_tokens_for``
-    tokens, as the clients' do. Between the two the heap is frozen as the engine process
-    freezes it before serving (unless ``--no-gc-freeze``): a full collection in the 0.3 s
-    timed run cost it up to half its tokens/s. One 0.3 s run moved by 9 % between machines
+    shapes up), and reports the median run by tokens/s (the lower middle one for an even
+    count), its tokens, seconds and TTFT; ``engine_steps`` and ``compilations_during`` cover
+    every timed run. Each request asks for its ``max_tokens_for`` tokens, as the clients' do.
+    Between the warm-up and the timed runs the heap is frozen as the engine process freezes it
+    before serving (unless ``--no-gc-freeze``): a full collection in the 0.3 s timed run cost
+    it up to half its tokens/s. One 0.3 s run moved by 9 % between machines
     with the server's figure level (BENCHMARKS.md, stop 69), hence the median."""
     from attn_jax.serving import SamplingParams
 
@@ -230,7 +232,7 @@ def run_offline(engine, opts: dict) -> dict:
         ttfts = [r.ttft_seconds for r in results if r.ttft_seconds is not None]
         tokens = sum(len(r.output_ids) for r in results)
         runs.append((tokens / wall, tokens, wall, ttfts))
-    tokens_per_s, tokens, wall, ttfts = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
+    tokens_per_s, tokens, wall, ttfts = sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2]
     return {
         "batch": n,
         "generated_tokens": tokens,
@@ -1027,6 +1029,7 @@ def _workload(args: argparse.Namespace, procs: int) -> dict:
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,
         "max_tokens_range_ratio": args.max_tokens_range_ratio,
+        "offline_repeats": args.offline_repeats,
         "logprobs": args.logprobs,
         "json_schema_fraction": args.json_schema_fraction,
         "equal_lengths": "ignore_eos=True (vLLM's extension); usage.completion_tokens checked == each max_tokens",
@@ -1136,6 +1139,7 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
     request = {
         "max_tokens": args.max_tokens,
         "max_tokens_range_ratio": args.max_tokens_range_ratio,
+        "offline_repeats": args.offline_repeats,
         "logprobs": args.logprobs,
         "json_schema_fraction": args.json_schema_fraction,
         "client": args.client,

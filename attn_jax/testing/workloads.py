@@ -344,9 +344,9 @@ WORKLOADS: dict[str, WorkloadSpec] = {
             for name, description, query_lens, context_lens in (
                 (
                     "EA256",
-                    "near the server's admission step at 256 clients on SmolLM2-135M's heads (serve_load's mean "
-                    "mixed call: 151 requests in all, 1,821 prompt tokens): 151 decodes on 256 cached, then 14 new "
-                    "prompts of 128 tokens",
+                    "an upper bound on the server's admission step at 256 clients on SmolLM2-135M's heads "
+                    "(serve_load's mean mixed call: 151 requests, about 137 decodes on 128-255 cached and 14 "
+                    "prompts): 151 decodes on 256 cached, then 14 new prompts of 128 tokens",
                     (1,) * 151 + (128,) * 14,
                     (256,) * 151 + (0,) * 14,
                 ),
@@ -365,8 +365,8 @@ M2, a continuous-batching step as a serving engine's chunked prefill makes it (o
 beside the running decodes; not in DESIGN.md), and E1 / E64 / E256, the decode step that
 ``benchmarks/generate_gpu.py`` times (SmolLM2-135M: 9 q heads, 3 kv heads, head_dim 64), whose
 kernels the tuned tables must also cover, and EM64 / EM256, a serving step that admits prompts
-beside the decodes, on the same heads, with EA256 (EA256R: its prompts first) the admission step of
-``benchmarks/serve_load.py`` at 256 clients (not in DESIGN.md).
+beside the decodes, on the same heads, with EA256 (EA256R: its prompts first) an upper bound on the
+admission step of ``benchmarks/serve_load.py`` at 256 clients (not in DESIGN.md).
 
 "Context" in DESIGN.md's wording is read as cached tokens: a D1 request has seq_len 4097.
 """
