@@ -116,6 +116,28 @@ def test_engine_step_profile_replays_the_engines_last_decode_call():
     assert [len(engine.get_request(i).output_ids) for i in ids] == [12, 12]
 
 
+def test_engine_admission_profile_keeps_the_engine_admitting():
+    """``engine_admission_profile.py``'s load keeps its slots full and prompts waiting, so calls
+    admit prompts beside the running decodes as fast as slots free (every other call under
+    asynchronous scheduling: a slot frees once its last tokens are read back), compiling
+    nothing new; its figures are the calls' own, by kind."""
+    from attn_jax.testing.models import tiny_random_engine
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from engine_admission_profile import AdmissionLoad, measure
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    engine = tiny_random_engine(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=40)
+    load = AdmissionLoad(engine, slots=8, life=4, admit=2, prompt_len=12, vocab_size=engine.model.config.vocab_size)
+    result = measure(engine, load, steps=6, warmup_steps=12, trace=False)
+    assert result["calls"] == 6 and result["admitting_calls"] >= 3 and result["compilations_during"] == 0, result
+    admitting = result["median_by_kind"]["admitting"]
+    assert admitting["calls"] == result["admitting_calls"] and admitting["prefill_tokens"] >= 12
+    assert admitting["decode_tokens"] >= 1 and admitting["requests"] <= 8 and admitting["host_ms"] > 0
+    assert result["wall_ms_per_call"] > 0 and 0 < result["host_cpu_share"] <= 1.5
+
+
 @pytest.mark.slow
 def test_attention_fp8_runs_tiny_on_the_cpu_within_its_bound(tmp_path):
     """The FP8 P1 script's whole path at a tiny size (PALLAS_GPU in the interpreter): layers, oracle, JSON."""
