@@ -2,21 +2,24 @@
 
 At 256 clients the server spends about a third of its time in one-step calls that admit
 prompts beside the running decodes: 7.5 ms each on the H200 with 3.9 ms of host time, while
-the admission step's attention is under 1 ms (BENCHMARKS.md, stop 69). This runs the engine
-(random weights of ``--model``'s shape) in that regime without a server: ``--slots`` requests
-run, each for ``--life`` new tokens (the first ones for fewer, spread, so that about
-``--slots / --life`` end a step), and ``--admit`` fresh prompts of ``--prompt-len`` tokens
-always wait, so the calls admit prompts beside the decodes as fast as slots free (one step a
-call; with ``--num-scheduler-steps`` K > 1, multi-step decode calls run between them while every
-slot is taken, as in the server). For ``--steps`` calls it reports:
+the admission step's attention takes 0.6-1.2 ms of it (BENCHMARKS.md, stop 69). This runs the
+engine (random weights of ``--model``'s shape, every program compiled first by
+``Engine.warmup``) in that regime without a server: ``--slots`` requests run, each for
+``--life`` new tokens (the first ones for fewer, spread, so that about ``--slots / --life`` end
+a step), and ``--admit`` fresh prompts of ``--prompt-len`` tokens always wait, so the calls
+admit prompts beside the decodes as fast as slots free (one step a call; with
+``--num-scheduler-steps`` K > 1, multi-step decode calls run between them while every slot is
+taken, as in the server). For ``--steps`` calls it reports:
 
 - per call kind (admitting prompts, or decoding only: a finished request's slot is free
   only once its last tokens are read back, a call later under asynchronous scheduling), from
   ``StepStats``: the wall time (``seconds``: the calls' shares add up to the engine's busy
   time), the host's time before the jitted call, the dispatch, prompt and decode tokens and
   requests (medians);
-- the main thread's CPU time per call (``time.thread_time``: a wait for the device uses
-  none), so ``host_cpu_share`` near 1 means the host sets the pace;
+- the main thread's CPU time per call (``time.thread_time``) and its share of the wall time:
+  on the CPU a wait for the device uses none, but CUDA's default wait may spin (stop 64 found
+  the thread's CPU time equal to the wall time under either schedule), so on a GPU compare the
+  wall time per call with the device's busy time instead;
 - on a GPU, a CUPTI trace of the same number of calls (``engine_step_profile.summarise_trace``):
   the device's busy time and span per call, and its kernels by category.
 
@@ -146,6 +149,8 @@ def main() -> None:
         kv_cache_bytes=args.kv_cache_gib << 30, enable_prefix_caching=not args.no_prefix_caching,
         num_scheduler_steps=args.num_scheduler_steps[0],
     )  # fmt: skip
+    warmed = engine.warmup()  # every program compiled first, on a thread per core, as attn-stack serve does
+    print(warmed.summary())
     load = AdmissionLoad(engine, slots=args.slots, life=args.life, admit=args.admit, prompt_len=args.prompt_len,
                          vocab_size=config.vocab_size)  # fmt: skip
     warmup = 3 * args.life if args.warmup_steps is None else args.warmup_steps
@@ -172,7 +177,7 @@ def main() -> None:
             life=args.life, admit=args.admit, prompt_len=args.prompt_len,
             max_num_batched_tokens=args.max_num_batched_tokens, backend=model.attn_backend.get_name(),
             device=jax.devices()[0].device_kind, jax=jax.__version__, date=datetime.date.today().isoformat(),
-            result=result,
+            warmup=warmed.summary(), result=result,
         ),
     )  # fmt: skip
 
