@@ -3,9 +3,12 @@ program for every mix of sampling values, which sorts the tempered logits of eve
 
     python benchmarks/sampling_cost.py --rows 1 64 256 --vocab 49152
 
-Beside it, a sort-free alternative measured and not taken (``bisection_sampler``: exact
-top-k / top-p thresholds by bisection over the values' ordered keys, 64 masked reductions;
-slower than the sort on an H200, BENCHMARKS.md), and the top ``MAX_LOGPROBS`` of each row by
+Beside it, two sort-free alternatives: ``bisection_sampler`` (exact top-k / top-p thresholds
+by bisection over the values' ordered keys, 64 masked reductions; slower than the sort on an
+H200, BENCHMARKS.md: not taken), and ``candidate_sampler`` (top-k / top-p over each row's
+``CANDIDATES`` most likely tokens, found by block maxima as ``top_logprobs`` finds its 20; the
+fixed candidate count of vLLM's TPU sampler, which issue 46 allows; not yet measured on a GPU),
+and the top ``MAX_LOGPROBS`` of each row by
 ``sampling.top_logprobs`` (block maxima) against ``lax.top_k``. Prints the median of each
 (CUDA-synchronised wall clock over 50 calls after a warm-up, so a call's dispatch is in
 every figure: the argmax's is mostly that) and each program's compile time, and writes JSON
@@ -65,6 +68,40 @@ def bisection_sampler(logits, temperature, top_p, top_k, seeds, counters):
     return jnp.where(sampled, drawn, jnp.argmax(logits, axis=-1))
 
 
+CANDIDATES = 128
+"""``candidate_sampler``'s candidates a row."""
+
+
+def candidate_sets(logits, temperature, top_p, top_k, candidates: int = CANDIDATES):
+    """The tokens ``candidate_sampler`` may draw: (i32[N, C] ids most likely first, f32[N, C]
+    tempered logits, bool[N, C] kept). Exact (``sample_tokens``' set) when ``top_k`` is 1 to C,
+    or when top-p's nucleus ends within the C most likely tokens; otherwise the C most likely
+    (an implicit top-k of C). Without a top-k in 1..C, the nucleus is measured in the
+    probabilities over the whole vocabulary (exact: the candidates are its most likely tokens)."""
+    sampled = temperature > 0
+    scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
+    ids, values = top_logprobs(scaled, count=candidates)
+    c = values.shape[-1]
+    rank = jax.lax.broadcasted_iota(jnp.int32, values.shape, 1)
+    in_top_k = (top_k > 0) & (top_k <= c)
+    keep = jnp.where(in_top_k[:, None], rank < top_k[:, None], True)
+    full = jax.nn.logsumexp(scaled, axis=-1)  # the whole vocabulary's normaliser
+    kept = jax.nn.logsumexp(jnp.where(keep, values, -jnp.inf), axis=-1)  # top-k's renormaliser
+    probs = jnp.exp(values - jnp.where(in_top_k, kept, full)[:, None])
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= (before < top_p[:, None]) | (rank == 0)
+    return ids, values, keep
+
+
+def candidate_sampler(logits, temperature, top_p, top_k, seeds, counters):
+    """``sample_tokens``' draw over ``candidate_sets``: no sort of the vocabulary."""
+    ids, values, keep = candidate_sets(logits, temperature, top_p, top_k)
+    rng = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counters)
+    choice = jax.vmap(jax.random.categorical)(rng, jnp.where(keep, values, -jnp.inf))
+    drawn = jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
+    return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+
 def compile_s(fn, *args) -> float:
     start = time.perf_counter()
     fn.lower(*args).compile()
@@ -92,10 +129,11 @@ def main() -> None:
         "argmax": jax.jit(lambda x: jnp.argmax(x, axis=-1)),
         "sample_tokens": jax.jit(sample_tokens),
         "bisection_sampler": jax.jit(bisection_sampler),
+        "candidate_sampler": jax.jit(candidate_sampler),
         "top_logprobs": jax.jit(top_logprobs),
         "lax_top_k": jax.jit(lambda x: jax.lax.top_k(x, MAX_LOGPROBS)),
     }
-    samplers = ("sample_tokens", "bisection_sampler")
+    samplers = ("sample_tokens", "bisection_sampler", "candidate_sampler")
     rows = []
     for n in args.rows:
         logits = jnp.asarray(rng.standard_normal((n, args.vocab), np.float32) * 3)
