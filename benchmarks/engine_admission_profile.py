@@ -5,11 +5,11 @@ prompts beside the running decodes: 7.5 ms each on the H200 with 3.9 ms of host 
 the admission step's attention takes 0.6-1.2 ms of it (BENCHMARKS.md, stop 69). This runs the
 engine (random weights of ``--model``'s shape, every program compiled first by
 ``Engine.warmup``) in that regime without a server: ``--slots`` requests run, each for
-``--life`` new tokens (the first ones for fewer, spread, so that about ``--slots / --life`` end
-a step), and ``--admit`` fresh prompts of ``--prompt-len`` tokens always wait, so the calls
-admit prompts beside the decodes as fast as slots free (one step a call; with
-``--num-scheduler-steps`` K > 1, multi-step decode calls run between them while every slot is
-taken, as in the server). For ``--steps`` calls it reports:
+``--life`` new tokens (the first ones for 1 to ``--life``, the first admitted ending first; the
+warm-up of 3 lives brings it to about ``--slots / --life`` ending a step), and ``--admit``
+fresh prompts of ``--prompt-len`` tokens always wait, so the calls admit prompts beside the
+decodes as fast as slots free (one step a call; with ``--num-scheduler-steps`` K > 1,
+multi-step decode calls run between them while every slot is taken, as in the server). For ``--steps`` calls it reports:
 
 - per call kind (admitting prompts, or decoding only: a finished request's slot is free
   only once its last tokens are read back, a call later under asynchronous scheduling), from
@@ -24,6 +24,7 @@ taken, as in the server). For ``--steps`` calls it reports:
   the device's busy time and span per call, and its kernels by category.
 
     python benchmarks/engine_admission_profile.py --slots 256 --life 18 --admit 16 --steps 30 --out /tmp/a.json
+    python benchmarks/engine_admission_profile.py --num-scheduler-steps 8 --out /tmp/a8.json   # as serve runs
 
 Writes JSON only with ``--write`` (the committed file) or ``--out PATH``; prints a summary.
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import statistics
 import tempfile
 import time
@@ -54,7 +56,8 @@ class AdmissionLoad:
         self.engine, self.slots, self.admit, self.prompt_len = engine, slots, admit, prompt_len
         self.rng = np.random.default_rng(0)
         self.vocab_size = vocab_size
-        self.params = [SamplingParams(max_new_tokens=1 + i * life // slots, ignore_eos=True) for i in range(slots)]
+        lives = [1 + i * life // slots for i in reversed(range(slots))]  # popped from the end: shortest first
+        self.params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in lives]
         self.steady = SamplingParams(max_new_tokens=life, ignore_eos=True)
         self.top_up()
 
@@ -75,8 +78,11 @@ def _median(values) -> float | None:
 
 
 def measure(engine, load: AdmissionLoad, *, steps: int, warmup_steps: int, trace: bool) -> dict:
-    """``warmup_steps`` calls, then ``steps`` timed ones (and, with ``trace``, ``steps`` more
-    under a CUPTI trace): the per-call figures the module docstring names."""
+    """``warmup_steps`` calls, then (with ``trace``) ``steps`` calls under a CUPTI trace, then
+    ``steps`` timed calls: the per-call figures the module docstring names (the host CPU share
+    and the device's figures over all calls, the rest per call kind)."""
+    if steps > engine.stats.maxlen:
+        raise ValueError(f"steps={steps} must be at most the engine's stats window ({engine.stats.maxlen})")
     load.calls(warmup_steps)
     out = {}
     if trace:
@@ -108,7 +114,7 @@ def _medians(stats) -> dict:
     """Medians over ``stats`` (``StepStats`` of calls of one kind), times in ms."""
     return {
         "calls": len(stats),
-        "seconds_ms": 1e3 * (_median(s.seconds for s in stats) or float("nan")),
+        "seconds_ms": None if (seconds := _median(s.seconds for s in stats)) is None else 1e3 * seconds,
         "host_ms": 1e3 * _median(s.host_seconds for s in stats),
         "dispatch_ms": 1e3 * _median(s.dispatch_seconds for s in stats),
         "steps": _median(s.num_steps for s in stats),
@@ -131,6 +137,8 @@ def main() -> None:
     add_engine_args(parser, prompt_len=128, kv_cache_gib=4)
     add_output_args(parser, "engine_admission_profile.json")
     args = parse_engine_args(parser)
+    if len(args.num_scheduler_steps) != 1:
+        parser.error(f"--num-scheduler-steps={args.num_scheduler_steps}: give one value (a run each: run it again)")
     for name in ("slots", "life", "admit", "steps", "prompt_len", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
@@ -162,10 +170,11 @@ def main() -> None:
         f"host CPU {r['host_cpu_ms_per_call']:.2f} ms ({r['host_cpu_share']:.0%}); {r['compilations_during']} compiled"
     )
     for kind, m in r["median_by_kind"].items():
+        seconds = math.nan if m["seconds_ms"] is None else m["seconds_ms"]
         print(
-            f"  {kind} calls ({m['calls']}), medians: {m['seconds_ms']:.2f} ms, host {m['host_ms']:.2f} ms before the "
-            f"call, dispatch {m['dispatch_ms']:.2f} ms, {m['prefill_tokens']:.0f} prompt + {m['decode_tokens']:.0f} "
-            f"decode tokens, {m['requests']:.0f} requests"
+            f"  {kind} calls ({m['calls']}), medians: {seconds:.2f} ms, host {m['host_ms']:.2f} ms before the call, "
+            f"dispatch {m['dispatch_ms']:.2f} ms, {m['prefill_tokens']:.0f} prompt + {m['decode_tokens']:.0f} decode "
+            f"tokens, {m['requests']:.0f} requests"
         )
     if "device" in result and "busy_us_per_step" in result["device"]:
         d = result["device"]

@@ -74,10 +74,13 @@ CANDIDATES = 128
 
 def candidate_sets(logits, temperature, top_p, top_k, candidates: int = CANDIDATES):
     """The tokens ``candidate_sampler`` may draw: (i32[N, C] ids most likely first, f32[N, C]
-    tempered logits, bool[N, C] kept). Exact (``sample_tokens``' set) when ``top_k`` is 1 to C,
-    or when top-p's nucleus ends within the C most likely tokens; otherwise the C most likely
-    (an implicit top-k of C). Without a top-k in 1..C, the nucleus is measured in the
-    probabilities over the whole vocabulary (exact: the candidates are its most likely tokens)."""
+    tempered logits, bool[N, C] kept). ``sample_tokens``' set exactly when ``top_k`` is 1 to C
+    (the nucleus in the probabilities renormalised over the top k), or when top-k is off (0, or
+    at least V) and top-p's nucleus ends within the C most likely tokens (measured over the whole
+    vocabulary, of which the candidates are the most likely). Otherwise the nucleus is measured
+    over the whole vocabulary and cut at C: with C < ``top_k`` < V that is a little larger than
+    the exact nucleus (whose top-k renormaliser is not computed), and with no nucleus within C it
+    is the C most likely tokens."""
     sampled = temperature > 0
     scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
     ids, values = top_logprobs(scaled, count=candidates)
@@ -94,7 +97,8 @@ def candidate_sets(logits, temperature, top_p, top_k, candidates: int = CANDIDAT
 
 
 def candidate_sampler(logits, temperature, top_p, top_k, seeds, counters):
-    """``sample_tokens``' draw over ``candidate_sets``: no sort of the vocabulary."""
+    """A draw over ``candidate_sets`` (no sort of the vocabulary): where the set is exact, the
+    distribution of ``sample_tokens``' draw, but not its token for a given seed."""
     ids, values, keep = candidate_sets(logits, temperature, top_p, top_k)
     rng = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counters)
     choice = jax.vmap(jax.random.categorical)(rng, jnp.where(keep, values, -jnp.inf))

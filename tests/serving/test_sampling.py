@@ -73,8 +73,9 @@ def test_scores_unpack_to_the_tokens_and_log_probabilities_bit_for_bit():
 
 def test_candidate_sampler_keeps_the_oracles_set_where_it_is_exact():
     """``benchmarks/sampling_cost.py``'s candidate sampler (top-k / top-p over each row's 128
-    most likely tokens): the oracle's kept set for a top-k of 1..128 and for a nucleus that ends
-    within the 128; the 128 most likely tokens otherwise; greedy rows their argmax."""
+    most likely tokens): the oracle's kept set, and its probabilities, for a top-k of 1..128 and
+    for a nucleus within the 128 with top-k off; with a top-k past 128 the whole vocabulary's
+    nucleus (cut at 128); the 128 most likely tokens when no nucleus fits; greedy rows their argmax."""
     import pathlib
     import sys
 
@@ -83,20 +84,23 @@ def test_candidate_sampler_keeps_the_oracles_set_where_it_is_exact():
         from sampling_cost import CANDIDATES, candidate_sampler, candidate_sets
     finally:
         sys.path.pop(0)
-    vocab = 1000
-    logits = np.random.default_rng(1).normal(0, 4, (5, vocab)).astype(np.float32)
-    rows = [(1.0, 0.5, 0), (1.3, 0.9, 5), (0.7, 1.0, 128), (1.0, 1.0, 0), (0.0, 1.0, 0)]
+    vocab, draws = 1000, 2000
+    logits = np.random.default_rng(1).normal(0, 4, (6, vocab)).astype(np.float32)
+    rows = [(1.0, 0.5, 0), (1.3, 0.9, 5), (0.7, 1.0, 128), (1.0, 0.2, 200), (1.0, 1.0, 0), (0.0, 1.0, 0)]
     t, p, k = (np.array([r[i] for r in rows], dt) for i, dt in enumerate((np.float32, np.float32, np.int32)))
     ids, _, keep = (np.asarray(a) for a in jax.jit(candidate_sets)(logits, t, p, k))
-    for row in range(3):
-        want, _ = _kept(logits[row], *rows[row])
-        assert want.sum() <= CANDIDATES, row  # the exact regime
-        assert set(ids[row][keep[row]]) == set(np.flatnonzero(want)), row
-    most_likely = np.argsort(-logits[3].astype(np.float64), kind="stable")[:CANDIDATES]
-    assert keep[3].all() and set(ids[3]) == set(most_likely)  # no top-k, nucleus past 128: truncated
-    counters = jnp.arange(200, dtype=jnp.int32)[:, None].repeat(len(rows), 1)
+    counters = jnp.arange(draws, dtype=jnp.int32)[:, None].repeat(len(rows), 1)
     step = jax.jit(jax.vmap(candidate_sampler, in_axes=(None, None, None, None, None, 0)))
     tokens = np.asarray(step(logits, t, p, k, np.arange(len(rows), dtype=np.uint32), counters))
-    for row in range(4):
+    for row in range(3):  # exact: the oracle's set and probabilities
+        want, probs = _kept(logits[row], *rows[row])
+        assert want.sum() <= CANDIDATES, row
+        assert set(ids[row][keep[row]]) == set(np.flatnonzero(want)), row
+        np.testing.assert_allclose(np.bincount(tokens[:, row], minlength=vocab) / draws, probs, atol=0.05)
+    whole, _ = _kept(logits[3], 1.0, 0.2, 0)  # top-k 200: the nucleus over the whole vocabulary
+    assert whole.sum() <= CANDIDATES and set(ids[3][keep[3]]) == set(np.flatnonzero(whole))
+    most_likely = np.argsort(-logits[4].astype(np.float64), kind="stable")[:CANDIDATES]
+    assert keep[4].all() and set(ids[4]) == set(most_likely)  # no top-k, nucleus past 128: truncated
+    for row in range(5):
         assert set(tokens[:, row]) <= set(ids[row][keep[row]]), row
-    assert (tokens[:, 4] == logits[4].argmax()).all()
+    assert (tokens[:, 5] == logits[5].argmax()).all()
