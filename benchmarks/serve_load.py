@@ -1139,7 +1139,6 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
     request = {
         "max_tokens": args.max_tokens,
         "max_tokens_range_ratio": args.max_tokens_range_ratio,
-        "offline_repeats": args.offline_repeats,
         "logprobs": args.logprobs,
         "json_schema_fraction": args.json_schema_fraction,
         "client": args.client,
