@@ -9,6 +9,8 @@ With ``--peers`` (and torch + transformers importable) the same run also times
 transformers' ``generate`` on the same architecture, shapes and dtype: eager, and with
 its static cache and ``torch.compile`` (the same-run peer). With ``--logprobs N`` every
 request also asks for its tokens' top-N log-probabilities (their cost in a greedy batch).
+``--temperature`` > 0 samples (with ``--top-p`` / ``--top-k``, seeded per request): the
+engine's sampled programs; default greedy.
 
     python benchmarks/generate_gpu.py --dtype bfloat16 --peers --write
     python benchmarks/generate_gpu.py --model llama3-8b-8l --batch 1 16
@@ -19,6 +21,7 @@ Writes JSON only with ``--write`` (the committed file) or ``--out PATH``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import itertools
@@ -103,7 +106,11 @@ def run_engine(
         tokenizer=tokenizer,
     )  # fmt: skip
     prompts = prompts_for(config, batch, args.prompt_len)
-    sp = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True, logprobs=logprobs)
+    sp = SamplingParams(
+        max_new_tokens=args.new_tokens, ignore_eos=True, logprobs=logprobs, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k,
+    )  # fmt: skip
+    sp = [dataclasses.replace(sp, seed=i) for i in range(batch)] if args.temperature > 0 else sp
     t = time.perf_counter()
     engine.generate(prompts, sp)
     warmup = time.perf_counter() - t
@@ -155,7 +162,10 @@ def run_engine(
     median = sorted(measured, key=lambda m: m["tokens_per_s"])[(len(measured) - 1) // 2]
     return {
         "batch": batch,
-        "logprobs": sp.logprobs,
+        "logprobs": logprobs,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
         "backend": model.attn_backend.get_name(),
         "num_scheduler_steps": num_scheduler_steps,
         "gc_freeze": args.gc_freeze,
@@ -258,6 +268,9 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--peers", action="store_true", help="also time transformers (needs torch + transformers)")
     parser.add_argument("--logprobs", type=int, default=None, metavar="N", help="every request asks for top-N logprobs")
+    parser.add_argument("--temperature", type=float, default=0.0, help="every request's; 0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="every request's (with --temperature > 0)")
+    parser.add_argument("--top-k", type=int, default=0, help="every request's (with --temperature > 0); 0: off")
     parser.add_argument(
         "--repeats", type=int, default=1,
         help="measured runs per row, back to back on one engine (the median run's figures head the row; each is kept)",

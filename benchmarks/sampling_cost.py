@@ -1,24 +1,24 @@
 """The sampler's device time per step beside an argmax (``serving/sampling.py``: one
-program for every mix of sampling values, which sorts the tempered logits of every row).
+program for every mix of sampling values; top-k / top-p over each row's ``CANDIDATES`` most
+likely tokens, found by block maxima, and a Gumbel-max draw).
 
-    python benchmarks/sampling_cost.py --rows 1 64 256 --vocab 49152
+    python benchmarks/sampling_cost.py --rows 1 64 256 --vocab 49152 --top-k 40 --top-p 0.9
 
-Beside it, two sort-free alternatives: ``bisection_sampler`` (exact top-k / top-p thresholds
-by bisection over the values' ordered keys, 64 masked reductions; slower than the sort on an
-H200, BENCHMARKS.md: not taken), and ``candidate_sampler`` (top-k / top-p over each row's
-``CANDIDATES`` most likely tokens, found by block maxima as ``top_logprobs`` finds its 20; the
-fixed candidate count of vLLM's TPU sampler, which issue 46 allows; not yet measured on a GPU),
-and the top ``MAX_LOGPROBS`` of each row by
-``sampling.top_logprobs`` (block maxima) against ``lax.top_k``. Prints the median of each
-(CUDA-synchronised wall clock over 50 calls after a warm-up, so a call's dispatch is in
-every figure: the argmax's is mostly that) and each program's compile time, and writes JSON
-with ``--out``.
+Beside it: ``sort_sampler`` (the engine's sampler until stop 70: the vocabulary sorted, every
+set exact), ``bisection_sampler`` (exact top-k / top-p thresholds by bisection over the
+values' ordered keys, 64 masked reductions; slower than the sort on an H200, BENCHMARKS.md:
+not taken), the candidate search alone at each of ``CANDIDATE_BLOCKS`` (which sets
+``CANDIDATE_BLOCK``), and the top ``MAX_LOGPROBS`` of each row by ``sampling.top_logprobs``
+(block maxima) against ``lax.top_k``. Prints the median of each (CUDA-synchronised wall clock
+over 50 calls after a warm-up, so a call's dispatch is in every figure: the argmax's is mostly
+that) and each program's compile time, and writes JSON with ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import time
 
 import jax
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
-from attn_jax.serving.sampling import MAX_LOGPROBS, sample_tokens, top_logprobs
+from attn_jax.serving.sampling import CANDIDATES, MAX_LOGPROBS, sample_tokens, top_logprobs
 
 
 def _ordered(x):
@@ -68,42 +68,26 @@ def bisection_sampler(logits, temperature, top_p, top_k, seeds, counters):
     return jnp.where(sampled, drawn, jnp.argmax(logits, axis=-1))
 
 
-CANDIDATES = 128
-"""``candidate_sampler``'s candidates a row."""
-
-
-def candidate_sets(logits, temperature, top_p, top_k, candidates: int = CANDIDATES):
-    """The tokens ``candidate_sampler`` may draw: (i32[N, C] ids most likely first, f32[N, C]
-    tempered logits, bool[N, C] kept). ``sample_tokens``' set exactly when ``top_k`` is 1 to C
-    (the nucleus in the probabilities renormalised over the top k), or when top-k is off (0, or
-    at least V) and top-p's nucleus ends within the C most likely tokens (measured over the whole
-    vocabulary, of which the candidates are the most likely). Otherwise the nucleus is measured
-    over the whole vocabulary and cut at C: with C < ``top_k`` < V that is a little larger than
-    the exact nucleus (whose top-k renormaliser is not computed), and with no nucleus within C it
-    is the C most likely tokens."""
+def sort_sampler(logits, temperature, top_p, top_k, seeds, counters):
+    """The engine's sampler until stop 70, kept to time against: every row's tempered logits
+    sorted once, its exact top-k / top-p set masked in sorted order, a categorical draw."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = temperature > 0
     scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
-    ids, values = top_logprobs(scaled, count=candidates)
-    c = values.shape[-1]
-    rank = jax.lax.broadcasted_iota(jnp.int32, values.shape, 1)
-    in_top_k = (top_k > 0) & (top_k <= c)
-    keep = jnp.where(in_top_k[:, None], rank < top_k[:, None], True)
-    full = jax.nn.logsumexp(scaled, axis=-1)  # the whole vocabulary's normaliser
-    kept = jax.nn.logsumexp(jnp.where(keep, values, -jnp.inf), axis=-1)  # top-k's renormaliser
-    probs = jnp.exp(values - jnp.where(in_top_k, kept, full)[:, None])
-    before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= (before < top_p[:, None]) | (rank == 0)
-    return ids, values, keep
+    vocab = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
+    negated, order = jax.lax.sort((-scaled, vocab), dimension=1, num_keys=1)
+    values = -negated
+    keep = jnp.where(top_k[:, None] > 0, vocab < top_k[:, None], True)
+    probs = jax.nn.softmax(jnp.where(keep, values, -jnp.inf), axis=-1)
+    keep &= (jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]) | (vocab == 0)
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counters)
+    choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, values, -jnp.inf))
+    drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    return jnp.where(sampled, drawn, greedy)
 
 
-def candidate_sampler(logits, temperature, top_p, top_k, seeds, counters):
-    """A draw over ``candidate_sets`` (no sort of the vocabulary): where the set is exact, the
-    distribution of ``sample_tokens``' draw, but not its token for a given seed."""
-    ids, values, keep = candidate_sets(logits, temperature, top_p, top_k)
-    rng = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counters)
-    choice = jax.vmap(jax.random.categorical)(rng, jnp.where(keep, values, -jnp.inf))
-    drawn = jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0]
-    return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+CANDIDATE_BLOCKS = (16, 32, 64, 128)
+"""The blocks ``top_logprobs`` is timed with for ``CANDIDATES`` candidates (``CANDIDATE_BLOCK``'s choice)."""
 
 
 def compile_s(fn, *args) -> float:
@@ -126,22 +110,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--top-p", type=float, default=0.9, help="every row's (temperature 0.8)")
+    parser.add_argument("--top-k", type=int, default=40, help="every row's; 0: off")
     add_output_args(parser, "sampling_cost.json")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     programs = {
         "argmax": jax.jit(lambda x: jnp.argmax(x, axis=-1)),
         "sample_tokens": jax.jit(sample_tokens),
+        "sort_sampler": jax.jit(sort_sampler),
         "bisection_sampler": jax.jit(bisection_sampler),
-        "candidate_sampler": jax.jit(candidate_sampler),
         "top_logprobs": jax.jit(top_logprobs),
         "lax_top_k": jax.jit(lambda x: jax.lax.top_k(x, MAX_LOGPROBS)),
+        **{
+            f"candidates_block{b}": jax.jit(functools.partial(top_logprobs, block=b, count=CANDIDATES))
+            for b in CANDIDATE_BLOCKS
+        },
     }
-    samplers = ("sample_tokens", "bisection_sampler", "candidate_sampler")
+    samplers = ("sample_tokens", "sort_sampler", "bisection_sampler")
     rows = []
     for n in args.rows:
         logits = jnp.asarray(rng.standard_normal((n, args.vocab), np.float32) * 3)
-        t, p, k = (jnp.asarray(v) for v in (np.full(n, 0.8, np.float32), np.full(n, 0.9, np.float32), np.full(n, 40)))
+        t, p, k = (
+            jnp.asarray(v)
+            for v in (np.full(n, 0.8, np.float32), np.full(n, args.top_p, np.float32), np.full(n, args.top_k, np.int32))
+        )
         seeds, counters = jnp.arange(n, dtype=jnp.uint32), jnp.zeros(n, jnp.int32)
         row = {"rows": n, "vocab": args.vocab}
         for name, fn in programs.items():
@@ -153,6 +146,7 @@ def main() -> None:
             f"{name} {row[f'{name}_ms']:.3f} ms (compile {row[f'{name}_compile_s']:.2f} s)" for name in programs
         ), flush=True)  # fmt: skip
     result = {
+        "top_p": args.top_p, "top_k": args.top_k, "temperature": 0.8,
         "device": jax.devices()[0].device_kind, "jax": jax.__version__,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "rows": rows,
     }  # fmt: skip

@@ -41,6 +41,8 @@ so the prefix cache finds nothing) and asks for exactly ``--max-tokens`` tokens 
 ``max_tokens`` whatever it samples, and each request's ``usage.completion_tokens`` is
 checked against it (a mismatch counts as a failed request). The offline engine gets
 ``SamplingParams(ignore_eos=True)`` and the same lengths likewise.
+With ``--temperature T`` > 0 every request, and the offline engine's, samples at T (the
+engine's sampled programs, as an OpenAI client's default of 1 runs them); default greedy.
 With ``--logprobs N`` every request, and the offline engine's, also asks for the sampled
 tokens' log-probabilities and top N (issue 47: the cost of logprobs on every request).
 With ``--json-schema-fraction F`` about that share of the requests (chosen by their prompts,
@@ -209,7 +211,12 @@ def run_offline(engine, opts: dict) -> dict:
 
     def params(prompts):
         lengths = [max_tokens_for(p, opts["max_tokens"], opts["max_tokens_range_ratio"]) for p in prompts]
-        return lengths, [SamplingParams(max_new_tokens=m, ignore_eos=True, logprobs=opts["logprobs"]) for m in lengths]
+        return lengths, [
+            SamplingParams(
+                max_new_tokens=m, ignore_eos=True, logprobs=opts["logprobs"], temperature=opts["temperature"]
+            )
+            for m in lengths
+        ]
 
     prompts = prompts_for(vocab, n, opts["prompt_len"], 1000)
     t = time.perf_counter()
@@ -578,7 +585,8 @@ def _completion_body(prompt: list[int], request: dict) -> tuple[dict, int, bool]
     guided = is_guided(prompt, request["json_schema_fraction"])
     max_tokens = max_tokens_for(prompt, request["max_tokens"], request["max_tokens_range_ratio"])
     body = {
-        "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": request["temperature"],
+        "stream": True,
         "stream_options": {"include_usage": True}, "ignore_eos": True,
     }  # fmt: skip
     if request["logprobs"] is not None:
@@ -919,6 +927,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--offline-repeats", type=int, default=3, help="timed offline runs (the median is reported)")
     p.add_argument(
+        "--temperature", type=float, default=0.0, help="every request's (and the offline engine's); 0: greedy"
+    )
+    p.add_argument(
         "--logprobs", type=int, default=None, metavar="N",
         help="every request (and the offline engine's) asks for the sampled tokens' log-probabilities and top N",
     )  # fmt: skip
@@ -1003,6 +1014,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.poisson_warmup_requests is None:
         args.poisson_warmup_requests = args.poisson_requests
+    if not 0 <= args.temperature < float("inf"):
+        p.error(f"--temperature={args.temperature} must be a finite number >= 0")
     if not 0 <= args.json_schema_fraction <= 1:
         p.error(f"--json-schema-fraction={args.json_schema_fraction} must be in [0, 1]")
     if not 0 <= args.max_tokens_range_ratio < 1:
@@ -1033,7 +1046,8 @@ def _workload(args: argparse.Namespace, procs: int) -> dict:
         "logprobs": args.logprobs,
         "json_schema_fraction": args.json_schema_fraction,
         "equal_lengths": "ignore_eos=True (vLLM's extension); usage.completion_tokens checked == each max_tokens",
-        "greedy": True,
+        "greedy": args.temperature == 0,
+        "temperature": args.temperature,
         "concurrency": args.concurrency,
         "requests_per_client": args.requests_per_client,
         "rate": args.rate,
@@ -1140,6 +1154,7 @@ def run_phases(args, result: dict, server: ServerProcess, pool, procs: int, base
         "max_tokens": args.max_tokens,
         "max_tokens_range_ratio": args.max_tokens_range_ratio,
         "logprobs": args.logprobs,
+        "temperature": args.temperature,
         "json_schema_fraction": args.json_schema_fraction,
         "client": args.client,
     }

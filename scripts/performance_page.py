@@ -349,11 +349,15 @@ def server_section() -> list[str]:
         if w.get("logprobs") or w.get("json_schema_fraction"):  # the clients' fields' runs: BENCHMARKS.md
             continue
         steps = w.get("num_scheduler_steps") or 1
-        key = (_device(data), w.get("model"), w.get("concurrency"), w.get("prompt_len"), w.get("max_tokens"), steps)
+        temperature = w.get("temperature") or 0.0  # files before stop 70 ran greedy
+        key = (
+            _device(data), w.get("model"), w.get("concurrency"), w.get("prompt_len"), w.get("max_tokens"), steps,
+            temperature,
+        )  # fmt: skip
         latest[key] = (date, path, data)
     rows = []
     for key in sorted(latest, key=lambda k: tuple(str(x) for x in k)):
-        dev, model, conc, plen, ntok, steps = key
+        dev, model, conc, plen, ntok, steps, temperature = key
         date, path, data = latest[key]
         cl, off = data["closed_loop"], data.get("offline") or {}
         pois = data.get("poisson") or {}
@@ -362,7 +366,9 @@ def server_section() -> list[str]:
             [
                 model,
                 str(conc),
-                f"{plen} + {ntok}" + (f", {steps} steps/call" if steps > 1 else ""),
+                f"{plen} + {ntok}"
+                + (f", {steps} steps/call" if steps > 1 else "")
+                + (f", temperature {temperature:g}" if temperature else ""),
                 _f(cl.get("output_tokens_per_s"), 0),
                 _f(off.get("tokens_per_s"), 0),
                 _f(ratio, 2),
@@ -380,7 +386,8 @@ def server_section() -> list[str]:
         "",
         "The OpenAI-compatible server under a closed loop of `concurrency` streaming clients",
         "(output tokens/s) beside the offline engine at the same batch on the same device, and",
-        "Poisson arrivals (TTFT p50). Script: `benchmarks/serve_load.py`.",
+        "Poisson arrivals (TTFT p50); greedy unless a temperature is given. Script:",
+        "`benchmarks/serve_load.py`.",
         "",
         *_table(
             [

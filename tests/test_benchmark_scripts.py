@@ -302,7 +302,8 @@ def test_layer_layout_gives_the_engine_the_same_tokens_in_every_layout():
 def test_generate_gpu_times_each_engine_call_and_finds_the_busy_threads():
     """``generate_gpu.py``'s host CPU time per call is measured around ``Engine.step_runs`` (what
     ``generate`` calls; it read NaN while it wrapped ``step``), and each run lists the threads
-    that were busy, the engine's main thread among them."""
+    that were busy, the engine's main thread among them; a sampled run (``--temperature``) gives
+    each request its own seed."""
     import argparse
     import threading
 
@@ -317,9 +318,10 @@ def test_generate_gpu_times_each_engine_call_and_finds_the_busy_threads():
     config = tiny_random_config()
     args = argparse.Namespace(
         block_size=16, dtype="float32", max_num_batched_tokens=64, prompt_len=16, new_tokens=24, kv_cache_gib=1,
-        no_prefix_caching=False, gc_freeze=False,
+        no_prefix_caching=False, gc_freeze=False, temperature=0.8, top_p=0.9, top_k=40,
     )  # fmt: skip
     result = run_engine(config, init_params(config, seed=0), 2, args, None, repeats=2)
+    assert (result["temperature"], result["top_p"], result["top_k"]) == (0.8, 0.9, 40)
     assert len(result["repeats"]) == 2
     for run in result["repeats"]:
         assert run["host_cpu_ms_per_call_median"] > 0

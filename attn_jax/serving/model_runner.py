@@ -131,9 +131,10 @@ class PreparedCall:
     num_steps: int  # K
     token_bucket: int
     cascade_prefix_len: int  # the largest shard's; 0: no cascade attention
-    # A row samples (temperature > 0) or has penalties: the program that sorts (``sampling.py``) and
-    # keeps the token counts. (Always sorting would halve the programs but costs 0.9-1.6 ms a call at
-    # 64-256 rows on an H100: ``benchmarks/sampling_cost.py``.) Log-probabilities do not need it.
+    # A row samples (temperature > 0) or has penalties: the program that samples (``sampling.py``)
+    # and keeps the token counts. (Always sampling would halve the programs but costs 0.12-0.32 ms
+    # a step over an argmax at 64-256 rows on an H200: ``benchmarks/sampling_cost.py``.)
+    # Log-probabilities do not need it.
     sampled: bool = False
     # A decode call the next one may continue, one ``DecodeBatch`` per data shard; None: other calls.
     decode: tuple[DecodeBatch, ...] | None = None

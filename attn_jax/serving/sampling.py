@@ -6,13 +6,22 @@ program structure: no value a client may send compiles anything, and nothing bra
 the device (an XLA conditional on a GPU reads its predicate back to the host: a sync per
 step, which stalls the asynchronous pipeline). The one static choice is tpu-inference's
 "any row samples": a step whose rows are all greedy runs an argmax alone (the model
-runner's program without this function); one where any row samples computes, exactly,
-for every row:
+runner's program without this function); one where any row samples computes, for every
+row, without sorting the vocabulary:
 
 - the argmax (greedy rows, temperature 0);
-- the tempered logits sorted once (most likely first; as vLLM's GPU sampler sorts them),
-  the row's top-k / top-p set masked in sorted order (no filter: every token), and a
-  categorical draw over it.
+- one Gumbel noise per token (the row's key), so a draw is the argmax of tempered logits +
+  noise over the tokens it may draw (the Gumbel-max form of a categorical draw);
+- a row with no filter (top-k off, top-p 1) draws over the whole vocabulary: exact;
+- a row with top-k or top-p draws over its ``CANDIDATES`` most likely tokens (found by block
+  maxima, as ``top_logprobs`` finds its 20), its top-k / top-p set masked in sorted order
+  over them: tpu-inference's fixed candidate count (its ``max_k``). The set is exactly Hugging
+  Face's (and vLLM's GPU sampler's) for a top-k of 1 to ``CANDIDATES`` (with or without
+  top-p), and for a top-p alone whose nucleus ends within the candidates (its probabilities
+  over the whole vocabulary). Past that the set is cut to the candidates: a nucleus wider
+  than ``CANDIDATES`` tokens keeps them all, and so does a top-k between ``CANDIDATES`` and
+  the vocabulary (with a top-p, its nucleus measured over the whole vocabulary's
+  probabilities).
 
 Every step program, greedy or sampled, also gives each row's log-probabilities (OpenAI's
 ``logprobs``; ``token_logprobs``): the chosen token's and the ``MAX_LOGPROBS`` most likely
@@ -72,8 +81,42 @@ def apply_penalties(logits, counts, presence, frequency, repetition):
     return logits - presence[:, None] * (generated > 0).astype(logits.dtype)
 
 
+CANDIDATES = 128
+"""The tokens a top-k / top-p row draws among: its most likely ones (``sample_tokens``)."""
+
+CANDIDATE_BLOCK = 32
+"""``top_logprobs``' block for the candidates: the two top-k's it runs cost about
+V / block + CANDIDATES * block values a row, least near sqrt(V / CANDIDATES) (H200 figures in
+BENCHMARKS.md)."""
+
+
+def candidate_sets(scaled, top_p, top_k, candidates: int = CANDIDATES):
+    """Each row's ``candidates`` most likely tokens and the ones its top-k / top-p keeps
+    (traceable; see the module docstring for where the set is exact).
+
+    Args:
+      scaled: f32[N, V], the tempered logits.
+      top_p: f32[N] in (0, 1]; top_k: i32[N], 0 = off.
+
+    Returns (i32[N, C] ids, most likely first; f32[N, C] their tempered logits; bool[N, C]
+    kept), C = min(``candidates``, V).
+    """
+    ids, values = top_logprobs(scaled, block=CANDIDATE_BLOCK, count=candidates)
+    c = values.shape[-1]
+    rank = jax.lax.broadcasted_iota(jnp.int32, values.shape, 1)
+    in_top_k = (top_k > 0) & (top_k <= c)
+    keep = jnp.where(in_top_k[:, None], rank < top_k[:, None], True)
+    whole = jax.nn.logsumexp(scaled, axis=-1)  # the vocabulary's normaliser
+    kept = jax.nn.logsumexp(jnp.where(keep, values, -jnp.inf), axis=-1)  # top-k's renormaliser
+    probs = jnp.exp(values - jnp.where(in_top_k, kept, whole)[:, None])
+    before = jnp.cumsum(probs, axis=-1) - probs  # probability of the more likely tokens
+    keep &= (before < top_p[:, None]) | (rank == 0)
+    return ids, values, keep
+
+
 def sample_tokens(logits, temperature, top_p, top_k, seeds, counters):
-    """Next token per row (traceable; one program whatever the values).
+    """Next token per row (traceable; one program whatever the values; see the module
+    docstring for what is drawn).
 
     Args:
       logits: f32[N, V] (after ``apply_penalties`` and ``apply_guides``).
@@ -85,21 +128,18 @@ def sample_tokens(logits, temperature, top_p, top_k, seeds, counters):
 
     Returns i32[N] tokens.
     """
+    v = logits.shape[-1]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampled = temperature > 0
     scaled = logits / jnp.where(sampled, temperature, 1.0)[:, None]
-    vocab = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
-    negated, order = jax.lax.sort((-scaled, vocab), dimension=1, num_keys=1)  # most likely first
-    values = -negated  # f32[N, V]
-    rank = vocab  # position in the sorted order
-    keep = jnp.where(top_k[:, None] > 0, rank < top_k[:, None], True)
-    probs = jax.nn.softmax(jnp.where(keep, values, -jnp.inf), axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # probability of the more likely tokens
-    keep &= (before < top_p[:, None]) | (rank == 0)
     keys = jax.vmap(lambda seed, counter: jax.random.fold_in(jax.random.PRNGKey(seed), counter))(seeds, counters)
-    choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, values, -jnp.inf))
-    drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-    return jnp.where(sampled, drawn, greedy)
+    noise = jax.vmap(lambda key: jax.random.gumbel(key, (v,), scaled.dtype))(keys)  # f32[N, V]
+    unfiltered = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+    ids, values, keep = candidate_sets(scaled, top_p, top_k)
+    perturbed = jnp.where(keep, values + jnp.take_along_axis(noise, ids, axis=-1), -jnp.inf)
+    filtered = jnp.take_along_axis(ids, jnp.argmax(perturbed, axis=-1)[:, None], axis=-1)[:, 0]
+    no_filter = ((top_k <= 0) | (top_k >= v)) & (top_p >= 1.0)
+    return jnp.where(sampled, jnp.where(no_filter, unfiltered, filtered), greedy)
 
 
 def top_logprobs(logprobs, block: int = 128, count: int = MAX_LOGPROBS):

@@ -106,9 +106,11 @@ def test_streamed_chunks_and_their_checks(serve_load):
     assert guided.error is None
     with pytest.raises(RuntimeError, match="error event"):
         serve_load._take_chunk(record, {"error": {"message": "boom"}}, 4.0)
-    request = {"max_tokens": 5, "max_tokens_range_ratio": 0.0, "logprobs": 2, "json_schema_fraction": 1.0}
+    request = {"max_tokens": 5, "max_tokens_range_ratio": 0.0, "logprobs": 2, "json_schema_fraction": 1.0,
+               "temperature": 0.7}  # fmt: skip
     body, max_tokens, is_guided = serve_load._completion_body([7, 8, 9], request)
     assert (max_tokens, is_guided, body["max_tokens"], body["logprobs"], body["ignore_eos"]) == (5, True, 5, 2, True)
+    assert body["temperature"] == 0.7
     assert body["response_format"]["type"] == "json_schema" and body["stream_options"] == {"include_usage": True}
 
 
@@ -187,14 +189,15 @@ def test_cpu_marks_count_a_busy_thread_and_not_an_idle_one(serve_load):
 @pytest.mark.slow
 def test_the_benchmark_runs_on_the_tiny_model(tmp_path):
     """Every request completes with exactly max_tokens tokens in both phases, the offline
-    run generated the same count, and each figure the report needs is there."""
+    run generated the same count, and each figure the report needs is there; sampled (as an
+    OpenAI client's default temperature 1 runs), with nothing compiled in traffic."""
     out = tmp_path / "serve_load.json"
     concurrency, per_client, max_tokens, poisson = 4, 2, 6, 4
     args = [
         "--model", "tiny-random", "--concurrency", str(concurrency), "--requests-per-client", str(per_client),
         "--prompt-len", "12", "--max-tokens", str(max_tokens), "--rate", "20", "--poisson-requests", str(poisson),
         "--poisson-warmup-requests", "2", "--client-procs", "1", "--max-num-batched-tokens", "64",
-        "--warmup-rounds", "1", "--out", str(out),
+        "--warmup-rounds", "1", "--temperature", "1.0", "--out", str(out),
     ]  # fmt: skip
     env = os.environ | {
         "JAX_PLATFORMS": "cpu",
@@ -207,6 +210,7 @@ def test_the_benchmark_runs_on_the_tiny_model(tmp_path):
     assert "server / offline throughput" in result.stdout
     r = json.loads(out.read_text())
     assert r["error"] is None and r["skipped"] == []
+    assert (r["workload"]["temperature"], r["workload"]["greedy"]) == (1.0, False)
     assert r["offline"]["generated_tokens"] == concurrency * max_tokens and r["offline"]["tokens_per_s"] > 0
     runs = r["offline"]["tokens_per_s_runs"]  # --offline-repeats' default: 3 timed runs, the median reported
     assert len(runs) == 3 and r["offline"]["tokens_per_s"] == sorted(runs)[1]

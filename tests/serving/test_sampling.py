@@ -1,6 +1,7 @@
 """The sampler against a float64 NumPy oracle: the kept set of top-k / top-p (every drawn
-token in it, the draws following its renormalized probabilities); the top log-probabilities
-of a prompt's rows, exactly; the scores the host reads them in, bit for bit."""
+token in it, the draws following its renormalized probabilities; where the fixed candidate
+count cuts it, the candidates); the top log-probabilities of a prompt's rows, exactly; the
+scores the host reads them in, bit for bit."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,9 @@ import numpy as np
 import pytest
 
 from attn_jax.serving.sampling import (
+    CANDIDATES,
     MAX_LOGPROBS,
+    candidate_sets,
     pack_scores,
     sample_tokens,
     token_logprobs,
@@ -71,36 +74,34 @@ def test_scores_unpack_to_the_tokens_and_log_probabilities_bit_for_bit():
         np.testing.assert_array_equal(g, w)
 
 
-def test_candidate_sampler_keeps_the_oracles_set_where_it_is_exact():
-    """``benchmarks/sampling_cost.py``'s candidate sampler (top-k / top-p over each row's 128
-    most likely tokens): the oracle's kept set, and its probabilities, for a top-k of 1..128 and
-    for a nucleus within the 128 with top-k off; with a top-k past 128 the whole vocabulary's
-    nucleus (cut at 128); the 128 most likely tokens when no nucleus fits; greedy rows their argmax."""
-    import pathlib
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "benchmarks"))
-    try:
-        from sampling_cost import CANDIDATES, candidate_sampler, candidate_sets
-    finally:
-        sys.path.pop(0)
+def test_candidate_sets_are_the_oracles_where_exact_and_cut_to_the_candidates_past_them():
+    """Over 1,000 tokens: the oracle's kept set and its probabilities for a top-k of 1..128
+    (with and without top-p), a nucleus within the 128 candidates with top-k off, and no filter
+    (the whole vocabulary, by its own Gumbel-max); with a top-k past 128 the whole vocabulary's
+    nucleus (here within 128); a nucleus wider than 128 keeps the 128 most likely; greedy rows
+    their argmax. Every draw is in its row's set."""
     vocab, draws = 1000, 2000
-    logits = np.random.default_rng(1).normal(0, 4, (6, vocab)).astype(np.float32)
-    rows = [(1.0, 0.5, 0), (1.3, 0.9, 5), (0.7, 1.0, 128), (1.0, 0.2, 200), (1.0, 1.0, 0), (0.0, 1.0, 0)]
+    logits = np.random.default_rng(1).normal(0, 4, (7, vocab)).astype(np.float32)
+    rows = [(1.0, 0.5, 0), (1.3, 0.9, 5), (0.7, 1.0, 128), (1.0, 1.0, 0), (1.0, 0.2, 200), (8.0, 0.99, 0),
+            (0.0, 1.0, 0)]  # fmt: skip
     t, p, k = (np.array([r[i] for r in rows], dt) for i, dt in enumerate((np.float32, np.float32, np.int32)))
-    ids, _, keep = (np.asarray(a) for a in jax.jit(candidate_sets)(logits, t, p, k))
+    scaled = logits / np.where(t > 0, t, 1.0)[:, None]
+    ids, _, keep = (np.asarray(a) for a in jax.jit(candidate_sets)(scaled, p, k))
     counters = jnp.arange(draws, dtype=jnp.int32)[:, None].repeat(len(rows), 1)
-    step = jax.jit(jax.vmap(candidate_sampler, in_axes=(None, None, None, None, None, 0)))
+    step = jax.jit(jax.vmap(sample_tokens, in_axes=(None, None, None, None, None, 0)))
     tokens = np.asarray(step(logits, t, p, k, np.arange(len(rows), dtype=np.uint32), counters))
-    for row in range(3):  # exact: the oracle's set and probabilities
+    for row in range(4):  # exact: the oracle's set and probabilities
         want, probs = _kept(logits[row], *rows[row])
-        assert want.sum() <= CANDIDATES, row
-        assert set(ids[row][keep[row]]) == set(np.flatnonzero(want)), row
+        if row < 3:
+            assert want.sum() <= CANDIDATES and set(ids[row][keep[row]]) == set(np.flatnonzero(want)), row
+        assert set(tokens[:, row]) <= set(np.flatnonzero(want)), row
         np.testing.assert_allclose(np.bincount(tokens[:, row], minlength=vocab) / draws, probs, atol=0.05)
-    whole, _ = _kept(logits[3], 1.0, 0.2, 0)  # top-k 200: the nucleus over the whole vocabulary
-    assert whole.sum() <= CANDIDATES and set(ids[3][keep[3]]) == set(np.flatnonzero(whole))
-    most_likely = np.argsort(-logits[4].astype(np.float64), kind="stable")[:CANDIDATES]
-    assert keep[4].all() and set(ids[4]) == set(most_likely)  # no top-k, nucleus past 128: truncated
-    for row in range(5):
+    assert _kept(logits[3], 1.0, 1.0, 0)[0].sum() > CANDIDATES  # the unfiltered row's set is past the candidates
+    whole, _ = _kept(logits[4], 1.0, 0.2, 0)  # top-k 200: the nucleus over the whole vocabulary
+    assert whole.sum() <= CANDIDATES and set(ids[4][keep[4]]) == set(np.flatnonzero(whole))
+    wide, _ = _kept(logits[5], 8.0, 0.99, 0)
+    most_likely = np.argsort(-logits[5].astype(np.float64), kind="stable")[:CANDIDATES]
+    assert wide.sum() > CANDIDATES and keep[5].all() and set(ids[5]) == set(most_likely)  # cut to the 128
+    for row in (4, 5):
         assert set(tokens[:, row]) <= set(ids[row][keep[row]]), row
-    assert (tokens[:, 5] == logits[5].argmax()).all()
+    assert (tokens[:, 6] == logits[6].argmax()).all()
