@@ -357,7 +357,10 @@ def main() -> None:
             "dtype": str(args.dtype),
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens,
-            "greedy": True,
+            "greedy": args.temperature == 0,  # the engine's (transformers' peers are always greedy)
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
             "detokenize": None if args.detokenize is None else args.detokenize or "the embedded SmolLM2's tokenizer",
             "max_num_batched_tokens": args.max_num_batched_tokens,
         },

@@ -302,8 +302,8 @@ def test_layer_layout_gives_the_engine_the_same_tokens_in_every_layout():
 def test_generate_gpu_times_each_engine_call_and_finds_the_busy_threads():
     """``generate_gpu.py``'s host CPU time per call is measured around ``Engine.step_runs`` (what
     ``generate`` calls; it read NaN while it wrapped ``step``), and each run lists the threads
-    that were busy, the engine's main thread among them; a sampled run (``--temperature``) gives
-    each request its own seed."""
+    that were busy, the engine's main thread among them; a sampled run (``--temperature``)
+    records its sampling values."""
     import argparse
     import threading
 

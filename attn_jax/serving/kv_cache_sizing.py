@@ -84,8 +84,9 @@ warm-up's saved pages."""
 
 def activation_bytes(config, *, max_num_batched_tokens: int, max_rows: int) -> int:
     """An upper estimate of one step's activations (bytes, float32): ``max_num_batched_tokens``
-    tokens through the widest layer and ``max_rows`` rows of logits with the sampler's
-    sorted values, indices, probabilities and masks, twice over for XLA's temporaries, plus
+    tokens through the widest layer and ``max_rows`` rows of logits with as many vocabulary-wide
+    rows again (the sampler's tempered logits and Gumbel noise, the candidate search's blocks,
+    the log-softmax of the log-probabilities), twice over for XLA's temporaries, plus
     the penalties' token counts (``ModelRunner``: i32[max_rows, vocab], kept between steps) and
     ``WORKSPACE_BYTES``."""
     hidden, vocab = config.hidden_size, config.vocab_size

@@ -32,7 +32,7 @@ device beside the counts, i32[R_max, ceil(V / 32)] (per data shard; 256 slots x 
 which the engine writes after reading back the request's last token (``write_guide_rows``: one
 small program of ``GUIDE_ROWS_PER_WRITE`` rows, compiled once), and every step program sets the
 logits its grammar forbids to -inf before its argmax or sampler (``sampling.apply_guides``; rows
-without a guide unchanged, and a greedy guided row needs no sort). A guided request takes one
+without a guide unchanged, and a greedy guided row needs no sampler). A guided request takes one
 step of a call.
 
 Example::
@@ -150,7 +150,7 @@ class PreparedCall:
     @property
     def key(self) -> tuple:
         """What selects the compiled step: (layout, num_steps, sampled). Sampling values
-        never do; whether any row samples does (greedy batches skip the sampler's sort); a
+        never do; whether any row samples does (greedy batches skip the sampler); a
         call with prompt log-probabilities has a layout of its own (``prompt_targets``, in
         the largest token bucket)."""
         return (self.packed[0][1], self.num_steps, self.sampled)

@@ -148,7 +148,9 @@ def top_logprobs(logprobs, block: int = 128, count: int = MAX_LOGPROBS):
     tokens with the largest maxima, so two small top-k's (over the block maxima, then over
     those blocks' tokens) find them exactly (H200, 256 rows of 49,152, L = 20, each with an
     argmax: 0.25 ms against 1.28 with ``lax.top_k``, BENCHMARKS.md). Returns (i32[T, L] ids,
-    f32[T, L])."""
+    f32[T, L]). The last block's padding (V not a multiple of ``block``) is -inf: a row with
+    fewer than L finite values may list it among its -inf entries, as token V - 1 (an id in the
+    vocabulary, never past it)."""
     n, v = logprobs.shape
     count = min(count, v)
     blocks = -(-v // block)
@@ -158,7 +160,7 @@ def top_logprobs(logprobs, block: int = 128, count: int = MAX_LOGPROBS):
     candidates = jnp.take_along_axis(tiles, best[:, :, None], axis=1).reshape(n, -1)
     values, at = jax.lax.top_k(candidates, count)
     ids = jnp.take_along_axis(best, at // block, axis=1) * block + at % block
-    return ids.astype(jnp.int32), values
+    return jnp.minimum(ids, v - 1).astype(jnp.int32), values
 
 
 def token_logprobs(logits, tokens):

@@ -82,6 +82,7 @@ def test_candidate_sets_are_the_oracles_where_exact_and_cut_to_the_candidates_pa
     their argmax. Every draw is in its row's set."""
     vocab, draws = 1000, 2000
     logits = np.random.default_rng(1).normal(0, 4, (7, vocab)).astype(np.float32)
+    logits[3] /= 8  # flat: 73 % of the unfiltered row's probability lies past its 128 most likely tokens
     rows = [(1.0, 0.5, 0), (1.3, 0.9, 5), (0.7, 1.0, 128), (1.0, 1.0, 0), (1.0, 0.2, 200), (8.0, 0.99, 0),
             (0.0, 1.0, 0)]  # fmt: skip
     t, p, k = (np.array([r[i] for r in rows], dt) for i, dt in enumerate((np.float32, np.float32, np.int32)))
@@ -96,7 +97,7 @@ def test_candidate_sets_are_the_oracles_where_exact_and_cut_to_the_candidates_pa
             assert want.sum() <= CANDIDATES and set(ids[row][keep[row]]) == set(np.flatnonzero(want)), row
         assert set(tokens[:, row]) <= set(np.flatnonzero(want)), row
         np.testing.assert_allclose(np.bincount(tokens[:, row], minlength=vocab) / draws, probs, atol=0.05)
-    assert _kept(logits[3], 1.0, 1.0, 0)[0].sum() > CANDIDATES  # the unfiltered row's set is past the candidates
+    assert not set(tokens[:, 3]) <= set(ids[3])  # the unfiltered row draws past its candidates
     whole, _ = _kept(logits[4], 1.0, 0.2, 0)  # top-k 200: the nucleus over the whole vocabulary
     assert whole.sum() <= CANDIDATES and set(ids[4][keep[4]]) == set(np.flatnonzero(whole))
     wide, _ = _kept(logits[5], 8.0, 0.99, 0)
@@ -105,3 +106,21 @@ def test_candidate_sets_are_the_oracles_where_exact_and_cut_to_the_candidates_pa
     for row in (4, 5):
         assert set(tokens[:, row]) <= set(ids[row][keep[row]]), row
     assert (tokens[:, 6] == logits[6].argmax()).all()
+
+
+@pytest.mark.parametrize(("top_p", "top_k"), [(1.0, 50), (0.9, 0), (1.0, 0), (0.5, 3)])
+def test_a_row_with_few_allowed_tokens_draws_only_them(top_p, top_k):
+    """A guided row (every token but a few at -inf) in a vocabulary that is not a multiple of
+    the candidate search's blocks: its draws stay among its finite tokens (the last block's
+    padding is never drawn, nor any id past the vocabulary), and its top log-probabilities
+    list only ids in the vocabulary."""
+    vocab, draws = 1000, 500
+    logits = np.full((1, vocab), -np.inf, np.float32)
+    logits[0, 992:] = np.random.default_rng(2).normal(0, 1, 8)
+    step = jax.jit(jax.vmap(sample_tokens, in_axes=(None, None, None, None, None, 0)))
+    args = (np.float32([1.0]), np.float32([top_p]), np.int32([top_k]), np.zeros(1, np.uint32))
+    tokens = np.asarray(step(logits, *args, jnp.arange(draws, dtype=jnp.int32)[:, None]))
+    assert set(tokens[:, 0]) <= set(range(992, vocab))
+    ids, values = jax.jit(top_logprobs)(logits)
+    assert np.asarray(ids).max() < vocab and set(np.asarray(ids)[0, :8]) == set(range(992, vocab))
+    assert np.isneginf(np.asarray(values)[0, 8:]).all()
