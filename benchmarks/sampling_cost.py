@@ -4,7 +4,8 @@ likely tokens, found by block maxima, and a Gumbel-max draw).
 
     python benchmarks/sampling_cost.py --rows 1 64 256 --vocab 49152 --top-k 40 --top-p 0.9
 
-Beside it: ``sort_sampler`` (the engine's sampler until stop 70: the vocabulary sorted, every
+Beside it: ``greedy_scores`` (a greedy program's argmax with the log-probabilities every
+program computes), ``sort_sampler`` (the engine's sampler until stop 70: the vocabulary sorted, every
 set exact), ``bisection_sampler`` (exact top-k / top-p thresholds by bisection over the
 values' ordered keys, 64 masked reductions; slower than the sort on an H200, BENCHMARKS.md:
 not taken), the candidate search alone at each of ``CANDIDATE_BLOCKS`` (which sets
@@ -26,7 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 from results_io import add_output_args, output_path, write_json  # benchmarks/, the script's folder
 
-from attn_jax.serving.sampling import CANDIDATES, MAX_LOGPROBS, sample_tokens, top_logprobs
+from attn_jax.serving.sampling import (
+    CANDIDATES,
+    MAX_LOGPROBS,
+    pack_scores,
+    sample_tokens,
+    token_logprobs,
+    top_logprobs,
+)
 
 
 def _ordered(x):
@@ -66,6 +74,14 @@ def bisection_sampler(logits, temperature, top_p, top_k, seeds, counters):
     rng = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counters)
     drawn = jax.vmap(jax.random.categorical)(rng, jnp.where(keep, scaled, -jnp.inf))
     return jnp.where(sampled, drawn, jnp.argmax(logits, axis=-1))
+
+
+def greedy_scores(logits):
+    """What a greedy step program computes from its logits: the argmax and every row's
+    log-probabilities (``token_logprobs``, in every program whether or not a request asks),
+    packed for the host (``pack_scores``)."""
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return pack_scores(tokens, *token_logprobs(logits, tokens))
 
 
 def sort_sampler(logits, temperature, top_p, top_k, seeds, counters):
@@ -117,6 +133,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     programs = {
         "argmax": jax.jit(lambda x: jnp.argmax(x, axis=-1)),
+        "greedy_scores": jax.jit(greedy_scores),
         "sample_tokens": jax.jit(sample_tokens),
         "sort_sampler": jax.jit(sort_sampler),
         "bisection_sampler": jax.jit(bisection_sampler),

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -58,6 +59,32 @@ def test_a_run_without_write_writes_nothing(tmp_path):
     committed = ROOT / "attn_jax" / "ops" / "ragged_paged_attention" / "tuned" / "tpu_v6e.json"
     assert json.loads((tmp_path / "tpu_v6e.json").read_text()) == json.loads(committed.read_text())
     assert _fingerprint() == before
+
+
+def test_sampling_cost_times_every_program_and_the_samplers_agree_on_a_top_k_of_one(tmp_path):
+    """``sampling_cost.py`` runs every program it names on a small batch (a compile time and a
+    median each); its samplers, the engine's and the two it is timed against, all give the
+    argmax for a top-k of 1."""
+    result = _run(
+        ROOT / "benchmarks" / "sampling_cost.py", "--rows", "3", "--vocab", "300", "--out", str(tmp_path / "s.json")
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "s.json").read_text())["rows"]
+    names = {k.removesuffix("_ms") for k in row if k.endswith("_ms")}
+    assert {"argmax", "greedy_scores", "sample_tokens", "sort_sampler", "bisection_sampler"} <= names
+    assert all(row[f"{n}_ms"] > 0 and row[f"{n}_compile_s"] > 0 for n in names)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from sampling_cost import bisection_sampler, sort_sampler
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from attn_jax.serving.sampling import sample_tokens
+
+    logits = np.random.default_rng(0).normal(0, 3, (4, 300)).astype(np.float32)
+    t, p, k = np.float32([0.7, 1.0, 1.5, 0.0]), np.float32([1.0, 0.5, 0.9, 1.0]), np.int32([1, 1, 1, 0])
+    seeds, counters = np.arange(4, dtype=np.uint32), np.zeros(4, np.int32)
+    for sampler in (sample_tokens, sort_sampler, bisection_sampler):
+        np.testing.assert_array_equal(np.asarray(sampler(logits, t, p, k, seeds, counters)), logits.argmax(-1))
 
 
 def test_write_and_out_are_exclusive():
