@@ -345,16 +345,19 @@ class ModelRunner:
         as prompt tokens, and after them as generated ones, its guide mask's row or -1));
         ``rows_of_pending`` maps a request to that row. Raises for a request whose values do not fit the step's
         arrays (a seed outside [0, 2**32), say), so the core can fail it alone."""
-        known = request.known_ids(request.num_computed, request.num_computed + num_new)
+        # A decode with a pending token (most rows of a batch-256 call) knows none of its input.
+        pending = num_new == 1 and request.num_pending > 0
+        known = [] if pending else request.known_ids(request.num_computed, request.num_computed + num_new)
         src = -1
         if len(known) < num_new:  # the last token is the previous step's, still on the device
             src = rows_of_pending.get(request, -1)
             if src < 0:
                 raise RuntimeError("its last token is pending but in no dispatched step")
         p = request.params
-        for name, value, limit in (("seed", request.seed, SEED_LIMIT), ("top_k", p.top_k, 2**31)):
-            if not 0 <= value < limit:
-                raise OverflowError(f"{name}={value} does not fit the step's arrays: it must be in [0, {limit})")
+        if not (0 <= request.seed < SEED_LIMIT and 0 <= p.top_k < 2**31):
+            for name, value, limit in (("seed", request.seed, SEED_LIMIT), ("top_k", p.top_k, 2**31)):
+                if not 0 <= value < limit:
+                    raise OverflowError(f"{name}={value} does not fit the step's arrays: it must be in [0, {limit})")
         values = (p.temperature, p.top_p, p.top_k, request.seed, request.num_generated)
         slot, guide = request.penalty_slot, request.guide_slot
         if slot < 0:
