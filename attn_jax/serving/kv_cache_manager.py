@@ -183,12 +183,13 @@ class KVCacheManager:
     def blocks_completed(self, request: Request, num_new_tokens: int) -> list[bytes]:
         """The hashes of the full blocks that computing ``num_new_tokens`` more tokens of
         ``request`` completes (tokens the host knows only); [] with caching off."""
-        if not self.enable_caching:
-            return []
+        start = request.num_computed // self.block_size
+        if not self.enable_caching or (request.num_computed + num_new_tokens) // self.block_size == start:
+            return []  # (or it opens no block: most decodes, asked every step while requests wait)
         num_known = len(request.prompt_ids) + len(request.output_ids)
         end = min(request.num_computed + num_new_tokens, num_known) // self.block_size
         self._update_hashes(request, end * self.block_size)
-        return request.block_hashes[request.num_computed // self.block_size : end]
+        return request.block_hashes[start:end]
 
     def next_block_pending(self, request: Request, num_hit_blocks: int, pending: set[bytes]) -> bool:
         """Whether the block after ``request``'s ``num_hit_blocks`` cached ones is in

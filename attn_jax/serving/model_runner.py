@@ -354,10 +354,10 @@ class ModelRunner:
             if src < 0:
                 raise RuntimeError("its last token is pending but in no dispatched step")
         p = request.params
-        if not (0 <= request.seed < SEED_LIMIT and 0 <= p.top_k < 2**31):
-            for name, value, limit in (("seed", request.seed, SEED_LIMIT), ("top_k", p.top_k, 2**31)):
-                if not 0 <= value < limit:
-                    raise OverflowError(f"{name}={value} does not fit the step's arrays: it must be in [0, {limit})")
+        if not 0 <= request.seed < SEED_LIMIT:
+            raise OverflowError(f"seed={request.seed} does not fit the step's arrays: it must be in [0, {SEED_LIMIT})")
+        if not 0 <= p.top_k < 2**31:
+            raise OverflowError(f"top_k={p.top_k} does not fit the step's arrays: it must be in [0, {2**31})")
         values = (p.temperature, p.top_p, p.top_k, request.seed, request.num_generated)
         slot, guide = request.penalty_slot, request.guide_slot
         if slot < 0:

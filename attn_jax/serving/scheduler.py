@@ -370,13 +370,8 @@ class Scheduler:
 
         num_queried = num_cached = 0
         pending = set()  # the blocks this step completes, which a waiting request may take next step
-        if self.waiting:  # (a decode that opens no block completes none: most of them, skipped before the call)
-            pending = {
-                h
-                for r, n in zip(scheduled, num_new, strict=True)
-                if (r.num_computed + n) // block_size > r.num_computed // block_size
-                for h in manager.blocks_completed(r, n)
-            }
+        if self.waiting:
+            pending = {h for r, n in zip(scheduled, num_new, strict=True) for h in manager.blocks_completed(r, n)}
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
