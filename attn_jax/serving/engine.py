@@ -25,7 +25,10 @@ schedules step N+1 while the device runs step N. A decode's input token then com
 the device (the previous step's output, never copied to the host first), and tokens
 reach the caller one ``step`` late. Stop tokens and max lengths still end requests
 exactly: a request whose last token is pending is not scheduled again, and a token
-computed after its request stopped at EOS is dropped.
+computed after its request stopped at EOS is dropped. A one-step call with prompt tokens
+(an admission call) dispatched behind a call still running is short on the device, shorter
+than the host's work to read the older call back and build the next, so the same ``step``
+builds and dispatches the next call right behind it and then reads both older calls back.
 
 Multi-step decoding (``num_scheduler_steps`` K > 1, vLLM's multi-step scheduling): when a
 step holds decodes only and no request waits to be admitted, one call runs K decode steps
@@ -923,19 +926,34 @@ class Engine:
             runs += self._resolve(self._in_flight)
             self._in_flight = None
             return runs
+        dispatched = self._dispatch(scheduled, start)
+        if not self.async_scheduling:
+            return runs + self._resolve(dispatched)
+        previous, self._in_flight = self._in_flight, dispatched
+        if previous is not None and dispatched.call.num_steps == 1 and dispatched.stats.num_prefill_tokens:
+            # An admission call behind a call still running: the device runs it in a few ms,
+            # less than the host needs to read the older call back and build the next one, so
+            # the next call is built and dispatched now, before either is read back. It cannot
+            # see the older call's EOS (a token after one is dropped, as always). Its inputs
+            # pending on the device are all in the admission call's output: that call holds
+            # every running request that may run again (decodes are scheduled oldest first,
+            # before any prompt chunk).
+            follow_start = time.perf_counter()
+            follow = self._schedule(runs)
+            if follow is not None:
+                self._in_flight = self._dispatch(follow, follow_start)
+                return runs + self._resolve(previous) + self._resolve(dispatched)
+        return runs + self._resolve(previous)
+
+    def _dispatch(self, scheduled: tuple[list[ScheduledBatch], list, PreparedCall], start: float) -> _InFlight:
+        """Dispatches ``_schedule``'s call and accounts for it (``start``: when its step began)."""
         batches, steps, prepared = scheduled
         call = self.runner.dispatch(prepared)
         if not call.compiled:
             self._pacer.observe_host(call.dispatch_end - start)
         else:
             self.recent_compilations.append(prepared.describe())
-        dispatched = self._account(batches, steps, call, start)
-        if self.async_scheduling:
-            runs += self._resolve(self._in_flight)
-            self._in_flight = dispatched
-        else:
-            runs += self._resolve(dispatched)
-        return runs
+        return self._account(batches, steps, call, start)
 
     def _report_abort(self, state: _RequestState) -> TokenRun:
         self._retire(state)

@@ -97,10 +97,10 @@ def test_mixed_arrivals_and_finishes_match_transformers(engine, expected):
         engine.step()
     ids[engine.add_request(PROMPTS[3], greedy(15))] = PROMPTS[3]  # chunked prefill
     ids[engine.add_request(PROMPTS[1], greedy(16))] = PROMPTS[1]
-    mixed = False
+    first = len(engine.stats)
     for _ in range(4):
         engine.step()
-        mixed |= engine.stats[-1].num_prefill_tokens > 0 and engine.stats[-1].num_decode_tokens > 0
+    mixed = any(s.num_prefill_tokens > 0 and s.num_decode_tokens > 0 for s in engine.stats[first:])
     ids[engine.add_request(PROMPTS[2], greedy(14))] = PROMPTS[2]
     _finished(engine)
     assert mixed, "no step mixed a prefill chunk with decodes"

@@ -176,3 +176,32 @@ def test_dispatch_delay_lets_the_next_step_wait_while_the_call_in_flight_runs(re
     assert delays[-1] == 0.0  # the last step read the last call back: nothing in flight
     longest = max(s.latency_seconds for s in engine.stats)
     assert all(0.0 < d < longest for d in delays[:-1]), (delays, longest)
+
+
+def test_an_admission_call_behind_a_running_call_has_the_next_one_dispatched_with_it():
+    """A request arriving while a multi-step decode runs: the ``step`` that dispatches its
+    one-step admission call also dispatches the decode call after it, then reads back the
+    two older calls (the decode, then the admission call, so the tokens come in order); every
+    request's tokens are a synchronous engine's. A step whose call has nothing in flight
+    before it, or is not an admission call, dispatches one call."""
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    expected = [c.output_ids for c in _engine(async_scheduling=False).generate(PROMPTS[:3], params)]
+    engine = _engine(num_scheduler_steps=4)
+    ids = [engine.add_request(p, params) for p in PROMPTS[:2]]
+    early = engine.step_runs() + engine.step_runs()  # the prompts (nothing in flight: one call), their decodes
+    assert len(engine.stats) == 2 and engine.stats[-1].num_steps == 4
+    ids.append(engine.add_request(PROMPTS[2], params))
+    runs = engine.step_runs()
+    admission, follow = engine.stats[2:]
+    assert admission.num_steps == 1 and admission.num_prefill_tokens == len(PROMPTS[2])
+    assert admission.num_decode_tokens == 2 and follow.num_steps == 4 and follow.num_requests == 3
+    # Read back in this step: the decode call's 4 tokens a request, then the admission call's.
+    assert [(r.request_id, len(r.token_ids)) for r in runs] == [(ids[0], 4), (ids[1], 4)] + [(i, 1) for i in ids]
+    outputs = {i: [] for i in ids}
+    for r in early + runs + engine.step_runs():  # a step whose call is not an admission call: one call
+        outputs[r.request_id] += r.token_ids
+    assert len(engine.stats) == 5 and engine.stats[-1].num_prefill_tokens == 0
+    while engine.has_unfinished():
+        for r in engine.step_runs():
+            outputs[r.request_id] += r.token_ids
+    assert [outputs[i] for i in ids] == expected
