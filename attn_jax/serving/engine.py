@@ -909,10 +909,11 @@ class Engine:
         return samples, 1
 
     def step(self) -> list[TokenEvent]:
-        """Schedules and dispatches one batch and returns the tokens that have become
-        known: with asynchronous scheduling the previous step's (read back while this one
-        runs), else this step's; and the final events of requests aborted since the last
-        call. May return none, e.g. while a long prompt is prefilled in chunks."""
+        """Schedules and dispatches one batch (two when the first is an admission call behind
+        a call still running: see the module's docstring) and returns the tokens that have
+        become known: with asynchronous scheduling the previous calls' (read back while the
+        last one runs), else this step's; and the final events of requests aborted since the
+        last call. May return none, e.g. while a long prompt is prefilled in chunks."""
         return token_events(self.step_runs())
 
     def step_runs(self) -> list[TokenRun]:
