@@ -863,6 +863,8 @@ class Engine:
                 if guide is not None:
                     guide.row = -1
             for request in batch.requests:
+                if request.guide_slot < 0:  # not guided (a running guided request holds a row)
+                    continue
                 guide = self._requests[request.request_id].guide
                 if guide is not None and guide.row != request.guide_slot:
                     rows.append((shard, request.guide_slot))
@@ -884,21 +886,17 @@ class Engine:
         ``MIN_STEPS_CAP`` (a few spare steps cost less than another compiled variant). So
         ``num_scheduler_steps=100000`` costs a few compiled variants, not 100,000-step calls."""
         k = self.num_scheduler_steps
-        if k > 1:
-            left = max((r.max_tokens - r.num_tokens for b in batches for r in b.requests), default=0)
-            k = min(k, max(next_pow2(max(left, 1)), MIN_STEPS_CAP))
-        multi = (
+        multi = (  # the batch-wide tests first: an admission call fails them without a pass over its requests
             k > 1
             and self.runner.supports_decode_advance
-            and all(
-                n == 1 and r.num_computed + 1 == r.num_tokens
-                for b in batches
-                for r, n in zip(b.requests, b.num_new, strict=True)
-            )
             and all(not s.waiting or len(s.running) >= s.max_num_seqs for s in self.schedulers)
+            and all(max(b.num_new, default=1) == 1 for b in batches)
+            and all(r.num_computed + 1 == r.num_tokens for b in batches for r in b.requests)
             and any(r.guide_slot < 0 for b in batches for r in b.requests)
         )
         if multi:
+            left = max((r.max_tokens - r.num_tokens for b in batches for r in b.requests), default=0)
+            k = min(k, max(next_pow2(max(left, 1)), MIN_STEPS_CAP))
             steps = [s.reserve_decode_steps(b, k) for s, b in zip(self.schedulers, batches, strict=True)]
             if all(x is not None for x in steps):
                 return steps, k
