@@ -9,7 +9,9 @@ engine (random weights of ``--model``'s shape, every program compiled first by
 warm-up of 3 lives brings it to about ``--slots / --life`` ending a step), and ``--admit``
 fresh prompts of ``--prompt-len`` tokens always wait, so the calls admit prompts beside the
 decodes as fast as slots free (one step a call; with ``--num-scheduler-steps`` K > 1,
-multi-step decode calls run between them while every slot is taken, as in the server). For ``--steps`` calls it reports:
+multi-step decode calls run between them while every slot is taken, as in the server). Over
+``--steps`` engine steps (``Engine.step_runs``; a step that dispatches an admission call behind a
+running call dispatches the call after it too, so a step may be two calls) it reports:
 
 - per call kind (admitting prompts, or decoding only: a finished request's slot is free
   only once its last tokens are read back, a call later under asynchronous scheduling), from
@@ -78,19 +80,20 @@ def _median(values) -> float | None:
 
 
 def measure(engine, load: AdmissionLoad, *, steps: int, warmup_steps: int, trace: bool) -> dict:
-    """``warmup_steps`` calls, then (with ``trace``) ``steps`` calls under a CUPTI trace, then
-    ``steps`` timed calls: the per-call figures the module docstring names (the host CPU share
-    and the device's figures over all calls, the rest per call kind)."""
-    if steps > engine.stats.maxlen:
-        raise ValueError(f"steps={steps} must be at most the engine's stats window ({engine.stats.maxlen})")
+    """``warmup_steps`` engine steps, then (with ``trace``) ``steps`` steps under a CUPTI trace,
+    then ``steps`` timed steps: the per-call figures the module docstring names (the host CPU
+    share and the device's figures over all calls, the rest per call kind)."""
+    if 2 * steps > engine.stats.maxlen:  # a step may dispatch two calls
+        raise ValueError(f"steps={steps} must be at most half the engine's stats window ({engine.stats.maxlen})")
     load.calls(warmup_steps)
     out = {}
     if trace:
         with tempfile.TemporaryDirectory() as log_dir:
+            first = len(engine.stats)
             with jax.profiler.trace(log_dir):
                 load.calls(steps)
                 engine.synchronize()
-            out["device"] = summarise_trace(load_profile(log_dir), steps)
+            out["device"] = summarise_trace(load_profile(log_dir), len(engine.stats) - first)
     compiles, first = engine.num_compilations, len(engine.stats)
     cpu, wall = time.thread_time(), time.perf_counter()
     load.calls(steps)
@@ -100,6 +103,7 @@ def measure(engine, load: AdmissionLoad, *, steps: int, warmup_steps: int, trace
     kinds = {"admitting": [s for s in stats if s.num_prefill_tokens > 0]}
     kinds["decode"] = [s for s in stats if s.num_prefill_tokens == 0]
     return out | {
+        "step_runs": steps,
         "calls": len(stats),
         "admitting_calls": len(kinds["admitting"]),
         "compilations_during": engine.num_compilations - compiles,
@@ -132,8 +136,8 @@ def main() -> None:
     parser.add_argument("--life", type=int, default=18, help="new tokens a request makes (slots / life end a step)")
     parser.add_argument("--admit", type=int, default=16, help="prompts kept waiting")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=30, help="calls timed (and as many traced on a GPU)")
-    parser.add_argument("--warmup-steps", type=int, default=None, help="calls before timing (default: 3 lives)")
+    parser.add_argument("--steps", type=int, default=30, help="engine steps timed (and as many traced on a GPU)")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="steps before timing (default: 3 lives)")
     add_engine_args(parser, prompt_len=128, kv_cache_gib=4)
     add_output_args(parser, "engine_admission_profile.json")
     args = parse_engine_args(parser)

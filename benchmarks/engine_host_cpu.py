@@ -45,11 +45,12 @@ def measure(
     num_scheduler_steps: int = 1, churn: bool = False, gc_freeze: bool = False,
 ) -> dict:  # fmt: skip
     """Median host CPU ms per ``Engine.step_runs`` (one call of up to ``num_scheduler_steps``
-    steps) of each run of ``batch`` requests of ``tokens`` new tokens (the first and last 5
-    calls left out, or 2 with several steps per call), on ``devices`` CPU devices; with
-    ``churn``, of ``batch * 4`` requests that join as others end (``batch`` at a time); with
-    ``gc_freeze``, the heap frozen after the warm-up as the server's engine process freezes
-    it (``gc_heap.freeze_startup_heap``). Also the garbage collections over the runs."""
+    steps, or two where an admission call runs behind another: the call after it too) of each
+    run of ``batch`` requests of ``tokens`` new tokens (the first and last 5 calls left out, or
+    2 with several steps per call), on ``devices`` CPU devices; with ``churn``, of ``batch * 4``
+    requests that join as others end (``batch`` at a time); with ``gc_freeze``, the heap frozen
+    after the warm-up as the server's engine process freezes it (``gc_heap.freeze_startup_heap``).
+    Also the garbage collections over the runs."""
     import os
 
     if devices > 1:  # before jax starts its CPU backend

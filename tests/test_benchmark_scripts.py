@@ -145,9 +145,9 @@ def test_engine_step_profile_replays_the_engines_last_decode_call():
 
 def test_engine_admission_profile_keeps_the_engine_admitting():
     """``engine_admission_profile.py``'s load keeps its slots full and prompts waiting, so calls
-    admit prompts beside the running decodes as fast as slots free (every other call under
-    asynchronous scheduling: a slot frees once its last tokens are read back), compiling
-    nothing new; its figures are the calls' own, by kind."""
+    admit prompts beside the running decodes as fast as slots free (a slot frees once its last
+    tokens are read back; a step whose admission call runs behind another also dispatches the
+    call after it), compiling nothing new; its figures are the calls' own, by kind."""
     from attn_jax.testing.models import tiny_random_engine
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -158,7 +158,8 @@ def test_engine_admission_profile_keeps_the_engine_admitting():
     engine = tiny_random_engine(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=40)
     load = AdmissionLoad(engine, slots=8, life=4, admit=2, prompt_len=12, vocab_size=engine.model.config.vocab_size)
     result = measure(engine, load, steps=6, warmup_steps=12, trace=False)
-    assert result["calls"] == 6 and result["admitting_calls"] >= 3 and result["compilations_during"] == 0, result
+    assert result["step_runs"] == 6 and 6 <= result["calls"] <= 12 and result["compilations_during"] == 0, result
+    assert result["admitting_calls"] >= 3, result
     admitting = result["median_by_kind"]["admitting"]
     assert admitting["calls"] == result["admitting_calls"] and admitting["prefill_tokens"] >= 12
     assert admitting["decode_tokens"] >= 1 and admitting["requests"] <= 8 and admitting["host_ms"] > 0

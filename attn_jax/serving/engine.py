@@ -28,7 +28,8 @@ exactly: a request whose last token is pending is not scheduled again, and a tok
 computed after its request stopped at EOS is dropped. A one-step call with prompt tokens
 (an admission call) dispatched behind a call still running is short on the device, shorter
 than the host's work to read the older call back and build the next, so the same ``step``
-builds and dispatches the next call right behind it and then reads both older calls back.
+builds and dispatches the next call right behind it and then reads both older calls back
+(when every input the next call may need is pending in the admission call's output).
 
 Multi-step decoding (``num_scheduler_steps`` K > 1, vLLM's multi-step scheduling): when a
 step holds decodes only and no request waits to be admitted, one call runs K decode steps
@@ -886,7 +887,7 @@ class Engine:
         ``MIN_STEPS_CAP`` (a few spare steps cost less than another compiled variant). So
         ``num_scheduler_steps=100000`` costs a few compiled variants, not 100,000-step calls."""
         k = self.num_scheduler_steps
-        multi = (  # the batch-wide tests first: an admission call fails them without a pass over its requests
+        multi = (  # the batch-wide tests before the per-request ones (an admission call fails the first)
             k > 1
             and self.runner.supports_decode_advance
             and all(not s.waiting or len(s.running) >= s.max_num_seqs for s in self.schedulers)
@@ -929,20 +930,35 @@ class Engine:
         if not self.async_scheduling:
             return runs + self._resolve(dispatched)
         previous, self._in_flight = self._in_flight, dispatched
-        if previous is not None and dispatched.call.num_steps == 1 and dispatched.stats.num_prefill_tokens:
+        if previous is not None and dispatched.stats.num_prefill_tokens and self._runs_from(dispatched):
             # An admission call behind a call still running: the device runs it in a few ms,
             # less than the host needs to read the older call back and build the next one, so
             # the next call is built and dispatched now, before either is read back. It cannot
-            # see the older call's EOS (a token after one is dropped, as always). Its inputs
-            # pending on the device are all in the admission call's output: that call holds
-            # every running request that may run again (decodes are scheduled oldest first,
-            # before any prompt chunk).
+            # see the older call's EOS (a token after one is dropped, as always).
             follow_start = time.perf_counter()
-            follow = self._schedule(runs)
+            try:
+                follow = self._schedule(runs)
+                if follow is not None:
+                    self._in_flight = self._dispatch(follow, follow_start)
+            except BaseException:  # the older call's tokens are kept; the admission call stays in flight
+                self._resolve(previous)
+                raise
             if follow is not None:
-                self._in_flight = self._dispatch(follow, follow_start)
                 return runs + self._resolve(previous) + self._resolve(dispatched)
         return runs + self._resolve(previous)
+
+    def _runs_from(self, call: _InFlight) -> bool:
+        """Whether the next call can take every pending input it may need from ``call``'s
+        output (the one a call reads): every running request with a token pending either has
+        it pending in ``call`` or is one the scheduler skips while it waits for it (at its
+        length limit, or guided). Not so when ``call`` left out a decode, e.g. one behind a
+        token budget that older requests used up."""
+        sampled = {request for _, _, request, _ in call.sampling}
+        return all(
+            not r.num_pending or r in sampled or r.guide_slot >= 0 or r.num_generated >= r.params.max_new_tokens
+            for s in self.schedulers
+            for r in s.running
+        )
 
     def _dispatch(self, scheduled: tuple[list[ScheduledBatch], list, PreparedCall], start: float) -> _InFlight:
         """Dispatches ``_schedule``'s call and accounts for it (``start``: when its step began)."""

@@ -205,3 +205,34 @@ def test_an_admission_call_behind_a_running_call_has_the_next_one_dispatched_wit
         for r in engine.step_runs():
             outputs[r.request_id] += r.token_ids
     assert [outputs[i] for i in ids] == expected
+
+
+def test_a_failed_follow_up_reads_the_older_call_back(monkeypatch):
+    """The call after an admission call fails to dispatch (a device error, say): the step
+    raises, the older call's tokens are read back into its requests all the same (none stays
+    pending for good), the admission call stays in flight, and later steps finish every
+    request with the tokens of an engine that never failed."""
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    expected = [c.output_ids for c in _engine(async_scheduling=False).generate(PROMPTS[:3], params)]
+    engine = _engine(num_scheduler_steps=4)
+    ids = [engine.add_request(p, params) for p in PROMPTS[:2]]
+    engine.step_runs()
+    engine.step_runs()
+    ids.append(engine.add_request(PROMPTS[2], params))
+    dispatch, dispatched = engine.runner.dispatch, []
+
+    def fails_second(prepared):
+        dispatched.append(prepared)
+        if len(dispatched) == 2:
+            raise RuntimeError("device lost")
+        return dispatch(prepared)
+
+    monkeypatch.setattr(engine.runner, "dispatch", fails_second)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step_runs()
+    monkeypatch.undo()
+    first_two = [engine.get_request(i) for i in ids[:2]]
+    assert all(len(r.output_ids) == 5 and r.num_pending == 1 for r in first_two)  # 1 + 4 read back; 1 in flight
+    while engine.has_unfinished():
+        engine.step_runs()
+    assert [engine.completion(i).output_ids for i in ids] == expected

@@ -115,3 +115,30 @@ def test_apply_guides_masks_guided_rows_only():
     assert (out[0] == logits[0]).all()
     assert np.flatnonzero(np.isfinite(out[1])).tolist() == [3, 33] and (out[1, [3, 33]] == logits[1, [3, 33]]).all()
     assert not np.isfinite(out[2]).any()
+
+
+def test_a_decode_an_admission_call_left_out_holds_back_the_next_call():
+    """A budget smaller than the slots: an admission call can leave out a decode whose token is
+    pending from the call before (older requests used the budget), and the next call reads its
+    inputs from the admission call's output only, so the engine must not dispatch it right
+    behind (``Engine.step_runs``): every request finishes as with synchronous scheduling. The
+    guided request sits out the next call, which frees the budget the left-out decode takes."""
+    limits = dict(max_num_seqs=4, max_num_batched_tokens=3, max_model_len=64)
+    plain = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    asks = SamplingParams(max_new_tokens=8, ignore_eos=True, prompt_logprobs=1)
+    arrivals = [[([5], plain), ([7], _guided(COLOR, n=8))], [([11, 12, 13, 14, 15, 16], asks)], [([9], plain)]]
+
+    def run(**kwargs):
+        engine = tiny_random_engine(**limits, **kwargs)
+        ids = []
+        for step in itertools.count():
+            for prompt, params in arrivals[step] if step < len(arrivals) else []:
+                ids.append(engine.add_request(prompt, params))
+            if step >= len(arrivals) and not engine.has_unfinished():
+                break
+            engine.step()
+        return [engine.completion(i) for i in ids]
+
+    done, expected = run(), run(async_scheduling=False)
+    assert [c.finish_reason for c in done] == ["length"] * 4
+    assert [c.output_ids for c in done] == [c.output_ids for c in expected]
