@@ -191,17 +191,21 @@ def test_same_prefix_with_different_sampling_params(uncached, fresh):
 
 def test_abort_mid_prefill_keeps_what_was_computed(reference):
     """A request aborted while its prompt is prefilled in chunks leaves its computed full
-    blocks in the cache (their k/v were dispatched) and every page back in the pool."""
+    blocks in the cache (their k/v were dispatched) and every page back in the pool. The
+    second step dispatches two chunks (the second behind the first, still running: the next
+    is dispatched right behind it), so the abort comes with a call in flight that the step
+    dispatched after another."""
     prompt = PROMPTS[3]  # 24 tokens, 6 blocks
-    engine = _engine(max_num_seqs=4, max_num_batched_tokens=8)  # asynchronous: aborted with a step in flight
+    engine = _engine(max_num_seqs=4, max_num_batched_tokens=4)  # asynchronous: aborted with a step in flight
     rid = engine.add_request(prompt, GREEDY)
     engine.step()
-    assert engine.get_request(rid).num_computed == 8  # its first chunk in flight
+    engine.step()
+    assert engine.get_request(rid).num_computed == 12 and len(engine.stats) == 3
     engine.abort_request(rid)
     _check_pool(engine)
-    assert engine.schedulers[0].allocator.num_used == 0 and engine.schedulers[0].allocator.num_cached == 2
+    assert engine.schedulers[0].allocator.num_used == 0 and engine.schedulers[0].allocator.num_cached == 3
     assert _run(engine, [prompt]) == [reference[3]]
-    assert _cached_tokens(engine, engine.test_ids) == [8]
+    assert _cached_tokens(engine, engine.test_ids) == [12]
 
 
 def test_preemption_with_shared_blocks(reference):
