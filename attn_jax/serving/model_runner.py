@@ -497,9 +497,7 @@ class ModelRunner:
         prefix_lens = self.cascade_prefix_lens(batches, num_common_blocks)
         fits = MetadataBuckets.fit
         token_bucket = fits(self.buckets.token_buckets, max(b.num_tokens for b in batches), "num_tokens")
-        prompt = any(
-            r.params.prompt_logprobs is not None and wants_prompt_logprobs(r) for b in batches for r in b.requests
-        )
+        prompt = any(wants_prompt_logprobs(r) for b in batches for r in b.requests)
         if prompt:  # the largest token bucket and the widest table: one program per batch kind
             token_bucket = self.buckets.token_buckets[-1]
         num_reqs = max(len(b.requests) for b in batches)

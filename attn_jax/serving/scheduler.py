@@ -351,7 +351,7 @@ class Scheduler:
                 continue  # nothing to compute, or its last token is pending and ends it
             if request.guide_slot >= 0 and request.num_pending:
                 continue  # its next mask needs its pending token: it sits this call out, nobody waits
-            if n == 1 and request.params.prompt_logprobs is not None and wants_prompt_logprobs(request):
+            if n == 1 and wants_prompt_logprobs(request):
                 continue  # a one-token chunk would need a decode-shaped program with every row's logits
             if request.num_computed + n > len(request.blocks) * block_size:  # else its pages hold the tokens
                 while not manager.allocate_slots(request, n):  # nothing taken when the pool cannot supply them
