@@ -949,16 +949,10 @@ class Engine:
 
     def _runs_from(self, call: _InFlight) -> bool:
         """Whether the next call can take every pending input it may need from ``call``'s
-        output (the one a call reads): every running request with a token pending either has
-        it pending in ``call`` or is one the scheduler skips while it waits for it (at its
-        length limit, or guided). Not so when ``call`` left out a decode, e.g. one behind a
-        token budget that older requests used up."""
+        output (the one a call reads): not when ``call`` left out a decode that the next
+        schedule may run (``Scheduler.pending_elsewhere``)."""
         sampled = {request for _, _, request, _ in call.sampling}
-        return all(
-            not r.num_pending or r in sampled or r.guide_slot >= 0 or r.num_generated >= r.params.max_new_tokens
-            for s in self.schedulers
-            for r in s.running
-        )
+        return not any(s.pending_elsewhere(sampled) for s in self.schedulers)
 
     def _dispatch(self, scheduled: tuple[list[ScheduledBatch], list, PreparedCall], start: float) -> _InFlight:
         """Dispatches ``_schedule``'s call and accounts for it (``start``: when its step began)."""

@@ -414,6 +414,16 @@ class Scheduler:
             budget -= n
         return ScheduledBatch(scheduled, num_new, preempted, num_queried, num_cached)
 
+    def pending_elsewhere(self, sampled: set[Request]) -> bool:
+        """Whether a running request that ``schedule`` may run next has a token pending that is
+        not among ``sampled`` (the requests a call samples), e.g. a decode that call left out
+        behind a token budget older requests used up. The ones ``schedule`` skips while their
+        token is pending (at their length limit, or guided) do not count."""
+        return any(
+            r.num_pending and r not in sampled and r.guide_slot < 0 and r.num_generated < r.params.max_new_tokens
+            for r in self.running
+        )
+
     def reserve_decode_steps(self, batch: ScheduledBatch, num_steps: int) -> list[int] | None:
         """Pages for a multi-step decode of ``batch`` (decodes only): each request's steps
         (``num_steps``, or fewer when it has fewer tokens left; one for a guided request, whose
