@@ -18,12 +18,13 @@ a running request with penalties owns a row (its ``penalty_slot``, taken by the 
 admission). Counts rather than each row's token history: the history would have to travel
 with the inputs (the whole prompt, for repetition) and be rebuilt into counts every step,
 while the table is updated in place. The sampled program (``PreparedCall.sampled``, which any
-row with penalties selects: greedy rows are exact there) gathers its rows' counts, starts a
+row with penalties selects, as every call with a prompt chunk runs it: greedy rows are exact
+there) gathers its rows' counts, starts a
 newly admitted request's over, adds the input tokens it must count (``marks``: the prompt's,
 and a recomputed request's generated ones; the step's own sampled tokens are added as they
 are sampled, in every step of a multi-step call) and writes the rows back; the greedy program
-hands the table through untouched (donated, so no copy): batches without penalties pay
-nothing, and no program is added. Continued decode calls (``continue_decode``) reuse inputs
+(decode calls of greedy rows) hands the table through untouched (donated, so no copy): such
+calls pay nothing, and no program is added. Continued decode calls (``continue_decode``) reuse inputs
 with nothing to mark and no row starting over, so they need nothing more.
 
 Structured outputs (``structured_output.py``) keep a token mask per guided request on the
@@ -131,10 +132,13 @@ class PreparedCall:
     num_steps: int  # K
     token_bucket: int
     cascade_prefix_len: int  # the largest shard's; 0: no cascade attention
-    # A row samples (temperature > 0) or has penalties: the program that samples (``sampling.py``)
-    # and keeps the token counts. (Always sampling would halve the programs but costs 0.12-0.32 ms
-    # a step over an argmax at 64-256 rows on an H200: ``benchmarks/sampling_cost.py``.)
-    # Log-probabilities do not need it.
+    # The program that samples (``sampling.py``) and keeps the token counts: a row samples
+    # (temperature > 0) or has penalties, or the call holds a prompt chunk. A decode call of greedy
+    # rows without penalties runs an argmax alone: the sampler costs 0.12-0.32 ms a step over it at
+    # 64-256 rows on an H200 (``benchmarks/sampling_cost.py``), and decode calls are the steps
+    # that set the pace. A call with a prompt chunk samples whatever its rows ask (greedy rows are
+    # exact there), so each of its buckets has one program, not a greedy and a sampled twin
+    # (BENCHMARKS.md, stop 72). Log-probabilities do not need it.
     sampled: bool = False
     # A decode call the next one may continue, one ``DecodeBatch`` per data shard; None: other calls.
     decode: tuple[DecodeBatch, ...] | None = None
@@ -150,7 +154,7 @@ class PreparedCall:
     @property
     def key(self) -> tuple:
         """What selects the compiled step: (layout, num_steps, sampled). Sampling values
-        never do; whether any row samples does (greedy batches skip the sampler); a
+        never do; whether the call samples does (``sampled``: decode calls of greedy rows skip the sampler); a
         call with prompt log-probabilities has a layout of its own (``prompt_targets``, in
         the largest token bucket)."""
         return (self.packed[0][1], self.num_steps, self.sampled)
@@ -524,6 +528,7 @@ class ModelRunner:
         decode = self._decode_batch(batches, rows, steps, num_steps, prefix_lens, packed[0][1])
         sampled = (
             prompt
+            or prefills
             or any(bool((x["sampling"]["temperature"] > 0).any()) for x in inputs)
             or any(r.params.has_penalties for b in batches for r in b.requests)
         )

@@ -5,9 +5,10 @@ Sampling parameters are per-row data (vLLM's and tpu-inference's sampling tensor
 program structure: no value a client may send compiles anything, and nothing branches on
 the device (an XLA conditional on a GPU reads its predicate back to the host: a sync per
 step, which stalls the asynchronous pipeline). The one static choice is tpu-inference's
-"any row samples": a step whose rows are all greedy runs an argmax alone (the model
-runner's program without this function); one where any row samples computes, for every
-row, without sorting the vocabulary:
+"any row samples", for decode steps: a decode step whose rows are all greedy runs an argmax
+alone (the model runner's program without this function; a step with a prompt chunk always
+samples, ``PreparedCall.sampled``); one that samples computes, for every row, without sorting
+the vocabulary:
 
 - the argmax (greedy rows, temperature 0);
 - one Gumbel noise per token (the row's key), so a draw is the argmax of tempered logits +

@@ -2,9 +2,10 @@
 
 A jitted step compiles once per key: the packed inputs' layout (token, request and page
 buckets, and the metadata's structure, which a backend may key on the step's prefill
-count and longest prefill, or on cascade attention), the steps per call, and whether any
-row samples (greedy batches skip the sampler; a call with prompt log-probabilities takes the
-largest token bucket). Sampling values are per-row data
+count and longest prefill, or on cascade attention), the steps per call, and whether the
+call samples (``PreparedCall.sampled``: decode batches of greedy rows skip the sampler, calls
+with a prompt chunk always run it; a call with prompt log-probabilities takes the largest
+token bucket). Sampling values are per-row data
 (``sampling.py``): they never add a program. A compilation inside traffic stalls every
 stream for as long as it takes, so a server compiles them all first.
 
@@ -207,10 +208,11 @@ def _priority(recipe: list, sampled: bool) -> tuple:
     return (prompt_logprobs, sampled, max(lens) > 1, common_pages is not None)
 
 
-def _probes(engine) -> Iterator[tuple[tuple, list, PreparedCall]]:
-    """Each candidate batch's calls as ``(priority, recipe, PreparedCall)`` (``_recipe_call``
-    makes the same call from the recipe), keys repeated as the batches meet them
-    (``candidate_calls`` keeps the first of each)."""
+def _probes(engine) -> Iterator[tuple[tuple, list, PreparedCall, bool]]:
+    """Each candidate batch's calls as ``(priority, recipe, PreparedCall, twin)`` (``_recipe_call``
+    makes the same call from the recipe; ``twin``: a greedy decode batch's sampled twin, not a
+    batch of its own), keys repeated as the batches meet them (``candidate_calls`` keeps the
+    first of each)."""
     runner: ModelRunner = engine.runner
     block_size, max_model_len = engine.block_size, engine.max_model_len
     page_buckets = [p for p in engine.buckets.blocks_per_request_buckets]
@@ -230,14 +232,14 @@ def _probes(engine) -> Iterator[tuple[tuple, list, PreparedCall]]:
                 for common in (None, min(p, max_pages)):
                     greedy = _call(runner, batch, rows, k, common)
                     recipe = [list(lens), capacity, k, common, False]
-                    # The same inputs run the sampled program too (greedy rows are exact there): its compile key.
-                    for prepared in (greedy, dataclasses.replace(greedy, sampled=True)):
-                        yield _priority(recipe, prepared.sampled), recipe, prepared
+                    yield _priority(recipe, greedy.sampled), recipe, greedy, False
+                    if not greedy.sampled:  # the same inputs run the sampled program too (greedy rows are exact there)
+                        yield _priority(recipe, True), recipe, dataclasses.replace(greedy, sampled=True), True
             # With prompt log-probabilities: every token row's logits (one step, sampled, the widest table).
             if not decode_only:
                 recipe = [list(lens), capacity, 1, None, True]
                 prepared = _recipe_call(engine, recipe, False)
-                yield _priority(recipe, prepared.sampled), recipe, prepared
+                yield _priority(recipe, prepared.sampled), recipe, prepared, False
             if capacity >= max_model_len:
                 break
 
@@ -247,8 +249,8 @@ def _enumerate(engine, on_new: Callable[[PreparedCall], None] | None = None) -> 
     candidate batches (a greedy call and its sampled twin are one); ``on_new`` as in
     ``candidate_calls``."""
     calls, num_probes = {}, 0
-    for priority, recipe, prepared in _probes(engine):
-        num_probes += not prepared.sampled or prepared.prompt_logprobs
+    for priority, recipe, prepared, twin in _probes(engine):
+        num_probes += not twin
         if prepared.key not in calls:
             calls[prepared.key] = (priority, recipe, prepared)
             if on_new is not None:

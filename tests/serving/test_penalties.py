@@ -106,7 +106,8 @@ def test_a_repetition_penalty_takes_no_prefix_cache_hits(reference):
 def test_logprobs_are_the_raw_distribution_and_keep_greedy_calls_greedy():
     """Log-probabilities are vLLM's raw ones, before penalties: a penalized request's first
     token's top alternatives equal a plain request's (the same context) though its token
-    differs; and a greedy request that asks for them runs the greedy program (no sort)."""
+    differs; and a greedy request that asks for them decodes on the greedy program (an argmax
+    alone; its prompt's call samples, as every call with a prompt chunk does)."""
     engine = _engine()
     asked, prompt = dict(max_new_tokens=4, ignore_eos=True, logprobs=5), list(range(60, 90))
     plain, penalized = (
@@ -119,5 +120,13 @@ def test_logprobs_are_the_raw_distribution_and_keep_greedy_calls_greedy():
     assert [v for _, v in plain_top] == pytest.approx([v for _, v in penalized_top], abs=1e-6)
     assert plain_lp == pytest.approx(plain_top[0][1], abs=1e-6) and penalized_lp < plain_lp
     greedy_only = _engine()
+    calls, prepare = [], greedy_only.runner.prepare
+
+    def recording(batches, *args, **kwargs):  # each prepared call: (a prompt chunk in it, sampled)
+        prepared = prepare(batches, *args, **kwargs)
+        calls.append((any(n > 1 for b in batches for n in b.num_new), prepared.sampled))
+        return prepared
+
+    greedy_only.runner.prepare = recording
     greedy_only.generate([REPEATS, PROMPTS[1]], SamplingParams(**asked))
-    assert greedy_only.runner.dispatched_keys and not any(sampled for *_, sampled in greedy_only.runner.dispatched_keys)
+    assert (False, False) in calls and (False, True) not in calls and (True, False) not in calls
