@@ -18,8 +18,8 @@ a running request with penalties owns a row (its ``penalty_slot``, taken by the 
 admission). Counts rather than each row's token history: the history would have to travel
 with the inputs (the whole prompt, for repetition) and be rebuilt into counts every step,
 while the table is updated in place. The sampled program (``PreparedCall.sampled``, which any
-row with penalties selects, as every call with a prompt chunk runs it: greedy rows are exact
-there) gathers its rows' counts, starts a
+row with penalties selects, as every call in which a request computes more than one token
+runs it: greedy rows are exact there) gathers its rows' counts, starts a
 newly admitted request's over, adds the input tokens it must count (``marks``: the prompt's,
 and a recomputed request's generated ones; the step's own sampled tokens are added as they
 are sampled, in every step of a multi-step call) and writes the rows back; the greedy program
@@ -133,12 +133,13 @@ class PreparedCall:
     token_bucket: int
     cascade_prefix_len: int  # the largest shard's; 0: no cascade attention
     # The program that samples (``sampling.py``) and keeps the token counts: a row samples
-    # (temperature > 0) or has penalties, or the call holds a prompt chunk. A decode call of greedy
-    # rows without penalties runs an argmax alone: the sampler costs 0.12-0.32 ms a step over it at
-    # 64-256 rows on an H200 (``benchmarks/sampling_cost.py``), and decode calls are the steps
-    # that set the pace. A call with a prompt chunk samples whatever its rows ask (greedy rows are
-    # exact there), so each of its buckets has one program, not a greedy and a sampled twin
-    # (BENCHMARKS.md, stop 72). Log-probabilities do not need it.
+    # (temperature > 0) or has penalties, or a request computes more than one token in the call (a
+    # prompt chunk). A decode call of greedy rows without penalties runs an argmax alone: the
+    # sampler costs 0.12-0.32 ms a step over it at 64-256 rows on an H200
+    # (``benchmarks/sampling_cost.py``), and decode calls are the steps that set the pace. A call
+    # with a prompt chunk samples whatever its rows ask (greedy rows are exact there), so each of
+    # its buckets has one program, not a greedy and a sampled twin (BENCHMARKS.md, stop 72).
+    # Log-probabilities do not need it.
     sampled: bool = False
     # A decode call the next one may continue, one ``DecodeBatch`` per data shard; None: other calls.
     decode: tuple[DecodeBatch, ...] | None = None

@@ -5,10 +5,10 @@ Sampling parameters are per-row data (vLLM's and tpu-inference's sampling tensor
 program structure: no value a client may send compiles anything, and nothing branches on
 the device (an XLA conditional on a GPU reads its predicate back to the host: a sync per
 step, which stalls the asynchronous pipeline). The one static choice is tpu-inference's
-"any row samples", for decode steps: a decode step whose rows are all greedy runs an argmax
-alone (the model runner's program without this function; a step with a prompt chunk always
-samples, ``PreparedCall.sampled``); one that samples computes, for every row, without sorting
-the vocabulary:
+"any row samples", for decode steps: a decode step whose rows are all greedy, without
+penalties, runs an argmax alone (the model runner's program without this function; a step in
+which a request computes more than one token always samples, ``PreparedCall.sampled``); one
+that samples computes, for every row, without sorting the vocabulary:
 
 - the argmax (greedy rows, temperature 0);
 - one Gumbel noise per token (the row's key), so a draw is the argmax of tempered logits +
@@ -30,7 +30,7 @@ tokens', from the float32 log-softmax of the logits after the row's output gramm
 (``apply_guides``) and before its penalties, temperature and filters: vLLM v1's default
 "raw" mode (its model runner applies the grammar bitmask before the sampler). The top
 ``MAX_LOGPROBS`` come from block maxima (``top_logprobs``), not from a sort, so a greedy
-batch that asks for them stays a greedy program (an argmax, no sort).
+decode batch that asks for them stays a greedy program (an argmax, no sort).
 
 Each row draws with its own key, ``fold_in(PRNGKey(seed), index)`` where ``index`` is the
 number of tokens the request has generated so far, so a seeded request gives the same

@@ -4,8 +4,8 @@ A jitted step compiles once per key: the packed inputs' layout (token, request a
 buckets, and the metadata's structure, which a backend may key on the step's prefill
 count and longest prefill, or on cascade attention), the steps per call, and whether the
 call samples (``PreparedCall.sampled``: decode batches of greedy rows skip the sampler, calls
-with a prompt chunk always run it; a call with prompt log-probabilities takes the largest
-token bucket). Sampling values are per-row data
+in which a request computes more than one token always run it; a call with prompt
+log-probabilities takes the largest token bucket). Sampling values are per-row data
 (``sampling.py``): they never add a program. A compilation inside traffic stalls every
 stream for as long as it takes, so a server compiles them all first.
 
@@ -193,7 +193,7 @@ def _call(runner: ModelRunner, batch: ScheduledBatch, rows: dict, num_steps: int
 
 def _recipe_call(engine, recipe: list, sampled: bool) -> PreparedCall:
     """The call a ``_probes`` recipe (query lengths, capacity, steps, common pages, prompt
-    log-probabilities) makes, greedy or its sampled twin."""
+    log-probabilities) makes: ``prepare``'s, or its sampled twin (a greedy decode batch's)."""
     lens, capacity, num_steps, common_pages, prompt_logprobs = recipe
     params = SamplingParams(temperature=0.0, prompt_logprobs=0 if prompt_logprobs else None)
     batch = _dummy_batch(lens, capacity, engine.block_size, params)
@@ -202,10 +202,12 @@ def _recipe_call(engine, recipe: list, sampled: bool) -> PreparedCall:
 
 
 def _priority(recipe: list, sampled: bool) -> tuple:
-    """A call's place in the warm-up's order (lower first): greedy before sampled, decode
-    batches before prefills, without cascade before with, prompt log-probabilities last."""
+    """A call's place in the warm-up's order (lower first): greedy decode batches, then
+    prefills (always sampled), then sampled decode batches; without cascade before with,
+    prompt log-probabilities last."""
     lens, _, _, common_pages, prompt_logprobs = recipe
-    return (prompt_logprobs, sampled, max(lens) > 1, common_pages is not None)
+    prefill = max(lens) > 1
+    return (prompt_logprobs, sampled and not prefill, prefill, common_pages is not None)
 
 
 def _probes(engine) -> Iterator[tuple[tuple, list, PreparedCall, bool]]:
@@ -251,11 +253,20 @@ def _enumerate(engine, on_new: Callable[[PreparedCall], None] | None = None) -> 
     calls, num_probes = {}, 0
     for priority, recipe, prepared, twin in _probes(engine):
         num_probes += not twin
-        if prepared.key not in calls:
-            calls[prepared.key] = (priority, recipe, prepared)
-            if on_new is not None:
-                on_new(prepared)
+        _keep(calls, priority, recipe, prepared, on_new)
     return calls, num_probes
+
+
+def _keep(calls: dict, priority: tuple, recipe: list, prepared: PreparedCall, on_new=None) -> None:
+    """Adds a candidate to ``calls`` (``on_new`` on a key's first candidate), each key kept with
+    its best-placed candidate (``_priority``; its recipe is the one the executable cache lists):
+    a backend whose decode and prefill batches share a layout (the XLA backend's) gives a greedy
+    prefill the sampled decode program, which then warms with the prefills."""
+    kept = calls.get(prepared.key)
+    if kept is None and on_new is not None:
+        on_new(prepared)
+    if kept is None or priority < kept[0]:
+        calls[prepared.key] = (priority, recipe, prepared)
 
 
 def candidate_calls(engine, on_new: Callable[[PreparedCall], None] | None = None) -> tuple[dict, int]:
@@ -292,8 +303,8 @@ def warm_up(
 ) -> WarmupReport:
     """Dispatches (and so compiles) every distinct step shape ``engine`` can meet; see the
     module docstring. ``max_shapes``: warm at most this many, in order of likelihood
-    (greedy before sampled, decode batches before prefills, without cascade before with,
-    and the prefills with prompt log-probabilities last: a program each, which computes
+    (greedy decode batches, then prefills, then sampled decode batches, without cascade before
+    with, and the prefills with prompt log-probabilities last: a program each, which computes
     every token row's logits),
     the rest counted in
     ``WarmupReport.num_skipped``; ``progress(done, total)`` after each shape compiles;
@@ -329,7 +340,7 @@ def warm_up(
             calls = {}
             for recipe, sampled in listed:
                 prepared = _recipe_call(engine, recipe, sampled)
-                calls.setdefault(prepared.key, (_priority(recipe, prepared.sampled), recipe, prepared))
+                _keep(calls, _priority(recipe, prepared.sampled), recipe, prepared)
             num_probes = len(listed)
             if max_shapes is None:
                 for _, _, prepared in calls.values():

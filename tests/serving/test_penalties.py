@@ -9,6 +9,8 @@ hits."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from attn_jax.metadata import MetadataBuckets
@@ -129,4 +131,27 @@ def test_logprobs_are_the_raw_distribution_and_keep_greedy_calls_greedy():
 
     greedy_only.runner.prepare = recording
     greedy_only.generate([REPEATS, PROMPTS[1]], SamplingParams(**asked))
-    assert (False, False) in calls and (False, True) not in calls and (True, False) not in calls
+    assert (True, True) in calls and (False, False) in calls
+    assert (False, True) not in calls and (True, False) not in calls
+    assert {sampled for *_, sampled in greedy_only.runner.dispatched_keys} == {False, True}  # continued calls too
+
+
+def test_greedy_tokens_and_logprobs_are_the_same_when_a_prompt_call_runs_the_argmax_alone():
+    # The sampled program's greedy rows are exact: forcing the prompts' calls onto the greedy
+    # program (as before stop 72) changes no token and no log-probability.
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=3)
+    prompts = [REPEATS, PROMPTS[1], list(range(50, 80)), [7]]
+    sampled_prompts = _engine().generate(prompts, params)
+    forced, calls = _engine(), []
+    prepare = forced.runner.prepare
+
+    def greedy_prompts(*args, **kwargs):
+        prepared = prepare(*args, **kwargs)
+        calls.append(prepared.sampled)
+        return dataclasses.replace(prepared, sampled=False)  # every row greedy, none penalized
+
+    forced.runner.prepare = greedy_prompts
+    argmax_prompts = forced.generate(prompts, params)
+    assert True in calls  # a prompt's call would have sampled
+    for a, b in zip(sampled_prompts, argmax_prompts, strict=True):
+        assert a.output_ids == b.output_ids and a.logprobs == b.logprobs

@@ -179,6 +179,23 @@ def test_max_shapes_warms_the_likeliest_first():
     assert compiles == []
 
 
+def test_max_shapes_warms_prefills_before_sampled_decode_programs():
+    # A prompt's call always samples (greedy rows are exact there), and every request needs one:
+    # its programs come right after the greedy decode ones, before the sampled decode twins.
+    engine = tiny_random_engine(**LIMITS)
+    calls, _ = candidate_calls(engine)
+    order = sorted(calls.values(), key=lambda x: x[0])  # (priority, PreparedCall), the warm-up's order
+    # priority = (prompt log-probabilities, sampled decode batch, prefill, cascade)
+    prefills = [i for i, ((logprobs, _, prefill, _), p) in enumerate(order) if prefill and not logprobs]
+    sampled_decodes = [i for i, ((_, sampled_decode, _, _), p) in enumerate(order) if sampled_decode]
+    assert prefills and sampled_decodes and max(prefills) < min(sampled_decodes)
+    assert all(order[i][1].sampled for i in prefills)
+    engine.warmup(max_shapes=min(sampled_decodes))  # greedy decodes and prefills only
+    with count_backend_compiles() as compiles:  # greedy prompts of every length: warmed
+        engine.generate([[3] * 10, [4] * 5, [5]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert compiles == []
+
+
 def test_patterns_cover_every_bucket_pair():
     engine = tiny_random_engine(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
     patterns = list(query_len_patterns(engine.buckets, 8, 64))
