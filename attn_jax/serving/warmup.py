@@ -213,8 +213,8 @@ def _priority(recipe: list, sampled: bool) -> tuple:
 def _probes(engine) -> Iterator[tuple[tuple, list, PreparedCall, bool]]:
     """Each candidate batch's calls as ``(priority, recipe, PreparedCall, twin)`` (``_recipe_call``
     makes the same call from the recipe; ``twin``: a greedy decode batch's sampled twin, not a
-    batch of its own), keys repeated as the batches meet them (``candidate_calls`` keeps the
-    first of each)."""
+    batch of its own), keys repeated as the batches meet them (``_keep`` keeps the best placed
+    of each)."""
     runner: ModelRunner = engine.runner
     block_size, max_model_len = engine.block_size, engine.max_model_len
     page_buckets = [p for p in engine.buckets.blocks_per_request_buckets]
