@@ -641,24 +641,30 @@ class ModelRunner:
             buffer, layout = self._sharded.stack_inputs(packed)
         return self.step_params, self.kv_caches, rows, buffer, layout, num_steps, sampled, delta
 
-    def compile(self, prepared: PreparedCall, cache: ExecutableCache | None = None) -> None:
+    def compile(self, prepared: PreparedCall, cache: ExecutableCache | None = None) -> tuple[float, float]:
         """Compiles ``prepared``'s program without running it (jit's lowering cache keeps it,
         so its first dispatch runs at once). Safe from several threads: XLA compiles outside
         the GIL, which is how ``warm_up`` compiles programs in parallel. With ``cache``: the
         program is loaded from it when stored there (no trace; the call then runs it), else
-        compiled, stored and called as the loaded ones are."""
+        compiled, stored and called as the loaded ones are. Returns the wall seconds spent
+        tracing and lowering it (Python, under the GIL) and in XLA's compile (0, 0 when loaded)."""
         args = self._step_args(prepared)
         if cache is not None:
             loaded = cache.load(prepared.key, _dynamic(args))
             if loaded is not None:
                 self._loaded[prepared.key] = loaded
-                return
-        compiled = self.jit_for(prepared).lower(*args).compile()
+                return 0.0, 0.0
+        start = time.perf_counter()
+        lowered = self.jit_for(prepared).lower(*args)
+        lowered_at = time.perf_counter()
+        compiled = lowered.compile()
+        seconds = (lowered_at - start, time.perf_counter() - lowered_at)
         if cache is not None:
             cache.store(prepared.key, compiled)
             # Called as the loaded ones are: jit would trace it again for arguments that a loaded
             # program returned (their types compare unequal to a jitted program's, same as they print).
             self._loaded[prepared.key] = compiled
+        return seconds
 
     def dispatch(self, prepared: PreparedCall) -> DispatchedCall:
         """Enqueues a prepared call on the device; returns without waiting for it."""

@@ -63,7 +63,8 @@ SCRATCH_PAGE = 0
 class WarmupReport:
     """What a warm-up ran: the distinct step shapes (compile keys) it dispatched, the batches
     it enumerated to find them, the compilations that took (0 for shapes already compiled)
-    and its wall time."""
+    and its wall time; and where the compilations' time went, summed over the programs (the
+    threads run at once): tracing and lowering (Python, under the GIL) and XLA's compile."""
 
     num_shapes: int
     num_probes: int
@@ -73,14 +74,22 @@ class WarmupReport:
     workers: int = 1  # threads that compiled at once
     num_loaded: int = 0  # programs loaded from the executable cache (neither traced nor compiled)
     listed: bool = False  # the calls came from the executable cache's list, not an enumeration
+    lower_seconds: float = 0.0  # tracing and lowering, summed over the programs compiled
+    compile_seconds: float = 0.0  # XLA's compile, summed over the programs compiled
 
     def summary(self) -> str:
         skipped = f"; {self.num_skipped} rarer shapes skipped (max_shapes)" if self.num_skipped else ""
         loaded = f", {self.num_loaded} loaded from the executable cache" if self.num_loaded else ""
         found = "the executable cache's call list" if self.listed else f"{self.num_probes} candidate batches"
+        phases = (
+            f" (summed over the programs: tracing and lowering {self.lower_seconds:.1f} s, XLA's compile "
+            f"{self.compile_seconds:.1f} s)"
+            if self.lower_seconds or self.compile_seconds
+            else ""
+        )
         return (
             f"warmed up {self.num_shapes} step shapes ({self.num_compilations} compiled by {self.workers} "
-            f"thread(s){loaded}, from {found}) in {self.seconds:.1f} s{skipped}"
+            f"thread(s){loaded}, from {found}) in {self.seconds:.1f} s{phases}{skipped}"
         )
 
 
@@ -358,8 +367,10 @@ def warm_up(
         if max_shapes is not None:
             for prepared in chosen:
                 submit(prepared)
+        lower_seconds = compile_seconds = 0.0
         for i, future in enumerate(as_completed(futures)):
-            future.result()
+            lowering, compiling = future.result()
+            lower_seconds, compile_seconds = lower_seconds + lowering, compile_seconds + compiling
             if progress is not None:
                 progress(i + 1, len(futures))
     with runner.preserving_page(SCRATCH_PAGE):  # each program run once (dispatch-side caches filled)
@@ -369,5 +380,5 @@ def warm_up(
     seconds = time.perf_counter() - start
     return WarmupReport(
         len(chosen), num_probes, runner.num_compilations - compilations, seconds, len(ordered) - len(chosen), workers,
-        0 if cache is None else cache.num_loaded, listed is not None,
+        0 if cache is None else cache.num_loaded, listed is not None, lower_seconds, compile_seconds,
     )  # fmt: skip

@@ -83,6 +83,10 @@ def test_report_counts_shapes_and_time(warmed):
     # With an executable cache every program is called as compiled (or loaded), never through jit's dispatch.
     assert engine.runner._jit_step._cache_size() == 0 and len(engine.runner._loaded) == report.num_shapes
     assert f"{report.num_shapes} step shapes" in report.summary() and "by 2 thread(s)" in report.summary()
+    # Where the compilations went, summed over the programs (two threads at once: up to twice the wall).
+    assert 0 < report.lower_seconds and 0 < report.compile_seconds
+    assert report.lower_seconds + report.compile_seconds <= 2 * report.seconds
+    assert f"tracing and lowering {report.lower_seconds:.1f} s" in report.summary()
 
 
 def test_traffic_after_warmup_compiles_nothing(warmed):
@@ -127,7 +131,8 @@ def test_a_new_engine_loads_every_program_from_the_executable_cache(warmed, exec
         again = loaded.warmup(executable_cache=executables)
         got = traffic(loaded)
     assert again.num_loaded == report.num_shapes and again.num_compilations == loaded.num_compilations == 0
-    assert "loaded from the executable cache" in again.summary()
+    assert "loaded from the executable cache" in again.summary() and "tracing" not in again.summary()
+    assert again.lower_seconds == again.compile_seconds == 0
     # The call list the first warm-up stored: one dummy call per program, the enumeration's keys.
     assert again.listed and again.num_probes == again.num_shapes and "call list" in again.summary()
     assert loaded.runner.dispatched_keys == set(candidate_calls(loaded)[0])
