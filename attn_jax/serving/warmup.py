@@ -241,11 +241,11 @@ def _probes(engine) -> Iterator[tuple[tuple, list, PreparedCall, bool]]:
             rows = _rows(batch)
             for k in step_counts if decode_only else [1]:
                 for common in (None, min(p, max_pages)):
-                    greedy = _call(runner, batch, rows, k, common)
+                    call = _call(runner, batch, rows, k, common)  # greedy rows; sampled if it holds a prompt chunk
                     recipe = [list(lens), capacity, k, common, False]
-                    yield _priority(recipe, greedy.sampled), recipe, greedy, False
-                    if not greedy.sampled:  # the same inputs run the sampled program too (greedy rows are exact there)
-                        yield _priority(recipe, True), recipe, dataclasses.replace(greedy, sampled=True), True
+                    yield _priority(recipe, call.sampled), recipe, call, False
+                    if not call.sampled:  # the same inputs run the sampled program too (greedy rows are exact there)
+                        yield _priority(recipe, True), recipe, dataclasses.replace(call, sampled=True), True
             # With prompt log-probabilities: every token row's logits (one step, sampled, the widest table).
             if not decode_only:
                 recipe = [list(lens), capacity, 1, None, True]
