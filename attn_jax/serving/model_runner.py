@@ -138,7 +138,8 @@ class PreparedCall:
     # sampler costs 0.12-0.32 ms a step over it at 64-256 rows on an H200
     # (``benchmarks/sampling_cost.py``), and decode calls are the steps that set the pace. A call
     # with a prompt chunk samples whatever its rows ask (greedy rows are exact there), so each of
-    # its buckets has one program, not a greedy and a sampled twin (BENCHMARKS.md, stop 72).
+    # its buckets has one program, not a greedy and a sampled twin (BENCHMARKS.md, stop 72; its
+    # device time 12 % more at 256 rows, an admission call that stays the host's: stop 73).
     # Log-probabilities do not need it.
     sampled: bool = False
     # A decode call the next one may continue, one ``DecodeBatch`` per data shard; None: other calls.
