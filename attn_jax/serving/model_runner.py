@@ -18,14 +18,14 @@ a running request with penalties owns a row (its ``penalty_slot``, taken by the 
 admission). Counts rather than each row's token history: the history would have to travel
 with the inputs (the whole prompt, for repetition) and be rebuilt into counts every step,
 while the table is updated in place. The sampled program (``PreparedCall.sampled``, which any
-row with penalties selects, as every call in which a request computes more than one token
-runs it: greedy rows are exact there) gathers its rows' counts, starts a
-newly admitted request's over, adds the input tokens it must count (``marks``: the prompt's,
-and a recomputed request's generated ones; the step's own sampled tokens are added as they
-are sampled, in every step of a multi-step call) and writes the rows back; the greedy program
+row with penalties selects, and which every call in which a request computes more than one
+token runs: greedy rows are exact there) gathers its rows' counts, starts a newly admitted
+request's over, adds the input tokens it must count (``marks``: the prompt's, and a
+recomputed request's generated ones; the step's own sampled tokens are added as they are
+sampled, in every step of a multi-step call) and writes the rows back; the greedy program
 (decode calls of greedy rows) hands the table through untouched (donated, so no copy): such
-calls pay nothing, and no program is added. Continued decode calls (``continue_decode``) reuse inputs
-with nothing to mark and no row starting over, so they need nothing more.
+calls pay nothing, and no program is added. Continued decode calls (``continue_decode``)
+reuse inputs with nothing to mark and no row starting over, so they need nothing more.
 
 Structured outputs (``structured_output.py``) keep a token mask per guided request on the
 device beside the counts, i32[R_max, ceil(V / 32)] (per data shard; 256 slots x 1,536 words is
@@ -138,8 +138,9 @@ class PreparedCall:
     # sampler costs 0.12-0.32 ms a step over it at 64-256 rows on an H200
     # (``benchmarks/sampling_cost.py``), and decode calls are the steps that set the pace. A call
     # with a prompt chunk samples whatever its rows ask (greedy rows are exact there), so each of
-    # its buckets has one program, not a greedy and a sampled twin (BENCHMARKS.md, stop 72; its
-    # device time 12 % more at 256 rows, an admission call that stays the host's: stop 73).
+    # its buckets has one program, not a greedy and a sampled twin; the sampler adds about 12 % to
+    # such a call's device time at 256 rows, hidden behind its host work (BENCHMARKS.md, stops
+    # 72-73).
     # Log-probabilities do not need it.
     sampled: bool = False
     # A decode call the next one may continue, one ``DecodeBatch`` per data shard; None: other calls.
@@ -156,9 +157,9 @@ class PreparedCall:
     @property
     def key(self) -> tuple:
         """What selects the compiled step: (layout, num_steps, sampled). Sampling values
-        never do; whether the call samples does (``sampled``: decode calls of greedy rows skip the sampler); a
-        call with prompt log-probabilities has a layout of its own (``prompt_targets``, in
-        the largest token bucket)."""
+        never do; whether the call samples does (``sampled``: decode calls of greedy rows skip
+        the sampler); a call with prompt log-probabilities has a layout of its own
+        (``prompt_targets``, in the largest token bucket)."""
         return (self.packed[0][1], self.num_steps, self.sampled)
 
     def describe(self) -> str:
