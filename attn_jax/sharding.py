@@ -292,22 +292,24 @@ class ShardedStep:
 
         The only collective beside the model's own (one ``psum`` per split attention and
         MLP, one all-gather of a split LM head's logits) gathers the data shards' scores (the
-        sampled tokens with their log-probabilities), once per call (a prefill's prompt scores,
-        when a request asks for them, a second):
+        sampled tokens with their log-probabilities; a greedy call's tokens alone), once per
+        call (a prefill's prompt scores, when a request asks for them, a second):
         the result is replicated, so every process of a multi-process run reads all of them.
         The rows' state stays on its shard (split over "data")."""
         mesh, cache_spec = self.mesh, self.cache_spec
 
         def step(params, caches, rows, packed, layout, num_steps, sampled, page_delta):
             def body(params, caches, rows, packed, page_delta):
-                _, rows, caches, next_packed, scores = device_step(
+                tokens, rows, caches, next_packed, scores = device_step(
                     params, caches, jax.tree.map(lambda a: a[0], rows), packed[0], layout, num_steps, sampled,
                     page_delta[0],
                 )  # fmt: skip
+                rows = jax.tree.map(lambda a: a[None], rows)
+                if scores[0] is None:  # a greedy call's program computes its tokens alone
+                    return jax.lax.all_gather(tokens, DATA), rows, caches, next_packed[None], scores
                 # The tokens travel in their scores (``pack_scores``' column 0): one all-gather; a
                 # prefill's prompt scores, when asked, a second.
                 scores = tuple(jax.lax.all_gather(a, DATA) for a in scores)
-                rows = jax.tree.map(lambda a: a[None], rows)
                 return scores[0][..., 0], rows, caches, next_packed[None], scores
 
             fn = jax.shard_map(

@@ -23,9 +23,10 @@ token runs: greedy rows are exact there) gathers its rows' counts, starts a newl
 request's over, adds the input tokens it must count (``marks``: the prompt's, and a
 recomputed request's generated ones; the step's own sampled tokens are added as they are
 sampled, in every step of a multi-step call) and writes the rows back; the greedy program
-(decode calls of greedy rows) hands the table through untouched (donated, so no copy): such
-calls pay nothing, and no program is added. Continued decode calls (``continue_decode``)
-reuse inputs with nothing to mark and no row starting over, so they need nothing more.
+(decode calls of greedy rows, with no request asking for log-probabilities) hands the table
+through untouched (donated, so no copy): such calls pay nothing, and no program is added.
+Continued decode calls (``continue_decode``) reuse inputs with nothing to mark and no row
+starting over, so they need nothing more.
 
 Structured outputs (``structured_output.py``) keep a token mask per guided request on the
 device beside the counts, i32[R_max, ceil(V / 32)] (per data shard; 256 slots x 1,536 words is
@@ -86,7 +87,7 @@ class DispatchedCall:
 
     tokens: jax.Array  # i32[K, R_max] (or [data, K, R_max]): each step's and request row's sampled token
     # The tokens with their log-probabilities, ``sampling.pack_scores``' i32[.., K, R_max, 2 + 2L]; None
-    # when no request of the call asks for them (every program computes them; only these are copied).
+    # when no request of the call asks for them (every sampled program computes them; only these are copied).
     scores: jax.Array | None
     num_steps: int  # K
     token_bucket: int  # the padded token count
@@ -132,16 +133,17 @@ class PreparedCall:
     num_steps: int  # K
     token_bucket: int
     cascade_prefix_len: int  # the largest shard's; 0: no cascade attention
-    # The program that samples (``sampling.py``) and keeps the token counts: a row samples
-    # (temperature > 0) or has penalties, or a request computes more than one token in the call (a
-    # prompt chunk). A decode call of greedy rows without penalties runs an argmax alone: the
+    # The program that samples (``sampling.py``), keeps the token counts and computes the
+    # log-probabilities: a row samples (temperature > 0) or has penalties, a request asks for
+    # log-probabilities, or a request computes more than one token in the call (a prompt chunk). A
+    # decode call of greedy rows without penalties or log-probabilities runs an argmax alone: the
     # sampler costs 0.12-0.32 ms a step over it at 64-256 rows on an H200
-    # (``benchmarks/sampling_cost.py``), and decode calls are the steps that set the pace. A call
+    # (``benchmarks/sampling_cost.py``), the log-probabilities alone 36-88 us at 1-256 rows (stop
+    # 74), and decode calls are the steps that set the pace. A call
     # with a prompt chunk samples whatever its rows ask (greedy rows are exact there), so each of
     # its buckets has one program, not a greedy and a sampled twin; the sampler adds about 12 % to
     # such a call's device time at 256 rows, hidden behind its host work (BENCHMARKS.md, stops
     # 72-73).
-    # Log-probabilities do not need it.
     sampled: bool = False
     # A decode call the next one may continue, one ``DecodeBatch`` per data shard; None: other calls.
     decode: tuple[DecodeBatch, ...] | None = None
@@ -151,7 +153,7 @@ class PreparedCall:
     # row's next prompt token (``prompt_targets``, so the layout, and the key, differ) and the program
     # computes every token row's logits (always a sampled program).
     prompt_logprobs: bool = False
-    # A request asks for its tokens' log-probabilities: the call copies them to the host (not a key).
+    # A request asks for its tokens' log-probabilities: the call samples (above) and copies them to the host.
     logprobs: bool = False
 
     @property
@@ -529,13 +531,14 @@ class ModelRunner:
         ]
         packed = [pack(x) for x in inputs]
         decode = self._decode_batch(batches, rows, steps, num_steps, prefix_lens, packed[0][1])
+        logprobs = any(r.params.logprobs is not None for b in batches for r in b.requests)
         sampled = (
             prompt
             or prefills
+            or logprobs
             or any(bool((x["sampling"]["temperature"] > 0).any()) for x in inputs)
             or any(r.params.has_penalties for b in batches for r in b.requests)
         )
-        logprobs = any(r.params.logprobs is not None for b in batches for r in b.requests)
         return PreparedCall(
             packed, num_steps, token_bucket, max(prefix_lens), sampled, None if prompt else decode,
             prompt_logprobs=prompt, logprobs=logprobs,
@@ -797,7 +800,7 @@ class ModelRunner:
         (donated: no copy).
         Returns (i32[num_steps, R_max] sampled tokens, ``rows`` after the call, caches, i32[n]
         packed inputs, scores: a tuple of the tokens with their log-probabilities,
-        ``pack_scores``' i32[num_steps, R_max, 2 + 2L] (greedy or sampled), and with
+        ``pack_scores``' i32[num_steps, R_max, 2 + 2L] (a sampled call's; None: a greedy one's), and with
         ``prompt_targets`` (one step, sampled) the prompt's, i32[T, 2 + 2L] per token row); the
         packed inputs are the call's moved on by each request's steps (with an attention group
         that advances its metadata, else ``packed`` itself), which the next call reuses when it
@@ -847,13 +850,12 @@ class ModelRunner:
                 prompt_out = pack_scores(targets, *token_logprobs(logits, targets))
                 logits = logits[x["logits_rows"]]
             raw = apply_guides(logits, guide_masks, s["guides"])  # what the log-probabilities are of
-            if not sampled:
-                tokens = jnp.argmax(raw, axis=-1).astype(jnp.int32)
-            else:
-                presence, frequency, repetition = s["penalties"]
-                logits = apply_penalties(raw, counts, presence, frequency, repetition)
-                tokens = sample_tokens(logits, s["temperature"], s["top_p"], s["top_k"], s["seeds"], counters)
-                counts = counts.at[jnp.arange(num_rows), tokens].add(active.astype(jnp.int32))
+            if not sampled:  # an argmax alone: no request of the call asks for log-probabilities
+                return pad(jnp.argmax(raw, axis=-1).astype(jnp.int32)), None, kv_caches, counts
+            presence, frequency, repetition = s["penalties"]
+            logits = apply_penalties(raw, counts, presence, frequency, repetition)
+            tokens = sample_tokens(logits, s["temperature"], s["top_p"], s["top_k"], s["seeds"], counters)
+            counts = counts.at[jnp.arange(num_rows), tokens].add(active.astype(jnp.int32))
             return pad(tokens), pad(pack_scores(tokens, *token_logprobs(raw, tokens))), kv_caches, counts
 
         def store(counts):
@@ -884,7 +886,8 @@ class ModelRunner:
                 kv_caches, token_ids, x["positions"], md, s["counters"], counts, limits > 0, x.get("prompt_targets")
             )
             prompt = () if prompt_out is None else (prompt_out,)
-            return tokens[None], (tokens, store(counts), guide_masks), kv_caches, next_packed, (scores[None], *prompt)
+            scores = None if scores is None else scores[None]
+            return tokens[None], (tokens, store(counts), guide_masks), kv_caches, next_packed, (scores, *prompt)
 
         # Every step of a multi-step call (a decode batch: ``prepare`` checks) is one scan step, the
         # first's inputs the call's own tokens and metadata (``moved`` by 0 steps): the program holds

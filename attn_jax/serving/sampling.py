@@ -25,13 +25,14 @@ without sorting the vocabulary:
   the vocabulary (with a top-p, its nucleus measured over the whole vocabulary's
   probabilities).
 
-Every step program, greedy or sampled, also gives each row's log-probabilities (OpenAI's
-``logprobs``; ``token_logprobs``): the chosen token's and the ``MAX_LOGPROBS`` most likely
-tokens', from the float32 log-softmax of the logits after the row's output grammar
-(``apply_guides``) and before its penalties, temperature and filters: vLLM v1's default
-"raw" mode (its model runner applies the grammar bitmask before the sampler). The top
-``MAX_LOGPROBS`` come from block maxima (``top_logprobs``), not from a sort, so a greedy
-decode batch that asks for them stays a greedy program (an argmax, no sort).
+The program that samples also gives each row's log-probabilities (OpenAI's ``logprobs``;
+``token_logprobs``): the chosen token's and the ``MAX_LOGPROBS`` most likely tokens', from the
+float32 log-softmax of the logits after the row's output grammar (``apply_guides``) and before
+its penalties, temperature and filters: vLLM v1's default "raw" mode (its model runner applies
+the grammar bitmask before the sampler). The top ``MAX_LOGPROBS`` come from block maxima
+(``top_logprobs``), not from a sort. A decode batch of greedy rows in which a request asks for
+them runs the sampling program (its greedy rows are exact there); the argmax alone computes
+none: on an H200 they cost 36-88 us a step over it at 1-256 rows (BENCHMARKS.md, stop 74).
 
 Each row draws with its own key, ``fold_in(PRNGKey(seed), index)`` where ``index`` is the
 number of tokens the request has generated so far, so a seeded request gives the same

@@ -3,7 +3,8 @@
 A jitted step compiles once per key: the packed inputs' layout (token, request and page
 buckets, and the metadata's structure, which a backend may key on the step's prefill
 count and longest prefill, or on cascade attention), the steps per call, and whether the
-call samples (``PreparedCall.sampled``: decode batches of greedy rows skip the sampler, calls
+call samples (``PreparedCall.sampled``: decode batches of greedy rows skip the sampler unless
+a request asks for log-probabilities, calls
 in which a request computes more than one token always run it; a call with prompt
 log-probabilities takes the largest token bucket). Sampling values are per-row data
 (``sampling.py``): they never add a program. A compilation inside traffic stalls every

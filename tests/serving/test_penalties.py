@@ -105,11 +105,12 @@ def test_a_repetition_penalty_takes_no_prefix_cache_hits(reference):
     assert reference.prefix_cache_stats.hits > hits  # presence counts the output only: the prompt may come cached
 
 
-def test_logprobs_are_the_raw_distribution_and_keep_greedy_calls_greedy():
+def test_logprobs_are_the_raw_distribution_and_move_greedy_calls_to_the_sampler():
     """Log-probabilities are vLLM's raw ones, before penalties: a penalized request's first
     token's top alternatives equal a plain request's (the same context) though its token
-    differs; and a greedy request that asks for them decodes on the greedy program (an argmax
-    alone; its prompt's call samples, as every call with a prompt chunk does)."""
+    differs. A greedy request that asks for them decodes on the sampled program (the argmax
+    alone computes none), one that does not on the greedy program (its prompt's call samples,
+    as every call with a prompt chunk does); their tokens are the same."""
     engine = _engine()
     asked, prompt = dict(max_new_tokens=4, ignore_eos=True, logprobs=5), list(range(60, 90))
     plain, penalized = (
@@ -121,37 +122,41 @@ def test_logprobs_are_the_raw_distribution_and_keep_greedy_calls_greedy():
     assert [i for i, _ in plain_top] == [i for i, _ in penalized_top]
     assert [v for _, v in plain_top] == pytest.approx([v for _, v in penalized_top], abs=1e-6)
     assert plain_lp == pytest.approx(plain_top[0][1], abs=1e-6) and penalized_lp < plain_lp
-    greedy_only = _engine()
-    calls, prepare = [], greedy_only.runner.prepare
+    outputs = {}
+    for logprobs in (5, None):
+        greedy_only = _engine()
+        calls, prepare = [], greedy_only.runner.prepare
 
-    def recording(batches, *args, **kwargs):  # each prepared call: (a prompt chunk in it, sampled)
-        prepared = prepare(batches, *args, **kwargs)
-        calls.append((any(n > 1 for b in batches for n in b.num_new), prepared.sampled))
-        return prepared
+        def recording(batches, *args, prepare=prepare, calls=calls, **kwargs):  # (a prompt chunk in it, sampled)
+            prepared = prepare(batches, *args, **kwargs)
+            calls.append((any(n > 1 for b in batches for n in b.num_new), prepared.sampled))
+            return prepared
 
-    greedy_only.runner.prepare = recording
-    greedy_only.generate([REPEATS, PROMPTS[1]], SamplingParams(**asked))
-    assert (True, True) in calls and (False, False) in calls
-    assert (False, True) not in calls and (True, False) not in calls
-    assert {sampled for *_, sampled in greedy_only.runner.dispatched_keys} == {False, True}  # continued calls too
+        greedy_only.runner.prepare = recording
+        params = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=logprobs)
+        outputs[logprobs] = greedy_only.generate([REPEATS, PROMPTS[1]], params)
+        assert (True, True) in calls and (True, False) not in calls
+        assert ((False, False) in calls) == (logprobs is None) and ((False, True) in calls) == (logprobs is not None)
+        if logprobs is not None:
+            assert all(len(o.logprobs) == 4 for o in outputs[logprobs])
+    assert [o.output_ids for o in outputs[5]] == [o.output_ids for o in outputs[None]]
 
 
-def test_greedy_tokens_and_logprobs_are_the_same_when_a_prompt_call_runs_the_argmax_alone():
-    # The sampled program's greedy rows are exact: forcing the prompts' calls onto the greedy
-    # program (as before stop 72) changes no token and no log-probability.
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=3)
+def test_greedy_tokens_are_the_same_when_every_call_runs_the_sampler():
+    # The sampled program's greedy rows are exact: running every call on it (as a greedy decode
+    # call does when a request asks for log-probabilities) changes no token.
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     prompts = [REPEATS, PROMPTS[1], list(range(50, 80)), [7]]
-    sampled_prompts = _engine().generate(prompts, params)
+    argmax_decodes = _engine().generate(prompts, params)
     forced, calls = _engine(), []
     prepare = forced.runner.prepare
 
-    def greedy_prompts(*args, **kwargs):
+    def sampled_always(*args, **kwargs):
         prepared = prepare(*args, **kwargs)
         calls.append(prepared.sampled)
-        return dataclasses.replace(prepared, sampled=False)  # every row greedy, none penalized
+        return dataclasses.replace(prepared, sampled=True)
 
-    forced.runner.prepare = greedy_prompts
-    argmax_prompts = forced.generate(prompts, params)
-    assert True in calls  # a prompt's call would have sampled
-    for a, b in zip(sampled_prompts, argmax_prompts, strict=True):
-        assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
+    forced.runner.prepare = sampled_always
+    sampled_decodes = forced.generate(prompts, params)
+    assert False in calls  # a decode call would have run the argmax alone
+    assert [o.output_ids for o in argmax_decodes] == [o.output_ids for o in sampled_decodes]
