@@ -4,8 +4,8 @@ likely tokens, found by block maxima, and a Gumbel-max draw).
 
     python benchmarks/sampling_cost.py --rows 1 64 256 --vocab 49152 --top-k 40 --top-p 0.9
 
-Beside it: ``greedy_scores`` (a greedy program's argmax with the log-probabilities every
-program computes), ``sort_sampler`` (the engine's sampler until stop 70: the vocabulary sorted, every
+Beside it: ``greedy_scores`` (the argmax with the log-probabilities, a greedy program's work
+until stop 74), ``sort_sampler`` (the engine's sampler until stop 70: the vocabulary sorted, every
 set exact), ``bisection_sampler`` (exact top-k / top-p thresholds by bisection over the
 values' ordered keys, 64 masked reductions; slower than the sort on an H200, BENCHMARKS.md:
 not taken), the candidate search alone at each of ``CANDIDATE_BLOCKS`` (which sets
@@ -77,9 +77,10 @@ def bisection_sampler(logits, temperature, top_p, top_k, seeds, counters):
 
 
 def greedy_scores(logits):
-    """What a greedy step program computes from its logits: the argmax and every row's
-    log-probabilities (``token_logprobs``, in every program whether or not a request asks),
-    packed for the host (``pack_scores``)."""
+    """The argmax with every row's log-probabilities (``token_logprobs``), packed for the host
+    (``pack_scores``): what a greedy step program computed until stop 74, whether or not a
+    request asked; since then a greedy decode call computes the argmax alone, and one in
+    which a request asks runs the sampled program."""
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return pack_scores(tokens, *token_logprobs(logits, tokens))
 
