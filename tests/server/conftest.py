@@ -33,11 +33,12 @@ def free_port() -> int:
 class Server:
     """One ``attn-stack serve`` subprocess: started by ``__init__``, ready after ``wait_ready``."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        """``args``: the command's; ``env``: variables set for the server on top of this process's."""
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.TemporaryFile()
-        env = dict(os.environ)
+        env = dict(os.environ, **(env or {}))
         env.setdefault("JAX_PLATFORMS", "cpu")
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
         command = [sys.executable, "-m", "attn_jax", "serve", "--port", str(self.port), "--log-level", "warning"]

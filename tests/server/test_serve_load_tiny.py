@@ -62,16 +62,23 @@ async def _mixed(client, prompt: str, fields: dict) -> tuple[list[str], list]:
 
 @pytest.fixture(scope="module")
 def server():
-    server = Server(*ARGS)  # loads while the test builds its reference engine
+    # glibc's malloc gives each new thread that allocates an arena of its own (up to 8 a core):
+    # the server's resident memory then jumps by 20-160 MiB at rounds of its own choosing, on
+    # the tree before stop 74 as after (measured over eight rounds on the CPU: 969 -> 1107 MiB
+    # with jumps at rounds 2 and 8; 979 -> 1009 MiB, flat from round 3, with two arenas). Two
+    # arenas keep the memory test about the server's own objects.
+    server = Server(*ARGS, env={"MALLOC_ARENA_MAX": "2"})  # loads while the test builds its reference engine
     yield server
     server.close()
 
 
 @pytest.mark.slow
 def test_hundreds_of_streaming_clients_lose_nothing_and_memory_returns_to_its_baseline(server):
-    """``LOAD_CLIENTS`` (300; ``ATTN_STACK_LOAD_CLIENTS``) clients at once, twice: the first
-    round brings the server to its steady state (shapes compiled, pools grown), so the
-    resident memory after the second must be within 5 % of that after the first."""
+    """``LOAD_CLIENTS`` (300; ``ATTN_STACK_LOAD_CLIENTS``) clients at once, three times: the
+    first two rounds (with the mixed requests, then streams alone) bring the server to its
+    steady state for both kinds of traffic (shapes compiled, pools grown; after the first alone
+    the second still grew 2-6 % on the CPU), so the resident memory after the third (mixed
+    again) must be within 5 % of that after the second."""
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} #{i}" for i in range(LOAD_CLIENTS)]
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     reference = tiny_random_engine(**LIMITS)
@@ -90,7 +97,7 @@ def test_hundreds_of_streaming_clients_lose_nothing_and_memory_returns_to_its_ba
             return done[: len(prompts)], done[len(prompts) :]
 
     rss = []
-    for mix in (True, False):
+    for mix in (True, False, True):
         streamed, mixed = asyncio.run(round_(mix))
         assert streamed == want
         if mix:
@@ -101,4 +108,4 @@ def test_hundreds_of_streaming_clients_lose_nothing_and_memory_returns_to_its_ba
             assert isinstance(json.loads(mixed[-1][0][0])["ok"], bool)
         server.wait_for(idle, "every KV page back, nothing running or waiting, after the clients")
         rss.append(server.rss_bytes())
-    assert rss[1] <= 1.05 * rss[0], f"resident memory grew from {rss[0] >> 20} MiB to {rss[1] >> 20} MiB"
+    assert rss[2] <= 1.05 * rss[1], f"resident memory grew from {rss[1] >> 20} MiB to {rss[2] >> 20} MiB"
