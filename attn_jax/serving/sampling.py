@@ -6,9 +6,9 @@ program structure: no value a client may send compiles anything, and nothing bra
 the device (an XLA conditional on a GPU reads its predicate back to the host every step: one
 around this sampler made greedy decode steps 15 % slower on an H200, BENCHMARKS.md, stop
 73). The one static choice is tpu-inference's "any row samples", for decode steps: a decode
-step whose rows are all greedy, without penalties, runs an argmax alone (the model runner's
-program without this function; a step in which a request computes more than one token
-always samples, ``PreparedCall.sampled``); one that samples computes, for every row,
+step whose rows are all greedy, without penalties or log-probabilities, runs an argmax alone
+(the model runner's program without this function; a step in which a request computes more
+than one token always samples, ``PreparedCall.sampled``); one that samples computes, for every row,
 without sorting the vocabulary:
 
 - the argmax (greedy rows, temperature 0);
