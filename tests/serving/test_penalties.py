@@ -137,6 +137,8 @@ def test_logprobs_are_the_raw_distribution_and_move_greedy_calls_to_the_sampler(
         outputs[logprobs] = greedy_only.generate([REPEATS, PROMPTS[1]], params)
         assert (True, True) in calls and (True, False) not in calls
         assert ((False, False) in calls) == (logprobs is None) and ((False, True) in calls) == (logprobs is not None)
+        sampled_keys = {sampled for *_, sampled in greedy_only.runner.dispatched_keys}  # continued calls too
+        assert sampled_keys == ({False, True} if logprobs is None else {True})
         if logprobs is not None:
             assert all(len(o.logprobs) == 4 for o in outputs[logprobs])
     assert [o.output_ids for o in outputs[5]] == [o.output_ids for o in outputs[None]]
