@@ -42,7 +42,7 @@ from concurrent.futures import wait as wait_for
 
 from attn_jax.server.engine_probe import EngineCounts, read_counts
 from attn_jax.server.stop_strings import StopMatcher
-from attn_jax.serving.engine import token_events
+from attn_jax.serving.engine import prompt_token_ids, token_events
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ class EngineCore:
             elif isinstance(spec.prompt, str):
                 ids = engine.encode(spec.prompt)
             else:
-                ids = [int(i) for i in spec.prompt]
+                ids = prompt_token_ids(spec.prompt)
         except RequestError:
             raise
         except Exception as e:  # a template that refuses the messages, a missing tokenizer, ...

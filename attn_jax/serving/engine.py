@@ -268,7 +268,7 @@ def default_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_pages: i
     )  # fmt: skip
 
 
-def _token_ids(prompt) -> list[int]:
+def prompt_token_ids(prompt) -> list[int]:
     """A prompt given as token ids: integers only (no bools, floats, strings or bytes)."""
     if isinstance(prompt, (bytes, bytearray)):
         raise TypeError(f"prompt={bytes(prompt)[:20]!r}... is bytes: give text (str) or a list of int token ids")
@@ -659,7 +659,7 @@ class Engine:
                 raise ValueError("prompt is empty: give at least one character of text")
             ids = self.encode(prompt, chat=chat)
         else:
-            ids = _token_ids(prompt)
+            ids = prompt_token_ids(prompt)
         if not ids:
             raise ValueError("prompt is empty: it encodes to no tokens")
         vocab = self.model.config.vocab_size
