@@ -57,8 +57,8 @@ def workload_rows(name: str, device_kind: str, decode_tiles: list[int], two_kern
     one = pallas_triton.gpu_schedule(qsl, seq, num_tokens=num_tokens, block_q=launch.block_q, xp=np)
     two = pallas_triton.mixed_schedule(qsl, seq, num_tokens=num_tokens, block_q=launch.block_q, xp=np)
     decodes_only, rest_only = two.copy(), two.copy()
-    decodes_only[2, :-num_reqs] = decodes_only[1, :-num_reqs]  # a q-block with no rows returns at once
-    rest_only[2, -num_reqs:] = rest_only[1, -num_reqs:]
+    decodes_only[2, num_reqs:] = decodes_only[1, num_reqs:]  # a q-block with no rows returns at once
+    rest_only[2, :num_reqs] = rest_only[1, :num_reqs]
 
     def triton(schedule, decode_bs):
         schedule = jnp.asarray(schedule)

@@ -103,7 +103,7 @@ def split_schedules(
     ``tile`` 8-aligned new tokens) and the Triton kernel's q-blocks for every other row:
     other requests, the unaligned rows at either end of a served request, and the padding.
     With ``decode_part`` (a mixed batch) the decodes' rows leave the first part of the rest
-    for a decode part (``pallas_triton.decode_part``: a block per request after NB blocks)."""
+    for a decode part (``pallas_triton.decode_part``: a block per request before the NB blocks)."""
     mgpu, (lo, hi) = pallas_mosaic_gpu.mgpu_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, tile=tile, xp=xp)
     num_reqs = seq_lens.shape[0]
     qsl = query_start_loc.astype(np.int32)
@@ -121,7 +121,7 @@ def split_schedules(
         query_start_loc, seq_lens, num_tokens=num_tokens, block_q=block_q, xp=xp, segments=segments
     )
     if decode_part:
-        rest = xp.concatenate([rest, decodes], axis=1).astype(np.int32)
+        rest = xp.concatenate([decodes, rest], axis=1).astype(np.int32)
     return mgpu, rest
 
 

@@ -93,7 +93,7 @@ def test_split_schedules_with_a_decode_part_give_each_decode_its_own_block():
     for s, e in zip(rest[1], rest[2], strict=True):
         covered[s:e] += 1
     assert (covered == 1).all(), "each row is served by exactly one kernel"
-    first, decodes = rest[:, :-num_reqs], rest[:, -num_reqs:]
+    decodes, first = rest[:, :num_reqs], rest[:, num_reqs:]
     real = decodes[:, decodes[2] > decodes[1]]
     assert list(real[0]) == [1], "the one decode (request 1) in the decode part, alone"
     assert (real[1], real[3], real[4]) == (qsl[1], seq[1] - 1, seq[1])

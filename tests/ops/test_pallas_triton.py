@@ -332,7 +332,7 @@ def test_mixed_schedule_gives_each_decode_one_block_of_its_own():
     host = pallas_triton.mixed_schedule(*args, num_tokens=40, block_q=4, xp=np)
     step = jax.jit(lambda a, b: pallas_triton.mixed_schedule(a, b, num_tokens=40, block_q=4))
     np.testing.assert_array_equal(host, np.asarray(step(*args)))
-    rest, decodes = host[:, :-num_reqs], host[:, -num_reqs:]
+    decodes, rest = host[:, :num_reqs], host[:, num_reqs:]
     covered = np.zeros(40, int)
     for s, e in zip(host[1], host[2], strict=True):
         covered[s:e] += 1

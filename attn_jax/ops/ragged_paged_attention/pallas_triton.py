@@ -2,7 +2,9 @@
 
 One launch serves a mixed prefill + decode batch. The query tokens of each request are
 cut into q-blocks of ``block_q`` tokens; a program handles one q-block for one KV head
-(``grid = (num_q_blocks, Hkv, num_kv_splits)``), with the ``block_q`` tokens times the
+(``grid = (Hkv, num_q_blocks, num_kv_splits)``: the KV heads vary fastest, so the blocks
+start in the schedule's order, and the empty blocks a static schedule ends in start last,
+where the tail of the real ones hides them), with the ``block_q`` tokens times the
 ``G = Hq // Hkv`` query heads of that KV head packed as the rows of the matmul
 (``rows = block_q * next_pow2(G)``). So a K/V page is read once per q-block, not once
 per query token, and once for the whole head group. Which request a q-block belongs to
@@ -120,11 +122,12 @@ def gpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp
 
 
 def mixed_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, xp=jnp):
-    """i32[5, NB + R]: a mixed batch's q-blocks for one launch in two parts, ``gpu_schedule``'s
-    blocks of every row but the decodes' (``block_q`` tokens; NB as there), then one block per
-    request for the decodes (``decode_part``). The kernel runs the second part on decode blocks
+    """i32[5, R + NB]: a mixed batch's q-blocks for one launch in two parts, one block per request
+    for the decodes (``decode_part``), then ``gpu_schedule``'s blocks of every row but the
+    decodes' (``block_q`` tokens; NB as there). The kernel runs the first part on decode blocks
     (``_attend``'s ``decode_block_sizes``): the decodes stream their KV as a decode batch's
-    programs do while the other rows' programs compute beside them."""
+    programs do while the other rows' programs compute beside them. The decodes first: the
+    other part ends in the empty blocks of a static bound, which then start last."""
     num_reqs = seq_lens.shape[0]
     qsl = query_start_loc.astype(np.int32)
     decodes, split = decode_part(query_start_loc, seq_lens, xp=xp)
@@ -134,12 +137,12 @@ def mixed_schedule(query_start_loc, seq_lens, *, num_tokens: int, block_q: int, 
         xp.concatenate([qsl[1:], xp.full((1,), num_tokens, np.int32)]),
     )
     rest = gpu_schedule(query_start_loc, seq_lens, num_tokens=num_tokens, block_q=block_q, xp=xp, segments=segments)
-    return xp.concatenate([rest, decodes], axis=1).astype(np.int32)
+    return xp.concatenate([decodes, rest], axis=1).astype(np.int32)
 
 
 def decode_part(query_start_loc, seq_lens, *, xp=jnp):
     """(i32[5, R] decode blocks, i32[R] first row left to the other part): a mixed launch's
-    second part, one block per request (requests of one new token; a request of more gets an
+    first part, one block per request (requests of one new token; a request of more gets an
     empty block), longest KV first. A decode's row ends its request, so its other rows start
     at its end (none); any other request keeps all of its rows."""
     num_reqs = seq_lens.shape[0]
@@ -159,9 +162,10 @@ def _kernel(sched_ref, block_tables_ref, q_ref, kv_ref, *refs, has_scales, parts
     ran the whole body (BENCHMARKS.md). Without ``has_scales`` there is no scales operand.
 
     ``parts``: ((first q-block, end q-block, KV-head programs, the part's static block
-    parameters), ...) in grid order. One part, or two: a mixed batch's other rows on their
-    blocks and its decodes on decode blocks (``mixed_schedule``), one launch."""
-    ids = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # read outside the branch (the interpreter's rule)
+    parameters), ...) in grid order. One part, or two: a mixed batch's decodes on decode blocks,
+    then its other rows on their blocks (``mixed_schedule``), one launch. The grid is (KV-head
+    programs, q-blocks, splits), so ``ids`` reorders it."""
+    ids = pl.program_id(1), pl.program_id(0), pl.program_id(2)  # read outside the branch (the interpreter's rule)
     refs = refs if has_scales else (None, *refs)
     has_rows = sched_ref[2, ids[0]] > sched_ref[1, ids[0]]
     for lo, hi, kv_programs, part in parts:
@@ -563,7 +567,7 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
             lse_init=None, state_init=None, *, sm_scale, causal, sliding_window, soft_cap, block_sizes, interpret,
             return_lse=False, return_states=False, decode_block_sizes=None):  # fmt: skip
     """(out f[T, Hq, D], lse f32[T, Hq] or None); with ``return_states``, ((m, denom, acc), None).
-    With ``decode_block_sizes`` the schedule's last R q-blocks are the decode part's."""
+    With ``decode_block_sizes`` the schedule's first R q-blocks are the decode part's."""
     num_tokens, num_q_heads, head_size = q.shape
     num_reqs = block_tables.shape[0]
     num_kv_heads = kv_cache.shape[3]
@@ -573,7 +577,7 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
     nb = schedule.shape[1]
     part_blocks = [(block_sizes, 0, nb)]
     if decode_block_sizes is not None:
-        part_blocks = [(block_sizes, 0, nb - num_reqs), (decode_block_sizes, nb - num_reqs, nb)]
+        part_blocks = [(decode_block_sizes, 0, num_reqs), (block_sizes, num_reqs, nb)]
     parts = tuple(
         (first, end, pl.cdiv(num_kv_heads, bs.kv_heads_per_program),
          (("block_q", bs.block_q), ("tile", bs.tile(page_size)), ("kv_heads_per_program", bs.kv_heads_per_program)))
@@ -628,7 +632,7 @@ def _attend(q, kv_cache, schedule, block_tables, alibi_slopes, sinks, k_scale, v
     )  # fmt: skip
     result = pl.pallas_call(
         kernel,
-        grid=(nb, kv_programs, splits),
+        grid=(kv_programs, nb, splits),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages),
         interpret=interpret,
