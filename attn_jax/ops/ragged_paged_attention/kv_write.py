@@ -4,10 +4,9 @@ In the NHD cache ``[2, P, S, Hkv, D]`` one token's keys for all KV heads are one
 contiguous row of ``Hkv * D`` elements at flat slot ``slot_mapping[t]`` (page ``s // S``,
 offset ``s % S``). The kernel views the cache as ``[2, P * S, Hkv * D]`` (a bitcast) and
 each program copies ``block_tokens`` whole rows of new keys and values into their slots:
-coalesced row loads and stores, no index arithmetic beyond one slot per row. Each plane's
-rows are an operand of their own (``[T, Hkv * D]``, a bitcast of k and of v): a caller's k and
-v are read where they lie, never stacked into one array first (at P1's 16,384 tokens that
-stack was an 80 us copy, BENCHMARKS.md). The cache is both an input
+coalesced row loads and stores, no index arithmetic beyond one slot per row. Both planes'
+rows come as one operand ``[2, T, Hkv * D]``, so that XLA computes them in one fusion (the
+rotated keys and the values sliced out of the q/k/v product). The cache is both an input
 and the output (``input_output_aliases``), so under ``jax.jit`` with the cache donated
 nothing else is copied: the kernel moves the new tokens' bytes once (read k and v, write
 them), which is what a copy at device bandwidth moves.
@@ -40,13 +39,12 @@ def _column_block(width: int) -> int:
     return min(width & -width, 2048)
 
 
-def _write_kernel(slots_ref, *refs, planes, num_slots, block_tokens, cols, spare):
-    """``refs``: each cache plane's new rows [T, width] (k and v; MLA's one latent), then the
-    cache in (aliased to the output, unused) and out [planes, slots, width]."""
-    rows_refs, cache_ref = refs[:planes], refs[-1]
+def _write_kernel(slots_ref, rows_ref, _, cache_ref, *, num_slots, block_tokens, cols, spare):
+    """``rows_ref`` [planes, T, width]: the new rows of each cache plane (k and v; MLA's one
+    latent); then the cache in (aliased to the output, unused) and out [planes, slots, width]."""
     t0 = pl.program_id(0) * block_tokens
     c0 = pl.program_id(1) * cols
-    num_tokens = rows_refs[0].shape[0]
+    planes, num_tokens, _ = rows_ref.shape
     tok = t0 + jnp.arange(block_tokens, dtype=jnp.int32)
     tok_ok = tok < num_tokens
     tok_c = jnp.minimum(tok, num_tokens - 1)
@@ -57,8 +55,8 @@ def _write_kernel(slots_ref, *refs, planes, num_slots, block_tokens, cols, spare
     slot = jnp.where(ok, slot, num_slots if spare else 0)[:, None]
     c = c0 + jnp.arange(cols, dtype=jnp.int32)[None, :]
     row = tok_c[:, None]
-    for plane, rows_ref in enumerate(rows_refs):
-        plgpu.store(cache_ref.at[plane, slot, c], plgpu.load(rows_ref.at[row, c]), mask=ok[:, None])
+    for plane in range(planes):
+        plgpu.store(cache_ref.at[plane, slot, c], plgpu.load(rows_ref.at[plane, row, c]), mask=ok[:, None])
 
 
 def write_kv(
@@ -95,7 +93,7 @@ def write_kv(
     if key.shape[0] == 0:
         return kv_cache
     num_tokens = key.shape[0]
-    rows = (k_new.reshape(num_tokens, -1), v_new.reshape(num_tokens, -1))  # bitcasts: [T, Hkv * D] each
+    rows = jnp.stack([k_new.reshape(num_tokens, -1), v_new.reshape(num_tokens, -1)])  # [2, T, Hkv * D]
     return _write(
         kv_cache, rows, slot_mapping.astype(jnp.int32), interpret=interpret, block_tokens=block_tokens
     ).reshape(kv_cache.shape)
@@ -118,7 +116,7 @@ def write_latents(
         interpret = jax.default_backend() != "gpu"
     if latents.shape[0] == 0:
         return kv_cache
-    rows = (quantize_to_cache(latents, kv_cache.dtype, _scalar_scale("k_scale", k_scale)),)  # one plane: [T, C + R]
+    rows = quantize_to_cache(latents, kv_cache.dtype, _scalar_scale("k_scale", k_scale))[None]  # [1, T, C + R]
     return _write(
         kv_cache[None], rows, slot_mapping.astype(jnp.int32), interpret=interpret, block_tokens=block_tokens
     ).reshape(kv_cache.shape)
@@ -126,26 +124,25 @@ def write_latents(
 
 @functools.partial(jax.jit, static_argnames=("interpret", "block_tokens"))
 def _write(kv_cache, rows, slots, *, interpret, block_tokens):
-    """[planes, num_slots, width]: ``rows[p]`` (``rows``: a tuple of f[T, width], one per plane) stored
-    into plane p at ``slots``."""
-    planes, (num_tokens, width) = len(rows), rows[0].shape
+    """[planes, num_slots, width]: ``rows[p]`` (``rows`` f[planes, T, width]) stored into plane p at ``slots``."""
+    planes, num_tokens, width = rows.shape
     num_slots = kv_cache.shape[1] * kv_cache.shape[2]
     flat = kv_cache.reshape(planes, num_slots, width)
     if interpret:  # a spare row per plane for the interpreter's masked stores
         flat = jnp.concatenate([flat, jnp.zeros((planes, 1, width), flat.dtype)], axis=1)
     cols = _column_block(width)
     kernel = functools.partial(
-        _write_kernel, planes=planes, num_slots=num_slots, block_tokens=block_tokens, cols=cols, spare=interpret
+        _write_kernel, num_slots=num_slots, block_tokens=block_tokens, cols=cols, spare=interpret
     )
     out = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(num_tokens, block_tokens), width // cols),
         out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
-        input_output_aliases={1 + planes: 0},
+        input_output_aliases={2: 0},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="kv_write_gpu",
-    )(slots, *rows, flat)
+    )(slots, rows, flat)
     if interpret:
         out = out[:, :num_slots]
     return out
