@@ -1,21 +1,22 @@
 """``attn-stack serve`` on the embedded SmolLM2-135M-Instruct (the default model): the
-openai client's chat and streamed completions are the engine's own ``generate`` output,
-the chat prompt rendered with the GGUF's chat template.
+openai client's chat and streamed completions are stock transformers' greedy tokens and
+text (the engine's own ``generate`` gives the same tokens: tests/serving/test_engine.py), the
+chat prompt rendered with the GGUF's chat template, transformers' rendering of it token for
+token.
 
-The server loads in its subprocess while this process builds the reference engine
-(same limits and decode steps per call; one request at a time): the server then finds its step
-programs in the session's compilation cache.
+The server loads in its subprocess while this process computes the reference with the
+session's transformers SmolLM2 (no second engine of 30 layers traced and compiled here: the
+server's step programs at its default decode steps per call are the server's own).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from attn_jax.cli import SERVE_NUM_SCHEDULER_STEPS
-from attn_jax.serving import Engine, SamplingParams
 from tests.server.conftest import Server
 
 LIMITS = dict(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=16)
@@ -33,17 +34,36 @@ def server():
     server.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """transformers' greedy completion of one prompt, as the engine reports its own."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]  # EOS included where it ended the completion
+    text: str
+    finish_reason: str
+
+
 @pytest.fixture(scope="module")
-def expected(server, smollm2_gguf):
-    """The reference engine's greedy completions: (chat answer, plain continuation). Built as
-    the server builds its engine (its decode steps per call too), so its step programs are
-    the server's: the server, whose first request comes after, loads them from the session's
-    compilation cache instead of compiling them again."""
-    engine = Engine.from_gguf(smollm2_gguf, **LIMITS, num_scheduler_steps=SERVE_NUM_SCHEDULER_STEPS)
-    greedy = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0)
-    (chat,) = engine.generate([QUESTION], greedy, chat=True)
-    (plain,) = engine.generate([PROMPT], greedy)
-    return chat, plain
+def expected(server, hf_smollm2):
+    """transformers' greedy completions: (chat answer, plain continuation), computed while the
+    server loads. The chat prompt is the GGUF's chat template around one user message with the
+    generation prompt (what the server and ``Engine.encode(chat=True)`` render)."""
+    import torch
+
+    model, tokenizer = hf_smollm2
+    chat_ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True
+    )["input_ids"]
+    out = []
+    for ids in (chat_ids, tokenizer(PROMPT)["input_ids"]):
+        with torch.no_grad():
+            generated = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        new = generated[0, len(ids) :].tolist()
+        stopped = new[-1] == tokenizer.eos_token_id
+        text = tokenizer.decode(new[:-1] if stopped else new, skip_special_tokens=True)
+        out.append(Reference(list(ids), new, text, "stop" if stopped else "length"))
+    return tuple(out)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +71,7 @@ def client(server, expected):
     return server.wait_ready().client()
 
 
-def test_chat_matches_engine_generate(client, expected):
+def test_chat_matches_transformers_greedy(client, expected):
     chat, _ = expected
     (model,) = client.models.list().data
     assert model.id == NAME
@@ -63,7 +83,7 @@ def test_chat_matches_engine_generate(client, expected):
     assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(chat.prompt_ids), len(chat.output_ids))
 
 
-def test_streamed_completion_matches_engine_generate(client, expected):
+def test_streamed_completion_matches_transformers_greedy(client, expected):
     _, plain = expected
     stream = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0, stream=True)
     pieces = [c.choices[0].text for c in stream]
