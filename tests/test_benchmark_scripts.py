@@ -36,13 +36,21 @@ def _run(script: pathlib.Path, *args: str, timeout: int = 300) -> subprocess.Com
 
 
 def test_every_script_answers_help_and_writes_nothing():
+    """Each script as ``python SCRIPT --help`` runs it, all in one interpreter
+    (tests/benchmark_help_worker.py: jax and the package imported once, not once a script)."""
     before = _fingerprint()
-    with ThreadPoolExecutor(2) as pool:
-        results = dict(zip(SCRIPTS, pool.map(lambda s: _run(s, "--help"), SCRIPTS), strict=True))
-    for script, result in results.items():
-        assert result.returncode == 0, f"{script.name} --help: {result.stderr[-2000:]}"
-        assert result.stdout.startswith(f"usage: {script.name}"), (
-            f"{script.name} --help printed {result.stdout[:200]!r}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.benchmark_help_worker", *map(str, SCRIPTS)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT "))
+    assert list(results) == list(map(str, SCRIPTS))
+    for script in SCRIPTS:
+        result = results[str(script)]
+        assert result["returncode"] == 0, f"{script.name} --help: {result['stderr']}"
+        assert result["stdout"].startswith(f"usage: {script.name}"), (
+            f"{script.name} --help printed {result['stdout'][:200]!r}"
         )
     assert _fingerprint() == before, "a --help run changed committed results"
 
