@@ -49,7 +49,7 @@ def expected(server, hf_smollm2):
     """transformers' greedy completions: (chat answer, plain continuation), computed while the
     server loads. The chat prompt is the GGUF's chat template around one user message with the
     generation prompt (what the server and ``Engine.encode(chat=True)`` render)."""
-    import torch
+    from tests.serving.hf_reference import hf_greedy  # torch: the test extra's
 
     model, tokenizer = hf_smollm2
     chat_ids = tokenizer.apply_chat_template(
@@ -57,9 +57,7 @@ def expected(server, hf_smollm2):
     )["input_ids"]
     out = []
     for ids in (chat_ids, tokenizer(PROMPT)["input_ids"]):
-        with torch.no_grad():
-            generated = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        new = generated[0, len(ids) :].tolist()
+        new = hf_greedy(model, tokenizer, list(ids), NEW_TOKENS)
         stopped = new[-1] == tokenizer.eos_token_id
         text = tokenizer.decode(new[:-1] if stopped else new, skip_special_tokens=True)
         out.append(Reference(list(ids), new, text, "stop" if stopped else "length"))

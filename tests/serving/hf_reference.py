@@ -24,10 +24,10 @@ LONG_PROMPTS = [
 """Three prompts of 30+ tokens: with 16 new tokens each they need more pages than the tests' cache."""
 
 
-def hf_greedy(model, tokenizer, prompt: str, max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
-    """transformers' greedy continuation of ``prompt`` alone (no padding): up to and
-    including EOS, or exactly ``max_new_tokens`` with ``ignore_eos``."""
-    ids = tokenizer(prompt, return_tensors="pt")
+def hf_greedy(model, tokenizer, prompt: str | list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+    """transformers' greedy continuation of ``prompt`` (text, or token ids as given) alone (no
+    padding): up to and including EOS, or exactly ``max_new_tokens`` with ``ignore_eos``."""
+    ids = tokenizer(prompt, return_tensors="pt") if isinstance(prompt, str) else {"input_ids": torch.tensor([prompt])}
     eos = dict(eos_token_id=None, pad_token_id=tokenizer.pad_token_id) if ignore_eos else {}
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, **eos)
