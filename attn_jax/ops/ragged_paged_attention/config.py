@@ -169,9 +169,12 @@ def load_tuned_table(name: str) -> dict[str, Any]:
     return table
 
 
-def tuned_tables(prefix: str) -> list[str]:
-    """Names of the tables whose file name starts with ``prefix`` (e.g. "gpu_")."""
-    return sorted(p.stem for p in TUNED_DIR.glob(f"{prefix}*.json"))
+@functools.cache
+def tuned_tables(prefix: str) -> tuple[str, ...]:
+    """Names of the tables whose file name starts with ``prefix`` (e.g. "gpu_"), listed once per
+    process as ``load_tuned_table`` reads each once (every serving step's metadata looks its
+    device's table up, so no step touches the file system)."""
+    return tuple(sorted(p.stem for p in TUNED_DIR.glob(f"{prefix}*.json")))
 
 
 def tuned_table_for(prefix: str, device_kind: str | None) -> dict[str, Any] | None:
