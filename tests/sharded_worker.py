@@ -22,7 +22,7 @@ from attn_jax.models.llama import LlamaConfig, LlamaModel, init_params  # noqa: 
 from attn_jax.registry import AttentionBackendEnum  # noqa: E402
 from attn_jax.serving import Engine, SamplingParams  # noqa: E402
 from attn_jax.sharding import describe_mesh, local_model_kwargs, make_mesh  # noqa: E402
-from attn_jax.testing.engine_probes import record_step_call  # noqa: E402
+from attn_jax.testing.engine_probes import count_backend_compiles, record_step_call  # noqa: E402
 
 
 class Collect(logging.Handler):
@@ -63,7 +63,7 @@ def tiny() -> dict:
     )  # fmt: skip
     params = init_params(config, seed=3)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 40, 9, 17, 3)]
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 40, 9, 17, 3, 1, 30, 2)]
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
     out = {"single": [c.output_ids for c in small_engine(LlamaModel(config), params).generate(prompts, sp)]}
     for data, model_axis in ((2, 2),):
@@ -83,6 +83,7 @@ def tiny() -> dict:
         out[f"{data}x{model_axis}_multistep"] = [c.output_ids for c in engine.generate(prompts, sp)]
         out[f"{data}x{model_axis}_multistep_continued"] = sum(c is not None and c.num_steps == 4 for c in continued)
         out[f"{data}x{model_axis}_multistep_calls"] = sorted({s.num_steps for s in engine.stats})
+        out["warmup"] = warm_then_serve(engine, prompts, sp)
     # Prompt and sampled log-probabilities on the mesh (the 40-token prompt in two chunks) and on one device.
     scored = SamplingParams(max_new_tokens=2, ignore_eos=True, logprobs=2, prompt_logprobs=3)
     for name, scoring in (("single", small_engine(LlamaModel(config), params)), ("mesh", engine)):
@@ -90,6 +91,22 @@ def tiny() -> dict:
             [c.output_ids, c.logprobs, c.prompt_logprobs] for c in scoring.generate(prompts[:3], scored)
         ]
     return out
+
+
+def warm_then_serve(engine: Engine, prompts: list[list[int]], sp: SamplingParams) -> dict:
+    """``Engine.warmup`` on an engine that has served ``prompts`` (its pages hold their cached
+    prefixes; the warm-up's scratch page is page 0 of each data shard), then ``prompts`` again
+    and batches of 1 to 3 of them: the shapes warmed, the XLA compilations and step traces
+    after the warm-up, and the tokens served after it."""
+    report = engine.warmup()
+    traces = engine.num_compilations
+    with count_backend_compiles() as compiles:
+        tokens = [c.output_ids for c in engine.generate(prompts, sp)]
+        for batch in ([prompts[1]], prompts[:3], prompts[5:]):
+            engine.generate(batch, sp)
+    return dict(
+        shapes=report.num_shapes, compiles=len(compiles), traces=engine.num_compilations - traces, tokens=tokens
+    )
 
 
 def collectives(engine: Engine, prompts: list[list[int]]) -> dict[str, int]:

@@ -56,6 +56,16 @@ def test_multi_step_decoding_on_a_mesh_matches_one_device(sharded):
     assert tiny["2x2_multistep"] == tiny["single"]
 
 
+def test_warm_up_on_a_mesh_compiles_every_program_traffic_meets(sharded):
+    """``Engine.warmup`` on the 2 x 2 mesh's 4-step engine after it served (its cached
+    prefixes hold pages; the warm-up's scratch page is page 0 of each data shard): then
+    prompts of 1 to 40 tokens in batches of 1 to 8 compile and trace nothing, and their
+    tokens are one device's."""
+    warmup = sharded["tiny"]["warmup"]
+    assert warmup["shapes"] > 0 and warmup["compiles"] == 0 and warmup["traces"] == 0, warmup
+    assert warmup["tokens"] == sharded["tiny"]["single"]
+
+
 def test_log_probabilities_on_a_mesh_match_one_device(sharded):
     """Sampled and prompt log-probabilities (``logprobs``, ``prompt_logprobs``; a prompt in
     two chunks) gathered from the data shards of a 2 x 2 mesh: one device's, to float32

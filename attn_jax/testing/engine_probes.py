@@ -4,11 +4,36 @@ Example::
 
     jit_step, args = record_step_call(engine, lambda: engine.generate(prompts, params))
     hlo = jit_step.lower(*args).compile().as_text()      # the step the engine ran last
+    with count_backend_compiles() as compiles:
+        engine.generate(prompts, params)
+    assert compiles == []                                 # every program was warmed
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+
+import jax
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
+
+
+@contextlib.contextmanager
+def count_backend_compiles() -> Iterator[list[float]]:
+    """Collects the duration (s) of every XLA compilation inside (jitted or eager, any
+    function, any thread) into the list it yields."""
+    events: list[float] = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            events.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def record_step_call(engine, run: Callable[[], object]) -> tuple[Callable, tuple]:

@@ -17,6 +17,7 @@ from attn_jax.metadata import MetadataBuckets, build_common_attn_metadata  # noq
 from attn_jax.models.deepseek import DeepSeekConfig, DeepSeekModel, params_from_hf  # noqa: E402
 from attn_jax.models.hf_checkpoint import deepseek_config  # noqa: E402
 from attn_jax.serving import Engine, SamplingParams  # noqa: E402
+from attn_jax.testing.engine_probes import count_backend_compiles  # noqa: E402
 from tests.models.test_hf_checkpoint import (  # noqa: E402
     PROMPT,
     VOCAB,
@@ -186,25 +187,15 @@ def test_engine_with_pallas_mla_gpu_kernels_gives_transformers_tokens():
 def test_engine_warmup_compiles_every_shape_of_the_mla_model(models):
     """``Engine.warmup`` on a second model family (MLA caches): nothing compiles after it,
     and the tokens are still transformers'."""
-    import jax
 
     model, params, want = models
     engine = Engine(  # one slot, 8-token steps: 11 programs (2 x 16: 38), the 9-token prompt in two chunks
         model, params, max_num_seqs=1, max_num_batched_tokens=8, max_model_len=64, num_blocks=8, num_scheduler_steps=1
     )
     report = engine.warmup()
-    compiles = []
-
-    def listener(event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with count_backend_compiles() as compiles:
         outputs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
         engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=20, ignore_eos=True))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert report.num_shapes > 0 and compiles == []
     assert [c.output_ids for c in outputs] == want
 

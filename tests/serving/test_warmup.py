@@ -5,13 +5,7 @@ give the tokens an engine that never warmed up gives."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
 import types
 
 import jax
@@ -22,27 +16,11 @@ from attn_jax.registry import AttentionBackendEnum
 from attn_jax.serving import SamplingParams, warmup
 from attn_jax.serving.model_runner import ModelRunner
 from attn_jax.serving.warmup import _dummy_batch, candidate_calls, decode_step_counts, query_len_patterns
+from attn_jax.testing.engine_probes import count_backend_compiles
 from attn_jax.testing.models import tiny_random_engine
 
 # 16-token steps, 1 / 2 requests, 4 pages of 16: few shapes, so the warm-up takes seconds on 2 cores.
 LIMITS = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_scheduler_steps=4)
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax._src.dispatch.BACKEND_COMPILE_EVENT
-
-
-@contextlib.contextmanager
-def count_backend_compiles():
-    """Counts every XLA compilation inside (jitted or eager, any function)."""
-    events = []
-
-    def listener(event: str, duration: float, **kwargs) -> None:
-        if event == BACKEND_COMPILE_EVENT:
-            events.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield events
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.fixture(scope="module")
@@ -213,24 +191,6 @@ def test_patterns_cover_every_bucket_pair():
     assert pairs == want
     assert all(sum(p) <= 64 and len(p) <= 8 and min(p) >= 1 for p in patterns)
     assert decode_step_counts(4, 256, 8) == [4] and decode_step_counts(100, 256, 8) == [8, 16, 32, 64, 100]
-
-
-@pytest.mark.slow
-def test_sharded_engine_warmup_compiles_everything():
-    """A 2 x 2 mesh (data x model) on 4 forced CPU devices, in a subprocess (about a minute on 2 cores)."""
-    root = pathlib.Path(__file__).resolve().parents[2]
-    env = os.environ | {
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.serving.sharded_warmup_worker"], cwd=root, env=env, capture_output=True,
-        text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert out["shapes"] > 0 and out["compiles"] == 0 and out["traces"] == 0, out
-    assert out["same"] and out["before_warmup_same"], out
 
 
 def test_the_warm_up_meets_a_mixed_batch_of_a_small_token_bucket():
