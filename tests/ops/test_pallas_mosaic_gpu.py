@@ -20,7 +20,13 @@ import pytest
 from attn_jax.backends import pallas_gpu as pallas_gpu_backend
 from attn_jax.kv_cache import write_to_kv_cache
 from attn_jax.ops.ragged_paged_attention import kv_write, pallas_mosaic_gpu, pallas_triton
-from attn_jax.ops.ragged_paged_attention.config import GpuBlockSizes, MgpuBlockSizes, mgpu_prefill_available
+from attn_jax.ops.ragged_paged_attention.config import (
+    MOSAIC_GPU_SMEM_BYTES,
+    GpuBlockSizes,
+    MgpuBlockSizes,
+    mgpu_block_sizes,
+    mgpu_prefill_available,
+)
 from attn_jax.testing.workloads import make_ragged_batch
 from tests.ops.ragged_checks import check, make_options, read_back
 from tests.oracle import attention_oracle
@@ -258,6 +264,28 @@ def test_kernel_lowers_for_cuda_at_every_head_size(head_size, cache_dtype):
     assert pallas_mosaic_gpu.swizzle_bytes(head_size * 2) == swizzle
 
 
+@pytest.mark.parametrize(("head_size", "cache_dtype", "copies"), [(128, jnp.bfloat16, 0), (128, "fp8", 0),
+                                                                 (256, jnp.bfloat16, 1)])  # fmt: skip
+def test_a_token_count_not_a_multiple_of_8_is_staged_where_it_fits(head_size, cache_dtype, copies):
+    """837 tokens: Mosaic GPU's tiled TMA view wants whole 8-row tiles, so q and out go through
+    an untiled shared-memory buffer (no pad of q, no slice of out) where it fits beside the K/V
+    ring (head 128, FP8 attention's e4m3 tiles too), and q is padded where it does not (head
+    256: the buffer would need ``smem_bytes(staged=True)`` over Hopper's budget)."""
+    sds, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    fp8 = cache_dtype == "fp8"
+    cache_dtype = jnp.float8_e4m3fn if fp8 else cache_dtype
+    tiles = pallas_mosaic_gpu.max_num_tiles(837, 2, TILE)
+    smem = mgpu_block_sizes(head_size=head_size).smem_bytes(head_size, bf16, cache_dtype, staged=True)
+    assert (smem <= MOSAIC_GPU_SMEM_BYTES) == (copies == 0)
+    shapes = (sds((837, 8, head_size), bf16), sds((2, 64, 16, 2, head_size), cache_dtype), sds((4, tiles), jnp.int32),
+              sds((2, 32), jnp.int32))  # fmt: skip
+    scales = dict(k_scale=jnp.float32(0.5), v_scale=jnp.float32(0.25), q_scale=jnp.float32(0.125)) if fp8 else {}
+    f = functools.partial(pallas_mosaic_gpu.prefill_attention, sm_scale=head_size**-0.5, **scales)
+    module = jax.export.export(jax.jit(f), platforms=["cuda"])(*shapes).mlir_module()
+    assert "mosaic_gpu" in module
+    assert module.count("stablehlo.pad") == copies and module.count("stablehlo.slice") == copies
+
+
 def test_split_key_lowers_for_cuda_and_bad_parts_are_named():
     """Keys held as two parts (MLA: ``k_nope`` per head, ``k_pe`` shared) lower as two wgmmas
     over q's column halves; a part or a q of the wrong width is refused naming the shapes."""
@@ -431,9 +459,22 @@ def test_mgpu_alone_matches_oracle_compiled():
 @needs_hopper
 @pytest.mark.parametrize("name", list(GPU_CASES))
 def test_mgpu_split_matches_oracle_compiled(name):
+    _check_split(name, num_tokens=880)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("name", ["gqa4_head128_page16", "gqa2_head256_page64"])
+def test_mgpu_split_of_a_token_count_not_a_multiple_of_8_matches_oracle_compiled(name):
+    """837 token rows: at head 128 q and out go through the kernel's untiled buffer (no copy
+    of either), at head 256 q is padded (that buffer does not fit beside its K/V ring)."""
+    _check_split(name, num_tokens=837)
+
+
+def _check_split(name, num_tokens):
     kwargs, mbs = GPU_CASES[name]
     kwargs = {"dtype": jnp.bfloat16, **kwargs}
-    batch = make_ragged_batch(0, **_LENS, **kwargs, num_tokens=880, num_padding_requests=1, extra_blocks=3)
+    batch = make_ragged_batch(0, **_LENS, **kwargs, num_tokens=num_tokens, num_padding_requests=1, extra_blocks=3)
     bs = GpuBlockSizes(block_q=16, pages_per_tile=max(64 // kwargs["block_size"], 1))
     mgpu_bs = pallas_mosaic_gpu.MgpuBlockSizes(*mbs)
     mgpu, rest = _split(batch, block_q=16, tile=mgpu_bs.tile)

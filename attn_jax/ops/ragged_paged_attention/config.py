@@ -383,12 +383,15 @@ class MgpuBlockSizes:
     def tile(self) -> int:
         return 2 * self.block_q
 
-    def smem_bytes(self, head_size: int, dtype, cache_dtype=None, v_head_size: int | None = None) -> int:
+    def smem_bytes(
+        self, head_size: int, dtype, cache_dtype=None, v_head_size: int | None = None, staged: bool = False
+    ) -> int:
         """Shared memory of one CTA (bytes): two q/out tiles and the K and V rings, plus 4 KiB for
         barriers and alignment (Mosaic GPU asked for 2.1-3.2 KiB over the buffers); with a
         1-byte ``cache_dtype`` (FP8 attention) also each warpgroup's e4m3 q tile and a ring of
         float16 V blocks. ``v_head_size`` (V narrower than q/k: MLA) adds the output tiles the
-        q tiles then cannot hold."""
+        q tiles then cannot hold; ``staged`` the untiled q/out tiles of a token count that is
+        not a multiple of 8."""
         itemsize = np.dtype(dtype).itemsize
         cache_itemsize = np.dtype(cache_dtype or dtype).itemsize
         dv = v_head_size or head_size
@@ -396,6 +399,8 @@ class MgpuBlockSizes:
         total = 2 * self.block_q * head_size * itemsize + ring + 4096
         if dv != head_size:
             total += 2 * self.block_q * dv * itemsize
+        if staged:
+            total += 2 * self.block_q * head_size * itemsize
         if cache_itemsize == 1:
             total += 2 * self.block_q * head_size + self.steps_in_flight * self.block_kv * head_size * 2
         return total

@@ -17,7 +17,11 @@ Structure (JAX's ``attention_mgpu.py``, FlashAttention-3 style, adapted to pages
   last tile of the span is shifted back to end at the span's end (it overlaps the tile
   before it, and both write identical rows), so every row of every tile is a real row
   and the output stores are whole TMA tiles. The few rows outside the span, and the
-  requests too short to fill a tile, are the Triton kernel's.
+  requests too short to fill a tile, are the Triton kernel's. A TMA into the tiled
+  buffers views the whole array in 8-row tiles, so for a token count that is not a
+  multiple of 8 each warpgroup takes its q rows through an untiled buffer (copied into
+  the tiled one in registers) and stores its output rows from it, with no pad of q
+  and no slice of out (q is padded where that buffer does not fit beside the ring).
 - Three warpgroups: two compute warpgroups (``block_q`` rows each; QK^T and PV on
   ``wgmma``, online softmax in registers with exp2, ping-ponged by a schedule barrier so
   one warpgroup's softmax overlaps the other's matmuls) and one memory warpgroup that
@@ -206,7 +210,7 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_r
     pv_dtype = jnp.float16 if fp8 else dtype
     pages_per_req = bt_ref.shape[1]
     (
-        (q_smem2, o_smem2, k_smem, v_smem, lse_smem2, q8_smem2, vb_smem, krope_smem),
+        (q_smem2, o_smem2, k_smem, v_smem, lse_smem2, q8_smem2, vb_smem, krope_smem, stage_smem2),
         (k_bars, v_bars, q_bars),
         consumed,
         sched_bar,
@@ -257,8 +261,15 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_r
         q_pos0 = pos0 + row0  # position of this warpgroup's first row
         kv_steps = lax.div(q_pos0 + block_q + block_kv - 1, jnp.int32(block_kv))
         full_steps = lax.div(q_pos0, jnp.int32(block_kv))
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tok0 + row0, block_q), q_head], qo_smem, q_bars.at[wg])
-        plgpu.barrier_wait(q_bars.at[wg])
+        q_rows = q_ref.at[pl.ds(tok0 + row0, block_q), q_head]
+        if stage_smem2 is None:
+            plgpu.copy_gmem_to_smem(q_rows, qo_smem, q_bars.at[wg])
+            plgpu.barrier_wait(q_bars.at[wg])
+        else:  # q's token count is not a multiple of 8: through the untiled buffer into the tiled one
+            plgpu.copy_gmem_to_smem(q_rows, stage_smem2.at[wg], q_bars.at[wg])
+            plgpu.barrier_wait(q_bars.at[wg])
+            qo_smem[...] = plgpu.load(stage_smem2.at[wg], layout=plgpu.Layout.WGMMA, optimized=False)
+            plgpu.commit_smem()
         scale = sm_scale * math.log2(math.e)  # exp(x * s) = exp2(x * s * log2 e)
         q_operand, out_scale = qo_smem, None
         if fp8:  # q / q_scale, saturated to e4m3's finite range (cvt.satfinite), as quantize_fp8
@@ -356,6 +367,8 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_r
         if fp8:
             acc *= out_scale
         o_smem = qo_smem if o_smem2 is None else o_smem2.at[wg]
+        if stage_smem2 is not None:
+            o_smem = stage_smem2.at[wg]
         o_smem[...] = acc.astype(dtype)
         if lse_ref is not None:  # natural log: m_i is log2-scaled, exp2(m_i) = exp(m_i * ln 2)
             lse_smem2.at[wg][...] = m_i * math.log(2.0) + jnp.log(l_i)
@@ -513,11 +526,18 @@ def _launch(q, k, k_rope, v, schedule, block_tables, scales, *, page_size, v_row
     chunks = bs.block_kv // min(page_size, bs.block_kv)
     num_tiles = schedule.shape[1]
     rope = k_rope is not None
-    # A TMA over q and out wants whole 8-row tiles of tokens: Mosaic GPU refuses a token count
-    # that is not a multiple of 8 ("dimension 1 must have size smaller or a multiple of its
-    # tiling 8"), so q is padded (a copy; the engine's token buckets need none).
+    # A TMA between GMEM and a tiled shared-memory buffer views the whole array in 8-row tiles:
+    # Mosaic GPU refuses a token count that is not a multiple of 8 ("dimension 1 must have size
+    # smaller or a multiple of its tiling 8"). Such a q and out go through an untiled buffer
+    # instead (``stage``: one shared-memory round trip per tile, no copy of q or out in HBM);
+    # q is padded (a copy) only where that buffer does not fit, q and out differ in width, or
+    # the LSE is returned. The engine's token buckets need neither.
     pad = -num_tokens % 8
-    if pad:
+    stage = (
+        bool(pad) and dv == head_dim and not return_lse
+        and bs.smem_bytes(head_dim, q.dtype, k.dtype, staged=True) <= MOSAIC_GPU_SMEM_BYTES
+    )  # fmt: skip
+    if pad and not stage:
         q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
     fp8 = scales is not None
     transforms = smem_transforms(head_dim, q.dtype)
@@ -544,6 +564,7 @@ def _launch(q, k, k_rope, v, schedule, block_tables, scales, *, page_size, v_row
             plgpu.SMEM((*ring, k_rope.shape[-1]), k_rope.dtype, transforms=smem_transforms(k_rope.shape[-1], k.dtype))
             if rope
             else None,
+            plgpu.SMEM((2, bs.block_q, head_dim), q.dtype) if stage else None,
         )
         body = functools.partial(
             _kernel, sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_ref, lse_ref, bs=bs,
