@@ -57,10 +57,10 @@ def test_multi_step_decoding_on_a_mesh_matches_one_device(sharded):
 
 
 def test_warm_up_on_a_mesh_compiles_every_program_traffic_meets(sharded):
-    """``Engine.warmup`` on the 2 x 2 mesh's 4-step engine after it served (its cached
-    prefixes hold pages; the warm-up's scratch page is page 0 of each data shard): then
-    prompts of 1 to 40 tokens in batches of 1 to 8 compile and trace nothing, and their
-    tokens are one device's."""
+    """``Engine.warmup`` on a new 2 x 2 4-step engine (the default buckets) after it served a
+    17-token prompt (its cached page held; the warm-up's scratch page is page 0 of each data
+    shard): then prompts of 1 to 40 tokens in batches of 1 to 8, which without the warm-up
+    compile a program more, compile and trace nothing, and their tokens are one device's."""
     warmup = sharded["tiny"]["warmup"]
     assert warmup["shapes"] > 0 and warmup["compiles"] == 0 and warmup["traces"] == 0, warmup
     assert warmup["tokens"] == sharded["tiny"]["single"]

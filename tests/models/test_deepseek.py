@@ -187,7 +187,6 @@ def test_engine_with_pallas_mla_gpu_kernels_gives_transformers_tokens():
 def test_engine_warmup_compiles_every_shape_of_the_mla_model(models):
     """``Engine.warmup`` on a second model family (MLA caches): nothing compiles after it,
     and the tokens are still transformers'."""
-
     model, params, want = models
     engine = Engine(  # one slot, 8-token steps: 11 programs (2 x 16: 38), the 9-token prompt in two chunks
         model, params, max_num_seqs=1, max_num_batched_tokens=8, max_model_len=64, num_blocks=8, num_scheduler_steps=1
