@@ -107,6 +107,11 @@ def main(argv=None):
     p.add_argument("--only", default="", help="diag: only the NaN / error diagnosis")
     p.add_argument("--skip", default="", help="comma list of: checks, peer, write")
     p.add_argument("--p1-head-sizes", default="128", help="head sizes of the P1 block sweep (default 128)")
+    p.add_argument(
+        "--p1-block-sizes",
+        default="64x128x2,64x64x2,64x64x3,64x64x4,64x128x3",
+        help="the P1 sweep's Mosaic GPU block sizes, block_q x block_kv x steps_in_flight (default: five)",
+    )
     args = p.parse_args(argv)
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
            "checks": [], "p1": [], "write": []}  # fmt: skip
@@ -147,7 +152,7 @@ def main(argv=None):
         b = make_device_batch(dataclasses.replace(WORKLOADS["P1"], head_size=head))
         _, flops = floors(b)
         qsl, seq = np.asarray(b.query_start_loc), np.asarray(b.seq_lens)
-        for bs in (B(64, 128, 2), B(64, 64, 2), B(64, 64, 3), B(64, 64, 4), B(64, 128, 3)):
+        for bs in (B(*map(int, c.split("x"))) for c in args.p1_block_sizes.split(",") if c):
             if bs.smem_bytes(head, b.q.dtype) > MOSAIC_GPU_SMEM_BYTES:
                 continue
             sched = jnp.asarray(
