@@ -130,6 +130,9 @@ def main(argv=None):
         ("d64_p32_kv64", dict(heads=(4, 1), head_size=64, page=32, bs=B(64, 64, 3))),
         ("d128_p64_kv128_mha", dict(heads=(2, 2), head_size=128, page=64, bs=B(64, 128, 2))),
         ("d128_p256_kv128", dict(heads=(4, 2), head_size=128, page=256, bs=B(64, 128, 2))),
+        # A persistent grid: 32 CTAs over 144 and 72 (tile, head) items.
+        ("d128_p16_kv128_persistent", dict(heads=(8, 2), head_size=128, page=16, bs=B(64, 128, 2, 32))),
+        ("d64_p32_kv64_persistent", dict(heads=(4, 1), head_size=64, page=32, bs=B(64, 64, 3, 32))),
     ]
     lens, ctx = [300, 1, 128, 140, 5, 1000], [100, 50, 0, 37, 3, 20]
     if "diag" in args.only:

@@ -10,6 +10,7 @@ kernel alone) and the write kernel in the Pallas interpreter.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -239,6 +240,8 @@ def test_mgpu_block_sizes_come_from_the_tuned_table_and_validate():
         config.mgpu_entry_block_sizes({"head_size": 128, "block_m": 64})
     with pytest.raises(ValueError, match="block_kv=96 must be 64, 128 or 256"):
         pallas_mosaic_gpu.MgpuBlockSizes(block_kv=96)
+    with pytest.raises(ValueError, match="num_ctas=0 must be None or an int >= 1"):
+        pallas_mosaic_gpu.MgpuBlockSizes(num_ctas=0)
 
 
 @pytest.mark.parametrize(
@@ -284,6 +287,33 @@ def test_a_token_count_not_a_multiple_of_8_is_staged_where_it_fits(head_size, ca
     module = jax.export.export(jax.jit(f), platforms=["cuda"])(*shapes).mlir_module()
     assert "mosaic_gpu" in module
     assert module.count("stablehlo.pad") == copies and module.count("stablehlo.slice") == copies
+
+
+@pytest.mark.parametrize(("num_tokens", "head_size"), [(512, 128), (837, 128), (837, 256)])
+def test_persistent_grid_lowers_for_cuda(num_tokens, head_size):
+    """``num_ctas``: a grid of at most that many CTAs, each looping over its (tile, head)
+    items (here 8 heads x 6-8 tiles on 16 CTAs); lowered from the CPU (the numbers are the
+    marked GPU cases')."""
+    sds = jax.ShapeDtypeStruct
+    bs = dataclasses.replace(mgpu_block_sizes(head_size=head_size), num_ctas=16)
+    tiles = pallas_mosaic_gpu.max_num_tiles(num_tokens, 2, TILE)
+    assert pallas_mosaic_gpu.persistent_ctas(8 * tiles, bs) == 16
+    shapes = (sds((num_tokens, 8, head_size), jnp.bfloat16), sds((2, 64, 16, 2, head_size), jnp.bfloat16),
+              sds((4, tiles), jnp.int32), sds((2, 32), jnp.int32))  # fmt: skip
+    f = functools.partial(pallas_mosaic_gpu.prefill_attention, sm_scale=0.1, block_sizes=bs)
+    assert "mosaic_gpu" in jax.export.export(jax.jit(f), platforms=["cuda"])(*shapes).mlir_module()
+
+
+def test_persistent_grid_only_for_launches_of_few_waves():
+    """M1's chunks on an H200 (32 heads x 32 static tiles: 7.8 waves of 132 CTAs) loop on a
+    persistent grid; P1 (32 x 132 tiles: 32 waves) and block sizes without ``num_ctas`` keep
+    one CTA per (tile, head)."""
+    h200 = mgpu_block_sizes(head_size=128, device_kind="NVIDIA H200")
+    assert h200.num_ctas == 132
+    assert pallas_mosaic_gpu.persistent_ctas(32 * pallas_mosaic_gpu.max_num_tiles(2108, 64, TILE), h200) == 132
+    assert pallas_mosaic_gpu.persistent_ctas(32 * pallas_mosaic_gpu.max_num_tiles(16384, 4, TILE), h200) is None
+    assert pallas_mosaic_gpu.persistent_ctas(40, h200) == 40
+    assert pallas_mosaic_gpu.persistent_ctas(40, pallas_mosaic_gpu.MgpuBlockSizes()) is None
 
 
 def test_split_key_lowers_for_cuda_and_bad_parts_are_named():
@@ -471,13 +501,29 @@ def test_mgpu_split_of_a_token_count_not_a_multiple_of_8_matches_oracle_compiled
     _check_split(name, num_tokens=837)
 
 
-def _check_split(name, num_tokens):
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    ("name", "num_tokens"),
+    [("gqa4_head128_page16", 880), ("gqa4_head128_page16", 837), ("gqa4_head64_page32", 880),
+     ("gqa2_head256_page64", 837), ("gqa4_head192_page16", 880)],
+)  # fmt: skip
+def test_mgpu_persistent_grid_matches_oracle_compiled(name, num_tokens):
+    """Sixteen CTAs looping over every (tile, head), empty tiles among them: the K/V ring,
+    its barriers' phases, the schedule barrier and each warpgroup's q/out buffer run on
+    from one item into the next (of another request, another head, another causal extent)."""
+    _check_split(name, num_tokens=num_tokens, num_ctas=16)
+
+
+def _check_split(name, num_tokens, num_ctas=None):
     kwargs, mbs = GPU_CASES[name]
     kwargs = {"dtype": jnp.bfloat16, **kwargs}
     batch = make_ragged_batch(0, **_LENS, **kwargs, num_tokens=num_tokens, num_padding_requests=1, extra_blocks=3)
     bs = GpuBlockSizes(block_q=16, pages_per_tile=max(64 // kwargs["block_size"], 1))
-    mgpu_bs = pallas_mosaic_gpu.MgpuBlockSizes(*mbs)
+    mgpu_bs = pallas_mosaic_gpu.MgpuBlockSizes(*mbs, num_ctas=num_ctas)
     mgpu, rest = _split(batch, block_q=16, tile=mgpu_bs.tile)
+    items = kwargs["num_q_heads"] * mgpu.shape[1]
+    assert pallas_mosaic_gpu.persistent_ctas(items, mgpu_bs) == num_ctas and (num_ctas is None or items > num_ctas)
     op = functools.partial(pallas_gpu_backend.ragged_paged_attention, block_sizes=bs, mgpu_schedule=mgpu,
                            rest_schedule=rest, mgpu_block_sizes=mgpu_bs)  # fmt: skip
     check(batch, make_options(batch), use_jit=True, op=op)

@@ -364,12 +364,17 @@ class MgpuBlockSizes:
 
     block_q: query rows per compute warpgroup (a CTA's q-tile is ``2 * block_q`` tokens);
     block_kv: keys per K/V block (a multiple of the page size, or a divisor of it);
-    steps_in_flight: K/V blocks in the shared-memory ring (>= 2).
+    steps_in_flight: K/V blocks in the shared-memory ring (>= 2);
+    num_ctas: None launches one CTA per q-tile and query head; an int (the GPU's SM count)
+    launches at most that many, each looping over every ``num_ctas``-th (tile, head) with its
+    K/V ring streaming on into the next one, when the items fill at most
+    ``pallas_mosaic_gpu.PERSISTENT_MAX_WAVES`` waves of them (``persistent_ctas``).
     """
 
     block_q: int = 64
     block_kv: int = 128
     steps_in_flight: int = 2
+    num_ctas: int | None = None
 
     def __post_init__(self):
         if self.block_q != 64:
@@ -378,6 +383,8 @@ class MgpuBlockSizes:
             raise ValueError(f"Mosaic GPU block sizes: block_kv={self.block_kv} must be 64, 128 or 256")
         if not isinstance(self.steps_in_flight, int) or self.steps_in_flight < 2:
             raise ValueError(f"Mosaic GPU block sizes: steps_in_flight={self.steps_in_flight!r} must be >= 2")
+        if self.num_ctas is not None and (not isinstance(self.num_ctas, int) or self.num_ctas < 1):
+            raise ValueError(f"Mosaic GPU block sizes: num_ctas={self.num_ctas!r} must be None or an int >= 1")
 
     @property
     def tile(self) -> int:

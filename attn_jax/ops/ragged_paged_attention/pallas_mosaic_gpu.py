@@ -9,9 +9,12 @@ measured).
 
 Structure (JAX's ``attention_mgpu.py``, FlashAttention-3 style, adapted to pages):
 
-- A CTA is one q-tile of ``2 * block_q`` query tokens of one request, for one query
-  head (``grid = (Hq, num_tiles)``; heads vary fastest, so the ``G`` heads of a KV
-  head run side by side and share K/V pages through L2). Which request, which tokens
+- A work item is one q-tile of ``2 * block_q`` query tokens of one request, for one query
+  head; heads vary fastest, so the ``G`` heads of a KV head run side by side and share
+  K/V pages through L2. A CTA serves one item (``grid = (Hq, num_tiles)``), or, on a
+  persistent grid (``MgpuBlockSizes.num_ctas``, launches of few waves: ``persistent_ctas``),
+  every ``num_ctas``-th item in turn, its K/V ring and barriers running on from one item
+  into the next and empty tiles skipped without a launch. Which request, which tokens
   and which positions is the host schedule ``mgpu_schedule``. A request is served on
   its 8-aligned token span (TMA boxes of q and out rows start on 8-row tiles); the
   last tile of the span is shifted back to end at the span's end (it overlaps the tile
@@ -93,6 +96,7 @@ __all__ = [
     "MgpuBlockSizes",
     "max_num_tiles",
     "mgpu_schedule",
+    "persistent_ctas",
     "prefill_attention",
     "prefill_attention_kv",
     "smem_transforms",
@@ -137,6 +141,22 @@ def unsupported_reason(
     if page_size % 8 or block_sizes.block_kv % chunk or (page_size > block_sizes.block_kv and page_size % chunk):
         return f"page_size={page_size} does not tile block_kv={block_sizes.block_kv} in rows of 8"
     return None
+
+
+PERSISTENT_MAX_WAVES = 8
+"""A launch of at most this many waves of items runs on a persistent grid (``persistent_ctas``)."""
+
+
+def persistent_ctas(num_items: int, bs: MgpuBlockSizes) -> int | None:
+    """CTAs of a persistent launch over ``num_items`` (tile, head) items, or None for one CTA
+    per item: persistent when ``bs.num_ctas`` is set and the items fill at most
+    ``PERSISTENT_MAX_WAVES`` waves of it. Measured on the H200 at head 128 (BENCHMARKS.md,
+    stop 79): M1's chunks (1,024 items, half of them empty tiles) took 93.5 us on 132 looping
+    CTAs against 103.2 us with one CTA each; P1 (4,224 items, 32 waves) was 1-5 % slower
+    looping, so it keeps one CTA per item."""
+    if bs.num_ctas is None or num_items > PERSISTENT_MAX_WAVES * bs.num_ctas:
+        return None
+    return min(bs.num_ctas, num_items)
 
 
 def swizzle_bytes(row_bytes: int) -> int:
@@ -194,21 +214,24 @@ def mgpu_schedule(query_start_loc, seq_lens, *, num_tokens: int, tile: int, xp=j
 
 def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_ref, lse_ref, scoped, *,
             bs: MgpuBlockSizes, page_size: int, group: int, sm_scale: float, v_row0: int,
-            zero_tail: bool = True):  # fmt: skip
-    """One CTA. ``krope_ref`` [N, Dr] or None: the keys' second part, shared by the heads
-    (keys ``[k | krope]``, q as wide as both). ``scales_ref`` f32[3] (k_scale, v_scale,
-    q_scale) or None: FP8 attention, the cache e4m3, q quantised to e4m3 in the kernel
-    (q8_smem), q.k on FP8 wgmma; each V block converted to float16 in a shared-memory ring
-    (vb_smem, exact; Hopper converts e4m3 to f16 only) for p @ v in float16, since FP8
-    wgmma takes no N-major B operand. The two compute
-    warpgroups convert half a 128-key block each, while their q.k wgmma runs, and meet on
-    ``vb_ready`` before p @ v (a 64-key block: each converts it whole)."""
+            num_ctas: int | None, zero_tail: bool = True):  # fmt: skip
+    """One CTA: its work items, each one q-tile of the schedule for one query head (one item
+    per CTA, or with ``num_ctas`` CTAs every ``num_ctas``-th item of the head-fastest order,
+    the K/V ring running on across them). ``krope_ref`` [N, Dr] or None: the keys' second
+    part, shared by the heads (keys ``[k | krope]``, q as wide as both). ``scales_ref``
+    f32[3] (k_scale, v_scale, q_scale) or None: FP8 attention, the cache e4m3, q quantised
+    to e4m3 in the kernel (q8_smem), q.k on FP8 wgmma; each V block converted to float16 in
+    a shared-memory ring (vb_smem, exact; Hopper converts e4m3 to f16 only) for p @ v in
+    float16, since FP8 wgmma takes no N-major B operand. The two compute warpgroups convert
+    half a 128-key block each, while their q.k wgmma runs, and meet on ``vb_ready`` before
+    p @ v (a 64-key block: each converts it whole)."""
     block_q, block_kv, steps = bs.block_q, bs.block_kv, bs.steps_in_flight
     dv = v_ref.shape[-1]  # v/out width (q/k may be wider: MLA)
     dtype = q_ref.dtype
     fp8 = scales_ref is not None
     pv_dtype = jnp.float16 if fp8 else dtype
     pages_per_req = bt_ref.shape[1]
+    num_q_heads = q_ref.shape[1]
     (
         (q_smem2, o_smem2, k_smem, v_smem, lse_smem2, q8_smem2, vb_smem, krope_smem, stage_smem2),
         (k_bars, v_bars, q_bars),
@@ -217,22 +240,43 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_r
     ) = scoped
     dk = k_smem.shape[-1]  # the per-head part of a key
     k_consumed, v_consumed, vb_ready = (*consumed, None)[:3]
-    tile = lax.axis_index("tile")
-    q_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    req = sched_ref[0, tile]
-    tok0 = sched_ref[1, tile]
-    pos0 = sched_ref[2, tile]
-    kv_len = sched_ref[3, tile]
-    valid = kv_len > 0
-    # The memory warpgroup streams every block any row of the tile sees.
-    max_steps = jnp.where(valid, lax.div(pos0 + 2 * block_q + block_kv - 1, jnp.int32(block_kv)), 0)
+    if num_ctas is None:
+        num_items = 1
+
+        def item(_):
+            return lax.axis_index("tile"), lax.axis_index("heads")
+    else:
+        cta = lax.axis_index("cta")
+        num_items = lax.div(jnp.int32(num_q_heads * sched_ref.shape[1] + num_ctas - 1) - cta, jnp.int32(num_ctas))
+
+        def item(i):
+            w = cta + i * num_ctas
+            return lax.div(w, jnp.int32(num_q_heads)), lax.rem(w, jnp.int32(num_q_heads))
+
+    def for_each_item(body):
+        """``body(tile, q_head, g)`` for this CTA's items in order, valid ones only; ``g``
+        counts the K/V blocks streamed before the item (its first block's ring slot)."""
+
+        def one(i, g):
+            tile, q_head = item(i)
+            kv_len = sched_ref[3, tile]
+            pos0 = sched_ref[2, tile]
+            # The memory warpgroup streams every block any row of the tile sees.
+            max_steps = jnp.where(kv_len > 0, lax.div(pos0 + 2 * block_q + block_kv - 1, jnp.int32(block_kv)), 0)
+            pl.when(kv_len > 0)(lambda: body(tile, q_head, g, max_steps))
+            return g + max_steps
+
+        lax.fori_loop(0, num_items, one, jnp.int32(0))
 
     def schedule_sync():
         plgpu.barrier_arrive(sched_bar)
         plgpu.barrier_wait(sched_bar)
 
-    def convert_v(step, slot, masked: bool):
+    def ring_slot(g):
+        return lax.rem(g, jnp.int32(steps))
+
+    def convert_v(step, slot, kv_len, masked: bool):
         """FP8: this warpgroup's share of V block ``step``, e4m3 -> f16 into ``vb_smem``; with
         ``masked``, keys from kv_len on (the last page's tail, unnamed pages: NaN maybe) -> 0."""
         plgpu.barrier_wait(v_bars.at[slot])
@@ -253,15 +297,16 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_r
         plgpu.commit_smem()
         plgpu.barrier_arrive(vb_ready.at[slot])
 
-    @pl.when(valid & (wg < 2))
-    def _compute():
-        plgpu.set_max_registers(232, action="increase")
-        qo_smem = q_smem2.at[wg]  # q, then the output when it is as wide
-        row0 = wg * block_q
+    def _compute_item(tile, q_head, g, max_steps, *, qo_smem, row0):
+        tok0 = sched_ref[1, tile]
+        pos0 = sched_ref[2, tile]
+        kv_len = sched_ref[3, tile]
         q_pos0 = pos0 + row0  # position of this warpgroup's first row
         kv_steps = lax.div(q_pos0 + block_q + block_kv - 1, jnp.int32(block_kv))
         full_steps = lax.div(q_pos0, jnp.int32(block_kv))
         q_rows = q_ref.at[pl.ds(tok0 + row0, block_q), q_head]
+        # The last item's output store reads the buffer q is about to be written into.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         if stage_smem2 is None:
             plgpu.copy_gmem_to_smem(q_rows, qo_smem, q_bars.at[wg])
             plgpu.barrier_wait(q_bars.at[wg])
@@ -282,12 +327,12 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_r
         m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = plgpu.layout_cast(jnp.full((block_q,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = plgpu.layout_cast(jnp.full((block_q, dv), 0, jnp.float32), plgpu.Layout.WGMMA)
-        plgpu.barrier_wait(k_bars.at[0])
+        plgpu.barrier_wait(k_bars.at[ring_slot(g)])
         pl.when(wg == 1)(schedule_sync)
 
         def kv_step(step, carry, masked: bool):
             acc, m_i, l_i = carry
-            slot = lax.rem(step, jnp.int32(steps))
+            slot = ring_slot(g + step)
 
             def qk_scope(acc_ref):
                 if krope_ref is None:
@@ -297,7 +342,7 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_r
                     dr = krope_smem.shape[-1]
                     plgpu.wgmma(acc_ref, q_operand.at[:, pl.ds(dk, dr)], krope_smem.at[slot].transpose((1, 0)))
                 if fp8:  # under the q.k wgmma, before the sync the other warpgroup's p @ v waits behind
-                    convert_v(step, slot, masked)
+                    convert_v(step, slot, kv_len, masked)
                 schedule_sync()
                 return acc_ref[...]
 
@@ -343,16 +388,21 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_r
 
                 @pl.when(nxt < kv_steps)
                 def _():
-                    plgpu.barrier_wait(k_bars.at[lax.rem(nxt, jnp.int32(steps))])
+                    plgpu.barrier_wait(k_bars.at[ring_slot(g + nxt)])
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_consumed.at[slot])
             return acc, m_i, l_i
 
         def drain(step, _):  # blocks the other warpgroup needs: release them here too
-            slot = lax.rem(step, jnp.int32(steps))
+            slot = ring_slot(g + step)
+            # Waited though unused: each wait flips this thread's phase bit of the barrier,
+            # which the next item's waits on the same slot rely on.
+            plgpu.barrier_wait(k_bars.at[slot])
             if fp8:  # the other warpgroup's p @ v needs this one's share of the block
-                convert_v(step, slot, masked=True)
+                convert_v(step, slot, kv_len, masked=True)
+            else:
+                plgpu.barrier_wait(v_bars.at[slot])
             plgpu.barrier_arrive(k_consumed.at[slot])
             plgpu.barrier_arrive(v_consumed.at[slot])
             schedule_sync()
@@ -376,15 +426,21 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_r
         plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(tok0 + row0, block_q), q_head])
         if lse_ref is not None:
             plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[q_head, pl.ds(tok0 + row0, block_q)])
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        qo_smem = q_smem2.at[wg]  # q, then the output when it is as wide
+        row0 = wg * block_q
+        for_each_item(functools.partial(_compute_item, qo_smem=qo_smem, row0=row0))
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(valid & (wg == 2))
+    @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        kv_head = lax.div(q_head, jnp.int32(group))
         chunk = min(page_size, block_kv)
 
-        def fetch(step, slot, plane, smem, bars):
+        def fetch(req, kv_head, step, slot, plane, smem, bars):
             for c in range(block_kv // chunk):
                 key0 = step * block_kv + c * chunk
                 page = bt_ref[req, jnp.minimum(lax.div(key0, jnp.int32(page_size)), pages_per_req - 1)]
@@ -399,21 +455,21 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_r
                         krope_ref.at[pl.ds(row, chunk)], krope_smem.at[slot, pl.ds(c * chunk, chunk)], bars.at[slot]
                     )
 
-        for i in range(steps):
+        def stream(tile, q_head, g, max_steps):
+            req = sched_ref[0, tile]
+            kv_head = lax.div(q_head, jnp.int32(group))
 
-            @pl.when(i < max_steps)
-            def _(i=i):
-                fetch(i, i, 0, k_smem, k_bars)
-                fetch(i, i, 1, v_smem, v_bars)
+            @pl.loop(0, max_steps)
+            def _(step):
+                slot = ring_slot(g + step)
+                refill = g + step >= steps  # the slot held an earlier block: wait until both warpgroups are done
 
-        @pl.loop(0, jnp.maximum(max_steps - steps, 0))
-        def _(s):
-            step = s + steps
-            slot = lax.rem(s, jnp.int32(steps))
-            plgpu.barrier_wait(k_consumed.at[slot])
-            fetch(step, slot, 0, k_smem, k_bars)
-            plgpu.barrier_wait(v_consumed.at[slot])
-            fetch(step, slot, 1, v_smem, v_bars)
+                pl.when(refill)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
+                fetch(req, kv_head, step, slot, 0, k_smem, k_bars)
+                pl.when(refill)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
+                fetch(req, kv_head, step, slot, 1, v_smem, v_bars)
+
+        for_each_item(stream)
 
 
 def prefill_attention(
@@ -542,6 +598,12 @@ def _launch(q, k, k_rope, v, schedule, block_tables, scales, *, page_size, v_row
     fp8 = scales is not None
     transforms = smem_transforms(head_dim, q.dtype)
     ring = (bs.steps_in_flight, bs.block_kv)
+    # FP8 attention and the LSE keep one CTA per item: their persistent launches were not run on a GPU.
+    num_ctas = None if fp8 or return_lse else persistent_ctas(num_q_heads * num_tiles, bs)
+    if num_ctas is None:  # one CTA per q-tile and query head
+        grid, grid_names = (num_q_heads, num_tiles), ("heads", "tile")
+    else:  # persistent: each CTA loops over every num_ctas-th (tile, head)
+        grid, grid_names = (num_ctas,), ("cta",)
 
     def entry(sched_ref, bt_ref, q_ref, k_ref, *refs):
         krope_ref, refs = (refs[0], refs[1:]) if rope else (None, refs)
@@ -569,7 +631,8 @@ def _launch(q, k, k_rope, v, schedule, block_tables, scales, *, page_size, v_row
         body = functools.partial(
             _kernel, sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_ref, lse_ref, bs=bs,
             page_size=page_size,
-            group=num_q_heads // num_kv_heads, sm_scale=sm_scale, v_row0=v_row0, zero_tail=zero_tail,
+            group=num_q_heads // num_kv_heads, sm_scale=sm_scale, v_row0=v_row0, num_ctas=num_ctas,
+            zero_tail=zero_tail,
         )  # fmt: skip
         pl.run_scoped(
             lambda *args: body(args),
@@ -590,8 +653,8 @@ def _launch(q, k, k_rope, v, schedule, block_tables, scales, *, page_size, v_row
     out = plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(num_q_heads, num_tiles),
-        grid_names=("heads", "tile"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
