@@ -396,13 +396,14 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_r
 
         def drain(step, _):  # blocks the other warpgroup needs: release them here too
             slot = ring_slot(g + step)
-            # Waited though unused: each wait flips this thread's phase bit of the barrier,
-            # which the next item's waits on the same slot rely on.
-            plgpu.barrier_wait(k_bars.at[slot])
+            if num_ctas is not None:
+                # Waited though unused: each wait flips this thread's phase bit of the barrier,
+                # which the next item's waits on the same slot rely on.
+                plgpu.barrier_wait(k_bars.at[slot])
+                if not fp8:
+                    plgpu.barrier_wait(v_bars.at[slot])
             if fp8:  # the other warpgroup's p @ v needs this one's share of the block
                 convert_v(step, slot, kv_len, masked=True)
-            else:
-                plgpu.barrier_wait(v_bars.at[slot])
             plgpu.barrier_arrive(k_consumed.at[slot])
             plgpu.barrier_arrive(v_consumed.at[slot])
             schedule_sync()
