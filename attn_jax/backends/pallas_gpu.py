@@ -739,13 +739,20 @@ class PallasGPUAttentionBackend(XLAAttentionBackend):
             head_size=head_size, page_size=block_size, dtype=dtype, cache_dtype=cache_dtype, causal=causal,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
             alibi_slopes=True if has_alibi else None, sinks=True if has_sink else None,
-            block_sizes=mgpu_block_sizes(head_size=head_size, device_kind=device_kind), query_quant=query_quant,
+            block_sizes=(mgpu_bs := mgpu_block_sizes(head_size=head_size, device_kind=device_kind)),
+            query_quant=query_quant,
         )  # fmt: skip
         tile = MgpuBlockSizes().tile
         if reason is None:
+            grid = (
+                f"; launches of at most {pallas_mosaic_gpu.PERSISTENT_MAX_WAVES} waves of (tile, head) items on a "
+                f"persistent grid of {mgpu_bs.num_ctas} CTAs"
+                if mgpu_bs.num_ctas is not None and not query_quant
+                else ""
+            )
             lines.append(
                 f"prefill batches: requests with >= {tile} 8-aligned new tokens on the Mosaic GPU kernel "
-                "(pallas_mosaic_gpu: TMA per page, wgmma), the other rows on the Triton kernel"
+                f"(pallas_mosaic_gpu: TMA per page, wgmma{grid}), the other rows on the Triton kernel"
             )
         else:
             lines.append(f"prefill batches: the Triton kernel ({reason})")

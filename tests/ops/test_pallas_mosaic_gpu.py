@@ -353,6 +353,8 @@ def test_kernel_plan_names_the_kernel_per_batch_kind(monkeypatch):
     assert "num_warps=4, num_stages=3" in next(line for line in plan if line.startswith("mixed batches' decodes"))
     assert "no sinks" in B.kernel_plan(128, jnp.bfloat16, jnp.bfloat16, 16, h100, has_sink=True)[-1]
     assert "needs Hopper" in B.kernel_plan(128, jnp.bfloat16, jnp.bfloat16, 16, "NVIDIA A100-SXM4-80GB")[-1]
+    assert "persistent" not in plan[-1]  # the H100 table sets no num_ctas
+    assert "on a persistent grid of 132 CTAs" in B.kernel_plan(128, jnp.bfloat16, jnp.bfloat16, 16, "NVIDIA H200")[-1]
 
 
 def test_mgpu_split_leaves_no_rest_when_every_row_is_served():
