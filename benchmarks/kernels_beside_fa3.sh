@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Issue 49's kernel table on one Hopper GPU in one call, beside FlashAttention-3, in about 5 minutes:
+#
+#  1. benchmarks/attention.py: D1, D2, M1, M2, P1 on PALLAS_GPU (alone and with its k/v write,
+#     CUPTI device time) and FA3 (paged at page 128 with 1, 4 and 8 splits, dense, varlen);
+#  2. benchmarks/mla_attention.py: MLA-D1 and MLA-P1 on the Mosaic GPU MLA kernels;
+#  3. benchmarks/attention_fp8.py: FP8 P1 against bf16 P1 through the public layer.
+#
+# FA3 is the `flash-attn3-jax` 0.2.3 cp312 wheel, never a dependency: when it does not import,
+# the first `flash_attn3_jax-*.whl` under .whl/ (or .whl/fa3/) is installed with
+# `pip install --no-deps --target` into $OUT/site, which joins PYTHONPATH. Each run has its own
+# time limit (and the whole a budget) and writes its JSON and log under $OUT (default
+# /tmp/kernels_beside_fa3), named for the device and the date; attn_jax is imported from this tree.
+#
+#     OUT=/tmp/out bash benchmarks/kernels_beside_fa3.sh      # from the repo root, on the GPU machine
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kernels_beside_fa3}
+mkdir -p "$OUT"
+PY=
+for candidate in ${PYTHON:-} python3 python python3.12; do  # the first interpreter with jax
+  if command -v "$candidate" >/dev/null && "$candidate" -c "import jax" 2>/dev/null; then PY=$candidate; break; fi
+done
+if [ -z "$PY" ]; then echo "no python with jax found (set PYTHON)" | tee "$OUT/runs.txt"; exit 1; fi
+BUDGET=${BUDGET:-420}  # seconds for every run together
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$OUT/jax-cache}
+
+if ! "$PY" -c "import flash_attn3_jax" 2>/dev/null; then
+  wheel=$(ls .whl/flash_attn3_jax-*.whl .whl/fa3/flash_attn3_jax-*.whl 2>/dev/null | head -n 1)
+  if [ -n "$wheel" ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$OUT/site" "$wheel" &&
+      export PYTHONPATH="$OUT/site:$PYTHONPATH"
+  else
+    echo "no flash_attn3_jax wheel under .whl/: the FA3 rows will say why they are missing"
+  fi
+fi
+
+SLUG=$("$PY" -c "import jax; print(jax.devices()[0].device_kind.lower().replace(' ', '_'))" 2>/dev/null || echo unknown)
+STAMP="${SLUG}_$(date -u +%F)"
+{
+  echo "date: $(date -u +%FT%TZ)"
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+  nvidia-smi -L 2>/dev/null
+  "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
+} >"$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+
+run() {  # name, time limit (s), python arguments...: one run, cut at its limit or the budget left
+  local name=$1 limit=$2 left
+  shift 2
+  left=$((BUDGET - SECONDS))
+  if [ "$left" -lt 20 ]; then
+    echo "$name: skipped ($left s of the budget left)" | tee -a "$OUT/runs.txt"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local start=$SECONDS
+  timeout -k 5 "$limit" "$PY" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc in $((SECONDS - start)) s (limit $limit s)" | tee -a "$OUT/runs.txt"
+  tail -n 14 "$OUT/$name.log"
+}
+
+run "attention_fa3_d1_d2_m1_m2_p1_$STAMP" 220 benchmarks/attention.py --workloads D1,D2,M1,M2,P1 \
+  --impls pallas_gpu,fa3 --fa3-pages 128 --fa3-splits 1,4,8 --skip-split-rows \
+  --out "$OUT/attention_fa3_d1_d2_m1_m2_p1_$STAMP.json"
+run "mla_attention_mla_d1_p1_$STAMP" 110 benchmarks/mla_attention.py --workloads MLA-D1,MLA-P1 \
+  --impls pallas_mla_mgpu --out "$OUT/mla_attention_mla_d1_p1_$STAMP.json"
+run "attention_fp8_$STAMP" 90 benchmarks/attention_fp8.py --layers bf16,fp8_attention --rows 32 \
+  --out "$OUT/attention_fp8_$STAMP.json"
