@@ -8,15 +8,18 @@
 #
 # FA3 is the `flash-attn3-jax` 0.2.3 cp312 wheel, never a dependency: when it does not import,
 # the first `flash_attn3_jax-*.whl` under .whl/ (or .whl/fa3/) is installed with
-# `pip install --no-deps --target` into $OUT/site, which joins PYTHONPATH. Each run has its own
+# `pip install --no-deps --target` into $WORK/site, which joins PYTHONPATH. Each run has its own
 # time limit (and the whole a budget) and writes its JSON and log under $OUT (default
-# /tmp/kernels_beside_fa3), named for the device and the date; attn_jax is imported from this tree.
+# /tmp/kernels_beside_fa3), named for the device and the date: eight files with machine.txt and
+# runs.txt. JAX's compilation cache and the wheel go under $WORK (default /tmp/kernels_beside_fa3_work),
+# so a second run on one machine compiles nothing; attn_jax is imported from this tree.
 #
 #     OUT=/tmp/out bash benchmarks/kernels_beside_fa3.sh      # from the repo root, on the GPU machine
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kernels_beside_fa3}
-mkdir -p "$OUT"
+WORK=${WORK:-/tmp/kernels_beside_fa3_work}
+mkdir -p "$OUT" "$WORK"
 PY=
 for candidate in ${PYTHON:-} python3 python python3.12; do  # the first interpreter with jax
   if command -v "$candidate" >/dev/null && "$candidate" -c "import jax" 2>/dev/null; then PY=$candidate; break; fi
@@ -24,13 +27,13 @@ done
 if [ -z "$PY" ]; then echo "no python with jax found (set PYTHON)" | tee "$OUT/runs.txt"; exit 1; fi
 BUDGET=${BUDGET:-420}  # seconds for every run together
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$OUT/jax-cache}
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$WORK/jax-cache}
 
 if ! "$PY" -c "import flash_attn3_jax" 2>/dev/null; then
   wheel=$(ls .whl/flash_attn3_jax-*.whl .whl/fa3/flash_attn3_jax-*.whl 2>/dev/null | head -n 1)
   if [ -n "$wheel" ]; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$OUT/site" "$wheel" &&
-      export PYTHONPATH="$OUT/site:$PYTHONPATH"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$wheel" &&
+      export PYTHONPATH="$WORK/site:$PYTHONPATH"
   else
     echo "no flash_attn3_jax wheel under .whl/: the FA3 rows will say why they are missing"
   fi
