@@ -21,37 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cascade_dtype_check}
 mkdir -p "$OUT"
-PY=
-for candidate in ${PYTHON:-} python3 python python3.12; do  # the first interpreter with jax
-  if command -v "$candidate" >/dev/null && "$candidate" -c "import jax" 2>/dev/null; then PY=$candidate; break; fi
-done
-if [ -z "$PY" ]; then echo "no python with jax found (set PYTHON)" | tee "$OUT/runs.txt"; exit 1; fi
-BUDGET=${BUDGET:-230}  # seconds for every run together
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-
-{
-  echo "date: $(date -u +%FT%TZ)"
-  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
-  nvidia-smi -L 2>/dev/null
-  "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
-} >"$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt"
-
-run() {  # name, time limit (s), python arguments...: one run, cut at its limit or the budget left
-  local name=$1 limit=$2 left
-  shift 2
-  left=$((BUDGET - SECONDS))
-  if [ "$left" -lt 20 ]; then
-    echo "$name: skipped ($left s of the budget left)" | tee -a "$OUT/runs.txt"
-    return
-  fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  local start=$SECONDS
-  timeout -k 5 "$limit" "$PY" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "$name: rc=$rc in $((SECONDS - start)) s (limit $limit s)" | tee -a "$OUT/runs.txt"
-  tail -n 12 "$OUT/$name.log"
-}
+source benchmarks/gpu_runs.sh  # PY, $OUT/machine.txt, run; BUDGET defaults to 230 s
 
 S1_SCALED=(--requests 16 --prefix-len 1024 --unique-len 32 --new-tokens 128 --profile-calls 2
            --modes off on on+cascade on+cascade-forced)

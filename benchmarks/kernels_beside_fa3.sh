@@ -20,13 +20,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kernels_beside_fa3}
 WORK=${WORK:-/tmp/kernels_beside_fa3_work}
 mkdir -p "$OUT" "$WORK"
-PY=
-for candidate in ${PYTHON:-} python3 python python3.12; do  # the first interpreter with jax
-  if command -v "$candidate" >/dev/null && "$candidate" -c "import jax" 2>/dev/null; then PY=$candidate; break; fi
-done
-if [ -z "$PY" ]; then echo "no python with jax found (set PYTHON)" | tee "$OUT/runs.txt"; exit 1; fi
 BUDGET=${BUDGET:-420}  # seconds for every run together
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source benchmarks/gpu_runs.sh  # PY, $OUT/machine.txt, run
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$WORK/jax-cache}
 
 if ! "$PY" -c "import flash_attn3_jax" 2>/dev/null; then
@@ -38,32 +33,8 @@ if ! "$PY" -c "import flash_attn3_jax" 2>/dev/null; then
     echo "no flash_attn3_jax wheel under .whl/: the FA3 rows will say why they are missing"
   fi
 fi
-
 SLUG=$("$PY" -c "import jax; print(jax.devices()[0].device_kind.lower().replace(' ', '_'))" 2>/dev/null || echo unknown)
 STAMP="${SLUG}_$(date -u +%F)"
-{
-  echo "date: $(date -u +%FT%TZ)"
-  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
-  nvidia-smi -L 2>/dev/null
-  "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
-} >"$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt"
-
-run() {  # name, time limit (s), python arguments...: one run, cut at its limit or the budget left
-  local name=$1 limit=$2 left
-  shift 2
-  left=$((BUDGET - SECONDS))
-  if [ "$left" -lt 20 ]; then
-    echo "$name: skipped ($left s of the budget left)" | tee -a "$OUT/runs.txt"
-    return
-  fi
-  [ "$limit" -gt "$left" ] && limit=$left
-  local start=$SECONDS
-  timeout -k 5 "$limit" "$PY" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "$name: rc=$rc in $((SECONDS - start)) s (limit $limit s)" | tee -a "$OUT/runs.txt"
-  tail -n 14 "$OUT/$name.log"
-}
 
 run "attention_fa3_d1_d2_m1_m2_p1_$STAMP" 220 benchmarks/attention.py --workloads D1,D2,M1,M2,P1 \
   --impls pallas_gpu,fa3 --fa3-pages 128 --fa3-splits 1,4,8 --skip-split-rows \
