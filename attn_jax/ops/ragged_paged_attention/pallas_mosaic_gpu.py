@@ -255,8 +255,9 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_r
             return lax.div(w, jnp.int32(num_q_heads)), lax.rem(w, jnp.int32(num_q_heads))
 
     def for_each_item(body):
-        """``body(tile, q_head, g)`` for this CTA's items in order, valid ones only; ``g``
-        counts the K/V blocks streamed before the item (its first block's ring slot)."""
+        """``body(tile, q_head, g, max_steps)`` for this CTA's items in order, valid ones only;
+        ``g`` counts the K/V blocks streamed before the item (its first block's ring slot),
+        ``max_steps`` the item's own."""
 
         def one(i, g):
             tile, q_head = item(i)
