@@ -1,11 +1,15 @@
-# Sourced by the one-call GPU scripts (cascade_dtype_check.sh, kernels_beside_fa3.sh) from the repo
+# Sourced by the one-call GPU scripts (cascade_dtype_check.sh, kernels_beside_fa3.sh,
+# profile_kernels.sh) from the repo
 # root, with OUT set: picks the interpreter, records the machine, and runs each benchmark under a
 # time limit and a budget shared by all of them.
 #
 #   PY                 the first of $PYTHON, python3, python, python3.12 that imports jax (else exit 1)
 #   $OUT/machine.txt   date, commit, GPUs, jax and its devices
-#   run NAME LIMIT ARGS...   "$PY" ARGS... cut at LIMIT s or at what is left of BUDGET (default
-#                      230 s), its output in $OUT/NAME.log, a line in $OUT/runs.txt, the log's tail
+#   run_cmd NAME LIMIT CMD...   CMD cut at LIMIT s or at what is left of BUDGET (default 230 s),
+#                      its output in ${LOG_DIR:-$OUT}/NAME.log, a line in $OUT/runs.txt, the log's tail
+#   run NAME LIMIT ARGS...      run_cmd with "$PY" ARGS...
+#   install_fa3        when flash_attn3_jax does not import: the first flash_attn3_jax-*.whl under
+#                      .whl/ (or .whl/fa3/) installed with --no-deps into $WORK/site, on PYTHONPATH
 
 PY=
 for candidate in ${PYTHON:-} python3 python python3.12; do  # the first interpreter with jax
@@ -23,7 +27,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 } >"$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 
-run() {  # name, time limit (s), python arguments...: one run, cut at its limit or the budget left
+run_cmd() {  # name, time limit (s), command...: one run, cut at its limit or the budget left
   local name=$1 limit=$2 left
   shift 2
   left=$((BUDGET - SECONDS))
@@ -32,9 +36,27 @@ run() {  # name, time limit (s), python arguments...: one run, cut at its limit 
     return
   fi
   [ "$limit" -gt "$left" ] && limit=$left
-  local start=$SECONDS
-  timeout -k 5 "$limit" "$PY" "$@" >"$OUT/$name.log" 2>&1
+  local start=$SECONDS log="${LOG_DIR:-$OUT}/$name.log"
+  timeout -k 5 "$limit" "$@" >"$log" 2>&1
   local rc=$?
   echo "$name: rc=$rc in $((SECONDS - start)) s (limit $limit s)" | tee -a "$OUT/runs.txt"
-  tail -n 12 "$OUT/$name.log"
+  tail -n 12 "$log"
+}
+
+run() {  # name, time limit (s), python arguments...: run_cmd with the interpreter
+  local name=$1 limit=$2
+  shift 2
+  run_cmd "$name" "$limit" "$PY" "$@"
+}
+
+install_fa3() {  # FA3's carried wheel into $WORK/site when it does not import (never a dependency)
+  "$PY" -c "import flash_attn3_jax" 2>/dev/null && return
+  local wheel
+  wheel=$(ls .whl/flash_attn3_jax-*.whl .whl/fa3/flash_attn3_jax-*.whl 2>/dev/null | head -n 1)
+  if [ -z "$wheel" ]; then
+    echo "no flash_attn3_jax wheel under .whl/: the FA3 rows will say why they are missing"
+    return
+  fi
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$wheel" &&
+    export PYTHONPATH="$WORK/site:$PYTHONPATH"
 }

@@ -24,15 +24,7 @@ BUDGET=${BUDGET:-420}  # seconds for every run together
 source benchmarks/gpu_runs.sh  # PY, $OUT/machine.txt, run
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$WORK/jax-cache}
 
-if ! "$PY" -c "import flash_attn3_jax" 2>/dev/null; then
-  wheel=$(ls .whl/flash_attn3_jax-*.whl .whl/fa3/flash_attn3_jax-*.whl 2>/dev/null | head -n 1)
-  if [ -n "$wheel" ]; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$wheel" &&
-      export PYTHONPATH="$WORK/site:$PYTHONPATH"
-  else
-    echo "no flash_attn3_jax wheel under .whl/: the FA3 rows will say why they are missing"
-  fi
-fi
+install_fa3
 SLUG=$("$PY" -c "import jax; print(jax.devices()[0].device_kind.lower().replace(' ', '_'))" 2>/dev/null || echo unknown)
 STAMP="${SLUG}_$(date -u +%F)"
 
