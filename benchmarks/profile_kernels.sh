@@ -9,11 +9,14 @@
 #   mla_d1       MLA-D1 on the Mosaic GPU MLA decode (mla_decode_mgpu)
 #
 # Each profile's details page (every section: throughput, pipes, warp states, registers) is
-# $OUT/ncu_<name>_<device>_<date>.txt, and the metrics that compare them side by side are
-# $OUT/ncu_summary_<device>_<date>.md (scripts: benchmarks/ncu_summary.py). With machine.txt and
-# runs.txt that is seven files; the reports themselves stay under $WORK.
+# $OUT/ncu_<name>_<device>_<date>.txt, or with SASS=1 its source page instead (every SASS
+# instruction with its executions and warp-stall samples, CSV) as $OUT/ncu_<name>_sass_<device>_<date>.csv.gz;
+# the metrics that compare them side by side are $OUT/ncu_summary_<device>_<date>.md
+# (benchmarks/ncu_summary.py). With machine.txt and runs.txt that is seven files for the four
+# profiles; NAMES picks some of them. The reports themselves stay under $WORK.
 #
 #     OUT=/tmp/out bash benchmarks/profile_kernels.sh      # from the repo root, on the GPU machine
+#     OUT=/tmp/out NAMES=p1_mgpu,p1_fa3 SASS=1 bash benchmarks/profile_kernels.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/profile_kernels}
@@ -23,6 +26,7 @@ BUDGET=${BUDGET:-400}  # seconds for every run together
 LOG_DIR=$WORK/logs  # the runs' logs stay there (their tails print); $OUT holds the profiles
 mkdir -p "$LOG_DIR"
 NAMES=${NAMES:-p1_mgpu,p1_fa3,p1_fp8,mla_d1}
+SASS=${SASS:-0}
 source benchmarks/gpu_runs.sh  # PY, $OUT/machine.txt, run
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$WORK/jax-cache}
 # Kernel replay saves and restores what a kernel may touch: no 75 % pool taken up front.
@@ -43,7 +47,12 @@ profile() {  # name, kernel-name regex, ncu_one_call.py arguments...
     --kernel-name-base demangled --kernel-name "regex:$kernel" --launch-skip 1 --launch-count 1 \
     --force-overwrite --export "$WORK/ncu_$name" "$PY" benchmarks/ncu_one_call.py "$@"
   if [ -f "$WORK/ncu_$name.ncu-rep" ]; then
-    "$NCU" --import "$WORK/ncu_$name.ncu-rep" --page details >"$OUT/ncu_${name}_$STAMP.txt" 2>&1
+    if [ "$SASS" = 1 ]; then
+      "$NCU" --import "$WORK/ncu_$name.ncu-rep" --page source --csv --print-source sass 2>&1 |
+        gzip >"$OUT/ncu_${name}_sass_$STAMP.csv.gz"
+    else
+      "$NCU" --import "$WORK/ncu_$name.ncu-rep" --page details >"$OUT/ncu_${name}_$STAMP.txt" 2>&1
+    fi
     "$NCU" --import "$WORK/ncu_$name.ncu-rep" --page raw --csv >"$WORK/ncu_${name}_raw.csv" 2>&1
   fi
 }
