@@ -316,6 +316,23 @@ def test_persistent_grid_only_for_launches_of_few_waves():
     assert pallas_mosaic_gpu.persistent_ctas(40, pallas_mosaic_gpu.MgpuBlockSizes()) is None
 
 
+@pytest.mark.parametrize("total,num_ctas", [(4224, 132), (1024, 132), (40, 16), (7, 16)])
+def test_persistent_deal_serves_every_item_once_and_balances_a_longest_first_schedule(total, num_ctas):
+    """``dealt_item`` over all turns of all CTAs covers the items exactly once (the last wave's
+    missing ones invalid); on a longest-first schedule (item costs falling with their index, as
+    P1's causal tiles) its heaviest CTA carries less than the in-order deal's would."""
+    turns = -(-total // num_ctas)
+    i, cta = np.meshgrid(np.arange(turns), np.arange(num_ctas), indexing="ij")
+    w, valid = (np.asarray(a) for a in pallas_mosaic_gpu.dealt_item(i, cta, num_ctas=num_ctas, total=total))
+    assert sorted(w[valid].tolist()) == list(range(total))
+    cost = np.arange(total, 0, -1, dtype=np.float64)  # longest first
+    dealt = np.where(valid, cost[w], 0).sum(axis=0)
+    in_order = np.bincount(np.arange(total) % num_ctas, weights=cost, minlength=num_ctas)
+    assert dealt.max() <= in_order.max()
+    if total >= 2 * num_ctas:
+        assert dealt.max() - dealt.min() < (in_order.max() - in_order.min()) / 2
+
+
 def test_split_key_lowers_for_cuda_and_bad_parts_are_named():
     """Keys held as two parts (MLA: ``k_nope`` per head, ``k_pe`` shared) lower as two wgmmas
     over q's column halves; a part or a q of the wrong width is refused naming the shapes."""
