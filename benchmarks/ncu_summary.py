@@ -1,17 +1,23 @@
-"""Nsight Compute raw pages side by side: one markdown table of the metrics that compare
-attention kernels (time, SM and tensor-pipe use, issue slots, registers, occupancy, shared-memory
-bank conflicts, local-memory spills, DRAM), then each kernel's warp-stall samples by reason.
+"""Nsight Compute pages side by side.
 
-Input: ``ncu --import REPORT --page raw --csv`` output, one file a kernel, named
-``ncu_<name>_raw.csv`` (``benchmarks/profile_kernels.sh`` writes them); each holds a header row
-of metric names, a row of units and a row per profiled launch (the first is used).
+- Raw pages (``ncu --import REPORT --page raw --csv``, one file a kernel, named
+  ``ncu_<name>_raw.csv``; ``benchmarks/profile_kernels.sh`` writes them): one markdown table of
+  the metrics that compare attention kernels (time, SM and tensor-pipe use, issue slots,
+  registers, occupancy, shared-memory bank conflicts, local-memory spills, DRAM), then each
+  kernel's warp-stall samples by reason. Each file holds a header row of metric names, a row of
+  units and a row per profiled launch (the first is used).
+- Source pages (``--page source --csv --print-source sass``, ``ncu_<name>_sass*.csv[.gz]``;
+  ``profile_kernels.sh`` with ``SASS=1``): each kernel's executed warp instructions and stall
+  samples by SASS opcode, the opcodes that differ most between the kernels first.
 
     python benchmarks/ncu_summary.py /tmp/work/ncu_*_raw.csv > summary.md
+    python benchmarks/ncu_summary.py results/ncu/ncu_p1_*_sass_*.csv.gz
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
 import pathlib
 import re
 import sys
@@ -62,7 +68,55 @@ def stall_shares(values: dict[str, str]) -> dict[str, float]:
     return {r: 100 * c / total for r, c in counts.items()} if total else {}
 
 
+SASS_ROWS_SHOWN = 24
+
+
+def read_sass(path: pathlib.Path) -> dict[str, tuple[float, float]]:
+    """SASS opcode (its mnemonic without modifiers) -> (warp instructions executed, warp-stall
+    samples) summed over one source page's instructions."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        rows = list(csv.reader(f))
+    head = next(i for i, r in enumerate(rows) if "Source" in r and "Instructions Executed" in r)
+    cols = rows[head]
+    src, execd = cols.index("Source"), cols.index("Instructions Executed")
+    samples = next((i for i, c in enumerate(cols) if c.startswith("Warp Stall Sampling (All")), None)
+    out: dict[str, tuple[float, float]] = {}
+    for r in rows[head + 1 :]:
+        if len(r) <= execd or not r[src].strip():
+            continue
+        words = [w for w in r[src].split() if not w.startswith("@")]  # drop a predicate
+        op = words[0].split(".")[0] if words else "?"
+        e, sm = number(r[execd]) or 0.0, (number(r[samples]) or 0.0) if samples is not None else 0.0
+        a, b = out.get(op, (0.0, 0.0))
+        out[op] = (a + e, b + sm)
+    return out
+
+
+def sass_main(paths: list[pathlib.Path]) -> int:
+    kernels = {p.name.removeprefix("ncu_").split("_sass")[0]: read_sass(p) for p in paths}
+    names = list(kernels)
+    ops = {op for k in kernels.values() for op in k}
+    spread = {op: max(k.get(op, (0, 0))[0] for k in kernels.values()) - min(k.get(op, (0, 0))[0]
+              for k in kernels.values()) for op in ops}  # fmt: skip
+    order = sorted(ops, key=lambda op: -(spread[op] if len(names) > 1 else kernels[names[0]][op][0]))
+    print("| SASS opcode | " + " | ".join(f"{n}: M warp instr. | {n}: stall % " for n in names) + " |")
+    print("| --- |" + " ---: | ---: |" * len(names))
+    totals = {n: (sum(e for e, _ in k.values()), sum(s for _, s in k.values()) or 1.0) for n, k in kernels.items()}
+    for op in [*order[:SASS_ROWS_SHOWN]]:
+        cells = []
+        for n in names:
+            e, s = kernels[n].get(op, (0.0, 0.0))
+            cells.append(f"{e / 1e6:.1f} | {100 * s / totals[n][1]:.1f}")
+        print(f"| {op} | " + " | ".join(cells) + " |")
+    print("| all | " + " | ".join(f"{totals[n][0] / 1e6:.1f} | 100" for n in names) + " |")
+    return 0
+
+
 def main(paths: list[str]) -> int:
+    sass = [pathlib.Path(p) for p in paths if "_sass" in pathlib.Path(p).name]
+    if sass:
+        return sass_main(sass)
     kernels = {}
     for p in map(pathlib.Path, paths):
         name = p.name.removeprefix("ncu_").removesuffix("_raw.csv")
