@@ -20,7 +20,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/cascade_dtype_check}
-mkdir -p "$OUT"
 source benchmarks/gpu_runs.sh  # PY, $OUT/machine.txt, run; BUDGET defaults to 230 s
 
 S1_SCALED=(--requests 16 --prefix-len 1024 --unique-len 32 --new-tokens 128 --profile-calls 2

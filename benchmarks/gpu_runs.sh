@@ -1,9 +1,12 @@
 # Sourced by the one-call GPU scripts (cascade_dtype_check.sh, kernels_beside_fa3.sh,
-# profile_kernels.sh) from the repo
-# root, with OUT set: picks the interpreter, records the machine, and runs each benchmark under a
-# time limit and a budget shared by all of them.
+# profile_kernels.sh) from the repo root, with OUT set: picks the interpreter, records the
+# machine, and runs each benchmark under a time limit and a budget shared by all of them.
 #
 #   PY                 the first of $PYTHON, python3, python, python3.12 that imports jax (else exit 1)
+#   WORK               default /tmp/gpu_runs_work: JAX's compilation cache (JAX_COMPILATION_CACHE_DIR,
+#                      unless set), FA3's wheel, reports; shared by the scripts, so a second run on
+#                      one machine compiles nothing. $OUT and $WORK are created.
+#   STAMP              <device kind>_<date>, for the result files' names
 #   $OUT/machine.txt   date, commit, GPUs, jax and its devices
 #   run_cmd NAME LIMIT CMD...   CMD cut at LIMIT s or at what is left of BUDGET (default 230 s),
 #                      its output in ${LOG_DIR:-$OUT}/NAME.log, a line in $OUT/runs.txt, the log's tail
@@ -11,6 +14,9 @@
 #   install_fa3        when flash_attn3_jax does not import: the first flash_attn3_jax-*.whl under
 #                      .whl/ (or .whl/fa3/) installed with --no-deps into $WORK/site, on PYTHONPATH
 
+WORK=${WORK:-/tmp/gpu_runs_work}
+mkdir -p "$OUT" "$WORK"
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$WORK/jax-cache}
 PY=
 for candidate in ${PYTHON:-} python3 python python3.12; do  # the first interpreter with jax
   if command -v "$candidate" >/dev/null && "$candidate" -c "import jax" 2>/dev/null; then PY=$candidate; break; fi
@@ -26,6 +32,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
 } >"$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
+STAMP="$("$PY" -c "import jax; print(jax.devices()[0].device_kind.lower().replace(' ', '_'))" 2>/dev/null ||
+  echo unknown)_$(date -u +%F)"
 
 run_cmd() {  # name, time limit (s), command...: one run, cut at its limit or the budget left
   local name=$1 limit=$2 left

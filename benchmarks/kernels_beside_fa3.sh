@@ -11,22 +11,16 @@
 # `pip install --no-deps --target` into $WORK/site, which joins PYTHONPATH. Each run has its own
 # time limit (and the whole a budget) and writes its JSON and log under $OUT (default
 # /tmp/kernels_beside_fa3), named for the device and the date: eight files with machine.txt and
-# runs.txt. JAX's compilation cache and the wheel go under $WORK (default /tmp/kernels_beside_fa3_work),
-# so a second run on one machine compiles nothing; attn_jax is imported from this tree.
+# runs.txt. JAX's compilation cache and the wheel go under $WORK (gpu_runs.sh), so a second run on
+# one machine compiles nothing; attn_jax is imported from this tree.
 #
 #     OUT=/tmp/out bash benchmarks/kernels_beside_fa3.sh      # from the repo root, on the GPU machine
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kernels_beside_fa3}
-WORK=${WORK:-/tmp/kernels_beside_fa3_work}
-mkdir -p "$OUT" "$WORK"
 BUDGET=${BUDGET:-420}  # seconds for every run together
-source benchmarks/gpu_runs.sh  # PY, $OUT/machine.txt, run
-export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$WORK/jax-cache}
-
+source benchmarks/gpu_runs.sh  # PY, WORK, STAMP, $OUT/machine.txt, run, install_fa3
 install_fa3
-SLUG=$("$PY" -c "import jax; print(jax.devices()[0].device_kind.lower().replace(' ', '_'))" 2>/dev/null || echo unknown)
-STAMP="${SLUG}_$(date -u +%F)"
 
 run "attention_fa3_d1_d2_m1_m2_p1_$STAMP" 220 benchmarks/attention.py --workloads D1,D2,M1,M2,P1 \
   --impls pallas_gpu,fa3 --fa3-pages 128 --fa3-splits 1,4,8 --skip-split-rows \

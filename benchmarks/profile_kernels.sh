@@ -20,24 +20,18 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/profile_kernels}
-WORK=${WORK:-/tmp/kernels_beside_fa3_work}
-mkdir -p "$OUT" "$WORK"
 BUDGET=${BUDGET:-400}  # seconds for every run together
-LOG_DIR=$WORK/logs  # the runs' logs stay there (their tails print); $OUT holds the profiles
-mkdir -p "$LOG_DIR"
 NAMES=${NAMES:-p1_mgpu,p1_fa3,p1_fp8,mla_d1}
 SASS=${SASS:-0}
-source benchmarks/gpu_runs.sh  # PY, $OUT/machine.txt, run
-export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$WORK/jax-cache}
+source benchmarks/gpu_runs.sh  # PY, WORK, STAMP, $OUT/machine.txt, run_cmd, install_fa3
+LOG_DIR=$WORK/logs  # the runs' logs stay there (their tails print); $OUT holds the profiles
+mkdir -p "$LOG_DIR"
 # Kernel replay saves and restores what a kernel may touch: no 75 % pool taken up front.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
 if [ -z "$NCU" ]; then echo "no ncu on this machine" | tee -a "$OUT/runs.txt"; exit 1; fi
 "$NCU" --version | tail -n 1 | tee -a "$OUT/machine.txt"
-
 install_fa3
-SLUG=$("$PY" -c "import jax; print(jax.devices()[0].device_kind.lower().replace(' ', '_'))" 2>/dev/null || echo unknown)
-STAMP="${SLUG}_$(date -u +%F)"
 
 profile() {  # name, kernel-name regex, ncu_one_call.py arguments...
   local name=$1 kernel=$2
