@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import gzip
 import pathlib
@@ -113,7 +114,10 @@ def sass_main(paths: list[pathlib.Path]) -> int:
     return 0
 
 
-def main(paths: list[str]) -> int:
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("pages", nargs="+", help="ncu_<name>_raw.csv files, or ncu_<name>_sass*.csv[.gz] files")
+    paths = p.parse_args(argv).pages
     sass = [pathlib.Path(p) for p in paths if "_sass" in pathlib.Path(p).name]
     if sass:
         return sass_main(sass)
@@ -146,4 +150,4 @@ def main(paths: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -414,3 +414,40 @@ def test_pin_main_thread_puts_the_main_thread_alone_on_a_core(tmp_path):
     lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("MAIN", "OTHERS")))
     main, others = json.loads(lines["MAIN"]), json.loads(lines["OTHERS"])
     assert len(main) == 1 and others and main[0] not in others
+
+
+def test_ncu_summary_sets_raw_metrics_and_sass_opcodes_side_by_side(tmp_path, capsys):
+    """``ncu_summary.py``: raw pages give one row a metric, a column a kernel, and each kernel's
+    stall reasons as shares; source pages give executions and stall shares by opcode
+    (predicates and modifiers dropped), the opcodes that differ most between kernels first."""
+    import gzip
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import ncu_summary
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    stall = "smsp__pcsamp_warps_issue_stalled_"
+    names = f'"ID","Kernel Name","gpu__time_duration.sum","{stall}barrier","{stall}wait"'
+    for kernel, time_us, barrier in (("ours", "931.36", 30), ("peer", "850.53", 10)):
+        (tmp_path / f"ncu_{kernel}_raw.csv").write_text(
+            f'==PROF== a line that is not a row\n{names}\n"","","us","",""\n"0","k","{time_us}","{barrier}","10"\n'
+        )
+    assert ncu_summary.main([str(tmp_path / "ncu_ours_raw.csv"), str(tmp_path / "ncu_peer_raw.csv")]) == 0
+    out = capsys.readouterr().out
+    assert "| duration (`gpu__time_duration.sum`) | 931.36 us | 850.53 us |" in out
+    assert "**ours**, warp-stall samples by reason: barrier 75.0 %, wait 25.0 %" in out
+    header = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+              '"Instructions Executed"')  # fmt: skip
+    ffma = '"0x0","FFMA R1, R2, R3, R4","{}","5","1000000"'
+    for kernel, rows in (
+        ("ours", [ffma.format(10), '"0x10","@!P1 IMAD.U32 R1, RZ, RZ, UR6","30","5","3000000"']),
+        ("peer", [ffma.format(20), '"0x10","IMAD.MOV.U32 R1, RZ, RZ, R2","20","5","500000"']),
+    ):
+        with gzip.open(tmp_path / f"ncu_{kernel}_sass_x.csv.gz", "wt") as f:
+            f.write('"Kernel Name","k"\n' + header + "\n" + "\n".join(rows) + "\n")
+    assert ncu_summary.main([str(tmp_path / "ncu_ours_sass_x.csv.gz"), str(tmp_path / "ncu_peer_sass_x.csv.gz")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == "| IMAD | 3.0 | 75.0 | 0.5 | 50.0 |"  # differs most: first
+    assert lines[3] == "| FFMA | 1.0 | 25.0 | 1.0 | 50.0 |"
+    assert lines[-1] == "| all | 4.0 | 100 | 1.5 | 100 |"
