@@ -165,8 +165,8 @@ def dealt_item(i, cta, *, num_ctas: int, total: int):
     """(item, valid): the schedule item (``tile * Hq + head``) that CTA ``cta`` of a persistent
     launch serves in its ``i``-th turn, clamped into range, and whether it exists. Turn ``i``
     deals the ``i``-th wave of ``num_ctas`` items, in reverse in odd turns: the schedule is
-    longest-first, so dealt in order CTA 0 would take the heaviest item of every wave (stop
-    79's P1 was 1-5 % slower looping; dealt this way 0.8 % faster, BENCHMARKS.md stop 80)."""
+    longest-first, so dealt in order CTA 0 would take the heaviest item of every wave (on P1's
+    schedule its share is 1.031x the mean, dealt 1.000x; BENCHMARKS.md, stop 80)."""
     c = jnp.where(lax.rem(i, 2) == 0, cta, num_ctas - 1 - cta)
     w = i * num_ctas + c
     return jnp.minimum(w, total - 1), w < total
