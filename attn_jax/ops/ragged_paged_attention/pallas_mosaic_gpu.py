@@ -15,8 +15,8 @@ Structure (JAX's ``attention_mgpu.py``, FlashAttention-3 style, adapted to pages
   persistent grid (``MgpuBlockSizes.num_ctas``, launches of few waves: ``persistent_ctas``),
   one item of each wave of ``num_ctas`` items in turn (dealt in reverse in every other
   wave, so that no CTA takes the heaviest item of each), its K/V ring and barriers running
-  on from one item into the next and empty tiles skipped without a launch. Which request, which tokens
-  and which positions is the host schedule ``mgpu_schedule``. A request is served on
+  on from one item into the next and empty tiles skipped without a launch. Which request,
+  which tokens and which positions is the host schedule ``mgpu_schedule``. A request is served on
   its 8-aligned token span (TMA boxes of q and out rows start on 8-row tiles); the
   last tile of the span is shifted back to end at the span's end (it overlaps the tile
   before it, and both write identical rows), so every row of every tile is a real row
@@ -230,8 +230,8 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_r
             num_ctas: int | None, zero_tail: bool = True):  # fmt: skip
     """One CTA: its work items, each one q-tile of the schedule for one query head (one item
     per CTA, or with ``num_ctas`` CTAs one item of each wave of the head-fastest order, odd
-    waves dealt in reverse, the K/V ring running on across them). ``krope_ref`` [N, Dr] or None: the keys' second
-    part, shared by the heads (keys ``[k | krope]``, q as wide as both). ``scales_ref``
+    waves dealt in reverse, the K/V ring running on across them). ``krope_ref`` [N, Dr] or
+    None: the keys' second part, shared by the heads (keys ``[k | krope]``, q as wide as both). ``scales_ref``
     f32[3] (k_scale, v_scale, q_scale) or None: FP8 attention, the cache e4m3, q quantised
     to e4m3 in the kernel (q8_smem), q.k on FP8 wgmma; each V block converted to float16 in
     a shared-memory ring (vb_smem, exact; Hopper converts e4m3 to f16 only) for p @ v in
