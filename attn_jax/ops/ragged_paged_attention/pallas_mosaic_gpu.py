@@ -231,11 +231,11 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_r
     """One CTA: its work items, each one q-tile of the schedule for one query head (one item
     per CTA, or with ``num_ctas`` CTAs one item of each wave of the head-fastest order, odd
     waves dealt in reverse, the K/V ring running on across them). ``krope_ref`` [N, Dr] or
-    None: the keys' second part, shared by the heads (keys ``[k | krope]``, q as wide as both). ``scales_ref``
-    f32[3] (k_scale, v_scale, q_scale) or None: FP8 attention, the cache e4m3, q quantised
-    to e4m3 in the kernel (q8_smem), q.k on FP8 wgmma; each V block converted to float16 in
-    a shared-memory ring (vb_smem, exact; Hopper converts e4m3 to f16 only) for p @ v in
-    float16, since FP8 wgmma takes no N-major B operand. The two compute warpgroups convert
+    None: the keys' second part, shared by the heads (keys ``[k | krope]``, q as wide as
+    both). ``scales_ref`` f32[3] (k_scale, v_scale, q_scale) or None: FP8 attention, the
+    cache e4m3, q quantised to e4m3 in the kernel (q8_smem), q.k on FP8 wgmma; each V block
+    converted to float16 in a shared-memory ring (vb_smem, exact; Hopper converts e4m3 to
+    f16 only) for p @ v in float16, since FP8 wgmma takes no N-major B operand. The two compute warpgroups convert
     half a 128-key block each, while their q.k wgmma runs, and meet on ``vb_ready`` before
     p @ v (a 64-key block: each converts it whole)."""
     block_q, block_kv, steps = bs.block_q, bs.block_kv, bs.steps_in_flight
