@@ -366,9 +366,10 @@ class MgpuBlockSizes:
     block_kv: keys per K/V block (a multiple of the page size, or a divisor of it);
     steps_in_flight: K/V blocks in the shared-memory ring (>= 2);
     num_ctas: None launches one CTA per q-tile and query head; an int (the GPU's SM count)
-    launches at most that many, each looping over every ``num_ctas``-th (tile, head) with its
-    K/V ring streaming on into the next one, when the items fill at most
-    ``pallas_mosaic_gpu.PERSISTENT_MAX_WAVES`` waves of them (``persistent_ctas``).
+    launches at most that many, each looping over one (tile, head) of each wave of that many
+    (``pallas_mosaic_gpu.dealt_item``) with its K/V ring streaming on into the next one, when
+    the items fill at most ``pallas_mosaic_gpu.PERSISTENT_MAX_WAVES`` waves of them
+    (``persistent_ctas``).
     """
 
     block_q: int = 64

@@ -153,9 +153,9 @@ def persistent_ctas(num_items: int, bs: MgpuBlockSizes) -> int | None:
     """CTAs of a persistent launch over ``num_items`` (tile, head) items, or None for one CTA
     per item: persistent when ``bs.num_ctas`` is set and the items fill at most
     ``PERSISTENT_MAX_WAVES`` waves of it. Measured on the H200 at head 128 (BENCHMARKS.md,
-    stop 79): M1's chunks (1,024 items, half of them empty tiles) took 93.5 us on 132 looping
-    CTAs against 103.2 us with one CTA each; P1 (4,224 items, 32 waves) was 1-5 % slower
-    looping, so it keeps one CTA per item."""
+    stops 79-80): M1's chunks (1,024 items, half of them empty tiles) took 93.5 us on 132
+    looping CTAs against 103.2 us with one CTA each; P1 (4,224 items, 32 waves) gained no
+    more than the runs' spread looping, so it keeps one CTA per item."""
     if bs.num_ctas is None or num_items > PERSISTENT_MAX_WAVES * bs.num_ctas:
         return None
     return min(bs.num_ctas, num_items)
@@ -235,9 +235,9 @@ def _kernel(sched_ref, bt_ref, q_ref, k_ref, krope_ref, v_ref, scales_ref, out_r
     both). ``scales_ref`` f32[3] (k_scale, v_scale, q_scale) or None: FP8 attention, the
     cache e4m3, q quantised to e4m3 in the kernel (q8_smem), q.k on FP8 wgmma; each V block
     converted to float16 in a shared-memory ring (vb_smem, exact; Hopper converts e4m3 to
-    f16 only) for p @ v in float16, since FP8 wgmma takes no N-major B operand. The two compute warpgroups convert
-    half a 128-key block each, while their q.k wgmma runs, and meet on ``vb_ready`` before
-    p @ v (a 64-key block: each converts it whole)."""
+    f16 only) for p @ v in float16, since FP8 wgmma takes no N-major B operand. The two
+    compute warpgroups convert half a 128-key block each, while their q.k wgmma runs, and
+    meet on ``vb_ready`` before p @ v (a 64-key block: each converts it whole)."""
     block_q, block_kv, steps = bs.block_q, bs.block_kv, bs.steps_in_flight
     dv = v_ref.shape[-1]  # v/out width (q/k may be wider: MLA)
     dtype = q_ref.dtype
@@ -621,7 +621,7 @@ def _launch(q, k, k_rope, v, schedule, block_tables, scales, *, page_size, v_row
     num_ctas = None if fp8 or return_lse else persistent_ctas(num_q_heads * num_tiles, bs)
     if num_ctas is None:  # one CTA per q-tile and query head
         grid, grid_names = (num_q_heads, num_tiles), ("heads", "tile")
-    else:  # persistent: each CTA loops over every num_ctas-th (tile, head)
+    else:  # persistent: each CTA loops over one (tile, head) of each wave (dealt_item)
         grid, grid_names = (num_ctas,), ("cta",)
 
     def entry(sched_ref, bt_ref, q_ref, k_ref, *refs):
