@@ -7,7 +7,7 @@
 #                      unless set), FA3's wheel, reports; shared by the scripts, so a second run on
 #                      one machine compiles nothing. $OUT and $WORK are created.
 #   STAMP              <device kind>_<date>, for the result files' names
-#   $OUT/machine.txt   date, commit, GPUs, jax and its devices
+#   $OUT/machine.txt   date, commit, GPUs, jax, its devices and the first one's kind
 #   run_cmd NAME LIMIT CMD...   CMD cut at LIMIT s or at what is left of BUDGET (default 230 s),
 #                      its output in ${LOG_DIR:-$OUT}/NAME.log, a line in $OUT/runs.txt, the log's tail
 #   run NAME LIMIT ARGS...      run_cmd with "$PY" ARGS...
@@ -29,11 +29,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   echo "date: $(date -u +%FT%TZ)"
   echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
   nvidia-smi -L 2>/dev/null
-  "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
+  "$PY" -c "import jax; d = jax.devices(); print('jax', jax.__version__, d); print('device kind:', d[0].device_kind)"
 } >"$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
-STAMP="$("$PY" -c "import jax; print(jax.devices()[0].device_kind.lower().replace(' ', '_'))" 2>/dev/null ||
-  echo unknown)_$(date -u +%F)"
+KIND=$(sed -n 's/^device kind: //p' "$OUT/machine.txt")
+STAMP="$(echo "${KIND:-unknown}" | tr 'A-Z ' 'a-z_')_$(date -u +%F)"
 
 run_cmd() {  # name, time limit (s), command...: one run, cut at its limit or the budget left
   local name=$1 limit=$2 left
