@@ -8,7 +8,7 @@ profiled launch is the same call ``benchmarks/attention.py`` times:
   the device's tuned block sizes; P1 runs on the Mosaic GPU prefill kernel
   ``ragged_paged_prefill_mgpu``);
 - ``fa3_dense``: FlashAttention-3's ``flash_mha`` on the same batch's keys and values made
-  dense (P1: four requests of one length; ``fa3_peer.dense_call``);
+  dense (P1: four requests of one length), the call ``attention.fa3_configs`` builds;
 - ``fp8_layer`` / ``bf16_layer``: one step of ``Attention`` with FP8 attention
   (``kv_cache_dtype="fp8", query_quant=True``) or bf16, as ``attention_fp8.py`` builds it;
 - ``mla_decode``: the Mosaic GPU MLA decode on MLA-D1 (``mla_decode_mgpu``), as
@@ -28,7 +28,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
@@ -47,14 +46,11 @@ def attention_call(impl: str, workload: str):
         fn = attention.pallas_gpu_fn(b, None)
         return fn, (b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, b.slot_mapping)
     fa3, _ = fa3_peer.import_fa3()
-    seq = b.query_lens + b.context_lens
-    if len(set(seq.tolist())) != 1 or (b.context_lens != 0).any():
+    configs, _ = attention.fa3_configs(fa3, b, pages=[], splits=[1])  # the dense calls attention.py times
+    dense = [c for c in configs if c.impl == "fa3_dense"]
+    if not dense:
         raise SystemExit(f"fa3_dense needs a prefill of equal lengths, not {workload}")
-    k, v, _ = fa3_peer.packed_kv(b.kv_cache, np.asarray(b.block_tables), seq)
-    kd, vd = fa3_peer.dense_kv(k, v, seq)
-    T, Hq, D = b.q.shape
-    q4 = b.q.reshape(len(seq), int(seq[0]), Hq, D)
-    return jax.jit(fa3_peer.dense_call(fa3, sm_scale=D**-0.5)), (q4, kd, vd)
+    return dense[0].fn, dense[0].args
 
 
 def layer_call(impl: str):
