@@ -37,6 +37,7 @@ profile() {  # name, kernel-name regex, ncu_one_call.py arguments...
   local name=$1 kernel=$2
   shift 2
   case ",$NAMES," in *",$name,"*) ;; *) return ;; esac
+  rm -f "$WORK/ncu_$name.ncu-rep"  # an earlier run's report must not stand in for a failed one
   run_cmd "ncu_run_$name" 150 "$NCU" --set full --clock-control none \
     --kernel-name-base demangled --kernel-name "regex:$kernel" --launch-skip 1 --launch-count 1 \
     --force-overwrite --export "$WORK/ncu_$name" "$PY" benchmarks/ncu_one_call.py "$@"
